@@ -1,0 +1,50 @@
+"""The index codec contract: compress the positions of the transmitted values."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..params import Component
+from ..seeding import EncodeContext
+
+
+class IndexEncoding(NamedTuple):
+    """What an index codec produced.
+
+    ``indices`` and ``values`` are what the receiver will reconstruct, in the order the
+    decoder yields the indices. A lossless codec returns its input; a Bloom policy returns
+    its chosen set (ascending) with values taken from the dense gradient.
+    """
+
+    params: bytes
+    payload: bytes
+    indices: np.ndarray
+    values: np.ndarray
+
+
+class IndexCodec(Component):
+    """Encodes a set of int64 positions in ``[0, numel)``.
+
+    ``keeps_order``: decode returns the indices in the order encode received them, so the
+    pipeline may hand them in any order (and needs no permutation for a reordering value codec).
+    Codecs that only reproduce a set (ascending) set it to False.
+    ``backend`` names the implementation that ran ("numpy" or "c++").
+    """
+
+    kind = "index"
+    wire_id: int = -1
+    keeps_order = True
+    backend = "numpy"
+
+    def encode(self, indices: np.ndarray, values: np.ndarray, dense: np.ndarray,
+               ctx: EncodeContext) -> IndexEncoding:
+        raise NotImplementedError
+
+    def decode(self, params: bytes, payload: bytes, count: int, numel: int) -> np.ndarray:
+        raise NotImplementedError
+
+    @classmethod
+    def describe_params(cls, params: bytes) -> dict:
+        """The wire parameters as a dict, for ``deepreduce.inspect``."""
+        return {"bytes": params.hex()} if params else {}

@@ -1,0 +1,33 @@
+"""Uncompressed indices: 32-bit little-endian when the tensor has at most 2**32 elements, else 64-bit."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ContainerError
+from ..registry import register
+from ._base import IndexCodec, IndexEncoding
+
+
+def index_dtype(numel: int) -> np.dtype:
+    """The narrowest of uint32/uint64 that addresses ``numel`` elements."""
+    return np.dtype("<u4") if numel <= 2**32 else np.dtype("<u8")
+
+
+@register
+class RawIndex(IndexCodec):
+    """Indices as plain integers (``32 r`` bits): the Top-r reference."""
+
+    id = "raw"
+    wire_id = 0
+
+    def encode(self, indices, values, dense, ctx):
+        payload = np.asarray(indices).astype(index_dtype(dense.size)).tobytes()
+        return IndexEncoding(b"", payload, indices, values)
+
+    def decode(self, params, payload, count, numel):
+        dtype = index_dtype(numel)
+        if params or len(payload) != count * dtype.itemsize:
+            raise ContainerError(
+                f"raw index section has {len(payload)} bytes, expected {count * dtype.itemsize}"
+            )
+        return np.frombuffer(payload, dtype=dtype).astype(np.int64)
