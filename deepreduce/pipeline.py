@@ -181,7 +181,9 @@ class Pipeline:
         if c.n:
             if indices.min() < 0 or indices.max() >= c.numel:
                 raise ContainerError(f"container index out of range for a tensor of {c.numel} elements")
-            if np.unique(indices).size != c.n:
+            seen = np.zeros(c.numel, dtype=bool)
+            seen[indices] = True
+            if np.count_nonzero(seen) != c.n:
                 raise ContainerError("container repeats an index")
             out[indices] = values
         return out.reshape(c.shape)

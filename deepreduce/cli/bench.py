@@ -89,7 +89,8 @@ def run(args) -> int:
     for path in paths:
         config = with_ratio(load_config(path), args.ratio)
         for size in sizes:
-            pipe = build(dict(config, min_numel=0))
+            # No error feedback: each repetition must see the same input.
+            pipe = build(dict(config, min_numel=0, memory={"id": "none"}))
             row = measure(pipe, synthetic_gradient(size, args.seed), "bench", args.repeat)
             rows.append(dict(row, config=os.path.splitext(os.path.basename(path))[0], size=size))
     print_table(rows)
