@@ -1,0 +1,1 @@
+"""Reference models used by the example jobs and the experiments."""

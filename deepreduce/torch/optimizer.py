@@ -1,0 +1,235 @@
+"""``DistributedOptimizer``: Horovod's optimizer contract, DeepReduce containers on the wire.
+
+Like ``horovod.torch.DistributedOptimizer`` it wraps any torch optimizer, hooks every parameter
+so that a gradient is compressed and sent as soon as backward produces it, and waits for the
+results in ``step()`` (or ``synchronize()``). The difference is the wire: each rank encodes its
+gradient into a DeepReduce container, containers (whose sizes differ per rank) travel by
+allgather, and every rank decodes all of them and averages or sums. Horovod itself is used
+through its public collectives only, never patched.
+
+A Horovod-style summable compressor (an object with ``compress``/``decompress``, such as
+``deepreduce.torch.GradiVeQ`` or ``horovod.torch.Compression.fp16``) is also accepted; its output
+is summed by allreduce instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..comm import Communicator, Handle
+from ..errors import CommunicationError, ConfigError, DeepReduceError
+from ..pipeline import Pipeline
+from .pipeline import TorchPipeline, build
+
+LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
+                   "memory": {"id": "none"}}
+
+
+def _horovod():
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"deepreduce.torch.DistributedOptimizer needs horovod.torch: {exc}. "
+                                      "Run `make setup` to build Horovod.") from exc
+    return hvd
+
+
+def _is_summable_compressor(obj) -> bool:
+    return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, process_set, communicator):
+        super(self.__class__, self).__init__(params)
+        hvd = _horovod()
+        self._hvd = hvd
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._process_set = process_set
+        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._summable = _is_summable_compressor(compression)
+        if self._summable:
+            self._compressor, self._pipeline = compression, None
+        else:
+            self._compressor = None
+            self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
+        self._communicator = communicator or self._default_communicator()
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay: Dict[torch.Tensor, int] = {}
+        self._handles: Dict[torch.Tensor, Tuple[Handle, object]] = {}
+        self._hook_handles: List = []
+        self._step_count = 0
+        self._should_synchronize = True
+        self._synchronized = False
+        self._wait_seconds = 0.0
+        self._steps_communicated = 0
+        self._register_hooks()
+
+    # ----------------------------------------------------------------- set-up
+    def _default_communicator(self) -> Communicator:
+        from ..comm.horovod import HorovodCommunicator
+
+        if self._pipeline is not None and self._pipeline.core.communicator is not None:
+            comm = self._pipeline.core.communicator
+        else:
+            comm = HorovodCommunicator()
+        if isinstance(comm, HorovodCommunicator):
+            comm.process_set = self._process_set
+        return comm
+
+    def _register_hooks(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._delay[p] = self.backward_passes_per_step
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def _make_hook(self):
+        def hook(p: torch.Tensor) -> None:
+            if self._delay[p] <= 0:
+                raise DeepReduceError(
+                    "gradients were computed more than backward_passes_per_step times before "
+                    "optimizer.step(); raise backward_passes_per_step or call step() more often"
+                )
+            self._delay[p] -= 1
+            if self._delay[p] == 0:
+                self._handles[p] = self._submit(p)
+        return hook
+
+    # ----------------------------------------------------------------- communication
+    def _submit(self, p: torch.Tensor):
+        """Start the collective for one parameter's gradient; return (handle, context)."""
+        name = self._names[p]
+        grad = p.grad
+        if self._summable:
+            kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+            compressed, ctx = self._compressor.compress(grad)
+            if self._op == self._hvd.Average:
+                handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._hvd.Average,
+                                                    prescale_factor=1.0 / self._predivide,
+                                                    postscale_factor=self._predivide, **kwargs)
+            else:
+                handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
+            return handle, ctx
+        payload = self._pipeline.encode(grad, name=name, step=self._step_count)
+        return self._communicator.allgather_async(payload.numpy(), f"deepreduce.{name}"), None
+
+    def _finish(self, p: torch.Tensor, handle, ctx) -> None:
+        start = time.perf_counter()
+        if self._summable:
+            output = self._hvd.synchronize(handle)
+            self._wait_seconds += time.perf_counter() - start
+            p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
+            return
+        payloads = handle.wait()
+        self._wait_seconds += time.perf_counter() - start
+        try:
+            total = self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape))
+        except CommunicationError as exc:
+            raise CommunicationError(f"parameter {self._names[p]!r}: {exc}") from exc
+        if self._op == self._hvd.Average:
+            total = total / len(payloads)
+        p.grad.copy_(total.to(device=p.grad.device, dtype=p.grad.dtype))
+
+    def synchronize(self) -> None:
+        """Wait for every parameter's collective and write the aggregated gradients."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in self._handles:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    self._handles[p] = self._submit(p)
+        for p, (handle, ctx) in list(self._handles.items()):
+            self._finish(p, handle, ctx)
+            self._delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._step_count += 1
+        self._steps_communicated += 1
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` (e.g. for gradient clipping) around ``step()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                raise DeepReduceError("optimizer.step() called after synchronize() without skip_synchronize()")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise DeepReduceError("optimizer.zero_grad() called after backward() but before step() or synchronize()")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    # ----------------------------------------------------------------- stats
+    def compression_stats(self) -> dict:
+        """Bytes before and after compression, encode/decode time and time spent waiting."""
+        stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
+        stats.update(steps=self._steps_communicated, communication_wait_seconds=self._wait_seconds)
+        return stats
+
+
+def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
+    """Map every parameter to a unique name, as Horovod requires; errors name the problem."""
+    all_params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(all_params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ConfigError("named_parameters must be a sequence of (name, parameter) pairs, "
+                          "e.g. model.named_parameters()")
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
+    mapping = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(all_params) if p not in mapping]
+    if missing:
+        raise ConfigError(f"named_parameters does not cover {len(missing)} optimizer parameter(s) "
+                          f"(positions {missing[:5]} of the optimizer's parameters)")
+    return mapping
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
+                         compression=None, backward_passes_per_step: int = 1, op=None,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None, communicator: Optional[Communicator] = None):
+    """Wrap ``optimizer`` so its gradients travel as DeepReduce containers.
+
+    Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
+    (YAML path or dict), a built pipeline, or a Horovod-style summable compressor; None sends
+    gradients losslessly. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``. ``num_groups`` and
+    ``groups`` (tensor fusion grouping) are accepted for compatibility; every tensor travels as
+    its own container; ``sparse_as_dense`` is accepted and has no effect, since gradients are
+    always compressed from their dense form. ``communicator`` overrides the config's (default: Horovod allgather).
+    """
+    hvd = _horovod()
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ConfigError("DistributedOptimizer: op must be hvd.Average or hvd.Sum; Adasum does not apply to "
+                          "compressed containers")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ConfigError(f"DistributedOptimizer: backward_passes_per_step must be a positive integer, "
+                          f"got {backward_passes_per_step!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, process_set, communicator)
