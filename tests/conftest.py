@@ -1,0 +1,48 @@
+"""Shared helpers for the test suite: launching real multi-rank jobs."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+
+
+def _bin(name: str) -> str:
+    """A console script of the interpreter running the tests (the project's venv)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+def launch_env() -> dict:
+    """Environment for launched ranks: MPI as root, quiet TF, the project on the path."""
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``tests/workers/<script>`` on ``np_`` ranks with ``horovodrun`` or ``mpirun``; fail with its output."""
+    if launcher == "horovodrun":
+        cmd = [_bin("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}"]
+    elif launcher == "mpirun":
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "--bind-to", "none"]
+    else:
+        raise ValueError(launcher)
+    cmd += [sys.executable, str(WORKERS / script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                    f"stderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture
+def tmp_out(tmp_path):
+    return tmp_path

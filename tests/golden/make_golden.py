@@ -1,0 +1,61 @@
+"""Regenerate the golden wire fixtures: one per config in configs/ (plus the core's own).
+
+Run only when the wire format changes on purpose (and bump the container version then):
+
+    .venv/bin/python tests/golden/make_golden.py
+
+Each fixture ``tests/golden/<name>.npz`` holds the config (JSON), the gradient, the tensor
+name and step, and the container bytes. tests/test_golden.py checks that encoding the gradient
+still gives exactly these bytes and that decoding them still gives the same tensor.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+import deepreduce  # noqa: E402
+
+EXTRA = {
+    "core_topk_fp16": {"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "raw"},
+                       "value": {"id": "fp16"}, "memory": {"id": "none"}},
+    "core_randomk_raw": {"sparsifier": {"id": "randomk", "ratio": 0.02}, "index": {"id": "raw"},
+                         "value": {"id": "raw"}, "memory": {"id": "none"}},
+    "core_dense_small": {"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "raw"},
+                         "value": {"id": "raw"}, "memory": {"id": "none"}, "min_numel": 100000},
+}
+
+
+def fixture_gradient() -> np.ndarray:
+    """A 16x32x3x3 (4,608-element) gradient with a Laplace body and some exact zeros."""
+    rng = np.random.default_rng(20240521)
+    grad = rng.laplace(scale=1e-2, size=(16, 32, 3, 3)).astype(np.float32)
+    grad[rng.random(grad.shape) < 0.3] = 0.0
+    return grad
+
+
+def golden_configs() -> dict:
+    configs = {f"config_{os.path.splitext(os.path.basename(p))[0]}": deepreduce.load_config(p)
+               for p in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))}
+    configs.update({k: deepreduce.load_config(v) for k, v in EXTRA.items()})
+    return configs
+
+
+def main() -> None:
+    grad = fixture_gradient()
+    for name, config in golden_configs().items():
+        payload = deepreduce.build(config).encode(grad, name="golden.weight", step=7)
+        np.savez_compressed(os.path.join(HERE, f"{name}.npz"), config=json.dumps(config, sort_keys=True),
+                            grad=grad, tensor_name="golden.weight", step=7, payload=payload)
+        print(f"{name}: {payload.size} bytes")
+
+
+if __name__ == "__main__":
+    main()
