@@ -1,0 +1,315 @@
+// Fit-Poly kernel (see fit.h). The NumPy path in deepreduce/values/polyfit.py performs the same
+// floating-point operations in the same order, so both produce identical bytes: sequential
+// sums, the same Legendre recurrence, the same Cholesky. Contraction into fused multiply-add
+// would change the rounding, so it is switched off for this file.
+#pragma GCC optimize("fp-contract=off")
+
+#include "fit.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxDegree = 15;
+
+inline uint32_t desc_key(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // Ascending-order key of IEEE floats, then inverted for descending order.
+  uint32_t asc = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ~asc;
+}
+
+struct Segment {
+  int64_t a, b;       // [a, b) in sorted order
+  double best;        // largest squared distance to the chord (or -1 if not splittable)
+  int64_t split;      // where to split
+};
+
+// Squared distance of each interior point to the chord through the end points; returns the
+// split point (first argmax) or -1 when either child would have fewer than min_points points.
+void chord_split(const double* y, Segment& s, int64_t min_points) {
+  s.best = -1.0;
+  s.split = -1;
+  int64_t a = s.a, b = s.b;
+  if (b - a < 3) return;
+  double ya = y[a];
+  double slope = (y[b - 1] - ya) / static_cast<double>(b - 1 - a);
+  double best = -1.0;
+  int64_t arg = -1;
+  for (int64_t i = a + 1; i < b - 1; ++i) {
+    double d = ya + slope * static_cast<double>(i - a) - y[i];
+    d = d * d;
+    if (d > best) {
+      best = d;
+      arg = i;
+    }
+  }
+  if (arg - a >= min_points && b - arg >= min_points) {
+    s.best = best;
+    s.split = arg;
+  }
+}
+
+void segment_part(const double* y, int64_t a, int64_t b, int max_segments, int64_t min_points,
+                  std::vector<int64_t>& lengths) {
+  if (b <= a) return;
+  std::vector<Segment> segs;
+  segs.push_back({a, b, -1.0, -1});
+  chord_split(y, segs[0], min_points);
+  while (static_cast<int>(segs.size()) < max_segments) {
+    int pick = -1;
+    double best = 0.0;  // a perfect line (distance 0) is never split
+    for (size_t k = 0; k < segs.size(); ++k) {
+      if (segs[k].split >= 0 && segs[k].best > best) {
+        best = segs[k].best;
+        pick = static_cast<int>(k);
+      }
+    }
+    if (pick < 0) break;
+    Segment left{segs[pick].a, segs[pick].split, -1.0, -1};
+    Segment right{segs[pick].split, segs[pick].b, -1.0, -1};
+    chord_split(y, left, min_points);
+    chord_split(y, right, min_points);
+    segs[pick] = left;
+    segs.insert(segs.begin() + pick + 1, right);
+  }
+  for (const Segment& s : segs) lengths.push_back(s.b - s.a);
+}
+
+inline double abscissa(int64_t i, int64_t len) {
+  return len > 1 ? (2.0 * static_cast<double>(i)) / static_cast<double>(len - 1) - 1.0 : 0.0;
+}
+
+// Legendre P_0..P_deg at t, by the three-term recurrence.
+inline void legendre(double t, int deg, double* p) {
+  p[0] = 1.0;
+  if (deg >= 1) p[1] = t;
+  for (int k = 1; k < deg; ++k) {
+    p[k + 1] = ((2.0 * k + 1.0) * t * p[k] - static_cast<double>(k) * p[k - 1]) /
+               static_cast<double>(k + 1);
+  }
+}
+
+// Least squares of y[0..len) in the Legendre basis of degree deg via normal equations
+// (well conditioned on [-1, 1]) and Cholesky, all in double.
+int fit_segment(const double* y, int64_t len, int deg, double* coef) {
+  const int m = deg + 1;
+  double G[kMaxDegree + 1][kMaxDegree + 1] = {};
+  double r[kMaxDegree + 1] = {};
+  double p[kMaxDegree + 1];
+  for (int64_t i = 0; i < len; ++i) {
+    legendre(abscissa(i, len), deg, p);
+    for (int j = 0; j < m; ++j) {
+      for (int k = 0; k <= j; ++k) G[j][k] += p[j] * p[k];
+      r[j] += p[j] * y[i];
+    }
+  }
+  double L[kMaxDegree + 1][kMaxDegree + 1] = {};
+  for (int j = 0; j < m; ++j) {
+    double s = G[j][j];
+    for (int q = 0; q < j; ++q) s -= L[j][q] * L[j][q];
+    if (!(s > 0.0)) return DR_FIT_E_SINGULAR;
+    L[j][j] = std::sqrt(s);
+    for (int i = j + 1; i < m; ++i) {
+      double t = G[i][j];
+      for (int q = 0; q < j; ++q) t -= L[i][q] * L[j][q];
+      L[i][j] = t / L[j][j];
+    }
+  }
+  double z[kMaxDegree + 1];
+  for (int j = 0; j < m; ++j) {
+    double s = r[j];
+    for (int q = 0; q < j; ++q) s -= L[j][q] * z[q];
+    z[j] = s / L[j][j];
+  }
+  for (int j = m - 1; j >= 0; --j) {
+    double s = z[j];
+    for (int q = j + 1; q < m; ++q) s -= L[q][j] * coef[q];
+    coef[j] = s / L[j][j];
+  }
+  for (int j = 0; j < m; ++j)
+    if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
+  return DR_FIT_OK;
+}
+
+inline void put_u32(uint8_t* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+inline uint32_t get_u32(const uint8_t* in) {
+  return static_cast<uint32_t>(in[0]) | (static_cast<uint32_t>(in[1]) << 8) |
+         (static_cast<uint32_t>(in[2]) << 16) | (static_cast<uint32_t>(in[3]) << 24);
+}
+
+inline int seg_degree(int64_t len, int degree) {
+  return static_cast<int>(len - 1 < degree ? len - 1 : degree);
+}
+
+bool valid_args(int degree, int coef_bytes) {
+  return degree >= 0 && degree <= kMaxDegree && (coef_bytes == 4 || coef_bytes == 8);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* dr_fit_error_message(int code) {
+  switch (code) {
+    case DR_FIT_OK: return "ok";
+    case DR_FIT_E_ARG: return "invalid polyfit argument (degree in [0, 15], coefficient width 4 or 8, n < 2**32)";
+    case DR_FIT_E_CAPACITY: return "polyfit output buffer too small";
+    case DR_FIT_E_LENGTH: return "polyfit payload length does not match its segment table";
+    case DR_FIT_E_SEGMENTS: return "polyfit segment lengths are zero or do not add up to the value count";
+    case DR_FIT_E_SINGULAR: return "polyfit normal equations are not positive definite";
+    case DR_FIT_E_NONFINITE: return "polyfit coefficient is not finite";
+    default: return "unknown polyfit error";
+  }
+}
+
+int dr_sort_desc(const float* v, int64_t n, int64_t* perm) {
+  if (n < 0) return DR_FIT_E_ARG;
+  if (n == 0) return DR_FIT_OK;
+  // LSD radix sort on the 32-bit descending key: 11 + 11 + 10 bits, stable.
+  std::vector<uint32_t> keys(n), keys2(n);
+  std::vector<int64_t> idx2(n);
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = desc_key(v[i]);
+    perm[i] = i;
+  }
+  const int shifts[3] = {0, 11, 22};
+  const uint32_t masks[3] = {0x7FF, 0x7FF, 0x3FF};
+  uint32_t* ksrc = keys.data();
+  uint32_t* kdst = keys2.data();
+  int64_t* isrc = perm;
+  int64_t* idst = idx2.data();
+  for (int pass = 0; pass < 3; ++pass) {
+    std::vector<int64_t> count(2049, 0);
+    const int sh = shifts[pass];
+    const uint32_t mk = masks[pass];
+    for (int64_t i = 0; i < n; ++i) ++count[((ksrc[i] >> sh) & mk) + 1];
+    for (int b = 0; b < 2048; ++b) count[b + 1] += count[b];
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t pos = count[(ksrc[i] >> sh) & mk]++;
+      kdst[pos] = ksrc[i];
+      idst[pos] = isrc[i];
+    }
+    std::swap(ksrc, kdst);
+    std::swap(isrc, idst);
+  }
+  // After 3 passes the result lives in idx2 (odd number of swaps).
+  if (isrc != perm) std::memcpy(perm, isrc, sizeof(int64_t) * n);
+  return DR_FIT_OK;
+}
+
+int64_t dr_polyfit_payload_bound(int64_t n, int degree, int max_segments, int coef_bytes) {
+  if (n < 0 || max_segments < 1 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
+  int64_t segs = 2 * static_cast<int64_t>(max_segments);
+  return 4 + segs * (4 + static_cast<int64_t>(degree + 1) * coef_bytes);
+}
+
+int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_segments,
+                          int min_points, int coef_bytes, int64_t* perm, uint8_t* out,
+                          int64_t out_capacity) {
+  if (n < 0 || n > 0xFFFFFFFFLL || max_segments < 1 || min_points < 1 ||
+      !valid_args(degree, coef_bytes))
+    return DR_FIT_E_ARG;
+  int64_t bound = dr_polyfit_payload_bound(n, degree, max_segments, coef_bytes);
+  if (out_capacity < bound) return DR_FIT_E_CAPACITY;
+  int rc = dr_sort_desc(values, n, perm);
+  if (rc != DR_FIT_OK) return rc;
+  std::vector<double> y(n);
+  int64_t l = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    y[j] = static_cast<double>(values[perm[j]]);
+    if (y[j] >= 0.0) ++l;
+  }
+  const int64_t minp = min_points > degree + 1 ? min_points : degree + 1;
+  std::vector<int64_t> lengths;
+  segment_part(y.data(), 0, l, max_segments, minp, lengths);
+  segment_part(y.data(), l, n, max_segments, minp, lengths);
+
+  uint8_t* w = out;
+  put_u32(w, static_cast<uint32_t>(l));
+  w += 4;
+  for (int64_t len : lengths) {
+    put_u32(w, static_cast<uint32_t>(len));
+    w += 4;
+  }
+  int64_t start = 0;
+  double coef[kMaxDegree + 1];
+  for (int64_t len : lengths) {
+    int deg = seg_degree(len, degree);
+    rc = fit_segment(y.data() + start, len, deg, coef);
+    if (rc != DR_FIT_OK) return rc;
+    for (int j = 0; j <= deg; ++j) {
+      if (coef_bytes == 4) {
+        float f = static_cast<float>(coef[j]);
+        if (!std::isfinite(f)) return DR_FIT_E_NONFINITE;
+        std::memcpy(w, &f, 4);  // little-endian hosts only (x86-64, aarch64)
+      } else {
+        std::memcpy(w, &coef[j], 8);
+      }
+      w += coef_bytes;
+    }
+    start += len;
+  }
+  return static_cast<int64_t>(w - out);
+}
+
+int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree,
+                      int coef_bytes, float* out) {
+  if (n < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
+  if (len < 4) return DR_FIT_E_LENGTH;
+  const int64_t l = get_u32(payload);
+  if (l > n) return DR_FIT_E_SEGMENTS;
+  int64_t pos = 4;
+  std::vector<int64_t> lengths;
+  int64_t coef_count = 0;
+  for (int part = 0; part < 2; ++part) {
+    const int64_t total = part == 0 ? l : n - l;
+    int64_t sum = 0;
+    while (sum < total) {
+      if (pos + 4 > len) return DR_FIT_E_LENGTH;
+      int64_t s = get_u32(payload + pos);
+      pos += 4;
+      if (s == 0 || s > total - sum) return DR_FIT_E_SEGMENTS;
+      sum += s;
+      lengths.push_back(s);
+      coef_count += seg_degree(s, degree) + 1;
+    }
+  }
+  if (len - pos != coef_count * coef_bytes) return DR_FIT_E_LENGTH;
+  const uint8_t* c = payload + pos;
+  int64_t start = 0;
+  double coef[kMaxDegree + 1];
+  double p[kMaxDegree + 1];
+  for (int64_t seglen : lengths) {
+    int deg = seg_degree(seglen, degree);
+    for (int j = 0; j <= deg; ++j) {
+      if (coef_bytes == 4) {
+        float f;
+        std::memcpy(&f, c, 4);
+        coef[j] = static_cast<double>(f);
+      } else {
+        std::memcpy(&coef[j], c, 8);
+      }
+      if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
+      c += coef_bytes;
+    }
+    for (int64_t i = 0; i < seglen; ++i) {
+      legendre(abscissa(i, seglen), deg, p);
+      double acc = coef[0] * p[0];
+      for (int j = 1; j <= deg; ++j) acc += coef[j] * p[j];
+      float f = static_cast<float>(acc);
+      if (!std::isfinite(f)) return DR_FIT_E_NONFINITE;
+      out[start + i] = f;
+    }
+    start += seglen;
+  }
+  return DR_FIT_OK;
+}
+
+}  // extern "C"

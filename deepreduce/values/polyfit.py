@@ -1,0 +1,276 @@
+"""Fit-Poly: piece-wise polynomial least squares on the sorted values (DeepReduce §5).
+
+Encode (spec §1.10, readings III.10-12):
+
+1. sort the values descending by signed value (stable; ``_sorting.sort_descending``); the
+   permutation goes back to the pipeline as ``ValueEncoding.order``;
+2. split at ``l`` = number of values ``>= 0`` (zeros join the positive part);
+3. per part, greedy chord segmentation: a segment's split point is the first interior point of
+   largest squared distance to the chord through its end points; the split is accepted only when
+   both children keep at least ``max(degree + 1, min_points)`` points; the segment with the
+   largest distance is split next, until ``segments`` pieces exist per sign or nothing can split;
+4. per segment of ``L`` points, least squares of degree ``min(degree, L - 1)`` in the Legendre
+   basis on the scaled abscissa ``t_i = 2 i / (L - 1) - 1`` (``t = 0`` when ``L = 1``): normal
+   equations (the Legendre Gram matrix on [-1, 1] is nearly diagonal, so this is well
+   conditioned) solved by Cholesky, all in float64; coefficients sent as float32 (default) or
+   float64.
+
+Wire: params ``u8 degree | u8 coefficient bytes (4 or 8)``; payload ``u32 l | u32 segment
+lengths (positive part until they sum to l, then negative part until they sum to n) |
+coefficients``. For full segments that is ``32 + 32 n_seg + n_seg (degree + 1) w_c`` bits, the
+formula of spec §1.16.
+
+The C++ kernel (``csrc/fit``, module ``deepreduce._fit``) and the NumPy path below perform the
+same float64 operations in the same order (sequential sums via ``cumsum``, the same recurrence,
+the same Cholesky), so they produce identical payloads; decode uses only + * / and is therefore
+bit-reproducible on every IEEE-754 machine.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from .. import _native
+from ..errors import ContainerError, DeepReduceError
+from ..params import Param
+from ..registry import register
+from ._base import ValueCodec, ValueEncoding
+from ._sorting import sort_descending
+
+MAX_DEGREE = 15
+COEF_DTYPES = {"float32": 4, "float64": 8}
+_COEF_NP = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
+
+
+def abscissa(length: int) -> np.ndarray:
+    """The scaled abscissae of a segment of ``length`` points, in [-1, 1]."""
+    if length <= 1:
+        return np.zeros(max(length, 0), dtype=np.float64)
+    return (2.0 * np.arange(length, dtype=np.float64)) / float(length - 1) - 1.0
+
+
+def legendre_rows(t: np.ndarray, degree: int) -> list:
+    """``[P_0(t), ..., P_degree(t)]`` by the three-term recurrence (same order as fit.cpp)."""
+    rows = [np.ones_like(t)]
+    if degree >= 1:
+        rows.append(t.copy())
+    for k in range(1, degree):
+        rows.append(((2.0 * k + 1.0) * t * rows[k] - float(k) * rows[k - 1]) / float(k + 1))
+    return rows
+
+
+def _seq_sum(x: np.ndarray) -> float:
+    """Left-to-right float64 sum (the summation order of the C++ kernel)."""
+    return float(np.cumsum(x)[-1]) if x.size else 0.0
+
+
+def fit_segment(y: np.ndarray, degree: int) -> np.ndarray:
+    """Legendre least-squares coefficients of ``y`` (float64) for degree ``degree``."""
+    m = degree + 1
+    rows = legendre_rows(abscissa(y.size), degree)
+    gram = [[0.0] * m for _ in range(m)]
+    rhs = [0.0] * m
+    for j in range(m):
+        for k in range(j + 1):
+            gram[j][k] = _seq_sum(rows[j] * rows[k])
+        rhs[j] = _seq_sum(rows[j] * y)
+    low = [[0.0] * m for _ in range(m)]
+    for j in range(m):
+        s = gram[j][j]
+        for q in range(j):
+            s -= low[j][q] * low[j][q]
+        if not s > 0.0:
+            raise DeepReduceError("polyfit: normal equations are not positive definite")
+        low[j][j] = math.sqrt(s)
+        for i in range(j + 1, m):
+            t = gram[i][j]
+            for q in range(j):
+                t -= low[i][q] * low[j][q]
+            low[i][j] = t / low[j][j]
+    z = [0.0] * m
+    for j in range(m):
+        s = rhs[j]
+        for q in range(j):
+            s -= low[j][q] * z[q]
+        z[j] = s / low[j][j]
+    coef = [0.0] * m
+    for j in range(m - 1, -1, -1):
+        s = z[j]
+        for q in range(j + 1, m):
+            s -= low[q][j] * coef[q]
+        coef[j] = s / low[j][j]
+    out = np.array(coef, dtype=np.float64)
+    if not np.isfinite(out).all():
+        raise DeepReduceError("polyfit: a fitted coefficient is not finite")
+    return out
+
+
+def evaluate_segment(coef: np.ndarray, length: int) -> np.ndarray:
+    """The fitted curve of one segment at its abscissae (float64)."""
+    rows = legendre_rows(abscissa(length), coef.size - 1)
+    acc = coef[0] * rows[0]
+    for j in range(1, coef.size):
+        acc = acc + coef[j] * rows[j]
+    return acc
+
+
+def _chord_split(y: np.ndarray, a: int, b: int, min_points: int):
+    """(largest squared chord distance, split point) of segment [a, b), or (-1, -1)."""
+    if b - a < 3:
+        return -1.0, -1
+    ya = y[a]
+    slope = (y[b - 1] - ya) / float(b - 1 - a)
+    idx = np.arange(a + 1, b - 1)
+    dist = np.square(ya + slope * (idx - a).astype(np.float64) - y[a + 1:b - 1])
+    arg = int(np.argmax(dist))
+    split = a + 1 + arg
+    if split - a >= min_points and b - split >= min_points:
+        return float(dist[arg]), split
+    return -1.0, -1
+
+
+def segment_part(y: np.ndarray, a: int, b: int, max_segments: int, min_points: int) -> list:
+    """Greedy chord segmentation of ``y[a:b]``; returns the segment lengths in order."""
+    if b <= a:
+        return []
+    segs = [(a, b) + _chord_split(y, a, b, min_points)]
+    while len(segs) < max_segments:
+        pick, best = -1, 0.0
+        for k, (_, _, dist, split) in enumerate(segs):
+            if split >= 0 and dist > best:
+                pick, best = k, dist
+        if pick < 0:
+            break
+        sa, sb, _, split = segs[pick]
+        segs[pick:pick + 1] = [(sa, split) + _chord_split(y, sa, split, min_points),
+                               (split, sb) + _chord_split(y, split, sb, min_points)]
+    return [sb - sa for sa, sb, _, _ in segs]
+
+
+def seg_degree(length: int, degree: int) -> int:
+    return min(degree, length - 1)
+
+
+def encode_numpy(values: np.ndarray, degree: int, max_segments: int, min_points: int, coef_bytes: int):
+    """NumPy twin of ``dr_polyfit_encode``: (permutation, payload)."""
+    perm = sort_descending(values)
+    y = values[perm].astype(np.float64)
+    n = y.size
+    l = int(np.count_nonzero(y >= 0.0))
+    minp = max(min_points, degree + 1)
+    lengths = segment_part(y, 0, l, max_segments, minp) + segment_part(y, l, n, max_segments, minp)
+    coefs, start = [], 0
+    for length in lengths:
+        coef = fit_segment(y[start:start + length], seg_degree(length, degree))
+        cast = coef.astype(_COEF_NP[coef_bytes])
+        if not np.isfinite(cast).all():
+            raise DeepReduceError("polyfit: a coefficient overflows the coefficient type")
+        coefs.append(cast.tobytes())
+        start += length
+    head = struct.pack(f"<I{len(lengths)}I", l, *lengths)
+    return perm, head + b"".join(coefs)
+
+
+def parse_lengths(payload: bytes, count: int, degree: int):
+    """Segment lengths of a payload and where its coefficients start; ContainerError if bad."""
+    if len(payload) < 4:
+        raise ContainerError(f"polyfit value section has {len(payload)} bytes; at least 4 expected")
+    (l,) = struct.unpack_from("<I", payload)
+    if l > count:
+        raise ContainerError(f"polyfit value section claims {l} non-negative values of {count}")
+    pos, lengths, ncoef = 4, [], 0
+    for total in (l, count - l):
+        acc = 0
+        while acc < total:
+            if pos + 4 > len(payload):
+                raise ContainerError("polyfit value section ends inside its segment table")
+            (s,) = struct.unpack_from("<I", payload, pos)
+            pos += 4
+            if s == 0 or s > total - acc:
+                raise ContainerError("polyfit segment lengths do not add up to the value count")
+            acc += s
+            lengths.append(s)
+            ncoef += seg_degree(s, degree) + 1
+    return lengths, pos, ncoef
+
+
+def decode_numpy(payload: bytes, count: int, degree: int, coef_bytes: int) -> np.ndarray:
+    """NumPy twin of ``dr_polyfit_decode``: the values in sorted order (float32)."""
+    lengths, pos, ncoef = parse_lengths(payload, count, degree)
+    if len(payload) - pos != ncoef * coef_bytes:
+        raise ContainerError(
+            f"polyfit value section has {len(payload)} bytes, its segment table implies {pos + ncoef * coef_bytes}"
+        )
+    coefs = np.frombuffer(payload, dtype=_COEF_NP[coef_bytes], offset=pos, count=ncoef).astype(np.float64)
+    if not np.isfinite(coefs).all():
+        raise ContainerError("polyfit value section holds a non-finite coefficient")
+    out, k = [], 0
+    for length in lengths:
+        m = seg_degree(length, degree) + 1
+        out.append(evaluate_segment(coefs[k:k + m], length))
+        k += m
+    with np.errstate(over="ignore"):
+        result = np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+    if not np.isfinite(result).all():
+        raise ContainerError("polyfit value section decodes to non-finite values")
+    return result
+
+
+@register
+class PolyFit(ValueCodec):
+    """Fit-Poly: sorted values as piece-wise degree-``degree`` polynomials (reorders values)."""
+
+    id = "polyfit"
+    wire_id = 2
+    keeps_order = False
+    PARAMS = {
+        "degree": Param(int, default=5, low=0, high=MAX_DEGREE, doc="polynomial degree n'"),
+        "segments": Param(int, default=4, low=1, high=65535, doc="most segments per sign"),
+        "min_points": Param(int, default=20, low=1, doc="fewest points per segment (at least degree+1)"),
+        "coef_dtype": Param(str, default="float32", choices=tuple(COEF_DTYPES), doc="coefficient precision"),
+    }
+
+    def _validate(self) -> None:
+        self._native = _native.load("fit")
+        self.backend = "c++" if self._native is not None else "numpy"
+
+    @property
+    def coef_bytes(self) -> int:
+        return COEF_DTYPES[self.coef_dtype]
+
+    def encode(self, values, ctx):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if self._native is not None:
+            try:
+                perm, payload = self._native.encode(values, self.degree, self.segments,
+                                                    self.min_points, self.coef_bytes)
+            except ValueError as exc:
+                raise DeepReduceError(f"polyfit encode of tensor {ctx.name!r} failed: {exc}") from exc
+        else:
+            perm, payload = encode_numpy(values, self.degree, self.segments, self.min_points, self.coef_bytes)
+        return ValueEncoding(struct.pack("<BB", self.degree, self.coef_bytes), payload, perm)
+
+    @staticmethod
+    def _params(params: bytes):
+        if len(params) != 2:
+            raise ContainerError(f"polyfit parameters have {len(params)} bytes, expected 2")
+        degree, coef_bytes = struct.unpack("<BB", params)
+        if degree > MAX_DEGREE or coef_bytes not in _COEF_NP:
+            raise ContainerError(f"polyfit parameters invalid: degree {degree}, coefficient bytes {coef_bytes}")
+        return degree, coef_bytes
+
+    def decode(self, params, payload, count):
+        degree, coef_bytes = self._params(params)
+        if self._native is not None:
+            try:
+                return self._native.decode(bytes(payload), count, degree, coef_bytes)
+            except ValueError as exc:
+                raise ContainerError(f"polyfit value section is invalid: {exc}") from exc
+        return decode_numpy(bytes(payload), count, degree, coef_bytes)
+
+    @classmethod
+    def describe_params(cls, params):
+        degree, coef_bytes = cls._params(params)
+        return {"degree": degree, "coef_dtype": "float32" if coef_bytes == 4 else "float64"}
