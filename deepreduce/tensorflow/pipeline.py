@@ -1,0 +1,190 @@
+"""The TensorFlow face of a pipeline: tf tensors in, the core's exact bytes out, as graph ops.
+
+Horovod calls a TensorFlow compressor (and a tape's reduction code) once, while ``tf.function``
+traces the graph, so every stage of compression has to be a graph op that runs at each step.
+The encode and decode stages are therefore ops:
+
+* the framework-neutral stages (error feedback, sparsifier, codecs, container packing) run in
+  ``tf.numpy_function`` ops over the NumPy core. The container is byte-identical to
+  ``deepreduce.build(config).encode`` for the same input, name and step *by construction*,
+  since it is the core that writes it;
+* where the config uses the Bloom-filter index codec or a curve-fitting value codec and the
+  custom-op library (``deepreduce/tensorflow/_deepreduce_ops.so``, see :mod:`.ops`) is loaded,
+  the hot kernels of those codecs run as TensorFlow C++ ops (``REGISTER_OP``) wrapping the
+  same C++ functions as the Python extension; see :mod:`.ops` for what is routed.
+
+Cost of the ``numpy_function`` path (measured figures in docs/tensorflow.md): each call holds
+the Python GIL, copies the gradient out of the TF buffer once (``.numpy()`` is zero-copy for a
+CPU tensor, the float32 cast and ravel usually are too) and the payload back once, and adds the
+fixed price of a Python call from the TF runtime (tens of microseconds). The op is marked
+``stateful`` so TF never constant-folds or deduplicates it (error-feedback residuals and step
+counters change between calls); it cannot be placed on a GPU, so on a GPU machine the gradient
+is copied to host memory before compression -- which the allgather of a byte payload needs
+anyway.
+
+The step may be a Python int or an integer tensor (``optimizer.iterations``); the tensor name
+is a Python string fixed at trace time, as Horovod's own tensor names are.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from .. import container
+from ..config import ConfigLike, build as build_core
+from ..errors import CommunicationError
+from ..pipeline import Pipeline
+
+
+def _static_shape(shape) -> Optional[tuple]:
+    """A fully known shape as a tuple of ints, or None."""
+    if shape is None:
+        return None
+    shape = tf.TensorShape(shape)
+    if not shape.is_fully_defined():
+        return None
+    return tuple(int(s) for s in shape.as_list())
+
+
+class TFPipeline:
+    """Wraps a core :class:`~deepreduce.Pipeline` for TensorFlow tensors, eager or in ``tf.function``.
+
+    ``encode(tensor, name=, step=)`` returns a 1-D ``tf.uint8`` tensor holding one container;
+    ``decode(payload)`` returns a float32 tensor of the original shape. Per-tensor state (error
+    feedback residuals) and statistics live in the wrapped core pipeline, so build one
+    ``TFPipeline`` per training run and keep it (see :func:`build`).
+
+    ``iterations`` is a step counter owned by the pipeline (an int64 ``tf.Variable``), used by
+    :class:`~deepreduce.tensorflow.DistributedGradientTape` when no explicit step is given.
+    """
+
+    def __init__(self, core: Pipeline) -> None:
+        self.core = core
+        self._iterations = None
+        from . import ops  # noqa: WPS433 (late import: ops imports this module's siblings)
+
+        self._accel = ops.accelerator_for(core)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def stats(self):
+        """The core's running :class:`~deepreduce.CompressionStats`."""
+        return self.core.stats
+
+    def compression_stats(self) -> dict:
+        return self.core.stats.as_dict()
+
+    def get_config(self) -> dict:
+        return self.core.get_config()
+
+    @property
+    def backend(self) -> str:
+        """``"tf-ops"`` when custom ops run the Bloom/fit kernels, else ``"numpy_function"``."""
+        return "numpy_function" if self._accel is None else "tf-ops"
+
+    @property
+    def iterations(self) -> tf.Variable:
+        """This pipeline's own step counter (created on first use, outside any ``tf.function``)."""
+        if self._iterations is None:
+            with tf.init_scope():
+                self._iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="deepreduce_iterations")
+        return self._iterations
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, tensor, name: str = "", step=0) -> tf.Tensor:
+        """One container for ``tensor`` as a 1-D ``tf.uint8`` tensor (a graph op under tf.function)."""
+        tensor = tf.convert_to_tensor(tensor)
+        if not tensor.dtype.is_floating:
+            # same message as the core's, raised at trace time
+            self.core.encode(np.zeros((0,), dtype=tensor.dtype.as_numpy_dtype), name=name, step=0)
+        tensor = tf.cast(tensor, tf.float32) if tensor.dtype != tf.float32 else tensor
+        if self._accel is not None:
+            step = tf.cast(tf.convert_to_tensor(step), tf.int64)
+            out = self._accel.encode(tensor, name, step)
+        elif tf.executing_eagerly():
+            # eager: call the core directly (no py_func round trip; deepreduce errors keep their type)
+            out = tf.constant(self.core.encode(tensor.numpy(), name=name, step=_int_step(step)))
+        else:
+            core = self.core
+            step = tf.cast(tf.convert_to_tensor(step), tf.int64)
+
+            def _encode(grad: np.ndarray, step_value) -> np.ndarray:
+                return core.encode(grad, name=name, step=int(step_value))
+
+            out = tf.numpy_function(_encode, [tensor, step], tf.uint8, stateful=True,
+                                    name="deepreduce_encode")
+        out.set_shape([None])
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, payload, expected_shape: Optional[Sequence[int]] = None) -> tf.Tensor:
+        """The float32 tensor one container describes.
+
+        ``expected_shape`` (optional) is checked against the header at run time and also gives
+        the result its static shape inside ``tf.function``.
+        """
+        core = self.core
+        shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
+
+        def _decode(buf: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(core.decode(buf, shape), dtype=np.float32)
+
+        if tf.executing_eagerly():
+            return tf.constant(_decode(_eager_bytes(payload)))
+        out = tf.numpy_function(_decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32,
+                                stateful=True, name="deepreduce_decode")
+        if shape is not None:
+            out.set_shape(shape)
+        return out
+
+    def decode_sum(self, gathered, expected_shape: Optional[Sequence[int]] = None,
+                   count: Optional[int] = None) -> tf.Tensor:
+        """Sum of the tensors in the concatenation of several containers (an allgather result).
+
+        ``count`` (optional) is the number of containers expected (the number of ranks); a
+        different number raises :class:`~deepreduce.CommunicationError`.
+        """
+        core = self.core
+        shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
+
+        def _decode_sum(buf: np.ndarray) -> np.ndarray:
+            parts = container.split(buf)
+            if count is not None and len(parts) != count:
+                raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
+            return np.ascontiguousarray(core.decode_sum(parts, shape), dtype=np.float32)
+
+        if tf.executing_eagerly():
+            return tf.constant(_decode_sum(_eager_bytes(gathered)))
+        out = tf.numpy_function(_decode_sum, [tf.convert_to_tensor(gathered, dtype=tf.uint8)], tf.float32,
+                                stateful=True, name="deepreduce_decode_sum")
+        if shape is not None:
+            out.set_shape(shape)
+        return out
+
+    def __repr__(self) -> str:
+        return f"TFPipeline({self.core.get_config()!r}, backend={self.backend!r})"
+
+
+def _int_step(step) -> int:
+    if isinstance(step, (tf.Tensor, tf.Variable)) or hasattr(step, "numpy"):
+        return int(np.asarray(step.numpy() if hasattr(step, "numpy") else step))
+    return int(step)
+
+
+def _eager_bytes(payload) -> np.ndarray:
+    if hasattr(payload, "numpy"):
+        payload = payload.numpy()
+    return np.asarray(payload)
+
+
+def build(config: ConfigLike) -> TFPipeline:
+    """Build a TensorFlow pipeline from a config path, dict, core Pipeline or TFPipeline.
+
+    Build it once per training run (outside ``tf.function``) and pass the same object to every
+    ``DistributedGradientTape``/``DistributedOptimizer``: it holds the residuals and counters.
+    """
+    if isinstance(config, TFPipeline):
+        return config
+    return TFPipeline(config if isinstance(config, Pipeline) else build_core(config))

@@ -1,0 +1,123 @@
+"""Gradient reduction through DeepReduce containers and ``hvd.allgather``.
+
+Every rank encodes its gradient with (name, step) into one container, the containers of all
+ranks travel by Horovod's public ``allgather`` (they differ in size and are not summable, so
+allreduce cannot carry them), and every rank splits the gathered bytes, decodes each
+container, sums, and divides by the number of ranks for ``op=Average``. Every stage is a graph
+op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
+reduction code run only while the graph is traced). Horovod itself is never patched.
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from ..errors import BackendUnavailableError, ConfigError
+from .pipeline import TFPipeline, build
+
+
+def import_horovod():
+    """``horovod.tensorflow``, or BackendUnavailableError saying how to build it."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"deepreduce.tensorflow's distributed wrappers need horovod.tensorflow: {exc}. "
+            "Run `make setup` to build the patched Horovod."
+        ) from exc
+    return hvd
+
+
+def is_horovod_compressor(compression) -> bool:
+    """True for Horovod's own compressors (``hvd.Compression.none``/``fp16`` or a subclass)."""
+    try:
+        from horovod.tensorflow.compression import Compressor
+    except ImportError:
+        return False
+    return (isinstance(compression, type) and issubclass(compression, Compressor)) or isinstance(compression, Compressor)
+
+
+def resolve_op(op):
+    """Horovod's reduce op -> ``"average"`` or ``"sum"`` (Adasum/Min/Max cannot be sent as containers)."""
+    hvd = import_horovod()
+    if op is None or op == hvd.Average:
+        return "average"
+    if op == hvd.Sum:
+        return "sum"
+    raise ConfigError(
+        f"deepreduce reduces gradients with op=hvd.Average or op=hvd.Sum; got {op!r} "
+        "(Adasum, Min, Max and Product need an allreduce of the raw gradient)"
+    )
+
+
+def tensor_key(name: str) -> str:
+    """A Horovod tensor / TF op name for a deepreduce tensor name (same on every rank)."""
+    return "DeepReduce_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+
+
+class Reducer:
+    """Averages or sums a list of gradients across the ranks of one Horovod process set.
+
+    Holds no per-step state: the pipeline it wraps owns residuals, statistics and the step
+    counter, so a new tape each step (the Horovod idiom) keeps using the same state.
+    """
+
+    def __init__(self, pipeline: TFPipeline, op=None, process_set=None,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False) -> None:
+        self.hvd = import_horovod()
+        self.pipeline = build(pipeline)
+        self.op = resolve_op(op)
+        self.process_set = process_set if process_set is not None else self.hvd.global_process_set
+        if gradient_predivide_factor != 1.0 and self.op != "average":
+            raise ConfigError("gradient_predivide_factor is only supported with op=hvd.Average")
+        if not gradient_predivide_factor > 0:
+            raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+        self.predivide = float(gradient_predivide_factor)
+        self.sparse_as_dense = sparse_as_dense
+
+    @property
+    def size(self) -> int:
+        return self.process_set.size()
+
+    def reduce_one(self, grad, name: str, step) -> tf.Tensor:
+        """The average (or sum) over ranks of one gradient tensor."""
+        if isinstance(grad, tf.IndexedSlices):
+            # containers carry dense tensors; the sparsifier finds the non-zeros again
+            grad = tf.convert_to_tensor(grad)
+        dtype = grad.dtype
+        size = self.size
+        if self.predivide != 1.0:
+            grad = grad * tf.cast(1.0 / self.predivide, dtype)
+        payload = self.pipeline.encode(grad, name=name, step=step)
+        kwargs = {}
+        if self.process_set is not self.hvd.global_process_set:
+            kwargs["process_set"] = self.process_set
+        gathered = self.hvd.allgather(payload, name=tensor_key(name), **kwargs)
+        shape = grad.shape if grad.shape.is_fully_defined() else None
+        total = self.pipeline.decode_sum(gathered, shape, count=size)
+        if shape is None:
+            total = tf.reshape(total, tf.shape(grad))
+        if self.op == "average":
+            total = total * (self.predivide / size)
+        return tf.cast(total, dtype) if dtype != tf.float32 else total
+
+    def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
+        """Reduce a list of gradients (None entries stay None).
+
+        ``step``: an int, an integer tensor or variable (e.g. ``optimizer.iterations``); when
+        None, the pipeline's own counter is read and then advanced by one.
+        """
+        own_counter = step is None
+        if own_counter:
+            counter = self.pipeline.iterations
+            step = tf.identity(counter.read_value())
+        elif hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
+            step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
+        out = [None if g is None else self.reduce_one(g, n, step) for g, n in zip(grads, names)]
+        if own_counter:
+            done = [g for g in out if g is not None]
+            with tf.control_dependencies(done):
+                counter.assign_add(1)
+        return out

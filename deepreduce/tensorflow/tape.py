@@ -1,0 +1,129 @@
+"""``DistributedGradientTape``: Horovod's tape, with gradients sent as DeepReduce containers.
+
+Usage (eager or inside ``tf.function``)::
+
+    compression = deepreduce.tensorflow.build("configs/topk_raw.yaml")   # once per run
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x, training=True), y)
+    tape = deepreduce.tensorflow.DistributedGradientTape(tape, compression=compression)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+It takes the arguments of ``horovod.tensorflow.DistributedGradientTape``. ``compression`` is a
+deepreduce config (YAML path, dict, core or TF pipeline); Horovod's own compressors
+(``hvd.Compression.none``/``fp16``, summable) are handed to Horovod's tape unchanged.
+"""
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from ..errors import ConfigError
+from .pipeline import TFPipeline, build
+from .reduce import Reducer, import_horovod, is_horovod_compressor
+
+
+def _source_key(source):
+    ref = getattr(source, "ref", None)
+    return ref() if callable(ref) else id(source)
+
+
+def resolve_compression(compression, owner: str) -> TFPipeline:
+    """A TFPipeline for ``compression``; warns when a config is rebuilt where state would be lost."""
+    if isinstance(compression, TFPipeline):
+        return compression
+    pipe = build(compression)
+    if pipe.core.memory.stateful and tf.executing_eagerly():
+        warnings.warn(
+            f"{owner}: a new pipeline is built from the config each time; its error-feedback residuals "
+            "and step counter restart with every call in eager mode. Build it once with "
+            "deepreduce.tensorflow.build(config) and pass that object as compression=.",
+            RuntimeWarning, stacklevel=3,
+        )
+    return pipe
+
+
+class _DeepReduceGradientTape(tf.GradientTape):
+    """A ``tf.GradientTape`` sharing the recorded tape of another, reducing in ``gradient``."""
+
+    def __init__(self, tape: tf.GradientTape, reducer: Reducer, step, scale_local_gradients: bool,
+                 prefix: str) -> None:
+        super().__init__(persistent=tape._persistent,
+                         watch_accessed_variables=getattr(tape, "_watch_accessed_variables", True))
+        self.__dict__.update(tape.__dict__)   # the recorded tape, persistence and watched variables
+        self._deepreduce = reducer
+        self._step = step
+        self._prefix = prefix
+        self.scale_local_gradients = scale_local_gradients
+        self.process_set = reducer.process_set
+        self._local_sources = set()
+
+    @property
+    def pipeline(self) -> TFPipeline:
+        return self._deepreduce.pipeline
+
+    def register_local_source(self, source) -> None:
+        """Mark a source as worker-local: its gradient is not communicated (Horovod semantics)."""
+        self._local_sources.add(_source_key(source))
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        positions = [i for i, s in enumerate(flat_sources) if _source_key(s) not in self._local_sources]
+        reduced = self._deepreduce.reduce(
+            [flat_grads[i] for i in positions], [f"{self._prefix}_{i}" for i in positions], step=self._step)
+        out = list(flat_grads)
+        for i, g in zip(positions, reduced):
+            out[i] = g
+        if self.scale_local_gradients and self._local_sources:
+            size = float(self._deepreduce.size)
+            for i, s in enumerate(flat_sources):
+                if _source_key(s) in self._local_sources and out[i] is not None:
+                    g = out[i]
+                    if isinstance(g, tf.IndexedSlices):
+                        out[i] = tf.IndexedSlices(g.values / tf.cast(size, g.values.dtype), g.indices, g.dense_shape)
+                    else:
+                        out[i] = g / tf.cast(size, g.dtype)
+        return tf.nest.pack_sequence_as(sources, out)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=None, scale_local_gradients=True,
+                            *, step=None, name_prefix="grad"):
+    """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged (or summed) over ranks.
+
+    Args (beyond Horovod's, which keep their meaning):
+        compression: a deepreduce config (path, dict) or a pipeline built once with
+            :func:`deepreduce.tensorflow.build`; or a Horovod compressor, in which case Horovod's
+            own tape (allreduce) is returned.
+        step: the step used to seed randomised components: an int, an integer tensor or a
+            variable such as ``optimizer.iterations``. None: the pipeline's own counter
+            (``pipeline.iterations``), advanced by one per ``gradient()`` call.
+        name_prefix: tensors are named ``f"{name_prefix}_{i}"`` by position in ``sources``, the
+            same on every rank; use another prefix when one step calls ``gradient()`` for
+            different variable lists.
+
+    ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
+    the host. ``num_groups``/``groups`` are accepted: every gradient travels in its own
+    allgather, which Horovod's tensor fusion batches. ``sparse_as_dense`` is implied: an
+    ``IndexedSlices`` gradient is densified and the sparsifier finds its non-zeros.
+    """
+    hvd = import_horovod()
+    if compression is None or is_horovod_compressor(compression):
+        kwargs = dict(device_dense=device_dense, device_sparse=device_sparse, sparse_as_dense=sparse_as_dense,
+                      op=hvd.Average if op is None else op, gradient_predivide_factor=gradient_predivide_factor,
+                      num_groups=num_groups, groups=groups, scale_local_gradients=scale_local_gradients,
+                      process_set=hvd.global_process_set if process_set is None else process_set)
+        if compression is not None:
+            kwargs["compression"] = compression
+        return hvd.DistributedGradientTape(gradtape, **kwargs)
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
+    pipe = resolve_compression(compression, "DistributedGradientTape")
+    reducer = Reducer(pipe, op=op, process_set=process_set,
+                      gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+    return _DeepReduceGradientTape(gradtape, reducer, step, scale_local_gradients, name_prefix)

@@ -1,0 +1,139 @@
+"""The TensorFlow pipeline: graph ops eagerly and inside tf.function (tensor step), errors, op loading."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+tf = pytest.importorskip("tensorflow")
+
+import deepreduce  # noqa: E402
+import deepreduce.tensorflow as drtf  # noqa: E402
+from deepreduce.tensorflow import ops  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANDOMK = {"sparsifier": {"id": "randomk", "ratio": 0.05}, "index": {"id": "raw"},
+           "value": {"id": "raw"}, "memory": {"id": "residual"}}
+
+
+def grad(seed, shape=(40, 60)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_encode_returns_1d_uint8_and_decode_restores_shape():
+    pipe = drtf.build(os.path.join(ROOT, "configs", "topk_raw.yaml"))
+    g = grad(0)
+    payload = pipe.encode(tf.constant(g), name="w", step=0)
+    assert payload.dtype == tf.uint8 and payload.shape.rank == 1
+    dense = pipe.decode(payload)
+    assert dense.dtype == tf.float32 and tuple(dense.shape) == g.shape
+    core = deepreduce.build(os.path.join(ROOT, "configs", "topk_raw.yaml"))
+    assert np.array_equal(payload.numpy(), core.encode(g, name="w", step=0))
+    assert np.array_equal(dense.numpy(), core.decode(payload.numpy()))
+
+
+def test_tf_function_with_tensor_step_matches_core_at_every_step():
+    """randomk draws depend on the step: the traced graph must see each step's value."""
+    pipe, core = drtf.build(RANDOMK), deepreduce.build(RANDOMK)
+    step_var = tf.Variable(0, dtype=tf.int64)
+    traces = []
+
+    @tf.function
+    def encode_step(x):
+        traces.append(1)
+        payload = pipe.encode(x, name="layer/kernel", step=step_var)
+        dense = pipe.decode(payload, x.shape)
+        step_var.assign_add(1)
+        return payload, dense
+
+    payloads = []
+    for step in range(4):
+        g = grad(step)
+        payload, dense = encode_step(tf.constant(g))
+        expected = core.encode(g, name="layer/kernel", step=step)
+        assert np.array_equal(payload.numpy(), expected), f"step {step}"
+        assert tuple(dense.shape) == g.shape
+        np.testing.assert_array_equal(dense.numpy(), core.decode(expected))
+        payloads.append(payload.numpy())
+    assert len(traces) == 1                               # traced once, ran four times
+    assert not np.array_equal(payloads[0], payloads[1])   # the step changed the draw
+    # the residual memory advanced inside the graph exactly as in the core
+    np.testing.assert_array_equal(pipe.core.memory.residual("layer/kernel"), core.memory.residual("layer/kernel"))
+    assert pipe.stats.tensors_encoded == 4
+
+
+def test_keras_optimizer_iterations_as_step():
+    keras = pytest.importorskip("keras")
+    opt = keras.optimizers.SGD(0.1)
+    var = tf.Variable(np.zeros((30, 50), np.float32))
+    opt.build([var])
+    pipe, core = drtf.build(RANDOMK), deepreduce.build(RANDOMK)
+
+    @tf.function
+    def f(x):
+        return pipe.encode(x, name="v", step=opt.iterations)
+
+    for step in range(2):
+        g = grad(10 + step, (30, 50))
+        assert np.array_equal(f(tf.constant(g)).numpy(), core.encode(g, name="v", step=step))
+        opt.apply_gradients([(tf.constant(g), var)])
+
+
+def test_decode_sum_of_concatenated_containers():
+    pipe = drtf.build(os.path.join(ROOT, "configs", "none_raw.yaml"))
+    a, b = grad(1, (3000,)), grad(2, (3000,))
+    gathered = tf.concat([pipe.encode(a, name="g"), pipe.encode(b, name="g")], axis=0)
+
+    @tf.function
+    def f(buf):
+        return pipe.decode_sum(buf, (3000,), count=2)
+
+    np.testing.assert_array_equal(f(gathered).numpy(), a + b)
+    np.testing.assert_array_equal(pipe.decode_sum(gathered, (3000,), count=2).numpy(), a + b)
+    with pytest.raises(deepreduce.CommunicationError):
+        pipe.decode_sum(gathered, (3000,), count=3)
+
+
+def test_small_and_float16_tensors():
+    pipe = drtf.build(os.path.join(ROOT, "configs", "topk_raw.yaml"))
+    small = grad(3, (7, 3))
+    np.testing.assert_array_equal(pipe.decode(pipe.encode(small, name="b")).numpy(), small)
+    half = tf.constant(grad(4, (10,)), tf.float16)
+    np.testing.assert_array_equal(pipe.decode(pipe.encode(half, name="h")).numpy(),
+                                  half.numpy().astype(np.float32))
+
+
+def test_errors_keep_their_type_eagerly_and_name_the_problem_in_graphs():
+    pipe = drtf.build(os.path.join(ROOT, "configs", "topk_raw.yaml"))
+    payload = pipe.encode(grad(5), name="w").numpy()
+    bad = payload.copy()
+    bad[60] ^= 0xFF
+    with pytest.raises(deepreduce.ContainerError, match="checksum"):
+        pipe.decode(bad)
+    with pytest.raises(deepreduce.CommunicationError, match="expected"):
+        pipe.decode(payload, (10, 10))
+    with pytest.raises(deepreduce.DeepReduceError, match="dtype"):
+        pipe.encode(tf.constant([1, 2, 3]), name="ints")
+
+    @tf.function
+    def f(buf):
+        return pipe.decode(buf)
+
+    with pytest.raises(tf.errors.OpError, match="checksum"):
+        f(tf.constant(bad))
+
+
+def test_ops_load_error_says_how_to_rebuild(monkeypatch, tmp_path):
+    monkeypatch.setattr(ops, "_state", {"module": None, "error": None, "warned": False})
+    monkeypatch.setattr(ops, "LIBRARY_PATH", str(tmp_path / "missing.so"))
+    with pytest.raises(deepreduce.BackendUnavailableError, match="build_tf_ops.sh"):
+        ops.load()
+    assert not ops.available()
+    # a library built for another TensorFlow (here: not a library at all) fails to load
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(ops, "_state", {"module": None, "error": None, "warned": False})
+    monkeypatch.setattr(ops, "LIBRARY_PATH", str(broken))
+    with pytest.raises(deepreduce.BackendUnavailableError, match="rebuild"):
+        ops.load()
