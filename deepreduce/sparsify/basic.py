@@ -6,6 +6,7 @@ import numpy as np
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier, count_for
+from ._topk import topk_positions
 
 RATIO = Param(float, default=0.01, low=0.0, high=1.0, low_open=True, doc="fraction of entries kept")
 
@@ -28,12 +29,8 @@ class TopK(Sparsifier):
     PARAMS = {"ratio": RATIO}
 
     def select(self, flat, ctx):
-        r = count_for(self.ratio, flat.size)
-        if r >= flat.size:
-            return np.arange(flat.size, dtype=np.int64)
-        chosen = np.argpartition(np.abs(flat), flat.size - r)[flat.size - r:]
-        chosen.sort()
-        return chosen.astype(np.int64, copy=False)
+        # ties at the cut go to the lowest positions, so every binding selects the same entries
+        return topk_positions(np.abs(flat), count_for(self.ratio, flat.size))
 
 
 @register
@@ -47,7 +44,11 @@ class RandomK(Sparsifier):
     PARAMS = {"ratio": RATIO}
 
     def select(self, flat, ctx):
-        r = count_for(self.ratio, flat.size)
-        chosen = ctx.rng("randomk").choice(flat.size, size=r, replace=False)
+        return self.positions(flat.size, ctx)
+
+    def positions(self, numel: int, ctx) -> np.ndarray:
+        """The ascending positions drawn for a tensor of ``numel`` entries (used by every binding)."""
+        r = count_for(self.ratio, numel)
+        chosen = ctx.rng("randomk").choice(numel, size=r, replace=False)
         chosen.sort()
         return chosen.astype(np.int64, copy=False)
