@@ -2,7 +2,11 @@
 
 ``compensate`` adds what earlier steps failed to send; ``update`` stores the new residual as
 the compensated gradient minus exactly what the receiver reconstructs (the decoded container),
-so over any run: sum(sent) + final residual == sum(gradients), up to float rounding.
+so over any run: sum(sent) + final residual == sum(gradients).
+
+The residual is held in float64 and also keeps the rounding of the float32 compensated
+gradient handed to the sparsifier (``carry = (g + e) - float32(g + e)``), so nothing is lost
+to float32 rounding either: the conservation law holds to float64 precision.
 """
 from __future__ import annotations
 
@@ -47,24 +51,34 @@ class ResidualMemory(Memory):
 
     def _validate(self) -> None:
         self._residuals: Dict[str, np.ndarray] = {}
+        self._carry: Dict[str, np.ndarray] = {}
 
     def compensate(self, name, flat):
         residual = self._residuals.get(name)
         if residual is None:
+            self._carry.pop(name, None)
             return flat
         if residual.shape != flat.shape:
             raise CommunicationError(
                 f"residual memory: tensor {name!r} had {residual.size} elements, now {flat.size}; "
                 "a name must keep its size"
             )
-        return flat + residual
+        exact = flat.astype(np.float64) + residual
+        compensated = exact.astype(flat.dtype)
+        self._carry[name] = exact - compensated
+        return compensated
 
     def update(self, name, compensated, reconstructed):
-        self._residuals[name] = (compensated - reconstructed).astype(np.float32, copy=False)
+        residual = np.asarray(compensated, dtype=np.float64) - np.asarray(reconstructed, dtype=np.float64)
+        carry = self._carry.pop(name, None)
+        if carry is not None:
+            residual += carry
+        self._residuals[name] = residual
 
     def residual(self, name: str) -> np.ndarray:
-        """The residual currently held for ``name`` (zeros if none yet)."""
+        """The residual (float64) currently held for ``name``; None before its first update."""
         return self._residuals.get(name)
 
     def reset(self):
         self._residuals.clear()
+        self._carry.clear()
