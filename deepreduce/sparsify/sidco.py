@@ -1,0 +1,199 @@
+"""SIDCo: thresholds from fitted sparsity-inducing distributions (spec doc §4, Part III.4).
+
+The gradient magnitudes are modelled as exponential, gamma or generalised Pareto; a threshold
+that a fraction ``ratio`` of them exceeds is computed in closed form from a few moments, in
+``stages`` rounds: stage 1 fits all magnitudes for ratio ``first_ratio`` (0.25), each later
+stage fits the exceedances of the previous threshold, shifted by it, for an equal geometric
+share of the remaining ratio, and the last threshold is applied to the original vector. Every
+``period`` (Q = 5) steps the stage count of a tensor moves by one when its mean selected count
+left ``[k (1 - tolerance), k (1 + tolerance)]`` (Algorithm 1; ``adapt`` picks the direction,
+see ``_fits.adapt_stages``).
+
+The algorithm is written once, in :func:`sidco_select`, over a small set of array operations;
+:class:`NumpyOps` provides them here and ``deepreduce.torch.sparsify`` provides the torch ones,
+so both bindings make the same choices from the same float64 statistics.
+
+Engineering choices (spec doc §4.9): exact zeros are excluded from the first-stage fit (the
+ratio is rescaled to the non-zero count), the final selection is ``|g| >= eta`` with ``eta``
+rounded to float32 once for every binding, a stage with a degenerate sample (fewer than two
+exceedances, zero variance) stops the staging at the previous threshold, and an empty
+selection falls back to Top-1.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+
+from ..params import Param
+from ..registry import register
+from . import _fits
+from ._base import Sparsifier, count_for
+from ._topk import topk_positions
+from .basic import RATIO
+
+SMALLEST_FLOAT32 = float(np.finfo(np.float32).smallest_subnormal)
+
+
+class NumpyOps:
+    """The array operations :func:`sidco_select` needs, on NumPy float32 vectors."""
+
+    @staticmethod
+    def magnitudes(flat):
+        return np.abs(flat)
+
+    @staticmethod
+    def first_stats(a, need_var: bool, need_log: bool) -> _fits.Stats:
+        """Moments of the non-zero magnitudes (float64 accumulation)."""
+        n = int(np.count_nonzero(a))
+        if n == 0:
+            return _fits.Stats(0, 0.0)
+        mean = float(np.sum(a, dtype=np.float64)) / n
+        var = mean_log = float("nan")
+        if need_var:
+            dev = a.astype(np.float64) - mean
+            # the zeros contributed (0 - mean)^2 each; remove them
+            var = (float(np.dot(dev, dev)) - (a.size - n) * mean * mean) / n
+        if need_log:
+            positive = a[a > 0]
+            mean_log = float(np.sum(np.log(positive.astype(np.float64)))) / n
+        return _fits.Stats(n, mean, var, mean_log)
+
+    @staticmethod
+    def tail_stats(x, shift: float, need_var: bool) -> _fits.Stats:
+        """Moments of ``x - shift`` (``x`` all above ``shift``): the mean moves, the variance does not."""
+        n = int(x.size)
+        if n == 0:
+            return _fits.Stats(0, 0.0)
+        mean = float(np.sum(x, dtype=np.float64)) / n
+        var = float("nan")
+        if need_var:
+            dev = x.astype(np.float64) - mean
+            var = float(np.dot(dev, dev)) / n
+        return _fits.Stats(n, mean - shift, var)
+
+    @staticmethod
+    def exceed(x, eta: float):
+        return x[x > np.float32(eta)]
+
+    @staticmethod
+    def size(x) -> int:
+        return int(x.size)
+
+    @staticmethod
+    def select(a, eta: float):
+        return np.flatnonzero(a >= np.float32(eta)).astype(np.int64, copy=False)
+
+    @staticmethod
+    def top1(a):
+        return topk_positions(a, 1)
+
+
+def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
+    """Run the staged fit on magnitudes ``a``; return ``(eta, stages actually used)``.
+
+    ``eta`` is already rounded to float32 (as every binding compares in float32).
+    """
+    dist, tail = sparsifier.distribution, _fits.TAIL_OF[sparsifier.distribution]
+    exact = sparsifier.gamma_inverse == "exact"
+    d = ops.size(a)
+    eta, used, x = 0.0, 0, a
+    for m in range(1, stages + 1):
+        dm = _fits.stage_ratio(m, stages, sparsifier.ratio, sparsifier.first_ratio)
+        if m == 1:
+            need_var, need_log = _fits.needs(dist)
+            st = ops.first_stats(a, need_var, need_log)
+            if st.n == 0:
+                return float("inf"), 0            # all zero: nothing reaches any threshold
+            dm_nonzero = dm * d / st.n            # zeros never exceed: rescale to the non-zeros
+            if dm_nonzero >= 1.0:
+                return SMALLEST_FLOAT32, 1        # every non-zero entry
+            t = _fits.threshold(dist, st, dm_nonzero, exact)
+            if t is None:                         # all non-zero magnitudes equal
+                return float(np.float32(st.mean)), 1
+            eta = t
+        else:
+            st = ops.tail_stats(x, eta, _fits.needs(tail)[0])
+            t = _fits.threshold(tail, st, dm, exact)
+            if t is None:
+                break
+            eta = eta + t
+        used = m
+        if m < stages:
+            x = ops.exceed(x, eta)
+            if ops.size(x) < 2:
+                break
+    return float(np.float32(eta)), used
+
+
+def sidco_select(ops, flat, sparsifier: "SIDCo", ctx):
+    """Positions SIDCo selects in ``flat`` (ascending), updating the tensor's stage state."""
+    state = sparsifier.stage_state(ctx.name)
+    a = ops.magnitudes(flat)
+    eta, used = sidco_threshold(ops, a, sparsifier, state.stages)
+    chosen = ops.select(a, eta)
+    k_hat = ops.size(chosen)
+    if k_hat == 0 and ops.size(a) > 0:
+        chosen = ops.top1(a)
+    k = count_for(sparsifier.ratio, ops.size(a))
+    state.record(ctx.step, k_hat, k, sparsifier.period, sparsifier.tolerance,
+                 sparsifier.stage_cap(), sparsifier.adapt)
+    sparsifier.last = {"name": ctx.name, "step": ctx.step, "threshold": eta, "stages": used,
+                       "k_hat": k_hat, "k": k}
+    return chosen
+
+
+@register
+class SIDCo(Sparsifier):
+    """Multi-stage threshold estimation from a sparsity-inducing distribution (SIDCo).
+
+    ``distribution``: ``exponential`` (SIDCo-E), ``gamma`` (gamma first stage, generalised
+    Pareto later: SIDCo-GP) or ``gpareto`` (SIDCo-P). ``stages`` is the initial stage count;
+    ``adapt`` how it moves (``paper``: Algorithm 1 as printed; ``reversed``; ``flip``: reverse
+    the step whenever the error grew; ``off``: fixed). ``max_stages`` 0 means
+    ``ceil(log2(1/ratio))``. State (stage count and window) is kept per tensor name.
+    """
+
+    id = "sidco"
+    PARAMS = {
+        "ratio": RATIO,
+        "distribution": Param(str, default="exponential", choices=_fits.DISTRIBUTIONS,
+                              doc="first-stage model"),
+        "stages": Param(int, default=1, low=1, high=64, doc="initial number of stages"),
+        "max_stages": Param(int, default=0, low=0, high=64, doc="stage cap; 0: ceil(log2(1/ratio))"),
+        "first_ratio": Param(float, default=0.25, low=0.0, high=1.0, low_open=True, high_open=True,
+                             doc="ratio of the first stage when there are several"),
+        "adapt": Param(str, default="paper", choices=_fits.ADAPT_MODES, doc="stage adaptation rule"),
+        "period": Param(int, default=5, low=1, doc="adaptation period Q in steps"),
+        "tolerance": Param(float, default=0.2, low=0.0, high=1.0, low_open=True, high_open=True,
+                           doc="allowed relative deviation of the mean count from the target"),
+        "gamma_inverse": Param(str, default="exact", choices=("exact", "approx"),
+                               doc="gamma threshold: exact inverse or the paper's closed form"),
+    }
+
+    def _validate(self) -> None:
+        if self.max_stages and self.stages > self.max_stages:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"sparsifier 'sidco': 'stages' ({self.stages}) exceeds 'max_stages' "
+                              f"({self.max_stages})")
+        self._states: Dict[str, _fits.StageState] = {}
+        self.last: dict = {}
+
+    def stage_cap(self) -> int:
+        """The largest stage count adaptation may reach."""
+        return self.max_stages or _fits.max_stages_for(self.ratio, self.first_ratio)
+
+    def stage_state(self, name: str) -> _fits.StageState:
+        """The adaptive stage state of tensor ``name`` (created at ``stages``, capped)."""
+        state = self._states.get(name)
+        if state is None:
+            state = self._states[name] = _fits.StageState(min(self.stages, max(self.stage_cap(), 1)))
+        return state
+
+    def reset(self) -> None:
+        """Forget every tensor's stage state."""
+        self._states.clear()
+
+    def select(self, flat, ctx):
+        return sidco_select(NumpyOps, flat, self, ctx)

@@ -1,0 +1,24 @@
+"""Fixed-threshold sparsification: keep every entry whose magnitude reaches a constant."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..params import Param
+from ..registry import register
+from ._base import Sparsifier
+
+
+@register
+class ThresholdSparsifier(Sparsifier):
+    """Keeps the entries with ``|g_j| >= threshold``; the count follows the gradient's scale.
+
+    With error feedback, entries below the threshold accumulate in the residual until they
+    reach it. An empty selection is valid (nothing travels this step).
+    """
+
+    id = "threshold"
+    PARAMS = {"threshold": Param(float, default=1e-3, low=0.0, low_open=True,
+                                 doc="magnitude an entry must reach to be sent")}
+
+    def select(self, flat, ctx):
+        return np.flatnonzero(np.abs(flat) >= np.float32(self.threshold)).astype(np.int64, copy=False)

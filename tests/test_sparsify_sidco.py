@@ -1,0 +1,141 @@
+"""SIDCo: estimation quality per distribution and ratio, multi-stage fitting, stage adaptation."""
+import math
+
+import numpy as np
+import pytest
+
+from deepreduce import registry
+from deepreduce.errors import ConfigError
+from deepreduce.seeding import EncodeContext, config_digest
+from deepreduce.sparsify import _fits
+
+D = 400_000
+
+
+def ctx(step, name="w"):
+    return EncodeContext(config_digest({"t": 1}), name, step)
+
+
+def draw(dist, rng, d=D):
+    """Symmetric gradients whose magnitudes follow each SID (double exp / gamma / GP)."""
+    sign = rng.choice(np.array([-1.0, 1.0]), size=d)
+    if dist == "exponential":
+        mag = rng.exponential(2e-3, size=d)
+    elif dist == "gamma":
+        mag = rng.gamma(0.6, 1e-3, size=d)
+    else:  # generalised Pareto, shape 0.2 (numpy's Lomax with a = 1/shape)
+        mag = rng.pareto(5.0, size=d) * 1e-3
+    return (sign * mag).astype(np.float32)
+
+
+def sidco(**kw):
+    return registry.create("sparsifier", {"id": "sidco", **kw})
+
+
+@pytest.mark.parametrize("dist", _fits.DISTRIBUTIONS)
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+def test_selected_count_within_20_percent(dist, ratio):
+    rng = np.random.default_rng(hash((dist, ratio)) % 2**32)
+    sp = sidco(ratio=ratio, distribution=dist)
+    k = ratio * D
+    ratios = []
+    for step in range(12):
+        chosen = sp.select(draw(dist, rng), ctx(step))
+        assert np.all(np.diff(chosen) > 0)
+        ratios.append(chosen.size / k)
+    assert all(0.8 <= r <= 1.2 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("dist", ["exponential", "gamma"])
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_multi_stage_beats_single_stage_on_heavy_tails(dist, ratio):
+    rng = np.random.default_rng(7)
+    d = 1_000_000
+    # heavy tails: generalised Pareto with shape 0.3 and Student-t with 3 degrees of freedom
+    for g in (rng.pareto(1 / 0.3, size=d) * rng.choice([-1, 1], size=d), rng.standard_t(3, size=d)):
+        g = g.astype(np.float32)
+        k = ratio * d
+        single = sidco(ratio=ratio, distribution=dist, stages=1, adapt="off").select(g, ctx(1)).size / k
+        stages = 2 if ratio == 0.01 else 3
+        multi = sidco(ratio=ratio, distribution=dist, stages=stages, adapt="off").select(g, ctx(1)).size / k
+        assert abs(math.log(multi)) < abs(math.log(single)), (single, multi)
+        assert abs(multi - 1) < 0.25, multi
+
+
+def test_stage_ratios_multiply_to_target():
+    for ratio in (0.1, 0.01, 0.001):
+        for m in range(1, 8):
+            prod = math.prod(_fits.stage_ratio(i, m, ratio, 0.25) for i in range(1, m + 1))
+            assert prod == pytest.approx(ratio, rel=1e-12)
+    assert _fits.max_stages_for(0.1, 0.25) == 4
+    assert _fits.max_stages_for(0.01, 0.25) == 7
+    assert _fits.max_stages_for(0.001, 0.25) == 10
+    assert _fits.max_stages_for(0.3, 0.25) == 1
+
+
+def test_closed_forms_match_scipy_quantiles():
+    from scipy import stats
+
+    st = _fits.Stats(10, mean=2.0, var=9.0, mean_log=0.3)
+    assert _fits.exponential_threshold(st, 0.01) == pytest.approx(stats.expon(scale=2.0).isf(0.01))
+    q = 4.0 / 9.0
+    alpha, beta = 0.5 * (1 - q), 0.5 * 2.0 * (q + 1)
+    assert stats.genpareto(c=alpha, scale=beta).mean() == pytest.approx(2.0)
+    assert stats.genpareto(c=alpha, scale=beta).var() == pytest.approx(9.0)
+    assert _fits.gpareto_threshold(st, 0.01) == pytest.approx(stats.genpareto(c=alpha, scale=beta).isf(0.01))
+    a = _fits.gamma_shape(st)
+    assert _fits.gamma_threshold(st, 0.001) == pytest.approx(stats.gamma(a, scale=2.0 / a).isf(0.001))
+    # the paper's closed form is an upper bound when alpha <= 1 (and the threshold is above beta)
+    st = _fits.Stats(10, mean=2.0, mean_log=math.log(2.0) - 1.2)
+    assert _fits.gamma_shape(st) < 1
+    assert _fits.gamma_threshold(st, 0.001, exact=False) >= _fits.gamma_threshold(st, 0.001)
+
+
+@pytest.mark.parametrize("mode,expect", [("paper", 1), ("reversed", 2)])
+def test_adaptation_direction(mode, expect):
+    # exponential fit on GP(0.3) magnitudes over-selects at 0.001 with one stage
+    rng = np.random.default_rng(3)
+    g = (rng.pareto(1 / 0.3, size=200_000) * rng.choice([-1, 1], size=200_000)).astype(np.float32)
+    sp = sidco(ratio=0.001, stages=1, adapt=mode, period=5)
+    for step in range(6):
+        sp.select(g, ctx(step))
+    assert sp.stage_state("w").stages == expect
+    assert sp.last["k_hat"] > 1.2 * sp.last["k"]
+
+
+def test_reversed_and_flip_adaptation_converge_on_heavy_tails():
+    rng = np.random.default_rng(4)
+    for mode in ("reversed", "flip"):
+        sp = sidco(ratio=0.001, adapt=mode)
+        seen = []
+        for step in range(60):
+            g = (rng.pareto(1 / 0.3, size=200_000) * rng.choice([-1, 1], size=200_000)).astype(np.float32)
+            seen.append(sp.select(g, ctx(step)).size / 200)
+        assert 0.7 < np.mean(seen[-15:]) < 1.3, (mode, seen[-15:])
+
+
+def test_state_is_per_tensor_and_edge_cases():
+    sp = sidco(ratio=0.01, stages=2)
+    assert sp.stage_state("a") is not sp.stage_state("b")
+    # all zeros: Top-1 fallback picks position 0
+    assert sp.select(np.zeros(1000, np.float32), ctx(0)).tolist() == [0]
+    # mostly zeros: only non-zeros can be chosen, and with ratio above the density, all of them
+    g = np.zeros(10_000, np.float32)
+    g[::200] = np.arange(1, 51, dtype=np.float32)
+    chosen = registry.create("sparsifier", {"id": "sidco", "ratio": 0.02}).select(g, ctx(0))
+    assert chosen.tolist() == np.flatnonzero(g).tolist()
+    # constant magnitudes: the two-parameter fits are degenerate and keep every entry; the
+    # exponential fit puts the threshold above the constant and falls back to Top-1
+    g = np.full(5000, -0.5, np.float32)
+    assert sidco(ratio=0.01, distribution="gamma").select(g, ctx(0)).size == 5000
+    assert sidco(ratio=0.01, distribution="gpareto").select(g, ctx(0)).size == 5000
+    assert sidco(ratio=0.01, distribution="exponential").select(g, ctx(0)).tolist() == [0]
+    with pytest.raises(ConfigError, match="max_stages"):
+        sidco(stages=5, max_stages=3)
+    with pytest.raises(ConfigError, match="distribution"):
+        sidco(distribution="normal")
+
+
+def test_config_round_trip():
+    sp = sidco(ratio=0.001, distribution="gpareto", stages=2, adapt="flip")
+    assert registry.create("sparsifier", sp.get_config()) == sp
