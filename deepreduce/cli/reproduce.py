@@ -1,0 +1,43 @@
+"""``deepreduce reproduce <experiment> --out DIR [--quick]``: rerun one of the paper's experiments.
+
+Prints the experiment's table, writes ``<experiment>.md``/``.json`` and its PNG plots into
+``DIR``. Experiments: fig6 (Bloom policies vs FPR), fig10 (per-config volume and time on one
+ResNet-20 layer), table2 (inherently sparse recommender), fig7 (2-rank convergence), fig11
+(time per iteration over a shaped network between two network namespaces; needs root).
+"""
+from __future__ import annotations
+
+import inspect
+import time
+
+
+def register(subparsers) -> None:
+    from ..reproduce import EXPERIMENTS
+
+    parser = subparsers.add_parser("reproduce", help="reproduce a paper experiment: table + plots")
+    parser.add_argument("experiment", choices=EXPERIMENTS)
+    parser.add_argument("--out", required=True, help="directory for the table and the plots")
+    parser.add_argument("--quick", action="store_true", help="tiny inputs, a few seconds to a minute (what tests run)")
+    parser.add_argument("--epochs", type=int, default=None, help="fig7: epochs per configuration")
+    parser.add_argument("--configs", default=None, help="fig10: directory of YAML configs (default: the repository's configs/)")
+    parser.add_argument("--iterations", type=int, default=None, help="fig11: measured iterations per run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..reproduce import get
+
+    module = get(args.experiment)
+    options = {"quick": args.quick, "show_progress": not args.no_progress}
+    wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations}
+    accepted = inspect.signature(module.run).parameters
+    options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})
+    start = time.perf_counter()
+    result = module.run(args.out, **options)
+    files = result.write(args.out)
+    result.print()
+    for path in files:
+        print(f"table: {path}")
+    print(f"{args.experiment}: done in {time.perf_counter() - start:.1f}s")
+    return 0

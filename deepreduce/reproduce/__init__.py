@@ -1,0 +1,19 @@
+"""Reproductions of the DeepReduce paper's experiments (Figs. 6, 7, 10, 11 and Table 2).
+
+One module per experiment, each with ``run(out_dir, quick=False, ...) -> Result``; the command
+``python -m deepreduce reproduce <experiment> --out DIR`` runs one, prints its table and writes
+the table (Markdown, JSON) and PNG plots into ``DIR``. ``--quick`` runs on tiny inputs (what the
+tests use); the full runs are benchmarks (see docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import importlib
+
+EXPERIMENTS = ("fig6", "fig10", "table2", "fig7", "fig11")
+
+
+def get(name: str):
+    """The module of experiment ``name``."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
+    return importlib.import_module(f"{__name__}.{name}")
