@@ -25,6 +25,9 @@ def register(subparsers) -> None:
                         help="override the sparsifier's ratio (configs whose sparsifier has one)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients")
+    parser.add_argument("--gradient", default=None, metavar="NAME",
+                        help="use the saved real gradient NAME (deepreduce/data/gradients.npz, e.g. "
+                             "layers.7.conv1.weight) instead of synthetic sizes; 'list' prints the names")
     parser.set_defaults(func=run)
 
 
@@ -84,14 +87,26 @@ def run(args) -> int:
     from ..config import build, load_config
 
     paths = args.configs or sorted(glob.glob(os.path.join("configs", "*.yaml")))
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if getattr(args, "gradient", None):
+        from ..gradients import get, load
+
+        if args.gradient == "list":
+            for name, grad in sorted(load().items()):
+                print(f"{name:<28} {grad.size:>8}  {tuple(grad.shape)}")
+            return 0
+        inputs = [(args.gradient, get(args.gradient))]
+    else:
+        inputs = [(str(int(s)), None) for s in args.sizes.split(",") if s]
     rows = []
     for path in paths:
         config = with_ratio(load_config(path), args.ratio)
-        for size in sizes:
+        for label, real in inputs:
             # No error feedback: each repetition must see the same input.
             pipe = build(dict(config, min_numel=0, memory={"id": "none"}))
-            row = measure(pipe, synthetic_gradient(size, args.seed), "bench", args.repeat)
-            rows.append(dict(row, config=os.path.splitext(os.path.basename(path))[0], size=size))
+            grad = real if real is not None else synthetic_gradient(int(label), args.seed)
+            row = measure(pipe, grad, "bench", args.repeat)
+            rows.append(dict(row, config=os.path.splitext(os.path.basename(path))[0], size=grad.size))
+    if getattr(args, "gradient", None):
+        print(f"input: saved real gradient {args.gradient!r} ({inputs[0][1].size} elements)")
     print_table(rows)
     return 0
