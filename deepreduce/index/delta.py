@@ -1,0 +1,130 @@
+"""SketchML delta-binary key codecs (spec doc §2.5 and, for SKCompress, §1.15).
+
+``delta``: the sorted keys become gaps (the first from 0), each written little-endian in the
+fewest of 1-4 bytes, with a 2-bit length flag per key (``00`` = 1 byte ... ``11`` = 4 bytes).
+Payload: ``n`` u32 | flags packed 4 per byte (first key in the low bits, deepreduce.bitpack) |
+the gap bytes. Size ``4 + ceil(n/4) + sum(bytes)`` bytes.
+
+``delta_huffman``: the same gaps, but the flags are Huffman coded (SKCompress codes "the prefix"
+of the delta keys): the index params hold the canonical code lengths of the four flags (2 bits
+each in one byte; 0 = unused) and the payload is ``n`` u32 | Huffman-coded flags
+(deepreduce.huffman_code, MSB first, padded to a byte) | the gap bytes.
+
+Gaps must be below 2**32 (four bytes); larger gaps only occur in tensors of more than 2**32
+elements and are refused with a DeepReduceError that says so.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .. import bitpack, huffman_code
+from ..errors import ContainerError, DeepReduceError
+from ..registry import register
+from ._base import IndexCodec, IndexEncoding
+
+_N = struct.Struct("<I")
+_LIMITS = np.array([1 << 8, 1 << 16, 1 << 24], dtype=np.uint64)
+
+
+def gaps_and_flags(indices: np.ndarray):
+    """Gaps of a sorted set (first from 0) and their byte-count flags (bytes - 1)."""
+    x = np.asarray(indices, dtype=np.uint64)
+    gaps = np.diff(x, prepend=np.uint64(0)) if x.size else x
+    if gaps.size and int(gaps.max()) >= 1 << 32:
+        raise DeepReduceError(f"delta codec: gap {int(gaps.max())} needs more than 4 bytes "
+                              "(tensors over 2**32 elements: use elias_fano or bloom)")
+    flags = np.searchsorted(_LIMITS, gaps, side="right").astype(np.int64)
+    return gaps, flags
+
+
+def gap_bytes(gaps: np.ndarray, flags: np.ndarray) -> bytes:
+    """Each gap's ``flag + 1`` low bytes, little-endian, concatenated."""
+    le = gaps.astype("<u4").view(np.uint8).reshape(-1, 4)
+    return le[np.arange(4)[None, :] <= flags[:, None]].tobytes()
+
+
+def read_gaps(data: bytes, flags: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of :func:`gap_bytes` then prefix sum; checks length and strict increase."""
+    nbytes = flags + 1
+    if int(nbytes.sum()) != len(data):
+        raise ContainerError(f"delta key bytes: {len(data)} present, flags need {int(nbytes.sum())}")
+    mask = np.arange(4)[None, :] < nbytes[:, None]
+    le = np.zeros((count, 4), dtype=np.uint8)
+    le[mask] = np.frombuffer(data, dtype=np.uint8)
+    gaps = le.view("<u4").ravel().astype(np.int64)
+    if count > 1 and (gaps[1:] == 0).any():
+        raise ContainerError("delta keys repeat an index (zero gap)")
+    return np.cumsum(gaps)
+
+
+def _check(indices: np.ndarray, numel: int) -> np.ndarray:
+    if indices.size and indices[-1] >= numel:
+        raise ContainerError(f"delta keys reach {int(indices[-1])}, beyond a tensor of {numel} elements")
+    return indices
+
+
+def _sorted(indices, values):
+    order = np.argsort(indices, kind="stable")
+    return np.asarray(indices, dtype=np.int64)[order], np.asarray(values)[order]
+
+
+@register
+class DeltaIndex(IndexCodec):
+    """SketchML delta-binary keys with 2-bit byte-length flags."""
+
+    id = "delta"
+    wire_id = 4
+    keeps_order = False
+
+    def encode(self, indices, values, dense, ctx):
+        indices, values = _sorted(indices, values)
+        gaps, flags = gaps_and_flags(indices)
+        payload = _N.pack(indices.size) + bitpack.pack(flags, 2) + gap_bytes(gaps, flags)
+        return IndexEncoding(b"", payload, indices, values)
+
+    def decode(self, params, payload, count, numel):
+        head = _N.size + bitpack.packed_size(count, 2)
+        if params or len(payload) < head or _N.unpack_from(payload)[0] != count:
+            raise ContainerError(f"delta index section ({len(payload)} bytes) does not hold {count} keys")
+        flags = bitpack.unpack(payload[_N.size:head], 2, count).astype(np.int64)
+        if count % 4 and payload[head - 1] >> (2 * (count % 4)):
+            raise ContainerError("delta flags have non-zero padding")
+        return _check(read_gaps(payload[head:], flags, count), numel)
+
+
+@register
+class DeltaHuffmanIndex(IndexCodec):
+    """Delta-binary keys with Huffman-coded length flags (SKCompress)."""
+
+    id = "delta_huffman"
+    wire_id = 5
+    keeps_order = False
+
+    def encode(self, indices, values, dense, ctx):
+        indices, values = _sorted(indices, values)
+        gaps, flags = gaps_and_flags(indices)
+        lengths = huffman_code.code_lengths(np.bincount(flags, minlength=4))
+        params = bytes([int(sum(int(l) << (2 * s) for s, l in enumerate(lengths)))])
+        payload = _N.pack(indices.size) + huffman_code.encode(flags, lengths) + gap_bytes(gaps, flags)
+        return IndexEncoding(params, payload, indices, values)
+
+    def decode(self, params, payload, count, numel):
+        if len(params) != 1 or len(payload) < _N.size or _N.unpack_from(payload)[0] != count:
+            raise ContainerError(f"delta_huffman index section ({len(payload)} bytes) does not hold {count} keys")
+        lengths = np.array([(params[0] >> (2 * s)) & 3 for s in range(4)], dtype=np.int64)
+        if count == 0:
+            if len(payload) != _N.size:
+                raise ContainerError("delta_huffman section of 0 keys has trailing bytes")
+            return np.zeros(0, dtype=np.int64)
+        if (lengths > 3).any():
+            raise ContainerError("delta_huffman flag code table is invalid")
+        flags, used = huffman_code.decode_prefix(payload[_N.size:], lengths, count)
+        return _check(read_gaps(payload[_N.size + used:], flags, count), numel)
+
+
+def delta_wire_bytes(indices) -> int:
+    """Spec §2.5 size of the ``delta`` section: ``4 + ceil(n/4) + sum(bytes)``."""
+    gaps, flags = gaps_and_flags(np.sort(np.asarray(indices, dtype=np.int64)))
+    return 4 + (gaps.size + 3) // 4 + int((flags + 1).sum())
