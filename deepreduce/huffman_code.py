@@ -201,3 +201,43 @@ def unpack_lengths(buf: bytes, offset: int = 0, max_alphabet: int = 1 << 24) -> 
     lengths = bitpack.unpack(buf[offset:offset + size], width, alphabet).astype(np.int64)
     _check_lengths(lengths)
     return lengths, offset + size
+
+
+def decode_prefix(data: bytes, lengths, count: int) -> Tuple[np.ndarray, int]:
+    """Decode ``count`` symbols from the start of ``data``, which may go on with other bytes.
+
+    Returns the symbols and the number of bytes their zero-padded code occupies. (Added for
+    the ``delta_huffman`` index codec, whose flag stream is followed by the key bytes.)
+    """
+    from bitarray import bitarray
+    from bitarray.util import canonical_decode
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    _check_lengths(lengths)
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    used = np.flatnonzero(lengths)
+    if used.size == 0:
+        raise ContainerError("Huffman length table is empty but symbols are expected")
+    stream = bitarray(endian="big")
+    stream.frombytes(bytes(data))
+    if used.size == 1:
+        out = np.full(count, used[0], dtype=np.int64)
+    else:
+        maxlen = int(lengths.max())
+        bl_count = np.bincount(lengths, minlength=maxlen + 1)
+        bl_count[0] = 0
+        order = np.lexsort((np.arange(lengths.size), lengths))
+        order = order[lengths[order] > 0]
+        try:
+            out = np.fromiter(
+                islice(canonical_decode(stream, [int(c) for c in bl_count], [int(s) for s in order]), count),
+                dtype=np.int64, count=count,
+            )
+        except ValueError as exc:
+            raise ContainerError(f"Huffman stream is truncated or invalid: {exc}") from exc
+    consumed = int(lengths[out].sum())
+    nbytes = (consumed + 7) // 8
+    if nbytes > len(data) or (used.size == 1 and stream[:consumed].any()) or stream[consumed:8 * nbytes].any():
+        raise ContainerError(f"Huffman stream of {count} symbols is truncated or has non-zero padding")
+    return out, nbytes
