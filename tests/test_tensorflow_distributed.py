@@ -16,31 +16,33 @@ def _horovodrun():
     return candidate if os.path.exists(candidate) else shutil.which("horovodrun")
 
 
-def run_workers(script, timeout=300):
-    """Run a worker under ``horovodrun -np 2`` and return rank 0's RESULT json."""
+def run_workers(script, out_path, timeout=300):
+    """Run a worker under ``horovodrun -np 2``; it writes rank 0's results as JSON to ``out_path``."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [_horovodrun(), "-np", "2", "-H", "localhost:2", sys.executable, os.path.join(ROOT, "tests", "workers", script)]
+    cmd = [_horovodrun(), "-np", "2", "-H", "localhost:2", sys.executable, os.path.join(ROOT, "tests", "workers", script),
+           str(out_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert proc.returncode == 0 and lines, f"horovodrun failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[0])
+    assert proc.returncode == 0 and os.path.exists(out_path), \
+        f"horovodrun failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(out_path, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 @pytest.fixture(scope="module")
-def result():
+def result(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     if _horovodrun() is None:
         pytest.skip("horovodrun is not installed (run `make setup`)")
-    return run_workers("tf_tape_equivalence.py")
+    return run_workers("tf_tape_equivalence.py", tmp_path_factory.mktemp("tf_tape") / "result.json")
 
 
 def test_two_ranks_ran(result):
     assert result["size"] == 2
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "optimizer"])
+@pytest.mark.parametrize("mode", ["eager", "function", "optimizer", "allreduce"])
 def test_raw_codecs_equal_single_process_on_averaged_gradient(result, mode):
     r = result[mode]
     assert r["ranks_identical"]

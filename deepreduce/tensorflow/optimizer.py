@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from ..errors import ConfigError
 from .reduce import Reducer, import_horovod, is_horovod_compressor
-from .tape import resolve_compression
+from .tape import make_reducer
 
 
 def _keras_wrapper_class(base):
@@ -69,32 +69,31 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
     Takes the arguments of ``horovod.tensorflow.DistributedOptimizer``. ``compression`` is a
     deepreduce config or a pipeline built once with :func:`deepreduce.tensorflow.build`;
-    ``None`` or a Horovod compressor returns Horovod's own wrapper. Gradients are named
+    ``None`` or a Horovod compressor reduces by ``hvd.allreduce`` (Horovod's own wrapper for a
+    legacy v1 optimizer; for Keras 3, where Horovod's Keras wrapper fails, this module's). Gradients are named
     ``f"{name_prefix}_{i}"`` by position. ``backward_passes_per_step`` must be 1 (local
     gradient accumulation is not implemented for containers); ``device_*``, ``groups`` and
     ``average_aggregated_gradients`` are accepted for compatibility and have no effect here.
     For a Keras optimizer a new optimizer of the same class and config is returned (its state
     starts empty, as with Horovod's Keras wrapper).
     """
-    hvd = import_horovod()
-    if compression is None or is_horovod_compressor(compression):
-        kwargs = dict(name=name, use_locking=use_locking, device_dense=device_dense, device_sparse=device_sparse,
-                      sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
-                      op=hvd.Average if op is None else op, gradient_predivide_factor=gradient_predivide_factor,
-                      average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-                      groups=groups, scale_local_gradients=scale_local_gradients,
-                      process_set=hvd.global_process_set if process_set is None else process_set)
-        if compression is not None:
-            kwargs["compression"] = compression
-        return hvd.DistributedOptimizer(optimizer, **kwargs)
     if backward_passes_per_step != 1:
         raise ConfigError(
             f"backward_passes_per_step={backward_passes_per_step}: deepreduce's DistributedOptimizer "
             "communicates every step (set it to 1, or accumulate gradients before apply)"
         )
-    pipe = resolve_compression(compression, "DistributedOptimizer")
-    reducer = Reducer(pipe, op=op, process_set=process_set,
-                      gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+    if (compression is None or is_horovod_compressor(compression)) and \
+            isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        hvd = import_horovod()
+        return hvd.DistributedOptimizer(
+            optimizer, name=name, use_locking=use_locking, device_dense=device_dense, device_sparse=device_sparse,
+            compression=compression or hvd.Compression.none, sparse_as_dense=sparse_as_dense,
+            op=hvd.Average if op is None else op, gradient_predivide_factor=gradient_predivide_factor,
+            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+            process_set=hvd.global_process_set if process_set is None else process_set,
+            scale_local_gradients=scale_local_gradients)
+    reducer = make_reducer(compression, "DistributedOptimizer", op=op, process_set=process_set,
+                           gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _LegacyDistributedOptimizer(optimizer, reducer, name or f"Distributed{type(optimizer).__name__}",
                                            use_locking, name_prefix)

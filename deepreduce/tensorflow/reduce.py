@@ -60,15 +60,27 @@ def tensor_key(name: str) -> str:
 class Reducer:
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
-    Holds no per-step state: the pipeline it wraps owns residuals, statistics and the step
-    counter, so a new tape each step (the Horovod idiom) keeps using the same state.
+    With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
+    With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given Horovod compressor
+    (``hvd.Compression.none``/``fp16``): the uncompressed baseline, which also works with Keras 3
+    variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3 removed).
+
+    Holds no per-step state: the pipeline owns residuals, statistics and the step counter, so a
+    new tape each step (the Horovod idiom) keeps using the same state.
     """
 
-    def __init__(self, pipeline: TFPipeline, op=None, process_set=None,
-                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False) -> None:
+    def __init__(self, pipeline: Optional[TFPipeline], op=None, process_set=None,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                 hvd_compression=None) -> None:
         self.hvd = import_horovod()
-        self.pipeline = build(pipeline)
-        self.op = resolve_op(op)
+        self.pipeline = None if pipeline is None else build(pipeline)
+        self.hvd_compression = hvd_compression if hvd_compression is not None else self.hvd.Compression.none
+        if self.pipeline is not None:
+            self.op = resolve_op(op)
+            self.hvd_op = self.hvd.Average if self.op == "average" else self.hvd.Sum
+        else:
+            self.hvd_op = self.hvd.Average if op is None else op
+            self.op = "average" if self.hvd_op == self.hvd.Average else "other"
         self.process_set = process_set if process_set is not None else self.hvd.global_process_set
         if gradient_predivide_factor != 1.0 and self.op != "average":
             raise ConfigError("gradient_predivide_factor is only supported with op=hvd.Average")
@@ -81,20 +93,29 @@ class Reducer:
     def size(self) -> int:
         return self.process_set.size()
 
+    def _process_set_kwargs(self) -> dict:
+        if self.process_set is self.hvd.global_process_set:
+            return {}
+        return {"process_set": self.process_set}
+
     def reduce_one(self, grad, name: str, step) -> tf.Tensor:
         """The average (or sum) over ranks of one gradient tensor."""
         if isinstance(grad, tf.IndexedSlices):
-            # containers carry dense tensors; the sparsifier finds the non-zeros again
+            # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds
+            # the non-zeros again
             grad = tf.convert_to_tensor(grad)
+        if self.pipeline is None:
+            kwargs = self._process_set_kwargs()
+            if self.predivide != 1.0:
+                kwargs.update(prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide)
+            return self.hvd.allreduce(grad, op=self.hvd_op, compression=self.hvd_compression,
+                                      name=tensor_key(name), **kwargs)
         dtype = grad.dtype
         size = self.size
         if self.predivide != 1.0:
             grad = grad * tf.cast(1.0 / self.predivide, dtype)
         payload = self.pipeline.encode(grad, name=name, step=step)
-        kwargs = {}
-        if self.process_set is not self.hvd.global_process_set:
-            kwargs["process_set"] = self.process_set
-        gathered = self.hvd.allgather(payload, name=tensor_key(name), **kwargs)
+        gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
         shape = grad.shape if grad.shape.is_fully_defined() else None
         total = self.pipeline.decode_sum(gathered, shape, count=size)
         if shape is None:
@@ -109,11 +130,11 @@ class Reducer:
         ``step``: an int, an integer tensor or variable (e.g. ``optimizer.iterations``); when
         None, the pipeline's own counter is read and then advanced by one.
         """
-        own_counter = step is None
+        own_counter = step is None and self.pipeline is not None
         if own_counter:
             counter = self.pipeline.iterations
             step = tf.identity(counter.read_value())
-        elif hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
+        elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
         out = [None if g is None else self.reduce_one(g, n, step) for g, n in zip(grads, names)]
         if own_counter:

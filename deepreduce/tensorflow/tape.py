@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from ..errors import ConfigError
 from .pipeline import TFPipeline, build
-from .reduce import Reducer, import_horovod, is_horovod_compressor
+from .reduce import Reducer, is_horovod_compressor
 
 
 def _source_key(source):
@@ -41,6 +41,13 @@ def resolve_compression(compression, owner: str) -> TFPipeline:
             RuntimeWarning, stacklevel=3,
         )
     return pipe
+
+
+def make_reducer(compression, owner: str, **kwargs) -> Reducer:
+    """A Reducer: containers by allgather for a deepreduce config, Horovod allreduce otherwise."""
+    if compression is None or is_horovod_compressor(compression):
+        return Reducer(None, hvd_compression=compression, **kwargs)
+    return Reducer(resolve_compression(compression, owner), **kwargs)
 
 
 class _DeepReduceGradientTape(tf.GradientTape):
@@ -98,8 +105,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
 
     Args (beyond Horovod's, which keep their meaning):
         compression: a deepreduce config (path, dict) or a pipeline built once with
-            :func:`deepreduce.tensorflow.build`; or a Horovod compressor, in which case Horovod's
-            own tape (allreduce) is returned.
+            :func:`deepreduce.tensorflow.build`; or None / a Horovod compressor
+            (``hvd.Compression.none``/``fp16``), in which case the gradients are reduced by
+            ``hvd.allreduce`` (any Horovod ``op``), the uncompressed baseline.
         step: the step used to seed randomised components: an int, an integer tensor or a
             variable such as ``optimizer.iterations``. None: the pipeline's own counter
             (``pipeline.iterations``), advanced by one per ``gradient()`` call.
@@ -112,18 +120,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     allgather, which Horovod's tensor fusion batches. ``sparse_as_dense`` is implied: an
     ``IndexedSlices`` gradient is densified and the sparsifier finds its non-zeros.
     """
-    hvd = import_horovod()
-    if compression is None or is_horovod_compressor(compression):
-        kwargs = dict(device_dense=device_dense, device_sparse=device_sparse, sparse_as_dense=sparse_as_dense,
-                      op=hvd.Average if op is None else op, gradient_predivide_factor=gradient_predivide_factor,
-                      num_groups=num_groups, groups=groups, scale_local_gradients=scale_local_gradients,
-                      process_set=hvd.global_process_set if process_set is None else process_set)
-        if compression is not None:
-            kwargs["compression"] = compression
-        return hvd.DistributedGradientTape(gradtape, **kwargs)
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
-    pipe = resolve_compression(compression, "DistributedGradientTape")
-    reducer = Reducer(pipe, op=op, process_set=process_set,
-                      gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+    reducer = make_reducer(compression, "DistributedGradientTape", op=op, process_set=process_set,
+                           gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
     return _DeepReduceGradientTape(gradtape, reducer, step, scale_local_gradients, name_prefix)
