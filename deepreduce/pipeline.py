@@ -85,8 +85,13 @@ class Pipeline:
         return EncodeContext(self._digest, name, step)
 
     # ------------------------------------------------------------------ encode
-    def encode(self, grad, name: str = "", step: int = 0) -> np.ndarray:
-        """Compress one gradient into a container (1-D uint8 array)."""
+    def encode(self, grad, name: str = "", step: int = 0, select=None) -> np.ndarray:
+        """Compress one gradient into a container (1-D uint8 array).
+
+        ``select(compensated, ctx) -> ascending int64 positions`` replaces the sparsifier's own
+        NumPy selection; framework bindings pass their native implementation of the same
+        sparsifier (it must choose the same positions).
+        """
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
         finite = bool(np.isfinite(flat).all())
@@ -103,15 +108,15 @@ class Pipeline:
             if flat.size < self.min_numel:
                 c = _dense_container(compensated, shape, container.FLAG_DENSE)
             else:
-                c = self._encode_sparse(compensated, shape, self.context(name, step))
+                c = self._encode_sparse(compensated, shape, self.context(name, step), select)
             if self.memory.stateful:
                 self.memory.update(name, compensated, self._decode(c).ravel())
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload
 
-    def _encode_sparse(self, compensated: np.ndarray, shape, ctx: EncodeContext) -> container.Container:
-        indices = self.sparsifier.select(compensated, ctx)
+    def _encode_sparse(self, compensated: np.ndarray, shape, ctx: EncodeContext, select=None) -> container.Container:
+        indices = (select or self.sparsifier.select)(compensated, ctx)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
         if self.index.keeps_order:

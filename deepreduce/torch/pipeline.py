@@ -12,6 +12,7 @@ import torch
 
 from ..config import ConfigLike, build as build_core
 from ..pipeline import Pipeline
+from .sparsify import select_torch
 
 
 class TorchPipeline:
@@ -32,10 +33,23 @@ class TorchPipeline:
         return self.core.get_config()
 
     def encode(self, tensor: torch.Tensor, name: str = "", step: int = 0) -> torch.Tensor:
+        """Encode ``tensor``; the sparsifier runs as torch code on the tensor's device.
+
+        The codecs run on the CPU copy (they need the dense values, e.g. Bloom P0). Without
+        error feedback the selection reads the device tensor itself; with it, the compensated
+        gradient (kept by the core) is what the selection reads.
+        """
         grad = tensor.detach()
         if grad.dtype != torch.float32:
             grad = grad.float()
-        payload = self.core.encode(grad.cpu().numpy(), name=name, step=int(step))
+        flat_device = grad.reshape(-1)
+        stateless = not self.core.memory.stateful
+
+        def select(compensated: np.ndarray, ctx) -> np.ndarray:
+            source = flat_device if stateless else torch.from_numpy(compensated).to(flat_device.device)
+            return select_torch(self.core.sparsifier, source, ctx).cpu().numpy()
+
+        payload = self.core.encode(grad.cpu().numpy(), name=name, step=int(step), select=select)
         return torch.from_numpy(payload)
 
     def decode(self, payload, expected_shape: Optional[Sequence[int]] = None,
