@@ -1,0 +1,233 @@
+"""GradiVeQ as a Horovod ``Compressor``: summable PCA codes through an ordinary allreduce.
+
+Use it as ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=GradiVeQ())``
+(unmodified Horovod) or with ``deepreduce.torch.DistributedOptimizer(..., compression=
+GradiVeQ())``. The math is :mod:`deepreduce.gradiveq`; this module keeps the per-tensor
+state and runs the per-step products on the gradient's own device.
+
+Life of one conv-layer gradient (iteration counter ``t`` per tensor):
+
+* ``t < warmup``: sent uncompressed;
+* sampling window (``sample_iters``): sent uncompressed; the aggregated result that comes
+  back from the allreduce (identical on every rank) is recorded -- the group-first slices for
+  PCA, a running sum for the per-slice means;
+* at the end of the window every rank trains the same model from the same aggregated data
+  (float64 SVD, deterministic signs), so ``U`` is identical on every rank without sending it;
+* ``compress_iters`` steps: the code ``U^T g`` (plus uncompressed groups and the tail) is
+  allreduced and decompressed after; then a new sampling window starts (the paper's schedule:
+  2,500 / 100 / 400).
+
+Tensors that are not 4-D conv kernels (unless ``slice_size`` is given), smaller than
+``min_numel`` or with no valid slice size travel uncompressed. Works with allreduce ``Sum``
+and ``Average`` (any linear reduction; not Adasum).
+
+Which tensor is which: Horovod calls ``compress(tensor)`` without a name. Without a name, a
+tensor is identified by (shape, dtype, position among same-shaped tensors in this step); a
+step starts at the first ``compress`` after a ``decompress``. That needs the gradient hooks to
+fire in the same order every step (true for a fixed model). deepreduce's own optimizer passes
+``name=`` and needs no such assumption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .. import gradiveq as gv
+from ..errors import ConfigError
+
+
+@dataclass
+class _TensorState:
+    plan: Optional[gv.SlicePlan]
+    t: int = 0
+    samples: List[List[torch.Tensor]] = field(default_factory=list)   # per group: first-slice samples
+    running: Optional[torch.Tensor] = None                             # float64 sum of the slices
+    n_samples: int = 0
+    model: Optional[gv.Model] = None
+    device_model: Optional[Tuple[torch.device, list, torch.Tensor]] = None
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    key: object
+    mode: str          # "raw" or "pca"
+    phase: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _require_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"GradiVeQ: {name!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class GradiVeQ:
+    """Horovod-compatible GradiVeQ compressor (instance methods ``compress``/``decompress``).
+
+    Args (defaults are the paper's experiment values where it gives them):
+        loss: compression-loss threshold ``lambda`` of eq. (6), in (0, 1). Default 0.01.
+        reuse: slices sharing one compressor ``s``; 0 means the whole layer (``s = inf``).
+        slice_size: ``K``; 0 picks ``3 F D`` / ``F D`` per conv layer (spec Part III.3 item 6).
+        max_slice: largest automatic ``K`` (the SVD costs ``O(L_t^2 K)``). Default 4096.
+        min_numel: smaller tensors travel uncompressed. Default 1024.
+        warmup, sample_iters, compress_iters: the schedule (2500, 100, 400).
+        layout: ``"torch"`` (kernels ``(F, D, H, W)``) or ``"tf"`` (``(H, W, D, F)``).
+    """
+
+    accepts_name = True
+
+    def __init__(self, loss: float = 0.01, reuse: int = 0, slice_size: int = 0, max_slice: int = 4096,
+                 min_numel: int = 1024, warmup: int = 2500, sample_iters: int = 100,
+                 compress_iters: int = 400, layout: str = "torch") -> None:
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0.0 < loss < 1.0:
+            raise ConfigError(f"GradiVeQ: 'loss' must be a number in (0, 1), got {loss!r}")
+        if layout not in gv.LAYOUTS:
+            raise ConfigError(f"GradiVeQ: 'layout' is {layout!r}; allowed: {', '.join(gv.LAYOUTS)}")
+        self.loss = float(loss)
+        self.reuse = _require_int("reuse", reuse, 0)
+        self.slice_size = _require_int("slice_size", slice_size, 0)
+        self.max_slice = _require_int("max_slice", max_slice, 2)
+        self.min_numel = _require_int("min_numel", min_numel, 0)
+        self.layout = layout
+        self.schedule = gv.Schedule(_require_int("warmup", warmup, 0), _require_int("sample_iters", sample_iters, 2),
+                                    _require_int("compress_iters", compress_iters, 1))
+        self._states: Dict[object, _TensorState] = {}
+        self._occurrence: Dict[tuple, int] = {}
+        self._new_step = True
+        self.stats = {"compressed": 0, "uncompressed": 0, "dense_elements": 0, "sent_elements": 0,
+                      "trainings": 0}
+
+    def get_config(self) -> dict:
+        return {"loss": self.loss, "reuse": self.reuse, "slice_size": self.slice_size,
+                "max_slice": self.max_slice, "min_numel": self.min_numel, "warmup": self.schedule.warmup,
+                "sample_iters": self.schedule.sample_iters, "compress_iters": self.schedule.compress_iters,
+                "layout": self.layout}
+
+    def __repr__(self) -> str:
+        return "GradiVeQ(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
+
+    # ---------------------------------------------------------------- state
+    def _key(self, tensor: torch.Tensor, name: Optional[str]):
+        if name is not None:
+            return name
+        if self._new_step:
+            self._occurrence.clear()
+            self._new_step = False
+        sig = (tuple(tensor.shape), tensor.dtype)
+        occ = self._occurrence.get(sig, 0)
+        self._occurrence[sig] = occ + 1
+        return sig + (occ,)
+
+    def _state(self, key, shape) -> _TensorState:
+        state = self._states.get(key)
+        if state is None:
+            plan = gv.slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel, self.reuse)
+            state = self._states[key] = _TensorState(plan)
+        return state
+
+    def model(self, key) -> Optional[gv.Model]:
+        """The trained model of a tensor (by name, or auto key), None before training."""
+        state = self._states.get(key)
+        return None if state is None else state.model
+
+    def compression_stats(self) -> dict:
+        """Counts of compressed/uncompressed sends, element volumes, and per-tensor ``d``."""
+        out = dict(self.stats)
+        out["ratio"] = out["dense_elements"] / out["sent_elements"] if out["sent_elements"] else 1.0
+        out["dims"] = {str(k): s.model.dims for k, s in self._states.items() if s.model is not None}
+        return out
+
+    # ---------------------------------------------------------------- slicing on device
+    def _slices(self, tensor: torch.Tensor, plan: gv.SlicePlan):
+        perm = gv.slice_order(plan.shape, plan.layout)
+        flat = (tensor.permute(*perm) if perm else tensor).reshape(-1)
+        return flat[: plan.sliced].reshape(plan.n_slices, plan.slice_size), flat[plan.sliced:]
+
+    def _unslice(self, slices: torch.Tensor, tail: torch.Tensor, plan: gv.SlicePlan) -> torch.Tensor:
+        flat = torch.cat([slices.reshape(-1), tail])
+        perm = gv.slice_order(plan.shape, plan.layout)
+        if perm is None:
+            return flat.reshape(plan.shape)
+        permuted = flat.reshape(tuple(plan.shape[p] for p in perm))
+        return permuted.permute(*gv.inverse(perm)).contiguous()
+
+    def _device_model(self, state: _TensorState, device: torch.device):
+        cached = state.device_model
+        if cached is None or cached[0] != device:
+            us = [None if g.u is None else torch.from_numpy(g.u).to(device) for g in state.model.groups]
+            cached = state.device_model = (device, us, torch.from_numpy(state.model.offset).to(device))
+        return cached[1], cached[2]
+
+    # ---------------------------------------------------------------- Horovod contract
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
+        """``(tensor to allreduce, context)``: the code in compression steps, else the tensor."""
+        key = self._key(tensor, name)
+        state = self._state(key, tuple(tensor.shape))
+        phase = self.schedule.phase(state.t)
+        ctx = _Ctx(key, "raw", phase, tuple(tensor.shape), tensor.dtype)
+        self.stats["dense_elements"] += tensor.numel()
+        if state.plan is None or phase != "compress" or state.model is None \
+                or not tensor.dtype.is_floating_point:
+            self.stats["uncompressed"] += 1
+            self.stats["sent_elements"] += tensor.numel()
+            return tensor, ctx
+        us, _ = self._device_model(state, tensor.device)
+        slices, tail = self._slices(tensor.detach().float(), state.plan)
+        parts = []
+        for g, u in zip(state.model.groups, us):
+            block = slices[g.start:g.start + g.count]
+            parts.append((block @ u if u is not None else block).reshape(-1))
+        parts.append(tail)
+        code = torch.cat(parts)
+        self.stats["compressed"] += 1
+        self.stats["sent_elements"] += code.numel()
+        return code, _Ctx(key, "pca", phase, ctx.shape, ctx.dtype)
+
+    def decompress(self, tensor: torch.Tensor, ctx: _Ctx, parts: int = 1) -> torch.Tensor:
+        """The aggregated gradient from the allreduce output; advances the tensor's schedule.
+
+        ``parts`` (default 1) splits the affine offset for decompressing one rank's share of a
+        sum (see :func:`deepreduce.gradiveq.decompress`).
+        """
+        self._new_step = True
+        state = self._states[ctx.key]
+        if ctx.mode == "raw":
+            if ctx.phase == "sample" and state.plan is not None and tensor.dtype.is_floating_point:
+                self._record(state, tensor)
+            out = tensor
+        else:
+            us, offset = self._device_model(state, tensor.device)
+            plan, pos = state.plan, 0
+            code = tensor.float()
+            blocks = []
+            for g, u in zip(state.model.groups, us):
+                width = u.shape[1] if u is not None else plan.slice_size
+                block = code[pos:pos + g.count * width].reshape(g.count, width)
+                pos += g.count * width
+                blocks.append(block @ u.T if u is not None else block)
+            slices = torch.cat(blocks) + offset / parts
+            out = self._unslice(slices, code[pos:], plan).to(ctx.dtype)
+        state.t += 1
+        return out
+
+    def _record(self, state: _TensorState, reduced: torch.Tensor) -> None:
+        plan = state.plan
+        slices, _ = self._slices(reduced.detach().double(), plan)
+        if state.n_samples == 0:
+            state.samples = [[] for _ in plan.groups]
+            state.running = torch.zeros_like(slices)
+        for i, (start, _count) in enumerate(plan.groups):
+            state.samples[i].append(slices[start].cpu())
+        state.running += slices
+        state.n_samples += 1
+        if state.n_samples == self.schedule.sample_iters:
+            samples = [torch.stack(s).numpy() for s in state.samples]
+            mean = (state.running / state.n_samples).cpu().numpy()
+            state.model = gv.train(plan, samples, mean, self.loss)
+            state.device_model = None
+            state.samples, state.running, state.n_samples = [], None, 0
+            self.stats["trainings"] += 1
