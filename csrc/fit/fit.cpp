@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -79,18 +80,54 @@ void segment_part(const double* y, int64_t a, int64_t b, int max_segments, int64
   for (const Segment& s : segs) lengths.push_back(s.b - s.a);
 }
 
-inline double abscissa(int64_t i, int64_t len) {
-  return len > 1 ? (2.0 * static_cast<double>(i)) / static_cast<double>(len - 1) - 1.0 : 0.0;
+// Abscissa step of a segment: t_i = i * h - 1 with h = 2 / (len - 1) (t = 0 when len = 1).
+inline double abscissa_step(int64_t len) {
+  return len > 1 ? 2.0 / static_cast<double>(len - 1) : 0.0;
 }
 
-// Legendre P_0..P_deg at t, by the three-term recurrence.
+inline double abscissa(int64_t i, double h, int64_t len) {
+  return len > 1 ? static_cast<double>(i) * h - 1.0 : 0.0;
+}
+
+// Recurrence constants A_k = (2k+1)/(k+1), B_k = k/(k+1), each rounded once to double.
+struct Recurrence {
+  double a[kMaxDegree + 1], b[kMaxDegree + 1];
+  Recurrence() {
+    for (int k = 0; k <= kMaxDegree; ++k) {
+      a[k] = (2.0 * k + 1.0) / (k + 1.0);
+      b[k] = static_cast<double>(k) / (k + 1.0);
+    }
+  }
+};
+const Recurrence kRec;
+
+// Legendre P_0..P_deg at t: P_{k+1} = A_k t P_k - B_k P_{k-1}.
 inline void legendre(double t, int deg, double* p) {
   p[0] = 1.0;
   if (deg >= 1) p[1] = t;
-  for (int k = 1; k < deg; ++k) {
-    p[k + 1] = ((2.0 * k + 1.0) * t * p[k] - static_cast<double>(k) * p[k - 1]) /
-               static_cast<double>(k + 1);
+  for (int k = 1; k < deg; ++k) p[k + 1] = kRec.a[k] * t * p[k] - kRec.b[k] * p[k - 1];
+}
+
+// Accumulates the lower triangle of the Gram matrix and the right-hand side for M = deg + 1
+// basis functions. M is a template parameter so the compiler unrolls the loops; the
+// floating-point operations and their order are the same for every M (sequential sums).
+template <int M>
+void accumulate(const double* y, int64_t len, double (*G)[kMaxDegree + 1], double* r) {
+  double p[kMaxDegree + 1];
+  const double h = abscissa_step(len);
+  for (int64_t i = 0; i < len; ++i) {
+    legendre(abscissa(i, h, len), M - 1, p);
+    for (int j = 0; j < M; ++j) {
+      for (int k = 0; k <= j; ++k) G[j][k] += p[j] * p[k];
+      r[j] += p[j] * y[i];
+    }
   }
+}
+
+template <int... Ms>
+void accumulate_dispatch(int m, const double* y, int64_t len, double (*G)[kMaxDegree + 1],
+                         double* r, std::integer_sequence<int, Ms...>) {
+  ((m == Ms + 1 ? (accumulate<Ms + 1>(y, len, G, r), true) : false) || ...);
 }
 
 // Least squares of y[0..len) in the Legendre basis of degree deg via normal equations
@@ -99,14 +136,7 @@ int fit_segment(const double* y, int64_t len, int deg, double* coef) {
   const int m = deg + 1;
   double G[kMaxDegree + 1][kMaxDegree + 1] = {};
   double r[kMaxDegree + 1] = {};
-  double p[kMaxDegree + 1];
-  for (int64_t i = 0; i < len; ++i) {
-    legendre(abscissa(i, len), deg, p);
-    for (int j = 0; j < m; ++j) {
-      for (int k = 0; k <= j; ++k) G[j][k] += p[j] * p[k];
-      r[j] += p[j] * y[i];
-    }
-  }
+  accumulate_dispatch(m, y, len, G, r, std::make_integer_sequence<int, kMaxDegree + 1>{});
   double L[kMaxDegree + 1][kMaxDegree + 1] = {};
   for (int j = 0; j < m; ++j) {
     double s = G[j][j];
@@ -299,8 +329,9 @@ int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree
       if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
       c += coef_bytes;
     }
+    const double h = abscissa_step(seglen);
     for (int64_t i = 0; i < seglen; ++i) {
-      legendre(abscissa(i, seglen), deg, p);
+      legendre(abscissa(i, h, seglen), deg, p);
       double acc = coef[0] * p[0];
       for (int j = 1; j <= deg; ++j) acc += coef[j] * p[j];
       float f = static_cast<float>(acc);

@@ -10,7 +10,7 @@ Encode (spec §1.10, readings III.10-12):
    both children keep at least ``max(degree + 1, min_points)`` points; the segment with the
    largest distance is split next, until ``segments`` pieces exist per sign or nothing can split;
 4. per segment of ``L`` points, least squares of degree ``min(degree, L - 1)`` in the Legendre
-   basis on the scaled abscissa ``t_i = 2 i / (L - 1) - 1`` (``t = 0`` when ``L = 1``): normal
+   basis on the scaled abscissa ``t_i = i h - 1``, ``h = 2 / (L - 1)`` (``t = 0`` when ``L = 1``): normal
    equations (the Legendre Gram matrix on [-1, 1] is nearly diagonal, so this is well
    conditioned) solved by Cholesky, all in float64; coefficients sent as float32 (default) or
    float64.
@@ -45,19 +45,23 @@ _COEF_NP = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
 
 
 def abscissa(length: int) -> np.ndarray:
-    """The scaled abscissae of a segment of ``length`` points, in [-1, 1]."""
+    """The scaled abscissae ``t_i = i h - 1``, ``h = 2 / (length - 1)``, of a segment: [-1, 1]."""
     if length <= 1:
         return np.zeros(max(length, 0), dtype=np.float64)
-    return (2.0 * np.arange(length, dtype=np.float64)) / float(length - 1) - 1.0
+    return np.arange(length, dtype=np.float64) * (2.0 / float(length - 1)) - 1.0
+
+
+_REC_A = [(2.0 * k + 1.0) / (k + 1.0) for k in range(MAX_DEGREE + 1)]
+_REC_B = [float(k) / (k + 1.0) for k in range(MAX_DEGREE + 1)]
 
 
 def legendre_rows(t: np.ndarray, degree: int) -> list:
-    """``[P_0(t), ..., P_degree(t)]`` by the three-term recurrence (same order as fit.cpp)."""
+    """``[P_0(t), ..., P_degree(t)]`` by ``P_{k+1} = A_k t P_k - B_k P_{k-1}`` (as fit.cpp)."""
     rows = [np.ones_like(t)]
     if degree >= 1:
         rows.append(t.copy())
     for k in range(1, degree):
-        rows.append(((2.0 * k + 1.0) * t * rows[k] - float(k) * rows[k - 1]) / float(k + 1))
+        rows.append(_REC_A[k] * t * rows[k] - _REC_B[k] * rows[k - 1])
     return rows
 
 

@@ -1,0 +1,92 @@
+"""``deepreduce bench-fit``: the curve-fit value codecs against DeepReduce's Fig. 10 targets.
+
+Two measurements, both on saved real ResNet-20 gradients (``deepreduce capture-gradients``):
+
+* **volume**: the whole container of ``topk -> raw index -> {polyfit, dexp}`` against the Top-r
+  container (``raw/raw``) at Top-r ``--ratio`` (default 1%) of one conv gradient (default the
+  36,864-element ``layers.7.conv1.weight``), with the relative L2 error of the values
+  (``||decoded - topr|| / ||topr||``) and encode+decode time;
+* **speed**: Fit-Poly encode + decode of ``--count`` values (default 255,570 = 1% of ResNet-50's
+  25,557,032) with the C++ kernel (single thread) and the NumPy path. The values are the
+  ``--count`` largest-magnitude entries of every ResNet-20 gradient concatenated (``all``).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench-fit", help="Fit-Poly / Fit-DExp volume, error and speed (Fig. 10 targets)")
+    parser.add_argument("--gradient", default=None, help="saved gradient for the volume rows")
+    parser.add_argument("--ratio", type=float, default=0.01, help="Top-r ratio of the volume rows")
+    parser.add_argument("--count", type=int, default=255_570, help="values in the speed rows")
+    parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median reported)")
+    parser.set_defaults(func=run)
+
+
+def _median_ms(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def volume_rows(grad: np.ndarray, ratio: float, repeat: int):
+    from ..config import build
+
+    base = {"sparsifier": {"id": "topk", "ratio": ratio}, "index": {"id": "raw"},
+            "memory": {"id": "none"}, "min_numel": 0}
+    flat = grad.ravel()
+    rows, reference = [], None
+    for label, value in (("Top-r raw/raw", {"id": "raw"}),
+                         ("Fit-Poly (deg 5, <=4 seg/sign)", {"id": "polyfit"}),
+                         ("Fit-Poly (deg 5, <=2 seg/sign)", {"id": "polyfit", "segments": 2}),
+                         ("Fit-DExp", {"id": "dexp"})):
+        pipe = build(dict(base, value=value))
+        payload = pipe.encode(grad, "conv", 0)
+        out = pipe.decode(payload).ravel()
+        keep = pipe.sparsifier.select(flat, pipe.context("conv", 0))
+        target = np.zeros_like(flat)
+        target[keep] = flat[keep]
+        ms = _median_ms(lambda: pipe.decode(pipe.encode(grad, "conv", 0)), repeat)
+        if reference is None:
+            reference = payload.size
+        rows.append((label, payload.size, 1 - payload.size / reference,
+                     float(np.linalg.norm(out - target) / np.linalg.norm(target)), ms, pipe.value.backend))
+    return rows
+
+
+def run(args) -> int:
+    from .. import _native, gradients
+    from ..values import polyfit
+
+    name = args.gradient or gradients.DEFAULT_GRADIENT
+    grad = gradients.get(name)
+    print(f"volume: Top-r {args.ratio:g} of {name!r} ({grad.size} elements), whole containers")
+    print(f"{'codec':<32} {'bytes':>7} {'cut vs Top-r':>12} {'rel_err':>9} {'enc+dec ms':>10}  backend")
+    for label, size, cut, err, ms, backend in volume_rows(grad, args.ratio, args.repeat):
+        print(f"{label:<32} {size:>7} {100 * cut:>11.1f}% {err:>9.4f} {ms:>10.3f}  {backend}")
+
+    allg = gradients.get("all")
+    count = min(args.count, allg.size)
+    values = allg[np.argsort(-np.abs(allg), kind="stable")[:count]].astype(np.float32)
+    values = values[np.random.default_rng(0).permutation(count)]     # transmission order is not sorted
+    print(f"\nspeed: Fit-Poly (degree 5, <=4 segments per sign, float32 coefficients) on {count} real values")
+    native = _native.load("fit")
+    if native is not None:
+        enc = _median_ms(lambda: native.encode(values, 5, 4, 20, 4), args.repeat)
+        _, payload = native.encode(values, 5, 4, 20, 4)
+        dec = _median_ms(lambda: native.decode(payload, count, 5, 4), args.repeat)
+        print(f"C++ (1 thread):  encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
+    else:
+        print("C++ kernel deepreduce._fit not built: " + _native.BUILD_HINT)
+    enc = _median_ms(lambda: polyfit.encode_numpy(values, 5, 4, 20, 4), max(1, args.repeat // 2))
+    _, payload = polyfit.encode_numpy(values, 5, 4, 20, 4)
+    dec = _median_ms(lambda: polyfit.decode_numpy(payload, count, 5, 4), max(1, args.repeat // 2))
+    print(f"NumPy:           encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
+    return 0
