@@ -19,8 +19,8 @@ LOSSLESS_VALUE = {"raw", "deflate"}
 
 def test_there_is_a_config_for_every_instantiation_the_papers_evaluate():
     names = {os.path.splitext(os.path.basename(p))[0] for p in CONFIGS}
-    assert {"bfp2_raw", "polyfit", "dexp", "bfp2_polyfit", "bfp0_qsgd", "skcompress", "rle_raw",
-            "huffman_raw", "deflate", "qsgd", "topk_raw"} <= names
+    assert {"bf_p2", "polyfit", "dexp", "bfp2_polyfit", "bfp0_qsgd", "skcompress", "rle",
+            "huffman", "deflate", "qsgd", "topk_raw", "sketchml", "skcompress_topk"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
