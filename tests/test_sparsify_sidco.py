@@ -139,3 +139,34 @@ def test_state_is_per_tensor_and_edge_cases():
 def test_config_round_trip():
     sp = sidco(ratio=0.001, distribution="gpareto", stages=2, adapt="flip")
     assert registry.create("sparsifier", sp.get_config()) == sp
+
+
+def test_native_kernels_match_numpy_path(monkeypatch):
+    from deepreduce import _native
+    from deepreduce.sparsify.sidco import NativeOps, NumpyOps
+
+    module = _native.load("sidco")
+    if module is None:
+        pytest.fail("deepreduce._sidco is not built: run `python setup.py build_ext --inplace`")
+    rng = np.random.default_rng(9)
+    g = draw("gamma", rng, 100_003)
+    g[::7] = 0
+    native = NativeOps(module)
+    a_n, a_p = native.magnitudes(g), NumpyOps.magnitudes(g)
+    for need_var, need_log in ((False, False), (True, True)):
+        s_n, s_p = native.first_stats(a_n, need_var, need_log), NumpyOps.first_stats(a_p, need_var, need_log)
+        assert s_n.n == s_p.n
+        for f in ("mean", "var", "mean_log"):
+            x, y = getattr(s_n, f), getattr(s_p, f)
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-12)
+    eta = 1.3e-3
+    np.testing.assert_array_equal(native.exceed(a_n, eta), NumpyOps.exceed(a_p, eta))
+    np.testing.assert_array_equal(native.select(a_n, eta), NumpyOps.select(a_p, eta))
+    assert native.select(a_n, 1e9).size == 0 and native.exceed(np.zeros(0, np.float32), 0.0).size == 0
+    for dist in _fits.DISTRIBUTIONS:
+        cfg = {"ratio": 0.001, "distribution": dist, "stages": 3}
+        want = sidco(**cfg).select(g, ctx(0))
+        monkeypatch.setenv("DEEPREDUCE_BACKEND", "numpy")
+        got = sidco(**cfg).select(g, ctx(0))
+        monkeypatch.delenv("DEEPREDUCE_BACKEND")
+        np.testing.assert_array_equal(want, got)

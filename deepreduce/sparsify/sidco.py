@@ -25,6 +25,7 @@ from typing import Dict
 
 import numpy as np
 
+from .. import _native
 from ..params import Param
 from ..registry import register
 from . import _fits
@@ -87,6 +88,49 @@ class NumpyOps:
     @staticmethod
     def top1(a):
         return topk_positions(a, 1)
+
+
+class NativeOps:
+    """The same operations through the C++ kernels (``deepreduce._sidco``): the vectors stay
+    signed and every kernel takes magnitudes on the fly, so no ``|g|`` copy is made, and the
+    statistics take one pass. Same float64 statistics and float32 comparisons as NumpyOps."""
+
+    def __init__(self, module) -> None:
+        self.m = module
+
+    @staticmethod
+    def magnitudes(flat):
+        return np.ascontiguousarray(flat, dtype=np.float32)
+
+    def first_stats(self, a, need_var: bool, need_log: bool) -> _fits.Stats:
+        n, total, logs = self.m.abs_stats(a, need_log)
+        if n == 0:
+            return _fits.Stats(0, 0.0)
+        mean = total / n
+        var = self.m.abs_sq_dev(a, mean) / n if need_var else float("nan")
+        return _fits.Stats(n, mean, var, logs / n if need_log else float("nan"))
+
+    def tail_stats(self, x, shift: float, need_var: bool) -> _fits.Stats:
+        n, total, _ = self.m.abs_stats(x, False)
+        if x.size == 0:
+            return _fits.Stats(0, 0.0)
+        mean = total / x.size
+        var = self.m.abs_sq_dev(x, mean) / x.size if need_var else float("nan")
+        return _fits.Stats(int(x.size), mean - shift, var)
+
+    def exceed(self, x, eta: float):
+        return self.m.abs_exceed(x, float(np.float32(eta)))
+
+    @staticmethod
+    def size(x) -> int:
+        return int(x.size)
+
+    def select(self, a, eta: float):
+        return self.m.abs_select(a, float(np.float32(eta)))
+
+    @staticmethod
+    def top1(a):
+        return topk_positions(np.abs(a), 1)
 
 
 def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
@@ -195,5 +239,11 @@ class SIDCo(Sparsifier):
         """Forget every tensor's stage state."""
         self._states.clear()
 
+    @property
+    def backend(self) -> str:
+        """``"c++"`` when the ``deepreduce._sidco`` kernels run, else ``"numpy"``."""
+        return "numpy" if _native.load("sidco") is None else "c++"
+
     def select(self, flat, ctx):
-        return sidco_select(NumpyOps, flat, self, ctx)
+        module = _native.load("sidco")
+        return sidco_select(NumpyOps if module is None else NativeOps(module), flat, self, ctx)

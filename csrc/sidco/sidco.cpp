@@ -1,0 +1,94 @@
+#include "sidco.h"
+
+#include <cmath>
+
+namespace {
+constexpr int kLanes = 8;  // independent accumulators: lets the compiler vectorise the sums
+}
+
+extern "C" {
+
+void dr_sidco_abs_stats(const float* x, int64_t n, int want_log, double* out) {
+  double sum[kLanes] = {0}, logs[kLanes] = {0};
+  int64_t nz[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      float a = std::fabs(x[i + l]);
+      sum[l] += a;
+      nz[l] += (a != 0.0f);
+    }
+  }
+  for (; i < n; ++i) {
+    float a = std::fabs(x[i]);
+    sum[0] += a;
+    nz[0] += (a != 0.0f);
+  }
+  if (want_log) {
+    for (int64_t j = 0; j < n; ++j) {
+      float a = std::fabs(x[j]);
+      if (a != 0.0f) logs[j % kLanes] += std::log(static_cast<double>(a));
+    }
+  }
+  double s = 0, lg = 0;
+  int64_t count = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    s += sum[l];
+    lg += logs[l];
+    count += nz[l];
+  }
+  out[0] = static_cast<double>(count);
+  out[1] = s;
+  out[2] = lg;
+}
+
+double dr_sidco_abs_sq_dev(const float* x, int64_t n, double mean) {
+  double acc[kLanes] = {0};
+  for (int64_t j = 0; j < n; ++j) {
+    float a = std::fabs(x[j]);
+    double dev = static_cast<double>(a) - mean;
+    acc[j % kLanes] += (a != 0.0f) ? dev * dev : 0.0;
+  }
+  double s = 0;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+int64_t dr_sidco_abs_count(const float* x, int64_t n, float eta, int strict) {
+  int64_t count = 0;
+  if (strict) {
+    for (int64_t j = 0; j < n; ++j) count += (std::fabs(x[j]) > eta);
+  } else {
+    for (int64_t j = 0; j < n; ++j) count += (std::fabs(x[j]) >= eta);
+  }
+  return count;
+}
+
+// Branch-free compaction: every entry is written at the current end and the end advances only
+// when the entry qualifies (random 10-25% selections would mispredict a branch constantly).
+// The write position is clamped to the last slot, so a wrong capacity can never write out of
+// bounds; it is reported as -1 instead.
+int64_t dr_sidco_abs_exceed(const float* x, int64_t n, float eta, float* out, int64_t cap) {
+  if (cap < 1) return n == 0 ? 0 : -1;
+  const int64_t last = cap - 1;
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    float a = std::fabs(x[j]);
+    out[k < last ? k : last] = a;
+    k += (a > eta);
+  }
+  return k <= last ? k : -1;
+}
+
+int64_t dr_sidco_abs_select(const float* x, int64_t n, float eta, int64_t* out, int64_t cap) {
+  if (cap < 1) return n == 0 ? 0 : -1;
+  const int64_t last = cap - 1;
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    out[k < last ? k : last] = j;
+    k += (std::fabs(x[j]) >= eta);
+  }
+  return k <= last ? k : -1;
+}
+
+}  // extern "C"
