@@ -2,7 +2,8 @@
 
 Two measurements, both on saved real ResNet-20 gradients (``deepreduce capture-gradients``):
 
-* **volume**: the whole container of ``topk -> raw index -> {polyfit, dexp}`` against the Top-r
+* **volume**: the whole container (and, in brackets, only its index + value + permutation
+  sections, the paper's accounting) of ``topk -> raw index -> {polyfit, dexp}`` against the Top-r
   container (``raw/raw``) at Top-r ``--ratio`` (default 1%) of one conv gradient (default the
   36,864-element ``layers.7.conv1.weight``), with the relative L2 error of the values
   (``||decoded - topr|| / ||topr||``) and encode+decode time;
@@ -27,36 +28,48 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _median_ms(fn, repeat):
+def _times_ms(fn, repeat, clock=time.perf_counter):
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        times.append(1e3 * (clock() - t0))
+    return times
+
+
+def _median_ms(fn, repeat):
+    return statistics.median(_times_ms(fn, repeat))
 
 
 def volume_rows(grad: np.ndarray, ratio: float, repeat: int):
     from ..config import build
+    from ..container import unpack
 
-    base = {"sparsifier": {"id": "topk", "ratio": ratio}, "index": {"id": "raw"},
-            "memory": {"id": "none"}, "min_numel": 0}
+    from .. import registry
+
+    base = {"sparsifier": {"id": "topk", "ratio": ratio}, "memory": {"id": "none"}, "min_numel": 0}
     flat = grad.ravel()
-    rows, reference = [], None
-    for label, value in (("Top-r raw/raw", {"id": "raw"}),
-                         ("Fit-Poly (deg 5, <=4 seg/sign)", {"id": "polyfit"}),
-                         ("Fit-Poly (deg 5, <=2 seg/sign)", {"id": "polyfit", "segments": 2}),
-                         ("Fit-DExp", {"id": "dexp"})):
-        pipe = build(dict(base, value=value))
+    rows, reference, ref_sections = [], None, None
+    cases = [("Top-r raw/raw", "raw", {"id": "raw"}),
+             ("Fit-Poly (deg 5, <=4 seg/sign)", "raw", {"id": "polyfit"}),
+             ("Fit-Poly (deg 5, <=2 seg/sign)", "raw", {"id": "polyfit", "segments": 2}),
+             ("Fit-DExp", "raw", {"id": "dexp"})]
+    if "elias_fano" in registry.ids("index"):   # a set code: the permutation travels too
+        cases += [("Fit-Poly + Elias-Fano idx + perm", "elias_fano", {"id": "polyfit"}),
+                  ("Fit-DExp + Elias-Fano idx + perm", "elias_fano", {"id": "dexp"})]
+    for label, index, value in cases:
+        pipe = build(dict(base, index={"id": index}, value=value))
         payload = pipe.encode(grad, "conv", 0)
         out = pipe.decode(payload).ravel()
         keep = pipe.sparsifier.select(flat, pipe.context("conv", 0))
         target = np.zeros_like(flat)
         target[keep] = flat[keep]
         ms = _median_ms(lambda: pipe.decode(pipe.encode(grad, "conv", 0)), repeat)
+        c = unpack(payload)
+        sections = len(c.index_section) + len(c.value_section) + len(c.perm_section)
         if reference is None:
-            reference = payload.size
-        rows.append((label, payload.size, 1 - payload.size / reference,
+            reference, ref_sections = payload.size, sections
+        rows.append((label, payload.size, 1 - payload.size / reference, 1 - sections / ref_sections,
                      float(np.linalg.norm(out - target) / np.linalg.norm(target)), ms, pipe.value.backend))
     return rows
 
@@ -68,9 +81,9 @@ def run(args) -> int:
     name = args.gradient or gradients.DEFAULT_GRADIENT
     grad = gradients.get(name)
     print(f"volume: Top-r {args.ratio:g} of {name!r} ({grad.size} elements), whole containers")
-    print(f"{'codec':<32} {'bytes':>7} {'cut vs Top-r':>12} {'rel_err':>9} {'enc+dec ms':>10}  backend")
-    for label, size, cut, err, ms, backend in volume_rows(grad, args.ratio, args.repeat):
-        print(f"{label:<32} {size:>7} {100 * cut:>11.1f}% {err:>9.4f} {ms:>10.3f}  {backend}")
+    print(f"{'codec':<32} {'bytes':>7} {'cut vs Top-r':>12} {'(sections)':>10} {'rel_err':>9} {'enc+dec ms':>10}  backend")
+    for label, size, cut, cut_sections, err, ms, backend in volume_rows(grad, args.ratio, args.repeat):
+        print(f"{label:<32} {size:>7} {100 * cut:>11.1f}% {100 * cut_sections:>9.1f}% {err:>9.4f} {ms:>10.3f}  {backend}")
 
     allg = gradients.get("all")
     count = min(args.count, allg.size)
@@ -79,10 +92,15 @@ def run(args) -> int:
     print(f"\nspeed: Fit-Poly (degree 5, <=4 segments per sign, float32 coefficients) on {count} real values")
     native = _native.load("fit")
     if native is not None:
-        enc = _median_ms(lambda: native.encode(values, 5, 4, 20, 4), args.repeat)
         _, payload = native.encode(values, 5, 4, 20, 4)
+        both = _times_ms(lambda: native.decode(native.encode(values, 5, 4, 20, 4)[1], count, 5, 4), args.repeat)
+        enc = _median_ms(lambda: native.encode(values, 5, 4, 20, 4), args.repeat)
         dec = _median_ms(lambda: native.decode(payload, count, 5, 4), args.repeat)
-        print(f"C++ (1 thread):  encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
+        cpu = _times_ms(lambda: native.decode(native.encode(values, 5, 4, 20, 4)[1], count, 5, 4), args.repeat,
+                        clock=time.thread_time)
+        print(f"C++ (1 thread):  encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms (wall medians)")
+        print(f"C++ encode+decode: wall min {min(both):.2f} / median {statistics.median(both):.2f} ms; "
+              f"thread CPU time min {min(cpu):.2f} / median {statistics.median(cpu):.2f} ms ({args.repeat} runs)")
     else:
         print("C++ kernel deepreduce._fit not built: " + _native.BUILD_HINT)
     enc = _median_ms(lambda: polyfit.encode_numpy(values, 5, 4, 20, 4), max(1, args.repeat // 2))
