@@ -185,7 +185,7 @@ def build(spec: CorpusSpec = FULL) -> Corpus:
     meta = {"version": CORPUS_VERSION, "spec": asdict(spec), "torch": torch.__version__,
             "steps": {"resnet20": list(spec.resnet_steps), "ncf": list(spec.ncf_steps)},
             "order": {m: list(g) for m, g in grads.items()}}
-    return Corpus(grads, meta)
+    return Corpus(grads, json.loads(json.dumps(meta)))   # JSON-normal form, as a loaded corpus has
 
 
 def load(spec: CorpusSpec = FULL, cache_dir: Optional[str] = None, regenerate: bool = False) -> Corpus:

@@ -1,0 +1,22 @@
+"""fig7 quick mode: the main job on 2 ranks under horovodrun, 1 epoch of a few steps, 2 methods."""
+from __future__ import annotations
+
+import os
+
+from deepreduce.reproduce import fig7
+
+
+def test_fig7_quick(tmp_path):
+    out = str(tmp_path)
+    result = fig7.run(out, quick=True, methods=("no compression", "BF-P2"), show_progress=False)
+    result.write(out)
+    assert os.path.isfile(os.path.join(out, "fig7.md")) and os.path.isfile(os.path.join(out, "fig7.json"))
+    assert result.plots and os.path.getsize(result.plots[0]) > 1000
+    rows = {r["method"]: r for r in result.rows}
+    assert set(rows) == {"no compression", "BF-P2"}
+    assert rows["no compression"]["volume"] == 1.0 and rows["no compression"]["delta_vs_baseline"] == 0
+    assert 0 < rows["BF-P2"]["volume"] < 0.05                   # Top-r 1% with Bloom-coded indices
+    for row in rows.values():
+        assert 0.0 <= row["final_acc"] <= 1.0 and row["final_loss"] > 0
+    assert [len(h) for h in result.extra["histories"].values()] == [1, 1]
+    assert os.path.isfile(os.path.join(out, "configs", "bf_p2.yaml"))
