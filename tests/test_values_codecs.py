@@ -228,3 +228,27 @@ def test_corrupt_value_section_in_a_container_raises():
         c.value_section = c.value_section[:-2]           # re-packed: the CRC is valid again
         with pytest.raises(DeepReduceError):
             pipe.decode(container.pack(c))
+
+
+def test_native_polyfit_decode_rejects_garbage_without_crashing():
+    native = polyfit_mod._native.load("fit")
+    if native is None:
+        pytest.skip("C++ extension deepreduce._fit is not built")
+    rng = np.random.default_rng(11)
+    good = native.encode(make_values(300), 5, 4, 20, 4)[1]
+    for trial in range(300):
+        size = int(rng.integers(0, 80)) if trial % 2 else len(good)
+        junk = bytes(rng.integers(0, 256, size=size, dtype=np.uint8))
+        if trial % 3 == 0:
+            junk = good[:8] + junk[8:]          # plausible header, garbage after it
+        try:
+            out = native.decode(junk, 300, 5, 4)
+        except ValueError:
+            continue
+        assert out.shape == (300,) and np.isfinite(out).all()
+    with pytest.raises(ValueError):
+        native.decode(good, -1, 5, 4)
+    with pytest.raises(ValueError):
+        native.decode(good, 300, 16, 4)
+    with pytest.raises(ValueError):
+        native.encode(make_values(10), 5, 0, 20, 4)
