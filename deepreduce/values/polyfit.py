@@ -236,9 +236,14 @@ class PolyFit(ValueCodec):
         "coef_dtype": Param(str, default="float32", choices=tuple(COEF_DTYPES), doc="coefficient precision"),
     }
 
-    def _validate(self) -> None:
-        self._native = _native.load("fit")
-        self.backend = "c++" if self._native is not None else "numpy"
+    @property
+    def _native(self):
+        """The C++ kernel, or None (NumPy path); looked up per call so the instance stays picklable."""
+        return _native.load("fit")
+
+    @property
+    def backend(self) -> str:
+        return "c++" if self._native is not None else "numpy"
 
     @property
     def coef_bytes(self) -> int:
@@ -246,9 +251,10 @@ class PolyFit(ValueCodec):
 
     def encode(self, values, ctx):
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if self._native is not None:
+        native = self._native
+        if native is not None:
             try:
-                perm, payload = self._native.encode(values, self.degree, self.segments,
+                perm, payload = native.encode(values, self.degree, self.segments,
                                                     self.min_points, self.coef_bytes)
             except ValueError as exc:
                 raise DeepReduceError(f"polyfit encode of tensor {ctx.name!r} failed: {exc}") from exc
@@ -267,9 +273,10 @@ class PolyFit(ValueCodec):
 
     def decode(self, params, payload, count):
         degree, coef_bytes = self._params(params)
-        if self._native is not None:
+        native = self._native
+        if native is not None:
             try:
-                return self._native.decode(bytes(payload), count, degree, coef_bytes)
+                return native.decode(bytes(payload), count, degree, coef_bytes)
             except ValueError as exc:
                 raise ContainerError(f"polyfit value section is invalid: {exc}") from exc
         return decode_numpy(bytes(payload), count, degree, coef_bytes)
