@@ -173,7 +173,7 @@ def test_table2_quick(quick_corpus, tmp_path):
     for row in result.rows[2:]:
         assert row["volume"] < kv["volume"] and row["paper_volume"] == table2.PAPER[row["method"]]
     skipped = [n for n in result.notes if n.startswith("skipped")]
-    assert len(result.rows) - 2 + len(skipped) == len(table2.CONFIGS) - 1
+    assert len(result.rows) - 2 + len(skipped) == len(table2.CONFIGS)
 
 
 def test_cli_prints_table_and_writes_files(tmp_path, capsys, monkeypatch, quick_corpus):

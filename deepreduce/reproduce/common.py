@@ -155,6 +155,28 @@ def no_plot_note(result: Result) -> None:
 
 
 # ---------------------------------------------------------------------------- configs
+def default_configs_dir() -> str:
+    """The repository's ``configs/`` (next to the package), else ``./configs``."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+    return here if os.path.isdir(here) else "configs"
+
+
+def named_config(stem: str, result: "Result", configs_dir: Optional[str] = None) -> Optional[dict]:
+    """The validated config ``configs/<stem>.yaml``, or None with the reason noted in ``result``.
+
+    The experiments name the project's per-instantiation configs instead of repeating their
+    parameters, so a config file is the one definition of each method.
+    """
+    from ..config import load_config
+
+    path = os.path.join(configs_dir or default_configs_dir(), f"{stem}.yaml")
+    try:
+        return load_config(path)
+    except (ConfigError, DeepReduceError, KeyError) as exc:
+        result.notes.append(f"skipped {stem}: {exc}")
+        return None
+
+
 def try_build(config: dict, label: str, result: Result):
     """Build a pipeline, or record in ``result.notes`` why ``label`` is skipped and return None.
 

@@ -11,16 +11,10 @@ from __future__ import annotations
 import glob
 import os
 
-from .common import Result, no_plot_note, progress, pyplot, save_figure, try_build, with_sparsifier
+from .common import Result, default_configs_dir, no_plot_note, progress, pyplot, save_figure, try_build, with_sparsifier
 
 LAYER_NUMEL = 36_864
 TOPR = {"id": "topk", "ratio": 0.01}
-
-
-def default_configs_dir() -> str:
-    """The repository's ``configs/`` (next to the package), else ``./configs``."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-    return here if os.path.isdir(here) else "configs"
 
 
 def run(out_dir: str, quick: bool = False, corpus=None, configs_dir: str = None, repeat: int = None,
@@ -39,7 +33,7 @@ def run(out_dir: str, quick: bool = False, corpus=None, configs_dir: str = None,
                     "volume and encode/decode time per config",
                     ["config", "index_vol", "value_vol", "header_vol", "total_vol", "encode_ms", "decode_ms",
                      "rel_err", "backend"])
-    for path in progress(paths, "fig10"):
+    for path in progress(paths, "fig10", enabled=show_progress):
         label = os.path.splitext(os.path.basename(path))[0]
         try:
             config = load_config(path)

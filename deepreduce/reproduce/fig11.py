@@ -29,20 +29,19 @@ import time
 import uuid
 from typing import List, Optional, Tuple
 
-from .common import Result, no_plot_note, progress, pyplot, save_figure
+from .common import Result, named_config, no_plot_note, progress, pyplot, save_figure
 
 NS_ADDRS = ("10.213.0.1", "10.213.0.2")   # a private /30 that exists only inside the namespaces
 PREFIX = 30
 BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9))
-NONE = {"id": "none"}
+TOPR10 = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
+          "memory": {"id": "residual"}}
+# label -> config dict, the name of a configs/<name>.yaml, or None for the dense all_reduce.
 METHODS = [
     ("no compression (allreduce)", None),
-    ("Top-r 10%", {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
-                   "memory": {"id": "residual"}}),
-    ("DR^QSGD_BF-P0", {"sparsifier": NONE, "index": {"id": "bloom", "policy": "p0", "fpr": 0.6},
-                       "value": {"id": "qsgd", "levels": 127, "bucket_size": 512}, "memory": NONE}),
-    ("DR^Fit-Poly_BF-P2", {"sparsifier": NONE, "index": {"id": "bloom", "policy": "p2", "fpr": 0.01},
-                           "value": {"id": "polyfit"}, "memory": NONE}),
+    ("Top-r 10%", TOPR10),
+    ("DR^QSGD_BF-P0", "bfp0_qsgd"),
+    ("DR^Fit-Poly_BF-P2", "bfp2_polyfit"),
 ]
 CMD_TIMEOUT = 20.0
 
@@ -194,7 +193,7 @@ def _tail(path: str, n: int = 1500) -> str:
 
 
 def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress: bool = True,
-        use_netns: Optional[bool] = None, timeout: float = None) -> Result:
+        use_netns: Optional[bool] = None, timeout: float = None, configs_dir: str = None) -> Result:
     from ..config import load_config
 
     os.makedirs(out_dir, exist_ok=True)
@@ -206,12 +205,13 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
                      "volume", "ideal_wire_ms"])
     methods = []
     for label, config in METHODS:
-        try:
-            if config is not None:
-                load_config(config)
-            methods.append([label, config])
-        except Exception as exc:  # a codec not in this build
-            result.notes.append(f"skipped {label}: {exc}")
+        if isinstance(config, str):
+            config = named_config(config, result, configs_dir)
+            if config is None:
+                continue          # a codec not in this build: noted, go on
+        elif config is not None:
+            config = load_config(config)
+        methods.append([label, config])
     available, why = namespaces_available()
     if use_netns is None:
         use_netns = available
@@ -226,7 +226,7 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
     try:
         if link is not None:
             link.__enter__()
-        for i, (net, rate) in enumerate(progress(list(networks), "fig11")):
+        for i, (net, rate) in enumerate(progress(list(networks), "fig11", enabled=show_progress)):
             if link is not None:
                 link.shape(rate)
                 result.extra.setdefault("qdisc", {})[net] = link.qdisc()

@@ -59,7 +59,7 @@ def run(out_dir: str, quick: bool = False, corpus=None, show_progress: bool = Tr
                     ["sparsifier", "method", "fpr", "volume", "index_volume", "err_vs_sparse", "err_vs_dense"])
     jobs = [(s, None, None) for s in sparsifiers] + [(s, p, f) for s in sparsifiers for p in POLICIES for f in fprs]
     skipped = set()
-    for sname, policy, fpr in progress(jobs, "fig6"):
+    for sname, policy, fpr in progress(jobs, "fig6", enabled=show_progress):
         if policy is None:
             config = {"sparsifier": sparsifiers[sname], "index": {"id": "raw"}, "value": {"id": "raw"},
                       "memory": {"id": "none"}, "min_numel": 0}

@@ -4,7 +4,8 @@ Each configuration runs the main job (:mod:`deepreduce.train`: ResNet-20 on the 
 under ``horovodrun -np 2`` for the same number of epochs, seed and learning-rate schedule, and
 the per-epoch test accuracy, loss and relative data volume are collected from its metrics
 file. Methods (paper settings: Top-r 1%, Bloom FPR 0.001, error feedback on for every
-compressed method, since III.1 #24 leaves it open for ResNet-20):
+compressed method, since III.1 #24 leaves it open for ResNet-20), each from the project's
+``configs/<name>.yaml``:
 
 * no compression (Horovod allreduce), Top-r with raw indices and values;
 * BF-naive, BF-P0, BF-P1, BF-P2 for indices (raw values);
@@ -23,28 +24,18 @@ import sys
 import time
 from typing import Dict, Optional
 
-import yaml
+from .common import Result, default_configs_dir, named_config, no_plot_note, progress, pyplot, save_figure
 
-from .common import Result, no_plot_note, progress, pyplot, save_figure
-
-TOPR = {"id": "topk", "ratio": 0.01}
-EF = {"id": "residual"}
-
-
-def _config(index: dict, value: dict) -> dict:
-    return {"sparsifier": TOPR, "index": index, "value": value, "memory": EF}
-
-
-RAW = {"id": "raw"}
-METHODS: Dict[str, Optional[dict]] = {
+# label -> the project's config file (configs/<name>.yaml); None = Horovod allreduce.
+METHODS: Dict[str, Optional[str]] = {
     "no compression": None,
-    "Top-r": _config(RAW, RAW),
-    "BF-naive": _config({"id": "bloom", "policy": "naive", "fpr": 0.001}, RAW),
-    "BF-P0": _config({"id": "bloom", "policy": "p0", "fpr": 0.001}, RAW),
-    "BF-P1": _config({"id": "bloom", "policy": "p1", "fpr": 0.001}, RAW),
-    "BF-P2": _config({"id": "bloom", "policy": "p2", "fpr": 0.001}, RAW),
-    "Fit-Poly": _config(RAW, {"id": "polyfit"}),
-    "Fit-DExp": _config(RAW, {"id": "dexp"}),
+    "Top-r": "topk_raw",
+    "BF-naive": "bf_naive",
+    "BF-P0": "bf_p0",
+    "BF-P1": "bf_p1",
+    "BF-P2": "bf_p2",
+    "Fit-Poly": "polyfit",
+    "Fit-DExp": "dexp",
 }
 QUICK_METHODS = ("no compression", "Top-r", "BF-P2")
 DEFAULT_EPOCHS = 8
@@ -61,7 +52,7 @@ def horovodrun() -> str:
     return found
 
 
-def launch(label: str, config: Optional[dict], out_dir: str, epochs: int, max_steps: int,
+def launch(label: str, config: Optional[str], out_dir: str, epochs: int, max_steps: int,
            timeout: float) -> dict:
     """Run the main job for one method on 2 ranks; return its metrics file's content."""
     slug = "".join(c if c.isalnum() else "_" for c in label.lower())
@@ -73,11 +64,7 @@ def launch(label: str, config: Optional[dict], out_dir: str, epochs: int, max_st
     if config is None:
         cmd.append("--baseline")
     else:
-        path = os.path.join(out_dir, "configs", f"{slug}.yaml")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as handle:
-            yaml.safe_dump(config, handle, sort_keys=False)
-        cmd += ["--config", path]
+        cmd += ["--config", config]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])))
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -103,9 +90,7 @@ def _package_root() -> str:
 
 
 def run(out_dir: str, quick: bool = False, epochs: int = None, methods=None, timeout: float = None,
-        show_progress: bool = True) -> Result:
-    from ..config import load_config
-
+        configs_dir: str = None, show_progress: bool = True) -> Result:
     os.makedirs(out_dir, exist_ok=True)
     epochs = epochs or (1 if quick else DEFAULT_EPOCHS)
     max_steps = QUICK_STEPS if quick else 0
@@ -116,14 +101,12 @@ def run(out_dir: str, quick: bool = False, epochs: int = None, methods=None, tim
                     ["method", "final_acc", "best_acc", "final_loss", "volume", "sec_per_epoch", "delta_vs_baseline",
                      "within_1pt"])
     histories = {}
-    for label in progress(methods, "fig7"):
-        config = METHODS[label]
-        if config is not None:
-            try:
-                load_config(config)
-            except Exception as exc:  # a codec not in this build: report and go on
-                result.notes.append(f"skipped {label}: {exc}")
-                continue
+    for label in progress(methods, "fig7", enabled=show_progress):
+        config = None
+        if METHODS[label] is not None:
+            if named_config(METHODS[label], result, configs_dir) is None:
+                continue          # a codec not in this build: noted, go on
+            config = os.path.join(configs_dir or default_configs_dir(), f"{METHODS[label]}.yaml")
         start = time.perf_counter()
         metrics = launch(label, config, out_dir, epochs, max_steps, timeout)
         epochs_seen = metrics["epochs"]

@@ -7,33 +7,26 @@ plus MLP; about 40% exact zeros). Each configuration keeps exactly the non-zero 
 all dense float32 bytes, the paper's "relative data volume"; ``rel_err`` is the relative L2
 error of the reconstruction against the gradient.
 
-Configurations (paper §6.3 parameters):
+Configurations (paper §6.3 parameters; the project's ``configs/<name>.yaml`` files define them):
 
-* ``DR^QSGD_BF-P0``: Bloom filter P0 at FPR 0.6 for indices, QSGD 7-bit (127 levels), bucket 512;
-* ``DR^Fit-Poly_BF-P2``: Bloom filter P2 at FPR 0.01, piece-wise degree-5 polynomial values;
-* ``SKCompress``: delta + Huffman keys, SketchML quantile-bucket values (7-bit), without grouped
+* ``DR^QSGD_BF-P0`` (``bfp0_qsgd``): Bloom filter P0 at FPR 0.6 for indices, QSGD 7-bit (127 levels), bucket 512;
+* ``DR^Fit-Poly_BF-P2`` (``bfp2_polyfit``): Bloom filter P2 at FPR 0.01, piece-wise degree-5 polynomial values;
+* ``SKCompress`` (``skcompress``): delta + Huffman keys, SketchML quantile-bucket values (7-bit), without grouped
   MinMaxSketch and without sign separation, as the paper configures it.
 
 Two reference rows: the dense baseline (volume 1) and raw <key, value> pairs.
 """
 from __future__ import annotations
 
-from .common import ErrorAccumulator, Result, no_plot_note, progress, pyplot, save_figure, try_build
+from .common import ErrorAccumulator, Result, named_config, no_plot_note, progress, pyplot, save_figure, try_build
 
 NONE = {"id": "none"}
-CONFIGS = {
-    "<key,value> raw": {"sparsifier": NONE, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": NONE},
-    "DR^QSGD_BF-P0": {"sparsifier": NONE, "index": {"id": "bloom", "policy": "p0", "fpr": 0.6},
-                      "value": {"id": "qsgd", "levels": 127, "bucket_size": 512}, "memory": NONE},
-    "DR^Fit-Poly_BF-P2": {"sparsifier": NONE, "index": {"id": "bloom", "policy": "p2", "fpr": 0.01},
-                          "value": {"id": "polyfit"}, "memory": NONE},
-    "SKCompress": {"sparsifier": NONE, "index": {"id": "delta_huffman"},
-                   "value": {"id": "sketchml", "buckets": 128, "separate_signs": False, "sketch": False}, "memory": NONE},
-}
+KEY_VALUE = {"sparsifier": NONE, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": NONE}
+CONFIGS = {"DR^QSGD_BF-P0": "bfp0_qsgd", "DR^Fit-Poly_BF-P2": "bfp2_polyfit", "SKCompress": "skcompress"}
 PAPER = {"DR^QSGD_BF-P0": 0.2063, "DR^Fit-Poly_BF-P2": 0.5879, "SKCompress": 0.2175, "baseline (dense)": 1.0}
 
 
-def run(out_dir: str, quick: bool = False, corpus=None, show_progress: bool = True) -> Result:
+def run(out_dir: str, quick: bool = False, corpus=None, configs_dir: str = None, show_progress: bool = True) -> Result:
     from .. import corpus as corpus_mod
 
     corpus = corpus or corpus_mod.load(corpus_mod.QUICK if quick else corpus_mod.FULL)
@@ -43,8 +36,13 @@ def run(out_dir: str, quick: bool = False, corpus=None, show_progress: bool = Tr
                     ["method", "volume", "paper_volume", "index_vol", "value_vol", "rel_err", "encode_ms", "decode_ms"])
     result.rows.append({"method": "baseline (dense)", "volume": 1.0, "paper_volume": 1.0, "index_vol": 0.0,
                         "value_vol": 1.0, "rel_err": 0.0})
-    for label in progress(list(CONFIGS), "table2"):
-        pipe = try_build(CONFIGS[label], label, result)
+    configs = {"<key,value> raw": KEY_VALUE}
+    for label, stem in CONFIGS.items():
+        config = named_config(stem, result, configs_dir)
+        if config is not None:
+            configs[label] = config
+    for label in progress(list(configs), "table2", enabled=show_progress):
+        pipe = try_build(configs[label], label, result)
         if pipe is None:
             continue
         err = ErrorAccumulator()
