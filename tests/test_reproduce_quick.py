@@ -172,6 +172,9 @@ def test_table2_quick(quick_corpus, tmp_path):
     assert kv["rel_err"] == 0.0 and kv["volume"] > 1.0        # 64 bits per non-zero beats nothing at 60% density
     for row in result.rows[2:]:
         assert row["volume"] < kv["volume"] and row["paper_volume"] == table2.PAPER[row["method"]]
+    assert all(0.0 <= r["best_hr"] <= 1.0 and len(r["hr_per_epoch"]) == 1 for r in result.rows)
+    # Lossless <key, value> pairs train exactly like the dense average.
+    assert result.rows[1]["best_hr"] == pytest.approx(result.rows[0]["best_hr"], abs=0.02)
     skipped = [n for n in result.notes if n.startswith("skipped")]
     assert len(result.rows) - 2 + len(skipped) == len(table2.CONFIGS)
 
