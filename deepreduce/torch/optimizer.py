@@ -111,7 +111,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if self._summable:
             kwargs = {} if self._process_set is None else {"process_set": self._process_set}
-            compressed, ctx = self._compressor.compress(grad)
+            if getattr(self._compressor, "accepts_name", False):
+                compressed, ctx = self._compressor.compress(grad, name=name)
+            else:
+                compressed, ctx = self._compressor.compress(grad)
             if self._op == self._hvd.Average:
                 handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._hvd.Average,
                                                     prescale_factor=1.0 / self._predivide,
