@@ -18,6 +18,7 @@ import threading
 import warnings
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from .._native import forced_numpy
@@ -73,10 +74,184 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def accelerator_for(core) -> Optional[object]:
+def accelerator_for(core) -> Optional["OpsEncoder"]:
     """The custom-op encoder for ``core``'s codecs, or None when the numpy_function path is used.
 
-    None when no codec of the config has a TF op, when ``DEEPREDUCE_BACKEND=numpy``, or when the
-    library does not load (then a warning says how to rebuild it).
+    None when no codec of the config has a TF op (only the Bloom index codec and the polyfit
+    value codec do), when ``DEEPREDUCE_BACKEND=numpy``, or when the library does not load
+    (then one warning says how to rebuild it; the numpy_function path gives the same bytes).
     """
-    return None
+    if not OpsEncoder.routes(core):
+        return None
+    if forced_numpy():
+        return None
+    try:
+        module = load()
+    except BackendUnavailableError as exc:
+        _warn_once(f"{exc}; using tf.numpy_function over the NumPy core instead (same bytes, slower)")
+        return None
+    return OpsEncoder(core, module)
+
+
+OPS_INDEX_CODECS = ("bloom",)
+OPS_VALUE_CODECS = ("polyfit",)
+
+
+class _Given:
+    """A stand-in component that returns an encoding the custom ops already computed.
+
+    The core pipeline then assembles the container from it exactly as from the real codec
+    (same params, sections, permutation, error-feedback update and statistics).
+    """
+
+    def __init__(self, real, result) -> None:
+        self._real = real
+        self._result = result
+
+    def __getattr__(self, attr):
+        return getattr(self._real, attr)
+
+    def select(self, flat, ctx):
+        return self._result
+
+    def encode(self, *args):
+        return self._result
+
+
+def _int64(value: int) -> int:
+    """A uint64 as the int64 with the same bits (TF ops carry seeds in int64 tensors)."""
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+class OpsEncoder:
+    """Encodes with the Bloom build/query/select and polyfit kernels running as TF custom ops.
+
+    Graph, per tensor (all ops, so it runs at every step inside ``tf.function``)::
+
+        numpy_function prepare  error feedback + sparsifier (NumPy core), Bloom sizes and seeds
+        DeepReduceBloomBuild    filter bytes of the selected indices        (custom op, bloom.h)
+        DeepReduceBloomQuery    positives of the filter                     (custom op, bloom.h)
+        DeepReduceBloomSelect   the policy's positives                      (custom op, bloom.h)
+        tf.gather               their values from the compensated gradient
+        DeepReduceFitEncode     polyfit permutation + payload               (custom op, fit.h)
+        numpy_function finish   the core pipeline packs the container from these encodings,
+                                updates the residual and the statistics
+
+    Tensors the core sends dense (below ``min_numel``, or holding NaN/Inf) take a
+    ``tf.cond`` branch that calls the core's encode directly. The container bytes are the
+    core's: the custom ops wrap the same C++ functions as the Python extension.
+    """
+
+    def __init__(self, core, module) -> None:
+        self.core = core
+        self.ops = module
+        self.bloom, self.fit = self.routed_codecs(core)
+
+    @staticmethod
+    def routed_codecs(core):
+        """(bloom index via ops, polyfit values via ops) for a core pipeline.
+
+        The fit op sees the values the value codec would see: the Bloom policy's values, or the
+        sparsifier's when the index codec keeps their order; any other index codec (one that
+        may change the values it passes on) keeps the fit in the numpy_function stage.
+        """
+        bloom = core.index.id in OPS_INDEX_CODECS
+        fit = core.value.id in OPS_VALUE_CODECS and (bloom or core.index.keeps_order)
+        return bloom, fit
+
+    @classmethod
+    def routes(cls, core) -> bool:
+        return any(cls.routed_codecs(core))
+
+    # ---------------------------------------------------------------- numpy stages
+    def _prepare(self, name: str):
+        from ..index import bloom as bloom_codec
+        from ..pipeline import _as_float32
+
+        core = self.core
+
+        def prepare(grad, step):
+            flat, _ = _as_float32(grad, name)
+            empty = (np.int64(0), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
+                     np.zeros(6, np.int64))
+            if flat.size < core.min_numel or not np.isfinite(flat).all():
+                return empty
+            compensated = np.ascontiguousarray(core.memory.compensate(name, flat), dtype=np.float32)
+            ctx = core.context(name, int(step))
+            indices = np.asarray(core.sparsifier.select(compensated, ctx), dtype=np.int64)
+            values = compensated[indices]
+            meta = np.zeros(6, np.int64)
+            if self.bloom:
+                index = core.index
+                order = np.argsort(indices, kind="stable")
+                indices, values = indices[order], values[order]
+                m, k = bloom_codec.filter_params(int(indices.size), index.fpr)
+                draw_seed = ctx.seed_for(f"bloom-{index.policy}") if index.policy in ("p1", "p2") else 0
+                d = int(flat.size)
+                limit = indices.size if index.policy in ("naive", "leftmost") else d
+                meta[:] = [m, k, _int64(index.hash_seed), _int64(draw_seed), d, limit]
+            return np.int64(1), compensated, indices, values.astype(np.float32), meta
+
+        return prepare
+
+    def _finish(self, name: str):
+        import copy
+        import struct
+
+        from ..index import bloom as bloom_codec
+        from ..index._base import IndexEncoding
+        from ..values._base import ValueEncoding
+
+        core = self.core
+
+        def finish(grad, indices, chosen, sent, bits, meta, perm, vpayload, step):
+            view = copy.copy(core)   # shares memory, statistics and decoders with the core
+            view.sparsifier = _Given(core.sparsifier, indices)
+            if self.bloom:
+                index = core.index
+                m, k, seed, draw_seed = (int(v) & ((1 << 64) - 1) for v in meta[:4])
+                params = bloom_codec._PARAMS.pack(bloom_codec._POLICY_CODE[index.policy], k, m, seed, draw_seed)
+                view.index = _Given(index, IndexEncoding(params, bits.tobytes(), chosen.astype(np.int64),
+                                                         sent.astype(np.float32)))
+            if self.fit:
+                value = core.value
+                view.value = _Given(value, ValueEncoding(struct.pack("<BB", value.degree, value.coef_bytes),
+                                                         vpayload.tobytes(), perm.astype(np.int64)))
+            return view.encode(grad, name=name, step=int(step))
+
+        return finish
+
+    # ---------------------------------------------------------------- graph
+    def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
+        core = self.core
+        ops = self.ops
+        flag, compensated, indices, values, meta = tf.numpy_function(
+            self._prepare(name), [tensor, step], (tf.int64, tf.float32, tf.int64, tf.float32, tf.int64),
+            stateful=True, name="deepreduce_prepare")
+
+        def sparse():
+            chosen, sent, bits = indices, values, tf.zeros([0], tf.uint8)
+            if self.bloom:
+                m, k, seed, draw_seed, d, limit = (meta[i] for i in range(6))
+                bits = ops.deep_reduce_bloom_build(indices, m, k, seed)
+                positives = ops.deep_reduce_bloom_query(bits, m, k, seed, d, limit)
+                chosen = ops.deep_reduce_bloom_select(positives, tf.size(indices, out_type=tf.int64), m, k, seed,
+                                                      draw_seed, policy=core.index.policy)
+                if core.index.policy != "naive":
+                    sent = tf.gather(compensated, chosen)
+            perm, vpayload = tf.zeros([0], tf.int64), tf.zeros([0], tf.uint8)
+            if self.fit:
+                v = core.value
+                perm, vpayload = ops.deep_reduce_fit_encode(sent, degree=v.degree, max_segments=v.segments,
+                                                            min_points=v.min_points, coef_bytes=v.coef_bytes)
+            return tf.numpy_function(self._finish(name),
+                                     [tensor, indices, chosen, sent, bits, meta, perm, vpayload, step],
+                                     tf.uint8, stateful=True, name="deepreduce_finish")
+
+        def dense():
+            return tf.numpy_function(lambda g, s: core.encode(g, name=name, step=int(s)), [tensor, step],
+                                     tf.uint8, stateful=True, name="deepreduce_encode")
+
+        out = tf.cond(tf.equal(flag, 1), sparse, dense)
+        out.set_shape([None])
+        return out

@@ -1,0 +1,163 @@
+"""The TensorFlow custom ops (csrc/*/tf_*.cpp): same results as the NumPy twins of the C++
+kernels, clean failures on bad input, and the TF pipeline routing Bloom/fit work through them
+with the core's exact bytes.
+
+The ops are built by ``make setup`` (scripts/build_tf_ops.sh); without them these tests are
+skipped with that instruction (the rest of the TF binding falls back to numpy_function).
+"""
+import glob
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+tf = pytest.importorskip("tensorflow")
+
+import deepreduce  # noqa: E402
+import deepreduce.tensorflow as drtf  # noqa: E402
+from deepreduce.index import bloom as bloom_codec  # noqa: E402
+from deepreduce.tensorflow import ops  # noqa: E402
+from deepreduce.values import polyfit as polyfit_codec  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+if not ops.available():
+    pytest.skip("TensorFlow custom ops are not built: run `bash scripts/build_tf_ops.sh`", allow_module_level=True)
+
+OPS = ops.load()
+U64 = (1 << 64) - 1
+
+
+def as_i64(x):
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+@pytest.fixture(scope="module")
+def filter_case():
+    rng = np.random.default_rng(3)
+    d = 50_000
+    idx = np.sort(rng.choice(d, 500, replace=False)).astype(np.int64)
+    m, k = bloom_codec.filter_params(idx.size, 0.01)
+    return idx, d, m, k, 0xDEADBEEFCAFEF00D
+
+
+def test_bloom_build_and_query_match_numpy_twin(filter_case):
+    idx, d, m, k, seed = filter_case
+    bits = OPS.deep_reduce_bloom_build(idx, m, k, as_i64(seed)).numpy()
+    assert bits.tobytes() == bloom_codec.np_build(idx.astype(np.uint64), m, k, seed)
+    positives = OPS.deep_reduce_bloom_query(bits, m, k, as_i64(seed), d, d).numpy()
+    expected = bloom_codec.np_query(bits.tobytes(), m, k, seed, d, d).astype(np.int64)
+    np.testing.assert_array_equal(positives, expected)
+    assert np.isin(idx, positives).all() and positives.size > idx.size   # no false negatives, some FPs
+    # early exit: with a limit the query may stop, but returns a prefix with more than `limit`
+    short = OPS.deep_reduce_bloom_query(bits, m, k, as_i64(seed), d, 10).numpy()
+    assert short.size > 10 and np.array_equal(short, positives[:short.size])
+
+
+@pytest.mark.parametrize("policy", bloom_codec.POLICIES)
+def test_bloom_select_matches_the_codec_policies(filter_case, policy):
+    idx, d, m, k, seed = filter_case
+    draw = 0xFEDCBA9876543210
+    bits = bloom_codec.np_build(idx.astype(np.uint64), m, k, seed)
+    P = bloom_codec.np_query(bits, m, k, seed, d, d)
+    r = idx.size
+    got = OPS.deep_reduce_bloom_select(P.astype(np.int64), r, m, k, as_i64(seed), as_i64(draw), policy=policy).numpy()
+    if policy == "p1":
+        expected = bloom_codec.np_select_random(P, r, draw)
+    elif policy == "p2":
+        expected = bloom_codec.np_select_conflict(P, r, m, k, seed, draw)
+    else:
+        expected = bloom_codec.BloomIndex(policy=policy)._select(None, policy, P, r, m, k, seed, draw)
+    np.testing.assert_array_equal(got, np.asarray(expected).astype(np.int64))
+
+
+@pytest.mark.parametrize("coef_bytes", [4, 8])
+def test_fit_encode_decode_match_numpy_twin(coef_bytes):
+    values = np.random.default_rng(5).standard_normal(3000).astype(np.float32)
+    perm, payload = OPS.deep_reduce_fit_encode(values, degree=5, max_segments=4, min_points=20, coef_bytes=coef_bytes)
+    ref_perm, ref_payload = polyfit_codec.encode_numpy(values, 5, 4, 20, coef_bytes)
+    np.testing.assert_array_equal(perm.numpy(), ref_perm)
+    assert payload.numpy().tobytes() == ref_payload
+    decoded = OPS.deep_reduce_fit_decode(payload, values.size, degree=5, coef_bytes=coef_bytes).numpy()
+    np.testing.assert_array_equal(decoded, polyfit_codec.decode_numpy(ref_payload, values.size, 5, coef_bytes))
+
+
+def test_bad_input_fails_the_op_without_crashing(filter_case):
+    idx, d, m, k, seed = filter_case
+    seed = as_i64(seed)
+    bits = OPS.deep_reduce_bloom_build(idx, m, k, seed)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bytes, expected"):
+        OPS.deep_reduce_bloom_query(bits[:-1], m, k, seed, d, d)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="k in"):
+        OPS.deep_reduce_bloom_build(idx, m, 0, seed)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-negative"):
+        OPS.deep_reduce_bloom_build(tf.constant([-1], tf.int64), m, k, seed)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="requested"):
+        OPS.deep_reduce_bloom_select(tf.constant([1, 2], tf.int64), 3, m, k, seed, 0, policy="p1")
+    garbage = np.random.default_rng(0).integers(0, 256, 40).astype(np.uint8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="polyfit decode"):
+        OPS.deep_reduce_fit_decode(garbage, 1000, degree=5, coef_bytes=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="coef_bytes"):
+        OPS.deep_reduce_fit_encode(np.ones(30, np.float32), degree=2, max_segments=1, min_points=3, coef_bytes=2)
+
+
+def _op_types(concrete):
+    """Every op type in a concrete function's graph, including its branch functions."""
+    graph_def = concrete.graph.as_graph_def()
+    types = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        types.update(node.op for node in function.node_def)
+    return types
+
+
+BLOOM_CONFIGS = [{"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "bloom", "policy": p, "fpr": 0.01},
+                  "value": {"id": v}, "memory": {"id": "residual"}}
+                 for p in bloom_codec.POLICIES for v in ("raw", "polyfit")]
+OPS_CONFIGS = [c for c in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+               if drtf.build(c).backend == "tf-ops"] + BLOOM_CONFIGS + [
+    {"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "raw"}, "value": {"id": "polyfit"},
+     "memory": {"id": "none"}}]
+
+
+@pytest.mark.parametrize("config", OPS_CONFIGS, ids=lambda c: os.path.basename(c) if isinstance(c, str)
+                         else f"{c['index'].get('policy', c['index']['id'])}-{c['value']['id']}")
+def test_pipeline_routes_codec_work_through_ops_with_core_bytes(config, monkeypatch):
+    tf_pipe, core = drtf.build(config), deepreduce.build(config)
+    bloom, fit = ops.OpsEncoder.routed_codecs(tf_pipe.core)
+    assert tf_pipe.backend == "tf-ops" and (bloom or fit)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Python codec ran: the TF pipeline did not use the custom op")
+
+    if bloom:   # the TF pipeline must not call the Python Bloom encode at all ...
+        monkeypatch.setattr(type(tf_pipe.core.index), "encode", refuse)
+    encode = tf.function(lambda x, s: tf_pipe.encode(x, name="conv", step=s))
+    rng = np.random.default_rng(11)
+    shape = (64, 64, 3, 3)
+    for step in range(3):
+        g = (rng.standard_normal(shape) * 0.01).astype(np.float32)
+        got = encode(tf.constant(g), tf.constant(step, tf.int64)).numpy()
+        monkeypatch.undo()
+        expected = core.encode(g, name="conv", step=step)   # ... while the core does
+        if bloom:
+            monkeypatch.setattr(type(tf_pipe.core.index), "encode", refuse)
+        assert np.array_equal(got, expected), f"step {step}"
+    monkeypatch.undo()
+    types = _op_types(encode.get_concrete_function(tf.TensorSpec(shape), tf.TensorSpec([], tf.int64)))
+    if bloom:
+        assert {"DeepReduceBloomBuild", "DeepReduceBloomQuery", "DeepReduceBloomSelect"} <= types
+    if fit:
+        assert "DeepReduceFitEncode" in types
+    # residual memories advanced identically on both sides
+    if tf_pipe.core.memory.stateful:
+        np.testing.assert_array_equal(tf_pipe.core.memory.residual("conv"), core.memory.residual("conv"))
+    # small and non-finite tensors take the dense branch, as in the core
+    small = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert np.array_equal(tf_pipe.encode(small, name="b", step=0).numpy(), core.encode(small, name="b", step=0))
+
+
+def test_forced_numpy_backend_skips_the_ops(monkeypatch):
+    monkeypatch.setenv("DEEPREDUCE_BACKEND", "numpy")
+    assert drtf.build(os.path.join(ROOT, "configs", "bf_p0.yaml")).backend == "numpy_function"
