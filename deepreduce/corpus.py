@@ -3,9 +3,12 @@
 Two models, each trained for a few steps in one process, with the gradient of every parameter
 recorded at a few of those steps:
 
-* ``resnet20``: ResNet-20 (:mod:`deepreduce.models.resnet`) on the digits images
-  (:mod:`deepreduce.data`), SGD with momentum. Holds the 36,864-element convolutions of
-  DeepReduce Fig. 10 (``layer3.*.conv*.weight``; the first one in stage 3 has 18,432).
+* ``resnet20``: ResNet-20 on the digits images, captured by :func:`deepreduce.gradients.capture`
+  (the benchmarks' capture: SGD with momentum, batch 64, fixed seed), whose runs with
+  different step counts share one trajectory, so ``capture(steps=s)`` is the gradient at step
+  ``s`` of one training run. The last recorded step reuses the committed
+  ``deepreduce/data/gradients.npz`` when it holds that step. Holds the 36,864-element
+  convolutions of DeepReduce Fig. 10 (``layers.*.conv*.weight`` of the last stage).
 * ``ncf``: the NCF-style recommender (:mod:`deepreduce.models.ncf`) on the Zipf
   implicit-feedback data (:mod:`deepreduce.recsys_data`), Adam. Its embedding gradients are
   inherently sparse (rows of users and items absent from the batch are exactly zero).
@@ -35,8 +38,7 @@ MODELS = ("resnet20", "ncf")
 class CorpusSpec:
     """How the corpus is made: training steps, which steps are recorded, batch sizes, data."""
 
-    resnet_steps: Tuple[int, ...] = (0, 10, 20)    # recorded steps (training runs to the last)
-    resnet_batch: int = 32
+    resnet_steps: Tuple[int, ...] = (10, 20, 30)   # gradients.capture(steps=s) for each s
     ncf_steps: Tuple[int, ...] = (0, 20, 40)
     ncf_batch: int = 5120                          # about 40% zero entries, like the paper's NCF
     ncf_negatives: int = 4
@@ -50,7 +52,7 @@ class CorpusSpec:
 
 
 FULL = CorpusSpec()
-QUICK = CorpusSpec(resnet_steps=(0,), resnet_batch=8, ncf_steps=(0, 2), ncf_batch=512, ncf_data=QUICK_DATA)
+QUICK = CorpusSpec(resnet_steps=(1,), ncf_steps=(0, 2), ncf_batch=512, ncf_data=QUICK_DATA)
 
 
 @dataclass
@@ -103,45 +105,20 @@ class Corpus:
         return cls(grads, meta)
 
 
-def _capture(model, steps, batches, loss_fn, optimizer) -> Dict[str, np.ndarray]:
-    """Train ``model`` to the last recorded step; stack the gradients of the recorded steps."""
-    recorded: Dict[str, list] = {n: [] for n, _ in model.named_parameters()}
-    wanted = set(steps)
-    for step in range(max(steps) + 1):
-        optimizer.zero_grad()
-        loss_fn(model, next(batches)).backward()
-        if step in wanted:
-            for n, p in model.named_parameters():
-                g = p.grad if p.grad is not None else p.detach() * 0
-                recorded[n].append(g.detach().numpy().astype(np.float32, copy=True))
-        optimizer.step()
-    return {n: np.stack(v) for n, v in recorded.items()}
-
-
 def capture_resnet20(spec: CorpusSpec) -> Dict[str, np.ndarray]:
-    """ResNet-20 gradients on the digits images (SGD, momentum 0.9, lr 0.05)."""
-    import torch
-    from torch.nn import functional as F
+    """ResNet-20 gradients at each of ``spec.resnet_steps`` via :mod:`deepreduce.gradients`."""
+    from . import gradients
 
-    from .data import load_digits_32
-    from .models.resnet import ResNet20
-
-    torch.manual_seed(spec.seed)
-    x, y, _, _ = load_digits_32()
-    model = ResNet20()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-
-    def batches():
-        epoch = 0
-        while True:
-            order = np.random.default_rng([spec.seed, epoch]).permutation(len(y))
-            for s in range(0, len(y) - spec.resnet_batch + 1, spec.resnet_batch):
-                b = order[s:s + spec.resnet_batch]
-                yield torch.from_numpy(x[b]), torch.from_numpy(y[b])
-            epoch += 1
-
-    return _capture(model, spec.resnet_steps, batches(),
-                    lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt)
+    per_step = []
+    for step in spec.resnet_steps:
+        grads = None
+        if step == gradients.DEFAULT_STEPS and os.path.isfile(gradients.DEFAULT_PATH):
+            grads = gradients.load()            # the committed capture of this very step
+        if grads is None:
+            grads = gradients.capture(steps=step, seed=spec.seed)
+        grads.pop("all", None)
+        per_step.append(grads)
+    return {name: np.stack([g[name] for g in per_step]) for name in per_step[0]}
 
 
 def capture_ncf(spec: CorpusSpec) -> Dict[str, np.ndarray]:
@@ -164,8 +141,17 @@ def capture_ncf(spec: CorpusSpec) -> Dict[str, np.ndarray]:
                 yield torch.from_numpy(u), torch.from_numpy(i), torch.from_numpy(lab)
             epoch += 1
 
-    return _capture(model, spec.ncf_steps, batches(),
-                    lambda m, b: F.binary_cross_entropy_with_logits(m(b[0], b[1]), b[2]), opt)
+    recorded: Dict[str, list] = {n: [] for n, _ in model.named_parameters()}
+    stream = batches()
+    for step in range(max(spec.ncf_steps) + 1):
+        users, items, labels = next(stream)
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(model(users, items), labels).backward()
+        if step in spec.ncf_steps:
+            for n, p in model.named_parameters():
+                recorded[n].append(p.grad.detach().numpy().astype(np.float32, copy=True))
+        opt.step()
+    return {n: np.stack(v) for n, v in recorded.items()}
 
 
 def default_cache_dir() -> str:
