@@ -151,7 +151,7 @@ def save_figure(result: Result, fig, out_dir: str, filename: str) -> None:
 
 
 def no_plot_note(result: Result) -> None:
-    result.notes.append("no plots: matplotlib is not installed (pip install 'deepreduce[reproduce]')")
+    result.notes.append("no plots: matplotlib is not installed (pip install 'deepreduce[plots]')")
 
 
 # ---------------------------------------------------------------------------- configs
