@@ -65,3 +65,8 @@ def test_topk_keeps_ranks_identical_and_compresses(result):
     assert result["topk"]["ranks_identical"]
     assert result["topk"]["changed"] > 1e-3
     assert result["topk_relative_volume"] < 0.5
+
+
+def test_registered_local_source_is_not_communicated(result):
+    assert result["local_source"]["global_max_abs_diff"] <= 1e-6
+    assert result["local_source"]["local_max_abs_diff"] <= 1e-7

@@ -102,6 +102,23 @@ def run_optimizer(config):
     return [v.numpy() for v in variables], pipe
 
 
+def local_source_check(config):
+    """One gradient() call with a registered local source: it is not averaged but scaled by 1/size."""
+    weights = initial_weights()
+    variables = [tf.Variable(w) for w in weights]
+    x, y = data(hvd.rank(), 0)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(variables, tf.constant(x), tf.constant(y))
+    tape = drtf.DistributedGradientTape(tape, compression=drtf.build(config))
+    tape.register_local_source(variables[3])
+    grads = [g.numpy() for g in tape.gradient(loss, variables)]
+    mine = local_grads(weights, x, y)
+    every = [local_grads(weights, *data(r, 0)) for r in range(hvd.size())]
+    averaged = [sum(e[i] for e in every) / hvd.size() for i in range(3)]
+    return {"global_max_abs_diff": float(max(np.max(np.abs(grads[i] - averaged[i])) for i in range(3))),
+            "local_max_abs_diff": float(np.max(np.abs(grads[3] - mine[3] / hvd.size())))}
+
+
 def compare(weights, expected=None):
     """Bit-identity across ranks (allgather) and the largest deviation from ``expected``."""
     flat = np.concatenate([w.ravel() for w in weights])
@@ -129,6 +146,7 @@ def main():
     results["sum"] = compare(run_tape(raw, "function", op=hvd.Sum)[0], ref_sum)
     results["optimizer"] = compare(run_optimizer(raw)[0], ref_avg)
     results["allreduce"] = compare(run_tape(None, "function")[0], ref_avg)
+    results["local_source"] = local_source_check(raw)
     weights, pipe = run_tape(topk, "function")
     results["topk"] = compare(weights)
     results["topk_relative_volume"] = pipe.stats.relative_volume
