@@ -88,7 +88,9 @@ def _plot(result: Result, out_dir: str, sparsifiers) -> None:
     if plt is None:
         no_plot_note(result)
         return
-    fig, axes = plt.subplots(len(sparsifiers), 2, figsize=(10, 3.6 * len(sparsifiers)), squeeze=False)
+    metrics = (("volume", "relative data volume"), ("err_vs_sparse", "rel. L2 error vs sparse input"),
+               ("err_vs_dense", "rel. L2 error vs dense gradient"))
+    fig, axes = plt.subplots(len(sparsifiers), 3, figsize=(14, 3.6 * len(sparsifiers)), squeeze=False)
     for row_axes, sname in zip(axes, sparsifiers):
         ref = [r for r in result.rows if r["sparsifier"] == sname and r["fpr"] is None]
         for policy in POLICIES:
@@ -97,12 +99,12 @@ def _plot(result: Result, out_dir: str, sparsifiers) -> None:
             if not rows:
                 continue
             x = [r["fpr"] for r in rows]
-            row_axes[0].plot(x, [r["volume"] for r in rows], marker="o", label=f"BF-{policy.upper()}")
-            row_axes[1].plot(x, [r["err_vs_dense"] for r in rows], marker="o", label=f"BF-{policy.upper()}")
+            for ax, (key, _) in zip(row_axes, metrics):
+                ax.plot(x, [r[key] for r in rows], marker="o", label=f"BF-{policy.upper()}")
         for r in ref:
-            row_axes[0].axhline(r["volume"], color="grey", linestyle="--", label=f"{sname} (raw)")
-            row_axes[1].axhline(r["err_vs_dense"], color="grey", linestyle="--", label=f"{sname} (raw)")
-        for ax, ylabel in zip(row_axes, ("relative data volume", "relative L2 error vs dense gradient")):
+            for ax, (key, _) in zip(row_axes, metrics):
+                ax.axhline(r[key], color="grey", linestyle="--", label=f"{sname} (raw)")
+        for ax, (_, ylabel) in zip(row_axes, metrics):
             ax.set_xscale("log")
             ax.set_xlabel("Bloom filter FPR")
             ax.set_ylabel(ylabel)
