@@ -21,7 +21,7 @@ cd "$ROOT"
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 STAMPS="$VENV/.deepreduce-stamps"
-CACHE="${DEEPREDUCE_CACHE:-$HOME/.cache/deepreduce}"
+CACHE="${DEEPREDUCE_CACHE:-${HOME:-/root}/.cache/deepreduce}"
 PYTHON="${PYTHON:-python3}"
 
 TORCH_VERSION="2.13.0"
