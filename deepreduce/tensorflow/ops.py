@@ -74,7 +74,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def accelerator_for(core) -> Optional["OpsEncoder"]:
+def accelerator_for(core, lock=None) -> Optional["OpsEncoder"]:
     """The custom-op encoder for ``core``'s codecs, or None when the numpy_function path is used.
 
     None when no codec of the config has a TF op (only the Bloom index codec and the polyfit
@@ -90,7 +90,7 @@ def accelerator_for(core) -> Optional["OpsEncoder"]:
     except BackendUnavailableError as exc:
         _warn_once(f"{exc}; using tf.numpy_function over the NumPy core instead (same bytes, slower)")
         return None
-    return OpsEncoder(core, module)
+    return OpsEncoder(core, module, lock)
 
 
 OPS_INDEX_CODECS = ("bloom",)
@@ -142,9 +142,10 @@ class OpsEncoder:
     core's: the custom ops wrap the same C++ functions as the Python extension.
     """
 
-    def __init__(self, core, module) -> None:
+    def __init__(self, core, module, lock=None) -> None:
         self.core = core
         self.ops = module
+        self.lock = lock if lock is not None else threading.RLock()
         self.bloom, self.fit = self.routed_codecs(core)
 
     @staticmethod
@@ -171,6 +172,10 @@ class OpsEncoder:
         core = self.core
 
         def prepare(grad, step):
+            with self.lock:
+                return _prepare(grad, step)
+
+        def _prepare(grad, step):
             flat, _ = _as_float32(grad, name)
             empty = (np.int64(0), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
                      np.zeros(6, np.int64))
@@ -217,7 +222,8 @@ class OpsEncoder:
                 value = core.value
                 view.value = _Given(value, ValueEncoding(struct.pack("<BB", value.degree, value.coef_bytes),
                                                          vpayload.tobytes(), perm.astype(np.int64)))
-            return view.encode(grad, name=name, step=int(step))
+            with self.lock:
+                return view.encode(grad, name=name, step=int(step))
 
         return finish
 
@@ -249,8 +255,12 @@ class OpsEncoder:
                                      tf.uint8, stateful=True, name="deepreduce_finish")
 
         def dense():
-            return tf.numpy_function(lambda g, s: core.encode(g, name=name, step=int(s)), [tensor, step],
-                                     tf.uint8, stateful=True, name="deepreduce_encode")
+            def encode_dense(g, s):
+                with self.lock:
+                    return core.encode(g, name=name, step=int(s))
+
+            return tf.numpy_function(encode_dense, [tensor, step], tf.uint8, stateful=True,
+                                     name="deepreduce_encode")
 
         out = tf.cond(tf.equal(flag, 1), sparse, dense)
         out.set_shape([None])

@@ -27,6 +27,7 @@ is a Python string fixed at trace time, as Horovod's own tensor names are.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -63,9 +64,12 @@ class TFPipeline:
     def __init__(self, core: Pipeline) -> None:
         self.core = core
         self._iterations = None
+        # TF may run the py_func ops of several gradients at once; the core's statistics and
+        # residual dict are updated under this lock so concurrent calls never interleave.
+        self.lock = threading.RLock()
         from . import ops  # noqa: WPS433 (late import: ops imports this module's siblings)
 
-        self._accel = ops.accelerator_for(core)
+        self._accel = ops.accelerator_for(core, self.lock)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -105,13 +109,17 @@ class TFPipeline:
             out = self._accel.encode(tensor, name, step)
         elif tf.executing_eagerly():
             # eager: call the core directly (no py_func round trip; deepreduce errors keep their type)
-            out = tf.constant(self.core.encode(tensor.numpy(), name=name, step=_int_step(step)))
+            with self.lock:
+                out = tf.constant(self.core.encode(tensor.numpy(), name=name, step=_int_step(step)))
         else:
             core = self.core
             step = tf.cast(tf.convert_to_tensor(step), tf.int64)
 
+            lock = self.lock
+
             def _encode(grad: np.ndarray, step_value) -> np.ndarray:
-                return core.encode(grad, name=name, step=int(step_value))
+                with lock:
+                    return core.encode(grad, name=name, step=int(step_value))
 
             out = tf.numpy_function(_encode, [tensor, step], tf.uint8, stateful=True,
                                     name="deepreduce_encode")
@@ -128,8 +136,11 @@ class TFPipeline:
         core = self.core
         shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
 
+        lock = self.lock
+
         def _decode(buf: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(core.decode(buf, shape), dtype=np.float32)
+            with lock:
+                return np.ascontiguousarray(core.decode(buf, shape), dtype=np.float32)
 
         if tf.executing_eagerly():
             return tf.constant(_decode(_eager_bytes(payload)))
@@ -149,11 +160,14 @@ class TFPipeline:
         core = self.core
         shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
 
+        lock = self.lock
+
         def _decode_sum(buf: np.ndarray) -> np.ndarray:
             parts = container.split(buf)
             if count is not None and len(parts) != count:
                 raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
-            return np.ascontiguousarray(core.decode_sum(parts, shape), dtype=np.float32)
+            with lock:
+                return np.ascontiguousarray(core.decode_sum(parts, shape), dtype=np.float32)
 
         if tf.executing_eagerly():
             return tf.constant(_decode_sum(_eager_bytes(gathered)))
