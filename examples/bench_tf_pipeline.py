@@ -2,7 +2,7 @@
 
 For each config it times, on one ResNet-20-sized gradient (64x64x3x3 = 36,864 float32):
 the NumPy core called directly, the TF pipeline inside ``tf.function`` through
-``tf.numpy_function`` (forced with ``DEEPREDUCE_BACKEND``-independent construction), and, for
+``tf.numpy_function`` (``backend="numpy_function"``), and, for
 configs whose Bloom/polyfit work has custom ops, the custom-op path. Prints median microseconds.
 
     python examples/bench_tf_pipeline.py [--repeat 50] [configs/...yaml ...]
@@ -23,7 +23,6 @@ import tensorflow as tf  # noqa: E402
 
 import deepreduce  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
-from deepreduce.tensorflow.pipeline import TFPipeline  # noqa: E402
 
 DEFAULT_CONFIGS = ["configs/none_raw.yaml", "configs/topk_raw.yaml", "configs/bf_p0.yaml", "configs/bf_p2.yaml",
                    "configs/polyfit.yaml", "configs/bfp2_polyfit.yaml"]
@@ -53,8 +52,7 @@ def main(argv=None):
           f"{'core decode':>12s} {'tf decode':>10s}   (median us, d = {g.size})")
     for path in args.configs:
         core = deepreduce.build(path)
-        via_numpy = TFPipeline(deepreduce.build(path))
-        via_numpy._accel = None                       # force the numpy_function path
+        via_numpy = drtf.build(path, backend="numpy_function")
         via_ops = drtf.build(path)
         payload = core.encode(g, name="w", step=0)
         enc_np = tf.function(lambda t: via_numpy.encode(t, name="w", step=step))

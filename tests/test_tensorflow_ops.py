@@ -161,3 +161,16 @@ def test_pipeline_routes_codec_work_through_ops_with_core_bytes(config, monkeypa
 def test_forced_numpy_backend_skips_the_ops(monkeypatch):
     monkeypatch.setenv("DEEPREDUCE_BACKEND", "numpy")
     assert drtf.build(os.path.join(ROOT, "configs", "bf_p0.yaml")).backend == "numpy_function"
+
+
+def test_backend_choice():
+    path = os.path.join(ROOT, "configs", "bf_p2.yaml")
+    assert drtf.build(path, backend="tf-ops").backend == "tf-ops"
+    forced = drtf.build(path, backend="numpy_function")
+    assert forced.backend == "numpy_function"
+    g = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
+    assert np.array_equal(forced.encode(g, name="x", step=4).numpy(), deepreduce.build(path).encode(g, name="x", step=4))
+    with pytest.raises(deepreduce.ConfigError, match="tf-ops"):
+        drtf.build(os.path.join(ROOT, "configs", "topk_raw.yaml"), backend="tf-ops")
+    with pytest.raises(deepreduce.ConfigError, match="allowed"):
+        drtf.build(path, backend="gpu")

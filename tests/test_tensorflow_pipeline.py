@@ -137,3 +137,12 @@ def test_ops_load_error_says_how_to_rebuild(monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "LIBRARY_PATH", str(broken))
     with pytest.raises(deepreduce.BackendUnavailableError, match="rebuild"):
         ops.load()
+    # the pipeline warns once with the same instruction and falls back to numpy_function (same bytes)
+    config = os.path.join(ROOT, "configs", "bf_p0.yaml")
+    with pytest.warns(RuntimeWarning, match="build_tf_ops.sh"):
+        pipe = drtf.build(config)
+    assert pipe.backend == "numpy_function"
+    g = grad(7)
+    assert np.array_equal(pipe.encode(g, name="w", step=1).numpy(), deepreduce.build(config).encode(g, name="w", step=1))
+    with pytest.raises(deepreduce.BackendUnavailableError, match="build_tf_ops.sh"):
+        drtf.build(config, backend="tf-ops")

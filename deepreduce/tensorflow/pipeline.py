@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from .. import container
 from ..config import ConfigLike, build as build_core
-from ..errors import CommunicationError
+from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
 
 
@@ -61,7 +61,11 @@ class TFPipeline:
     :class:`~deepreduce.tensorflow.DistributedGradientTape` when no explicit step is given.
     """
 
-    def __init__(self, core: Pipeline) -> None:
+    BACKENDS = ("auto", "tf-ops", "numpy_function")
+
+    def __init__(self, core: Pipeline, backend: str = "auto") -> None:
+        if backend not in self.BACKENDS:
+            raise ConfigError(f"TFPipeline: backend {backend!r}; allowed: {', '.join(self.BACKENDS)}")
         self.core = core
         self._iterations = None
         # TF may run the py_func ops of several gradients at once; the core's statistics and
@@ -69,7 +73,18 @@ class TFPipeline:
         self.lock = threading.RLock()
         from . import ops  # noqa: WPS433 (late import: ops imports this module's siblings)
 
-        self._accel = ops.accelerator_for(core, self.lock)
+        if backend == "numpy_function":
+            self._accel = None
+        elif backend == "tf-ops":
+            if not ops.OpsEncoder.routes(core):
+                raise ConfigError(
+                    f"TFPipeline: backend 'tf-ops' needs a codec with TF custom ops (index "
+                    f"{'/'.join(ops.OPS_INDEX_CODECS)} or value {'/'.join(ops.OPS_VALUE_CODECS)}); "
+                    f"this config uses index {core.index.id!r} and value {core.value.id!r}"
+                )
+            self._accel = ops.OpsEncoder(core, ops.load(), self.lock)   # raises with the rebuild command
+        else:
+            self._accel = ops.accelerator_for(core, self.lock)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -193,12 +208,17 @@ def _eager_bytes(payload) -> np.ndarray:
     return np.asarray(payload)
 
 
-def build(config: ConfigLike) -> TFPipeline:
+def build(config: ConfigLike, backend: str = "auto") -> TFPipeline:
     """Build a TensorFlow pipeline from a config path, dict, core Pipeline or TFPipeline.
 
     Build it once per training run (outside ``tf.function``) and pass the same object to every
     ``DistributedGradientTape``/``DistributedOptimizer``: it holds the residuals and counters.
+
+    ``backend``: ``"auto"`` routes Bloom/polyfit work through the TF custom ops when they load
+    (else ``tf.numpy_function``); ``"tf-ops"`` requires them (error with the rebuild command);
+    ``"numpy_function"`` never uses them. All three write the same bytes; docs/tensorflow.md
+    compares their cost.
     """
     if isinstance(config, TFPipeline):
         return config
-    return TFPipeline(config if isinstance(config, Pipeline) else build_core(config))
+    return TFPipeline(config if isinstance(config, Pipeline) else build_core(config), backend=backend)
