@@ -42,7 +42,7 @@ def test_two_ranks_ran(result):
     assert result["size"] == 2
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "optimizer", "allreduce"])
+@pytest.mark.parametrize("mode", ["eager", "function", "optimizer", "legacy_optimizer", "allreduce"])
 def test_raw_codecs_equal_single_process_on_averaged_gradient(result, mode):
     r = result[mode]
     assert r["ranks_identical"]

@@ -44,9 +44,9 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
     def compute_gradients(self, *args, **kwargs):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*pairs) if pairs else ((), ())
-        step = tf.compat.v1.train.get_or_create_global_step()
         names = [f"{self._deepreduce_prefix}_{i}" for i in range(len(grads))]
-        return list(zip(self._deepreduce_reducer.reduce(list(grads), names, step=step), variables))
+        # step: the pipeline's own counter, advanced once per compute_gradients call
+        return list(zip(self._deepreduce_reducer.reduce(list(grads), names, step=None), variables))
 
     def apply_gradients(self, *args, **kwargs):
         return self._optimizer.apply_gradients(*args, **kwargs)

@@ -102,6 +102,16 @@ def run_optimizer(config):
     return [v.numpy() for v in variables], pipe
 
 
+def run_legacy_optimizer(config):
+    """A tf.compat.v1 optimizer wrapped by DistributedOptimizer, stepped eagerly with minimize()."""
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = drtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR), compression=drtf.build(config))
+    for step in range(STEPS):
+        x, y = data(hvd.rank(), step)
+        opt.minimize(lambda: loss_fn(variables, tf.constant(x), tf.constant(y)), var_list=variables)
+    return [v.numpy() for v in variables]
+
+
 def local_source_check(config):
     """One gradient() call with a registered local source: it is not averaged but scaled by 1/size."""
     weights = initial_weights()
@@ -145,6 +155,7 @@ def main():
     results["function_tensors_encoded"] = pipe.stats.tensors_encoded
     results["sum"] = compare(run_tape(raw, "function", op=hvd.Sum)[0], ref_sum)
     results["optimizer"] = compare(run_optimizer(raw)[0], ref_avg)
+    results["legacy_optimizer"] = compare(run_legacy_optimizer(raw), ref_avg)
     results["allreduce"] = compare(run_tape(None, "function")[0], ref_avg)
     results["local_source"] = local_source_check(raw)
     weights, pipe = run_tape(topk, "function")
