@@ -146,3 +146,27 @@ def test_ops_load_error_says_how_to_rebuild(monkeypatch, tmp_path):
     assert np.array_equal(pipe.encode(g, name="w", step=1).numpy(), deepreduce.build(config).encode(g, name="w", step=1))
     with pytest.raises(deepreduce.BackendUnavailableError, match="build_tf_ops.sh"):
         drtf.build(config, backend="tf-ops")
+
+
+def test_tape_arguments_are_checked_without_running_collectives():
+    pytest.importorskip("horovod.tensorflow")
+    import horovod.tensorflow as hvd
+
+    topk = os.path.join(ROOT, "configs", "topk_raw.yaml")
+    with tf.GradientTape() as tape:
+        pass
+    # a config with error feedback rebuilt per tape in eager mode would lose its residuals: warn
+    with pytest.warns(RuntimeWarning, match="build it once|Build it once"):
+        drtf.DistributedGradientTape(tape, compression=topk)
+    pipe = drtf.build(topk)
+    wrapped = drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Sum)
+    assert isinstance(wrapped, tf.GradientTape) and wrapped.pipeline is pipe
+    with pytest.raises(deepreduce.ConfigError, match="Adasum"):
+        drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Adasum)
+    with pytest.raises(deepreduce.ConfigError, match="predivide"):
+        drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Sum, gradient_predivide_factor=2.0)
+    keras = pytest.importorskip("keras")
+    with pytest.raises(deepreduce.ConfigError, match="backward_passes_per_step"):
+        drtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe, backward_passes_per_step=2)
+    wrapped_opt = drtf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), compression=pipe)
+    assert isinstance(wrapped_opt, keras.optimizers.SGD) and wrapped_opt.get_config()["momentum"] == 0.5

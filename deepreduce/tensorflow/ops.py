@@ -228,7 +228,7 @@ class OpsEncoder:
         return finish
 
     # ---------------------------------------------------------------- graph
-    def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
+    def _encode_graph(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
         core = self.core
         ops = self.ops
         flag, compensated, indices, values, meta = tf.numpy_function(
@@ -265,3 +265,18 @@ class OpsEncoder:
         out = tf.cond(tf.equal(flag, 1), sparse, dense)
         out.set_shape([None])
         return out
+
+    def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
+        """Encode one tensor; a tensor whose static size is below ``min_numel`` goes dense at once."""
+        numel = tensor.shape.num_elements()
+        if numel is not None and numel < self.core.min_numel:
+            core = self.core
+
+            def encode_dense(g, s):
+                with self.lock:
+                    return core.encode(g, name=name, step=int(s))
+
+            out = tf.numpy_function(encode_dense, [tensor, step], tf.uint8, stateful=True, name="deepreduce_encode")
+            out.set_shape([None])
+            return out
+        return self._encode_graph(tensor, name, step)
