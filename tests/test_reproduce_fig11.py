@@ -35,10 +35,10 @@ def test_fig11_quick(tmp_path):
     if available:
         assert set(networks) == {name for name, _ in fig11.BANDWIDTHS}
         assert all("tbf" in q for q in result.extra["qdisc"].values())
-        base = {r["network"]: r for r in result.rows if r["method"].startswith("no compression")}
-        # The dense all_reduce cannot beat the shaped link: its wire time is a lower bound.
-        for net, row in base.items():
-            assert row["comm_ms"] >= 0.8 * row["ideal_wire_ms"], (net, row)
+        base = next(r for r in result.rows if r["network"] == "100mbit" and r["method"].startswith("no compression"))
+        # The dense all_reduce cannot beat the shaped link: its wire time is a lower bound (at
+        # 100 Mbit/s the token bucket's burst is under 5% of the quick model's gradient).
+        assert base["comm_ms"] >= 0.8 * base["ideal_wire_ms"], base
     else:
         assert networks == ["loopback (unshaped)"]
         assert any(n.startswith("NOT SHAPED") and why in n for n in result.notes)

@@ -108,8 +108,12 @@ class ShapedLink:
         return self
 
     def shape(self, rate_bits: float) -> None:
-        """Token bucket at ``rate_bits`` bit/s on both ends (bursts of 2 ms of traffic)."""
-        burst = max(int(rate_bits / 8 * 0.002), 16 * 1024)
+        """Token bucket at ``rate_bits`` bit/s on both ends.
+
+        The bucket holds 0.5 ms of traffic (at least 16 KiB): tokens saved while a rank computes
+        let that much pass at line rate, so a small bucket keeps the link honest.
+        """
+        burst = max(int(rate_bits / 8 * 0.0005), 16 * 1024)
         for ns, dev in zip(self.ns, self.dev):
             proc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
                                    "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms"],
