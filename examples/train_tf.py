@@ -41,6 +41,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per rank")
     parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--tf-backend", default="auto", choices=("auto", "tf-ops", "numpy_function"),
+                        help="Bloom/polyfit through the TF custom ops (auto: when built) or numpy_function")
     parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
     return parser.parse_args(argv)
 
@@ -107,7 +109,7 @@ def train(args: argparse.Namespace) -> List[dict]:
     base_lr = args.lr * hvd.size()
     # weight decay inside the optimizer, after the reduction (as torch's SGD): it is not communicated
     optimizer = keras.optimizers.SGD(learning_rate=base_lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    pipe = None if args.baseline else drtf.build(args.config)
+    pipe = None if args.baseline else drtf.build(args.config, backend=args.tf_backend)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
 
