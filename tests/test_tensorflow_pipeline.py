@@ -170,3 +170,19 @@ def test_tape_arguments_are_checked_without_running_collectives():
         drtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe, backward_passes_per_step=2)
     wrapped_opt = drtf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), compression=pipe)
     assert isinstance(wrapped_opt, keras.optimizers.SGD) and wrapped_opt.get_config()["momentum"] == 0.5
+
+
+def test_tf_resnet20_matches_the_torch_model_size():
+    """examples/train_tf.py's ResNet-20 has the paper's 269,722 trainable parameters, as the torch model."""
+    import importlib.util
+
+    keras = pytest.importorskip("keras")
+    spec = importlib.util.spec_from_file_location("train_tf", os.path.join(ROOT, "examples", "train_tf.py"))
+    train_tf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tf)
+    model = train_tf.resnet20(keras)
+    assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 269_722
+    assert tuple(model(np.zeros((2, 32, 32, 3), np.float32)).shape) == (2, 10)
+    from deepreduce import train as torch_job
+
+    assert train_tf.EPOCH_LINE == torch_job.EPOCH_LINE   # the same per-epoch line as the PyTorch job
