@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from .._native import forced_numpy
 from ..errors import BackendUnavailableError
+from .pipeline import numpy_op
 
 LIBRARY_NAME = "_deepreduce_ops.so"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
@@ -231,9 +232,9 @@ class OpsEncoder:
     def _encode_graph(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
         core = self.core
         ops = self.ops
-        flag, compensated, indices, values, meta = tf.numpy_function(
+        flag, compensated, indices, values, meta = numpy_op(
             self._prepare(name), [tensor, step], (tf.int64, tf.float32, tf.int64, tf.float32, tf.int64),
-            stateful=True, name="deepreduce_prepare")
+            name="deepreduce_prepare")
 
         def sparse():
             chosen, sent, bits = indices, values, tf.zeros([0], tf.uint8)
@@ -250,17 +251,15 @@ class OpsEncoder:
                 v = core.value
                 perm, vpayload = ops.deep_reduce_fit_encode(sent, degree=v.degree, max_segments=v.segments,
                                                             min_points=v.min_points, coef_bytes=v.coef_bytes)
-            return tf.numpy_function(self._finish(name),
-                                     [tensor, indices, chosen, sent, bits, meta, perm, vpayload, step],
-                                     tf.uint8, stateful=True, name="deepreduce_finish")
+            return numpy_op(self._finish(name), [tensor, indices, chosen, sent, bits, meta, perm, vpayload, step],
+                            tf.uint8, name="deepreduce_finish")
 
         def dense():
             def encode_dense(g, s):
                 with self.lock:
                     return core.encode(g, name=name, step=int(s))
 
-            return tf.numpy_function(encode_dense, [tensor, step], tf.uint8, stateful=True,
-                                     name="deepreduce_encode")
+            return numpy_op(encode_dense, [tensor, step], tf.uint8, name="deepreduce_encode")
 
         out = tf.cond(tf.equal(flag, 1), sparse, dense)
         out.set_shape([None])
@@ -276,7 +275,7 @@ class OpsEncoder:
                 with self.lock:
                     return core.encode(g, name=name, step=int(s))
 
-            out = tf.numpy_function(encode_dense, [tensor, step], tf.uint8, stateful=True, name="deepreduce_encode")
+            out = numpy_op(encode_dense, [tensor, step], tf.uint8, name="deepreduce_encode")
             out.set_shape([None])
             return out
         return self._encode_graph(tensor, name, step)

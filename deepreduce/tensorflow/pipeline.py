@@ -39,6 +39,17 @@ from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
 
 
+def numpy_op(func, inputs, dtypes, name: str):
+    """A stateful ``tf.numpy_function`` op running ``func`` as plain Python.
+
+    ``do_not_convert`` keeps AutoGraph from rewriting ``func`` (inside ``tf.function`` it would
+    otherwise run every call through AutoGraph's converted-call machinery, which is slower).
+    Stateful: TF never folds, caches or deduplicates it (residuals and counters change).
+    """
+    return tf.numpy_function(tf.autograph.experimental.do_not_convert(func), inputs, dtypes,
+                             stateful=True, name=name)
+
+
 def _static_shape(shape) -> Optional[tuple]:
     """A fully known shape as a tuple of ints, or None."""
     if shape is None:
@@ -136,8 +147,7 @@ class TFPipeline:
                 with lock:
                     return core.encode(grad, name=name, step=int(step_value))
 
-            out = tf.numpy_function(_encode, [tensor, step], tf.uint8, stateful=True,
-                                    name="deepreduce_encode")
+            out = numpy_op(_encode, [tensor, step], tf.uint8, "deepreduce_encode")
         out.set_shape([None])
         return out
 
@@ -159,8 +169,7 @@ class TFPipeline:
 
         if tf.executing_eagerly():
             return tf.constant(_decode(_eager_bytes(payload)))
-        out = tf.numpy_function(_decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32,
-                                stateful=True, name="deepreduce_decode")
+        out = numpy_op(_decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32, "deepreduce_decode")
         if shape is not None:
             out.set_shape(shape)
         return out
@@ -186,8 +195,8 @@ class TFPipeline:
 
         if tf.executing_eagerly():
             return tf.constant(_decode_sum(_eager_bytes(gathered)))
-        out = tf.numpy_function(_decode_sum, [tf.convert_to_tensor(gathered, dtype=tf.uint8)], tf.float32,
-                                stateful=True, name="deepreduce_decode_sum")
+        out = numpy_op(_decode_sum, [tf.convert_to_tensor(gathered, dtype=tf.uint8)], tf.float32,
+                       "deepreduce_decode_sum")
         if shape is not None:
             out.set_shape(shape)
         return out
