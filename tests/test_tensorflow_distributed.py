@@ -70,3 +70,9 @@ def test_topk_keeps_ranks_identical_and_compresses(result):
 def test_registered_local_source_is_not_communicated(result):
     assert result["local_source"]["global_max_abs_diff"] <= 1e-6
     assert result["local_source"]["local_max_abs_diff"] <= 1e-7
+
+
+def test_bloom_config_keeps_ranks_identical(result):
+    assert result["bloom"]["ranks_identical"]
+    assert result["bloom"]["changed"] > 1e-3
+    assert result["bloom_backend"] in ("tf-ops", "numpy_function")

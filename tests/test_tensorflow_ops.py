@@ -174,3 +174,48 @@ def test_backend_choice():
         drtf.build(os.path.join(ROOT, "configs", "topk_raw.yaml"), backend="tf-ops")
     with pytest.raises(deepreduce.ConfigError, match="allowed"):
         drtf.build(path, backend="gpu")
+
+
+def _recrc(buf):
+    import struct
+    import zlib
+
+    out = bytearray(buf[:-4])
+    return np.frombuffer(bytes(out) + struct.pack("<I", zlib.crc32(bytes(out))), dtype=np.uint8).copy()
+
+
+@pytest.mark.parametrize("policy", bloom_codec.POLICIES)
+def test_graph_decode_queries_and_selects_with_the_ops(policy, monkeypatch):
+    config = {"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "bloom", "policy": policy, "fpr": 0.01},
+              "value": {"id": "raw"}, "memory": {"id": "none"}}
+    core, tf_pipe = deepreduce.build(config), drtf.build(config)
+    rng = np.random.default_rng(21)
+    grads = [(rng.standard_normal(8000) * 0.01).astype(np.float32) for _ in range(3)]
+    grads[2][:10] = 0   # still sparse; a NaN tensor travels dense:
+    grads.append(np.full(8000, np.nan, np.float32))
+    payloads = [core.encode(g, name="w", step=s) for s, g in enumerate(grads)]
+    # a container of another policy (e.g. another config) is decoded by the core's decoder
+    other = "p1" if policy != "p1" else "p2"
+    foreign = deepreduce.build(dict(config, index={"id": "bloom", "policy": other, "fpr": 0.01}))
+    payloads.append(foreign.encode(grads[0], name="w", step=9))
+    calls = []
+    real = bloom_codec.BloomIndex.decode
+    monkeypatch.setattr(bloom_codec.BloomIndex, "decode", lambda self, *a: calls.append(1) or real(self, *a))
+    decode_sum = tf.function(lambda b: tf_pipe.decode_sum(b, (8000,), count=len(payloads)))
+    decode_one = tf.function(lambda b: tf_pipe.decode(b, (8000,)))
+    got = decode_sum(tf.constant(np.concatenate(payloads))).numpy()
+    one = decode_one(tf.constant(payloads[0])).numpy()
+    assert calls == [1]   # only the foreign container went through the Python decoder
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, core.decode_sum(payloads, (8000,)))
+    np.testing.assert_array_equal(one, core.decode(payloads[0]))
+    types = _op_types(decode_sum.get_concrete_function(tf.TensorSpec([None], tf.uint8)))
+    assert {"DeepReduceBloomQuery", "DeepReduceBloomSelect"} <= types
+    # a header count that the filter cannot back fails with the core's message
+    bad = payloads[0].copy()
+    bad[16:24] = np.frombuffer(np.uint64(8000).tobytes(), np.uint8)   # n = numel
+    bad = _recrc(bad)
+    with pytest.raises(tf.errors.OpError, match="positives|values"):
+        decode_one(tf.constant(bad))
+    with pytest.raises(tf.errors.OpError, match="containers for"):
+        decode_sum(tf.constant(payloads[0]))

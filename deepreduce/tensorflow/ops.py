@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._native import forced_numpy
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, CommunicationError, ContainerError
 from .pipeline import numpy_op
 
 LIBRARY_NAME = "_deepreduce_ops.so"
@@ -279,3 +279,113 @@ class OpsEncoder:
             out.set_shape([None])
             return out
         return self._encode_graph(tensor, name, step)
+
+    # ---------------------------------------------------------------- decode
+    def _parse(self, count: int):
+        """numpy stage: split the containers; Bloom filter, sizes and seeds of each one."""
+        from .. import container
+        from ..index import bloom as bloom_codec
+
+        policy = self.core.index.policy
+
+        def parse(buf):
+            parts = container.split(buf)
+            if len(parts) != count:
+                raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
+            out = []
+            for part in parts:
+                c = container.unpack(part)
+                meta = np.zeros(8, np.int64)   # routed, m, k, seed, draw seed, numel, n, limit
+                bits = np.zeros(0, np.uint8)
+                if not c.dense and c.index_id == bloom_codec.BloomIndex.wire_id:
+                    code, k, m, seed, draw_seed = bloom_codec._unpack_params(c.index_params)
+                    # a container of another policy (foreign config) is decoded by the core itself
+                    if code == policy and len(c.index_section) == (m + 7) // 8 and m > 0:
+                        limit = c.n if code in ("naive", "leftmost", "p0") else c.numel
+                        meta[:] = [1, m, k, _int64(seed), _int64(draw_seed), c.numel, c.n, limit]
+                        bits = np.frombuffer(c.index_section, dtype=np.uint8)
+                out += [bits, meta]
+            return out
+
+        return parse
+
+    def _assemble(self, shape, count: int, summed: bool):
+        """numpy stage: the core decodes (and sums) the containers with the ops' indices."""
+        import copy
+
+        from .. import container
+        from ..index import bloom as bloom_codec
+
+        core = self.core
+        policy = core.index.policy
+
+        def assemble(buf, *results):
+            parts = container.split(buf)
+            # one entry per container whose index section the core will decode (sparse, Bloom),
+            # in order; None where the ops did not handle it (the core's decoder then runs)
+            queue = []
+            for i, part in enumerate(parts[:count]):
+                if part.size > 6 and not part[5] & container.FLAG_DENSE and part[6] == bloom_codec.BloomIndex.wire_id:
+                    chosen, npos, meta = results[3 * i], int(results[3 * i + 1]), results[3 * i + 2]
+                    queue.append((chosen, npos) if meta[0] == 1 else (None, 0))
+            view = copy.copy(core)
+            view._decoders = dict(core._decoders)
+            view._decoders[("index", bloom_codec.BloomIndex.wire_id)] = _GivenBloomDecode(core._codec("index", 1),
+                                                                                       queue, policy)
+            with self.lock:
+                if summed:
+                    return np.ascontiguousarray(view.decode_sum(parts, shape), dtype=np.float32)
+                return np.ascontiguousarray(view.decode(parts[0], shape), dtype=np.float32)
+
+        return assemble
+
+    def decode_sum(self, gathered: tf.Tensor, shape, count: int, summed: bool = True) -> tf.Tensor:
+        """Split, decode (Bloom query + policy select as custom ops) and sum ``count`` containers."""
+        ops = self.ops
+        policy = self.core.index.policy
+        dtypes = [tf.uint8, tf.int64] * count
+        parsed = numpy_op(self._parse(count), [gathered], dtypes, name="deepreduce_parse")
+        results = []
+        for i in range(count):
+            bits, meta = parsed[2 * i], parsed[2 * i + 1]
+            m, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
+            k = tf.maximum(k, 1)   # unrouted containers carry m = 0, k = 0: the ops then return nothing
+            positives = ops.deep_reduce_bloom_query(bits, m, k, seed, numel, limit)
+            npos = tf.size(positives, out_type=tf.int64)
+            chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), m, k, seed, draw_seed,
+                                                  policy=policy)
+            results += [chosen, npos, meta]
+        out = numpy_op(self._assemble(shape, count, summed), [gathered] + results, tf.float32,
+                       name="deepreduce_decode_sum" if summed else "deepreduce_decode")
+        if shape is not None:
+            out.set_shape(shape)
+        return out
+
+
+class _GivenBloomDecode:
+    """The Bloom codec's decode, with the positives' query and policy selection already done by
+    the custom ops; keeps every check of the core's decoder (counts, foreign policies)."""
+
+    def __init__(self, real, queue, policy: str) -> None:
+        self._real = real
+        self._queue = list(queue)
+        self._policy = policy
+
+    def __getattr__(self, attr):
+        return getattr(self._real, attr)
+
+    def decode(self, params, payload, count, numel):
+        from ..index import bloom as bloom_codec
+
+        chosen, npos = self._queue.pop(0) if self._queue else (None, 0)
+        code, _, m, _, _ = bloom_codec._unpack_params(params)
+        if chosen is None or code != self._policy or m == 0 or len(payload) != (m + 7) // 8:
+            return self._real.decode(params, payload, count, numel)
+        if m % 8 and payload[-1] >> (m % 8):
+            raise ContainerError("Bloom section has bits set beyond m")
+        if code == "p0" and npos != count:
+            raise ContainerError(f"Bloom P0 filter has {npos}{'+' if npos > count else ''} positives, "
+                                 f"header says {count}")
+        if npos < count:
+            raise ContainerError(f"Bloom filter has {npos} positives, fewer than the {count} values sent")
+        return np.asarray(chosen, dtype=np.int64)

@@ -161,6 +161,11 @@ def main():
     weights, pipe = run_tape(topk, "function")
     results["topk"] = compare(weights)
     results["topk_relative_volume"] = pipe.stats.relative_volume
+    # Bloom P2 (custom ops when built): ranks stay identical
+    weights, pipe = run_tape({"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "bloom", "policy": "p2"},
+                              "value": {"id": "raw"}, "memory": {"id": "residual"}}, "function")
+    results["bloom"] = compare(weights)
+    results["bloom_backend"] = pipe.backend
     if hvd.rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as handle:
             json.dump(results, handle)
