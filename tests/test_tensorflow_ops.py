@@ -219,3 +219,31 @@ def test_graph_decode_queries_and_selects_with_the_ops(policy, monkeypatch):
         decode_one(tf.constant(bad))
     with pytest.raises(tf.errors.OpError, match="containers for"):
         decode_sum(tf.constant(payloads[0]))
+
+
+@pytest.mark.parametrize("index", ["raw", "bloom"])
+def test_graph_decode_runs_polyfit_decode_as_op(index, monkeypatch):
+    config = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": index},
+              "value": {"id": "polyfit", "degree": 3, "segments": 4}, "memory": {"id": "none"}}
+    core, tf_pipe = deepreduce.build(config), drtf.build(config)
+    rng = np.random.default_rng(8)
+    grads = [(rng.standard_normal(6000) * 0.01).astype(np.float32) for _ in range(2)] + [np.zeros(10, np.float32)]
+    payloads = [core.encode(g, name="w", step=s) for s, g in enumerate(grads[:2])]
+    calls = []
+    real = polyfit_codec.PolyFit.decode
+    monkeypatch.setattr(polyfit_codec.PolyFit, "decode", lambda self, *a: calls.append(1) or real(self, *a))
+    decode_sum = tf.function(lambda b: tf_pipe.decode_sum(b, (6000,), count=2))
+    got = decode_sum(tf.constant(np.concatenate(payloads))).numpy()
+    assert calls == []
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, core.decode_sum(payloads, (6000,)))
+    assert "DeepReduceFitDecode" in _op_types(decode_sum.get_concrete_function(tf.TensorSpec([None], tf.uint8)))
+    # a value section cut short (lengths fixed up, CRC recomputed) fails the op, never crashes
+    import deepreduce.container as ct
+
+    c = ct.unpack(payloads[0])
+    c.value_section = c.value_section[:-4]
+    short = ct.pack(c)
+    decode_one = tf.function(lambda b: tf_pipe.decode(b, (6000,)))
+    with pytest.raises(tf.errors.OpError, match="polyfit"):
+        decode_one(tf.constant(short))

@@ -281,12 +281,24 @@ class OpsEncoder:
         return self._encode_graph(tensor, name, step)
 
     # ---------------------------------------------------------------- decode
+    @property
+    def routes_decode(self) -> bool:
+        """Whether graph decode runs custom ops (Bloom positives/selection, polyfit values)."""
+        return self.bloom or self.core.value.id in OPS_VALUE_CODECS
+
     def _parse(self, count: int):
-        """numpy stage: split the containers; Bloom filter, sizes and seeds of each one."""
+        """numpy stage: split the containers; per container the Bloom filter with its sizes and
+        seeds, and the polyfit section with its count, where the ops can decode them."""
+        import struct
+
         from .. import container
         from ..index import bloom as bloom_codec
+        from ..values import polyfit as polyfit_codec
 
-        policy = self.core.index.policy
+        core = self.core
+        policy = core.index.policy if self.bloom else None
+        fit = core.value.id in OPS_VALUE_CODECS
+        fit_params = struct.pack("<BB", core.value.degree, core.value.coef_bytes) if fit else None
 
         def parse(buf):
             parts = container.split(buf)
@@ -297,41 +309,55 @@ class OpsEncoder:
                 c = container.unpack(part)
                 meta = np.zeros(8, np.int64)   # routed, m, k, seed, draw seed, numel, n, limit
                 bits = np.zeros(0, np.uint8)
-                if not c.dense and c.index_id == bloom_codec.BloomIndex.wire_id:
+                vmeta = np.zeros(2, np.int64)  # routed, n
+                vpay = np.zeros(0, np.uint8)
+                if not c.dense and policy is not None and c.index_id == bloom_codec.BloomIndex.wire_id:
                     code, k, m, seed, draw_seed = bloom_codec._unpack_params(c.index_params)
                     # a container of another policy (foreign config) is decoded by the core itself
                     if code == policy and len(c.index_section) == (m + 7) // 8 and m > 0:
                         limit = c.n if code in ("naive", "leftmost", "p0") else c.numel
                         meta[:] = [1, m, k, _int64(seed), _int64(draw_seed), c.numel, c.n, limit]
                         bits = np.frombuffer(c.index_section, dtype=np.uint8)
-                out += [bits, meta]
+                if (not c.dense and fit and c.value_id == polyfit_codec.PolyFit.wire_id
+                        and c.value_params == fit_params):
+                    vmeta[:] = [1, c.n]
+                    vpay = np.frombuffer(c.value_section, dtype=np.uint8)
+                out += [bits, meta, vpay, vmeta]
             return out
 
         return parse
 
     def _assemble(self, shape, count: int, summed: bool):
-        """numpy stage: the core decodes (and sums) the containers with the ops' indices."""
+        """numpy stage: the core decodes (and sums) the containers with what the ops produced."""
         import copy
 
         from .. import container
         from ..index import bloom as bloom_codec
+        from ..values import polyfit as polyfit_codec
 
         core = self.core
-        policy = core.index.policy
+        policy = core.index.policy if self.bloom else None
+        bloom_key = ("index", bloom_codec.BloomIndex.wire_id)
+        fit_key = ("value", polyfit_codec.PolyFit.wire_id)
 
         def assemble(buf, *results):
             parts = container.split(buf)
-            # one entry per container whose index section the core will decode (sparse, Bloom),
-            # in order; None where the ops did not handle it (the core's decoder then runs)
-            queue = []
+            # per codec, one entry per container whose section the core will decode (sparse,
+            # that codec's wire id), in order; None where the ops did not handle it
+            bloom_queue, fit_queue = [], []
             for i, part in enumerate(parts[:count]):
-                if part.size > 6 and not part[5] & container.FLAG_DENSE and part[6] == bloom_codec.BloomIndex.wire_id:
-                    chosen, npos, meta = results[3 * i], int(results[3 * i + 1]), results[3 * i + 2]
-                    queue.append((chosen, npos) if meta[0] == 1 else (None, 0))
+                chosen, npos, meta, values, vmeta = results[5 * i:5 * i + 5]
+                if part.size <= 7 or part[5] & container.FLAG_DENSE:
+                    continue
+                if part[6] == bloom_key[1]:
+                    bloom_queue.append((chosen, int(npos)) if meta[0] == 1 else (None, 0))
+                if part[7] == fit_key[1]:
+                    fit_queue.append(values if vmeta[0] == 1 else None)
             view = copy.copy(core)
             view._decoders = dict(core._decoders)
-            view._decoders[("index", bloom_codec.BloomIndex.wire_id)] = _GivenBloomDecode(core._codec("index", 1),
-                                                                                       queue, policy)
+            if policy is not None:
+                view._decoders[bloom_key] = _GivenBloomDecode(core._codec(*bloom_key), bloom_queue, policy)
+            view._decoders[fit_key] = _GivenValues(core._codec(*fit_key), fit_queue)
             with self.lock:
                 if summed:
                     return np.ascontiguousarray(view.decode_sum(parts, shape), dtype=np.float32)
@@ -340,26 +366,54 @@ class OpsEncoder:
         return assemble
 
     def decode_sum(self, gathered: tf.Tensor, shape, count: int, summed: bool = True) -> tf.Tensor:
-        """Split, decode (Bloom query + policy select as custom ops) and sum ``count`` containers."""
+        """Split, decode and sum ``count`` containers; Bloom query + policy selection and
+        polyfit decode run as custom ops, the core assembles (with all its checks)."""
         ops = self.ops
-        policy = self.core.index.policy
-        dtypes = [tf.uint8, tf.int64] * count
+        core = self.core
+        dtypes = [tf.uint8, tf.int64, tf.uint8, tf.int64] * count
         parsed = numpy_op(self._parse(count), [gathered], dtypes, name="deepreduce_parse")
         results = []
         for i in range(count):
-            bits, meta = parsed[2 * i], parsed[2 * i + 1]
-            m, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
-            k = tf.maximum(k, 1)   # unrouted containers carry m = 0, k = 0: the ops then return nothing
-            positives = ops.deep_reduce_bloom_query(bits, m, k, seed, numel, limit)
-            npos = tf.size(positives, out_type=tf.int64)
-            chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), m, k, seed, draw_seed,
-                                                  policy=policy)
-            results += [chosen, npos, meta]
+            bits, meta, vpay, vmeta = parsed[4 * i:4 * i + 4]
+            chosen, npos = tf.zeros([0], tf.int64), tf.constant(0, tf.int64)
+            if self.bloom:
+                m, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
+                k = tf.maximum(k, 1)   # unrouted containers carry m = 0: the ops then return nothing
+                positives = ops.deep_reduce_bloom_query(bits, m, k, seed, numel, limit)
+                npos = tf.size(positives, out_type=tf.int64)
+                chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), m, k, seed, draw_seed,
+                                                      policy=core.index.policy)
+            values = tf.zeros([0], tf.float32)
+            if core.value.id in OPS_VALUE_CODECS:
+                v = core.value
+                values = tf.cond(
+                    tf.equal(vmeta[0], 1),
+                    lambda vpay=vpay, vmeta=vmeta: ops.deep_reduce_fit_decode(
+                        vpay, vmeta[1], degree=v.degree, coef_bytes=v.coef_bytes),
+                    lambda: tf.zeros([0], tf.float32))
+            results += [chosen, npos, meta, values, vmeta]
         out = numpy_op(self._assemble(shape, count, summed), [gathered] + results, tf.float32,
                        name="deepreduce_decode_sum" if summed else "deepreduce_decode")
         if shape is not None:
             out.set_shape(shape)
         return out
+
+
+class _GivenValues:
+    """A value codec's decode with the values already decoded by a custom op (None: the codec runs)."""
+
+    def __init__(self, real, queue) -> None:
+        self._real = real
+        self._queue = list(queue)
+
+    def __getattr__(self, attr):
+        return getattr(self._real, attr)
+
+    def decode(self, params, payload, count):
+        values = self._queue.pop(0) if self._queue else None
+        if values is None:
+            return self._real.decode(params, payload, count)
+        return np.asarray(values, dtype=np.float32)
 
 
 class _GivenBloomDecode:

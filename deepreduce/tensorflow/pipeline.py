@@ -169,7 +169,7 @@ class TFPipeline:
 
         if tf.executing_eagerly():
             return tf.constant(_decode(_eager_bytes(payload)))
-        if self._accel is not None and self._accel.bloom:
+        if self._accel is not None and self._accel.routes_decode:
             return self._accel.decode_sum(tf.convert_to_tensor(payload, dtype=tf.uint8), shape, 1, summed=False)
         out = numpy_op(_decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32, "deepreduce_decode")
         if shape is not None:
@@ -197,7 +197,7 @@ class TFPipeline:
 
         if tf.executing_eagerly():
             return tf.constant(_decode_sum(_eager_bytes(gathered)))
-        if self._accel is not None and self._accel.bloom and count is not None:
+        if self._accel is not None and self._accel.routes_decode and count is not None:
             return self._accel.decode_sum(tf.convert_to_tensor(gathered, dtype=tf.uint8), shape, count)
         out = numpy_op(_decode_sum, [tf.convert_to_tensor(gathered, dtype=tf.uint8)], tf.float32,
                        "deepreduce_decode_sum")
