@@ -3,7 +3,8 @@
 For each config it times, on one ResNet-20-sized gradient (64x64x3x3 = 36,864 float32):
 the NumPy core called directly, the TF pipeline inside ``tf.function`` through
 ``tf.numpy_function`` (``backend="numpy_function"``), and, for
-configs whose Bloom/polyfit work has custom ops, the custom-op path. Prints median microseconds.
+configs whose Bloom/polyfit work has custom ops, the custom-op path; the same for decode.
+Prints median microseconds.
 
     python examples/bench_tf_pipeline.py [--repeat 50] [configs/...yaml ...]
 """
@@ -49,7 +50,7 @@ def main(argv=None):
     x = tf.constant(g)
     step = tf.Variable(0, dtype=tf.int64)
     print(f"{'config':22s} {'core encode':>12s} {'tf numpy_fn':>12s} {'tf ops':>10s} "
-          f"{'core decode':>12s} {'tf decode':>10s}   (median us, d = {g.size})")
+          f"{'core decode':>12s} {'tf numpy_fn':>12s} {'tf ops':>10s}   (median us, d = {g.size})")
     for path in args.configs:
         core = deepreduce.build(path)
         via_numpy = drtf.build(path, backend="numpy_function")
@@ -58,6 +59,7 @@ def main(argv=None):
         enc_np = tf.function(lambda t: via_numpy.encode(t, name="w", step=step))
         enc_ops = tf.function(lambda t: via_ops.encode(t, name="w", step=step))
         dec = tf.function(lambda b: via_numpy.decode(b, g.shape))
+        dec_ops = tf.function(lambda b: via_ops.decode(b, g.shape))
         p = tf.constant(payload)
         row = [
             median_us(lambda: core.encode(g, name="w", step=0), args.repeat),
@@ -65,9 +67,10 @@ def main(argv=None):
             median_us(lambda: enc_ops(x).numpy(), args.repeat) if via_ops.backend == "tf-ops" else float("nan"),
             median_us(lambda: core.decode(payload, g.shape), args.repeat),
             median_us(lambda: dec(p).numpy(), args.repeat),
+            median_us(lambda: dec_ops(p).numpy(), args.repeat) if via_ops.backend == "tf-ops" else float("nan"),
         ]
         name = os.path.basename(path)
-        print(f"{name:22s} {row[0]:12.0f} {row[1]:12.0f} {row[2]:10.0f} {row[3]:12.0f} {row[4]:10.0f}", flush=True)
+        print(f"{name:22s} {row[0]:12.0f} {row[1]:12.0f} {row[2]:10.0f} {row[3]:12.0f} {row[4]:12.0f} {row[5]:10.0f}", flush=True)
     return 0
 
 
