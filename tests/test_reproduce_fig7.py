@@ -20,3 +20,30 @@ def test_fig7_quick(tmp_path):
         assert 0.0 <= row["final_acc"] <= 1.0 and row["final_loss"] > 0
     assert [len(h) for h in result.extra["histories"].values()] == [1, 1]
     assert any(r["method"] == "BF-P2" for r in result.rows)
+
+
+def _processes_mentioning(text: str):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    if text.encode() in handle.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+def test_fig7_job_past_its_timeout_is_stopped_with_all_its_processes(tmp_path):
+    # 12 s: the ranks have started (they import torch and Horovod) when the timeout strikes.
+    import time
+
+    import pytest
+
+    with pytest.raises(RuntimeError, match="ran past 12s"):
+        fig7.launch("no compression", None, str(tmp_path), epochs=1, max_steps=1, timeout=12)
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(tmp_path)) == []
