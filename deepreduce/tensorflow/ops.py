@@ -141,6 +141,10 @@ class OpsEncoder:
     Tensors the core sends dense (below ``min_numel``, or holding NaN/Inf) take a
     ``tf.cond`` branch that calls the core's encode directly. The container bytes are the
     core's: the custom ops wrap the same C++ functions as the Python extension.
+
+    :meth:`decode_sum` is the receiving side: a parse stage, ``DeepReduceBloomQuery`` +
+    ``DeepReduceBloomSelect`` and ``DeepReduceFitDecode`` per container, and an assemble
+    stage in which the core finishes the decode with every check of its decoders.
     """
 
     def __init__(self, core, module, lock=None) -> None:
