@@ -247,3 +247,33 @@ def test_graph_decode_runs_polyfit_decode_as_op(index, monkeypatch):
     decode_one = tf.function(lambda b: tf_pipe.decode(b, (6000,)))
     with pytest.raises(tf.errors.OpError, match="polyfit"):
         decode_one(tf.constant(short))
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_PROPERTY_PIPES = {}
+
+
+def _property_pipe(policy, value):
+    key = (policy, value)
+    if key not in _PROPERTY_PIPES:
+        config = {"sparsifier": {"id": "randomk", "ratio": 0.03}, "index": {"id": "bloom", "policy": policy, "fpr": 0.02},
+                  "value": {"id": value}, "memory": {"id": "none"}}
+        tf_pipe = drtf.build(config)
+        spec = [tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int64)]
+        encode = tf.function(lambda x, s: tf_pipe.encode(x, name="p", step=s), input_signature=spec)
+        decode = tf.function(lambda b: tf_pipe.decode(b), input_signature=[tf.TensorSpec([None], tf.uint8)])
+        _PROPERTY_PIPES[key] = (deepreduce.build(config), encode, decode)
+    return _PROPERTY_PIPES[key]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(bloom_codec.POLICIES), value=st.sampled_from(["raw", "polyfit"]),
+       size=st.integers(1000, 20000), seed=st.integers(0, 2**32 - 1), step=st.integers(0, 2**40))
+def test_property_ops_path_writes_and_reads_the_cores_bytes(policy, value, size, seed, step):
+    core, encode, decode = _property_pipe(policy, value)
+    g = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+    payload = encode(tf.constant(g), tf.constant(step, tf.int64)).numpy()
+    expected = core.encode(g, name="p", step=step)
+    assert np.array_equal(payload, expected)
+    np.testing.assert_array_equal(decode(tf.constant(payload)).numpy(), core.decode(expected))
