@@ -152,6 +152,8 @@ def run_workers(link: Optional[ShapedLink], port: int, methods, iterations: int,
         base += ["--quick", "--batch", "512"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
+    if os.path.exists(out_json):
+        os.remove(out_json)           # never report an earlier run's figures
     procs, logs = [], []
     try:
         for rank in (0, 1):
