@@ -125,6 +125,7 @@ def test_errors_keep_their_type_eagerly_and_name_the_problem_in_graphs():
 
 
 def test_ops_load_error_says_how_to_rebuild(monkeypatch, tmp_path):
+    monkeypatch.delenv("DEEPREDUCE_BACKEND", raising=False)
     monkeypatch.setattr(ops, "_state", {"module": None, "error": None, "warned": False})
     monkeypatch.setattr(ops, "LIBRARY_PATH", str(tmp_path / "missing.so"))
     with pytest.raises(deepreduce.BackendUnavailableError, match="build_tf_ops.sh"):
