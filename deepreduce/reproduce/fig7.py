@@ -39,7 +39,7 @@ METHODS: Dict[str, Optional[str]] = {
     "Fit-DExp": "dexp",
 }
 QUICK_METHODS = ("no compression", "Top-r", "BF-P2")
-DEFAULT_EPOCHS = 8
+DEFAULT_EPOCHS = 12
 QUICK_STEPS = 3
 EXCEPTED = ("BF-naive",)   # the paper reports it far below the baseline
 
