@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import time
+
+import pytest
 
 from deepreduce.reproduce import fig7
 
@@ -36,13 +39,10 @@ def _processes_mentioning(text: str):
 
 
 def test_fig7_job_past_its_timeout_is_stopped_with_all_its_processes(tmp_path):
-    # 12 s: the ranks have started (they import torch and Horovod) when the timeout strikes.
-    import time
-
-    import pytest
-
+    # 1,000 epochs cannot end in 12 s; by then the ranks have started (they import torch and
+    # Horovod), so the kill has to reach them.
     with pytest.raises(RuntimeError, match="ran past 12s"):
-        fig7.launch("no compression", None, str(tmp_path), epochs=1, max_steps=1, timeout=12)
+        fig7.launch("no compression", None, str(tmp_path), epochs=1000, max_steps=0, timeout=12)
     deadline = time.monotonic() + 10
     while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
