@@ -21,6 +21,8 @@ def register(subparsers) -> None:
     parser.add_argument("--epochs", type=int, default=None, help="fig7: epochs per configuration")
     parser.add_argument("--configs", default=None, help="fig10: directory of YAML configs (default: the repository's configs/)")
     parser.add_argument("--iterations", type=int, default=None, help="fig11: measured iterations per run")
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="fig11: micro-batches accumulated per iteration (the paper uses 10)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -30,7 +32,8 @@ def run(args) -> int:
 
     module = get(args.experiment)
     options = {"quick": args.quick, "show_progress": not args.no_progress}
-    wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations}
+    wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
+              "accumulate": args.accumulate}
     accepted = inspect.signature(module.run).parameters
     options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})
     start = time.perf_counter()

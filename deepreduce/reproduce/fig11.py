@@ -142,12 +142,12 @@ def _package_root() -> str:
 
 
 def run_workers(link: Optional[ShapedLink], port: int, methods, iterations: int, warmup: int, quick: bool,
-                out_json: str, log_prefix: str, timeout: float) -> dict:
+                out_json: str, log_prefix: str, timeout: float, accumulate: int = 1) -> dict:
     """Start rank 0 and rank 1 (inside the namespaces when ``link`` is given), wait, return rank 0's JSON."""
     addr = NS_ADDRS[0] if link is not None else "127.0.0.1"
     base = [sys.executable, "-m", "deepreduce.reproduce.fig11_worker", "--init", f"tcp://{addr}:{port}",
             "--world", "2", "--methods", json.dumps(methods), "--iterations", str(iterations),
-            "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2))]
+            "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2)), "--accumulate", str(accumulate)]
     if quick:
         base += ["--quick", "--batch", "512"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
@@ -200,14 +200,18 @@ def _tail(path: str, n: int = 1500) -> str:
 
 
 def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress: bool = True,
-        use_netns: Optional[bool] = None, timeout: float = None, configs_dir: str = None) -> Result:
+        use_netns: Optional[bool] = None, timeout: float = None, configs_dir: str = None,
+        accumulate: int = 1) -> Result:
     from ..config import load_config
 
     os.makedirs(out_dir, exist_ok=True)
     iterations = iterations or (2 if quick else 40)
     warmup = 1 if quick else 3
     timeout = timeout or (240 if quick else 1200)
-    result = Result("fig11", "Fig. 11 - time per iteration of the NCF-style recommender on 2 ranks over a shaped link",
+    if accumulate < 1:
+        raise ValueError(f"fig11: accumulate must be at least 1, got {accumulate}")
+    result = Result("fig11", "Fig. 11 - time per iteration of the NCF-style recommender on 2 ranks over a shaped link"
+                    + (f" ({accumulate} accumulated micro-batches per iteration)" if accumulate > 1 else ""),
                     ["network", "method", "compute_ms", "codec_ms", "comm_ms", "total_ms", "speedup",
                      "volume", "ideal_wire_ms"])
     methods = []
@@ -239,7 +243,7 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
                 result.extra.setdefault("qdisc", {})[net] = link.qdisc()
             out_json = os.path.join(out_dir, f"fig11_{net.split()[0]}.json")
             data = run_workers(link, 29400 + i, methods, iterations, warmup, quick, out_json,
-                               os.path.join(out_dir, f"fig11_{net.split()[0]}"), timeout)
+                               os.path.join(out_dir, f"fig11_{net.split()[0]}"), timeout, accumulate)
             raw[net] = data
             base_total = None
             for r in data["results"]:
@@ -255,7 +259,7 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
     finally:
         if link is not None:
             link.close()
-    result.extra.update(raw=raw, iterations=iterations, warmup=warmup, namespaces=use_netns)
+    result.extra.update(raw=raw, iterations=iterations, warmup=warmup, namespaces=use_netns, accumulate=accumulate)
     result.notes.append(f"medians over {iterations} iterations after {warmup} warm-up, max over the 2 ranks; "
                         "ideal_wire_ms = bytes one rank sends / link rate; speedup = no-compression total / total")
     _plot(result, out_dir)

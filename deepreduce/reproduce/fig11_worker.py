@@ -5,7 +5,8 @@ one process per rank, joined by torch.distributed (gloo over TCP on the namespac
 veth link). For each method in turn it rebuilds the same seeded model and runs ``warmup`` then
 ``iterations`` training iterations; per iteration it times
 
-* ``compute``: forward and backward of the local mini-batch;
+* ``compute``: forward and backward of the local mini-batch (of ``accumulate`` micro-batches,
+  whose gradients add up before one exchange, as in the paper's gradient accumulation);
 * ``codec``: DeepReduce encode of every gradient plus decode-and-sum of every rank's container
   (zero for the dense baseline);
 * ``comm``: the collectives: dense ``all_reduce`` of one flat buffer for the baseline, one
@@ -51,6 +52,14 @@ def unfuse(buffer: np.ndarray, count: int) -> List[np.ndarray]:
     return [buffer[e - n:e] for n, e in zip(lengths, ends)]
 
 
+def _batches(data, batch: int, rank: int, world: int):
+    """This rank's mini-batches, epoch after epoch, forever."""
+    epoch = 0
+    while True:
+        yield from data.epoch(epoch, batch, rank=rank, size=world)
+        epoch += 1
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one rank of deepreduce reproduce fig11")
     p.add_argument("--rank", type=int, required=True)
@@ -61,6 +70,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny data set")
     p.add_argument("--batch", type=int, default=5120, help="local mini-batch (positives + negatives)")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches whose gradients one iteration sums")
     p.add_argument("--out", default=None, help="rank 0 writes the results here (JSON)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     return p.parse_args(argv)
@@ -89,20 +99,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         opt = torch.optim.Adam(model.parameters(), lr=0.002)
         params = list(model.named_parameters())
         pipe = build(config) if config is not None else None
-        batches = data.epoch(0, args.batch, rank=args.rank, size=args.world)
+        stream = _batches(data, args.batch, args.rank, args.world)
         compute, codec, network, sent, losses = [], [], [], [], []
         dist.barrier()
         for it in range(args.warmup + args.iterations):
-            try:
-                users, items, labels = next(batches)
-            except StopIteration:
-                batches = data.epoch(it, args.batch, rank=args.rank, size=args.world)
-                users, items, labels = next(batches)
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(
-                model(torch.from_numpy(users), torch.from_numpy(items)), torch.from_numpy(labels))
-            loss.backward()
+            for _ in range(args.accumulate):      # gradients add up over the micro-batches
+                users, items, labels = next(stream)
+                loss = F.binary_cross_entropy_with_logits(
+                    model(torch.from_numpy(users), torch.from_numpy(items)), torch.from_numpy(labels))
+                (loss / args.accumulate).backward()
             t1 = time.perf_counter()
             enc = dec = comm_s = 0.0
             nbytes = 0
