@@ -188,3 +188,17 @@ def test_cli_prints_table_and_writes_files(tmp_path, capsys, monkeypatch, quick_
     with open(os.path.join(out, "table2.json"), encoding="utf-8") as handle:
         data = json.load(handle)
     assert data["plots"] == ["table2_volume.png"] and os.path.isfile(os.path.join(out, "table2_volume.png"))
+
+
+def test_fig11_batches_run_across_epochs_and_bad_accumulate_is_refused(tmp_path):
+    from deepreduce.reproduce import fig11
+    from deepreduce.reproduce.fig11_worker import _batches
+
+    data = generate(TINY_DATA)
+    per_epoch = len(list(data.epoch(0, 64, rank=0, size=2)))
+    stream = _batches(data, 64, 0, 2)
+    drawn = [next(stream) for _ in range(2 * per_epoch + 1)]
+    assert all(u.shape == (64,) for u, _, _ in drawn)
+    assert not np.array_equal(drawn[0][1], drawn[per_epoch][1])      # epoch 1 is reshuffled
+    with pytest.raises(ValueError, match="accumulate"):
+        fig11.run(str(tmp_path), quick=True, accumulate=0, show_progress=False)
