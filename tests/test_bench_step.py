@@ -27,12 +27,13 @@ def _table(text: str) -> dict:
     return rows
 
 
-def test_bench_step_tiny_set(tmp_path, capsys):
+@pytest.mark.parametrize("order", [[], ["--interleave"]])
+def test_bench_step_tiny_set(tmp_path, capsys, order):
     rng = np.random.default_rng(0)
     path = tmp_path / "tiny.npz"
     np.savez(path, **{name: rng.laplace(size=shape).astype(np.float32) for name, shape in SHAPES.items()})
     config = f"{default_configs_dir()}/topk_raw.yaml"
-    assert main(["bench-step", "--gradients", str(path), "--steps", "2", "--warmup", "0", config]) == 0
+    assert main(["bench-step", "--gradients", str(path), "--steps", "2", "--warmup", "0", *order, config]) == 0
     rows = _table(capsys.readouterr().out)
     assert set(rows) == {"dense (no compression)", "fp16", "PowerSGD rank 1", "PowerSGD rank 4", "topk_raw"}
     ref_total, ref_bytes = rows["PowerSGD rank 4"][2], rows["PowerSGD rank 4"][3]

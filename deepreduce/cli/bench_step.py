@@ -18,10 +18,13 @@ does, and the bytes one rank sends.
 Every method runs ``--warmup`` steps (PowerSGD also its uncompressed and first compressed
 iterations), then ``--steps`` timed steps with the step number advancing, so residuals are live;
 the table shows per-step medians and the time and volume of each row over PowerSGD rank 4's.
+Methods run one after the other (``--interleave``: in turn, step by step).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import glob
 import os
 import statistics
@@ -50,6 +53,9 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic ResNet-50 gradients")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="PyTorch intra-op threads (default 1: one rank per core, as fig11's workers)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="step all methods in turn (steadier ratios on a busy machine; holds every "
+                             "method's state at once: several GB for resnet50)")
     parser.set_defaults(func=run)
 
 
@@ -190,27 +196,43 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-def measure(runners: list, steps: int, warmup: int) -> List[dict]:
-    """Warm every runner up, then time ``steps`` rounds, each running every method once.
+def measure(factories: list, steps: int, warmup: int, interleave: bool = False) -> List[dict]:
+    """Time every method: ``warmup`` (plus its own) untimed steps, then ``steps`` timed ones.
 
-    Interleaving the methods gives each the same share of a shared machine's load, so the
-    ratios between rows hold even when the absolute times drift.
+    ``factories`` build the runners. By default the methods run one after the other and only
+    one method's state (residuals, DDP buckets) lives at a time. With ``interleave`` every
+    runner is built first and each round steps every method once, so all share a busy machine's
+    load alike and the ratios hold while absolute times drift; it holds every method's state at
+    once (several GB for the ResNet-50 set).
     """
-    for runner in runners:
+    def warm(runner):
         for _ in range(warmup + runner.extra_warmup):
             runner.step()
-    samples = [[] for _ in runners]
-    for _ in range(steps):
-        for runner, sample in zip(runners, samples):
-            sample.append(runner.step())
+        return runner
+
+    if interleave:
+        runners = [warm(make()) for make in factories]
+        samples = [[] for _ in runners]
+        for _ in range(steps):
+            for runner, sample in zip(runners, samples):
+                sample.append(runner.step())
+        return [_row(runner.method, sample) for runner, sample in zip(runners, samples)]
     rows = []
-    for runner, sample in zip(runners, samples):
-        encode, decode, sent = zip(*sample)
-        rows.append({"method": runner.method, "encode_ms": 1e3 * statistics.median(encode),
-                     "decode_ms": 1e3 * statistics.median(decode),
-                     "total_ms": 1e3 * statistics.median([e + d for e, d in zip(encode, decode)]),
-                     "bytes": int(statistics.median(sent))})
+    for make in factories:
+        runner = warm(make())
+        rows.append(_row(runner.method, [runner.step() for _ in range(steps)]))
+        del runner
+        gc.collect()                      # DDP's reducer holds cycles: free its buckets now
     return rows
+
+
+def _row(method: str, samples: List[Tuple[float, float, int]]) -> dict:
+    """Per-step medians of one method's (encode s, decode s, bytes) samples."""
+    encode, decode, sent = zip(*samples)
+    return {"method": method, "encode_ms": 1e3 * statistics.median(encode),
+            "decode_ms": 1e3 * statistics.median(decode),
+            "total_ms": 1e3 * statistics.median([e + d for e, d in zip(encode, decode)]),
+            "bytes": int(statistics.median(sent))}
 
 
 # ---------------------------------------------------------------------------- output
@@ -254,9 +276,8 @@ def run(args) -> int:
     for title, grads in gradient_sets(args):
         targets = [torch.from_numpy(grad) for grad in grads.values()]
         with one_process_group():
-            runners = [HookRunner(method, targets, args.ranks) for method in hooks]
-            runners += [ConfigRunner(path, grads, args.ranks) for path in paths]
-            rows = measure(runners, args.steps, args.warmup)
-            del runners
+            factories = [functools.partial(HookRunner, method, targets, args.ranks) for method in hooks]
+            factories += [functools.partial(ConfigRunner, path, grads, args.ranks) for path in paths]
+            rows = measure(factories, args.steps, args.warmup, args.interleave)
         print_table(title, grads, with_ratios(rows, 4 * sum(g.size for g in grads.values())), args)
     return 0
