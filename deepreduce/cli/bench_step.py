@@ -29,12 +29,11 @@ import glob
 import os
 import statistics
 import time
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
 
 SETS = ("resnet20", "resnet50")
-REFERENCE = "PowerSGD rank 4"
 
 
 def register(subparsers) -> None:
@@ -79,25 +78,26 @@ def resnet50_gradients(seed: int) -> Dict[str, np.ndarray]:
     return {name: flat[end - size:end].reshape(shape) for (name, shape), size, end in zip(shapes, sizes, ends)}
 
 
-def gradient_sets(args) -> List[tuple]:
-    """(title, gradients by name) for each requested set."""
+def gradient_sets(args) -> List[Tuple[str, Callable[[], Dict[str, np.ndarray]]]]:
+    """(title, loader of the gradients by name) for each requested set, checked before any runs."""
     from ..errors import ConfigError
 
     if args.gradients:
         if not os.path.isfile(args.gradients):
             raise ConfigError(f"bench-step: no gradient file {args.gradients!r}")
-        with np.load(args.gradients) as data:
-            return [(os.path.basename(args.gradients), {n: data[n].astype(np.float32) for n in data.files})]
-    sets = []
-    for name in filter(None, (s.strip() for s in args.sets.split(","))):
-        if name == "resnet20":
-            sets.append(("ResNet-20 gradients (shipped, real)", resnet20_gradients()))
-        elif name == "resnet50":
-            sets.append((f"ResNet-50 shapes, synthetic Laplace gradient (seed {args.seed})",
-                         resnet50_gradients(args.seed)))
-        else:
-            raise ConfigError(f"bench-step: unknown gradient set {name!r}; known: {', '.join(SETS)}")
-    return sets
+
+        def from_file():
+            with np.load(args.gradients) as data:
+                return {name: data[name].astype(np.float32) for name in data.files}
+        return [(os.path.basename(args.gradients), from_file)]
+    known = {"resnet20": ("ResNet-20 gradients (shipped, real)", resnet20_gradients),
+             "resnet50": (f"ResNet-50 shapes, synthetic Laplace gradient (seed {args.seed})",
+                          functools.partial(resnet50_gradients, args.seed))}
+    names = [s.strip() for s in args.sets.split(",") if s.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ConfigError(f"bench-step: unknown gradient set {(unknown or [''])[0]!r}; known: {', '.join(SETS)}")
+    return [known[name] for name in names]
 
 
 def default_configs() -> List[str]:
@@ -196,14 +196,14 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-def measure(factories: list, steps: int, warmup: int, interleave: bool = False) -> List[dict]:
+def measure(factories: list, steps: int, warmup: int, interleave: bool = False) -> Iterator[dict]:
     """Time every method: ``warmup`` (plus its own) untimed steps, then ``steps`` timed ones.
 
-    ``factories`` build the runners. By default the methods run one after the other and only
-    one method's state (residuals, DDP buckets) lives at a time. With ``interleave`` every
-    runner is built first and each round steps every method once, so all share a busy machine's
-    load alike and the ratios hold while absolute times drift; it holds every method's state at
-    once (several GB for the ResNet-50 set).
+    ``factories`` build the runners. By default the methods run one after the other, each row
+    is yielded as soon as it is measured, and only one method's state (residuals, DDP buckets)
+    lives at a time. With ``interleave`` every runner is built first and each round steps every
+    method once, so all share a busy machine's load alike and the ratios hold while absolute
+    times drift; it holds every method's state at once (several GB for the ResNet-50 set).
     """
     def warm(runner):
         for _ in range(warmup + runner.extra_warmup):
@@ -216,14 +216,14 @@ def measure(factories: list, steps: int, warmup: int, interleave: bool = False) 
         for _ in range(steps):
             for runner, sample in zip(runners, samples):
                 sample.append(runner.step())
-        return [_row(runner.method, sample) for runner, sample in zip(runners, samples)]
-    rows = []
+        yield from (_row(runner.method, sample) for runner, sample in zip(runners, samples))
+        return
     for make in factories:
         runner = warm(make())
-        rows.append(_row(runner.method, [runner.step() for _ in range(steps)]))
+        row = _row(runner.method, [runner.step() for _ in range(steps)])
         del runner
         gc.collect()                      # DDP's reducer holds cycles: free its buckets now
-    return rows
+        yield row
 
 
 def _row(method: str, samples: List[Tuple[float, float, int]]) -> dict:
@@ -240,23 +240,20 @@ COLUMNS = f"{'method':<24} {'encode_ms':>10} {'decode_ms':>10} {'total_ms':>10} 
           f"{'vs_dense':>9} {'time/PSGD4':>10} {'vol/PSGD4':>10}"
 
 
-def with_ratios(rows: List[dict], dense_bytes: int) -> List[dict]:
-    """Each row with its volume over dense float32 and its time and volume over PowerSGD rank 4's."""
-    ref = next(r for r in rows if r["method"] == REFERENCE)
-    return [dict(r, volume=r["bytes"] / dense_bytes, time_ratio=r["total_ms"] / ref["total_ms"],
-                 volume_ratio=r["bytes"] / ref["bytes"]) for r in rows]
-
-
-def print_table(title: str, grads: Dict[str, np.ndarray], rows: List[dict], args) -> None:
+def print_table(title: str, grads: Dict[str, np.ndarray], rows: Iterable[dict], args) -> None:
+    """Print rows as they come, each with its volume over dense float32 and its time and volume
+    over the reference row's (PowerSGD rank 4, measured first)."""
     numel = sum(g.size for g in grads.values())
     print(f"\n{title}: {len(grads)} tensors, {numel:,} parameters; {args.ranks} ranks; "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     print(COLUMNS)
-    print("-" * len(COLUMNS))
+    print("-" * len(COLUMNS), flush=True)
+    ref = None
     for r in rows:
+        ref = ref or r
         print(f"{r['method']:<24} {r['encode_ms']:>10.3f} {r['decode_ms']:>10.3f} {r['total_ms']:>10.3f} "
-              f"{r['bytes']:>11} {r['volume']:>9.4f} {r['time_ratio']:>10.3f} {r['volume_ratio']:>10.3f}",
-              flush=True)
+              f"{r['bytes']:>11} {r['bytes'] / (4 * numel):>9.4f} {r['total_ms'] / ref['total_ms']:>10.3f} "
+              f"{r['bytes'] / ref['bytes']:>10.3f}", flush=True)
 
 
 def run(args) -> int:
@@ -269,15 +266,15 @@ def run(args) -> int:
         raise ConfigError("bench-step: --ranks, --steps and --torch-threads must be at least 1, --warmup at least 0")
     torch.set_num_threads(args.torch_threads)
     paths = args.configs or default_configs()
-    hooks = [torch_hooks.spec("allreduce"), torch_hooks.spec("fp16"),
-             torch_hooks.spec("powersgd", 1), torch_hooks.spec("powersgd", 4)]
+    hooks = [torch_hooks.spec("powersgd", 4), torch_hooks.spec("powersgd", 1), torch_hooks.spec("fp16"),
+             torch_hooks.spec("allreduce")]          # the reference first: later rows print ratios to it
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; deepreduce configs "
           f"as shipped (memory included) through deepreduce.torch.build(config).encode/decode_sum")
-    for title, grads in gradient_sets(args):
+    for title, load in gradient_sets(args):
+        grads = load()
         targets = [torch.from_numpy(grad) for grad in grads.values()]
         with one_process_group():
             factories = [functools.partial(HookRunner, method, targets, args.ranks) for method in hooks]
             factories += [functools.partial(ConfigRunner, path, grads, args.ranks) for path in paths]
-            rows = measure(factories, args.steps, args.warmup, args.interleave)
-        print_table(title, grads, with_ratios(rows, 4 * sum(g.size for g in grads.values())), args)
+            print_table(title, grads, measure(factories, args.steps, args.warmup, args.interleave), args)
     return 0
