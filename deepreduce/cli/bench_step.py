@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     parser.add_argument("--gradients", default=None, metavar="NPZ",
                         help="an .npz of named gradients to use instead of --sets")
     parser.add_argument("--ranks", type=int, default=2, help="ranks whose containers a receiver decodes")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per method (median reported)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per method (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic ResNet-50 gradients")
     parser.add_argument("--torch-threads", type=int, default=1,
