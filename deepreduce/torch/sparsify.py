@@ -113,7 +113,9 @@ class TorchOps:
 
 
 def _none(sp, flat, ctx):
-    return _positions(flat != 0)
+    chosen = _positions(flat != 0)
+    sp.check_density(int(chosen.numel()), flat.numel(), ctx.name)
+    return chosen
 
 
 def _topk(sp, flat, ctx):
