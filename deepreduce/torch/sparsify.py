@@ -111,6 +111,14 @@ class TorchOps:
     def top1(a):
         return topk_positions(a, 1)
 
+    @staticmethod
+    def count_at_least(x, eta: float) -> int:
+        return int(torch.count_nonzero(x >= _f32(eta)))
+
+    @staticmethod
+    def kth_largest(x, k: int) -> float:
+        return float(torch.kthvalue(x, x.numel() - k + 1).values)
+
 
 def _none(sp, flat, ctx):
     chosen = _positions(flat != 0)
