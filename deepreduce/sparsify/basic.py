@@ -62,10 +62,11 @@ class TopK(Sparsifier):
 
     id = "topk"
     PARAMS = {"ratio": RATIO}
+    uses_histogram = True  # the pipeline may hand over the magnitude histogram of its scan
 
-    def select(self, flat, ctx):
+    def select(self, flat, ctx, histogram=None):
         # ties at the cut go to the lowest positions, so every binding selects the same entries
-        return topk_positions(np.abs(flat), count_for(self.ratio, flat.size))
+        return topk_positions(flat, count_for(self.ratio, flat.size), self.threads, histogram)
 
 
 @register

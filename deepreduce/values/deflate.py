@@ -58,8 +58,8 @@ class DeflateValues(ValueCodec):
             order = sorted_order(values)
             ordered = zlib.compress(values[order].tobytes(), self.level)
             if len(ordered) + order_cost < len(plain):
-                return ValueEncoding(b"", ordered, order)
-        return ValueEncoding(b"", plain)
+                return ValueEncoding(b"", ordered, order, reconstructed=values)
+        return ValueEncoding(b"", plain, reconstructed=values)
 
     def decode(self, params, payload, count):
         if params:
