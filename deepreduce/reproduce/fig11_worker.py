@@ -8,7 +8,7 @@ veth link). For each method in turn it rebuilds the same seeded model and runs `
 * ``compute``: forward and backward of the local mini-batch (of ``accumulate`` micro-batches,
   whose gradients add up before one exchange, as in the paper's gradient accumulation);
 * ``codec``: DeepReduce encode of every gradient plus decode-and-sum of every rank's container
-  (zero for the dense baseline);
+  straight into the parameter's ``.grad`` (zero for the dense baseline);
 * ``comm``: the collectives: dense ``all_reduce`` of one flat buffer for the baseline, one
   ``torch_distributed`` communicator allgather of this rank's fused containers (all tensors in
   one buffer) for compressed methods; a barrier before it keeps the ranks' different encode
@@ -155,9 +155,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 e2 = time.perf_counter()
                 gathered = [unfuse(part, len(params)) for part in comm.allgather(fused, "fig11")]
                 e3 = time.perf_counter()
-                for i, (name, p) in enumerate(params):
-                    total = pipe.decode_sum([g[i] for g in gathered], tuple(p.shape))
-                    p.grad.copy_(torch.from_numpy(total / args.world))
+                for i, (name, p) in enumerate(params):       # every rank's container, summed into .grad
+                    pipe.decode_sum([g[i] for g in gathered], tuple(p.shape), out=p.grad.numpy())
+                    p.grad.div_(args.world)
                 e4 = time.perf_counter()
                 enc, comm_s, dec = e1 - e0, e3 - e2, e4 - e3
                 nbytes = fused.size
