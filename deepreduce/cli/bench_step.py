@@ -50,8 +50,9 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic ResNet-50 gradients")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="PyTorch intra-op threads (default 1: one rank per core, as fig11's workers)")
+    parser.add_argument("--threads", default="auto",
+                        help="threads of deepreduce's kernels and PyTorch's ops alike (a positive integer; "
+                             "default auto: what the pipeline option threads: auto gives on this host)")
     parser.add_argument("--interleave", action="store_true",
                         help="step all methods in turn (steadier ratios on a busy machine; holds every "
                              "method's state at once: several GB for resnet50)")
@@ -115,12 +116,12 @@ class ConfigRunner:
 
     extra_warmup = 0
 
-    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int) -> None:
+    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int) -> None:
         from ..config import load_config
         from ..torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
-        self.pipe = build(load_config(path))
+        self.pipe = build(dict(load_config(path), threads=threads))
         self.grads, self.ranks, self.step_number = grads, ranks, 0
 
     def step(self) -> Tuple[float, float, int]:
@@ -260,21 +261,33 @@ def run(args) -> int:
     import torch
 
     from ..errors import ConfigError
+    from ..parallel import resolve_threads
     from ..reproduce import torch_hooks
 
-    if min(args.ranks, args.steps, args.torch_threads) < 1 or args.warmup < 0:
-        raise ConfigError("bench-step: --ranks, --steps and --torch-threads must be at least 1, --warmup at least 0")
-    torch.set_num_threads(args.torch_threads)
+    if min(args.ranks, args.steps) < 1 or args.warmup < 0:
+        raise ConfigError("bench-step: --ranks and --steps must be at least 1, --warmup at least 0")
+    threads = resolve_threads(_threads_option(args.threads))
+    torch.set_num_threads(threads)
     paths = args.configs or default_configs()
     hooks = [torch_hooks.spec("powersgd", 4), torch_hooks.spec("powersgd", 1), torch_hooks.spec("fp16"),
              torch_hooks.spec("allreduce")]          # the reference first: later rows print ratios to it
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; deepreduce configs "
-          f"as shipped (memory included) through deepreduce.torch.build(config).encode/decode_sum")
+    print(f"torch {torch.__version__}; {threads} thread(s) for deepreduce's kernels and PyTorch's ops; "
+          f"deepreduce configs as shipped (memory included) through deepreduce.torch.build(config)"
+          f".encode/decode_sum")
     for title, load in gradient_sets(args):
         grads = load()
         targets = [torch.from_numpy(grad) for grad in grads.values()]
         with one_process_group():
             factories = [functools.partial(HookRunner, method, targets, args.ranks) for method in hooks]
-            factories += [functools.partial(ConfigRunner, path, grads, args.ranks) for path in paths]
+            factories += [functools.partial(ConfigRunner, path, grads, args.ranks, threads) for path in paths]
             print_table(title, grads, measure(factories, args.steps, args.warmup, args.interleave), args)
     return 0
+
+
+def _threads_option(text: str):
+    """``--threads`` as the pipeline option: an int when it spells one, else the text itself
+    ("auto", or something the option's check rejects by name)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
