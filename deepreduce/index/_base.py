@@ -35,10 +35,10 @@ class IndexCodec(Component):
     """
 
     kind = "index"
+    threads = 1  # C++ kernel threads; the pipeline sets its resolved ``threads`` option
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
-    threads = 1
 
     def encode(self, indices: np.ndarray, values: np.ndarray, dense: np.ndarray,
                ctx: EncodeContext) -> IndexEncoding:
