@@ -153,10 +153,12 @@ def run(args) -> int:
     nonzero = sum(int(np.count_nonzero(g)) for g in grads.values())
     numel = sum(g.size for g in grads.values())
     print(f"{args.config} on {source}: {len(grads)} tensors, {numel:,} entries, {nonzero:,} non-zero; "
-          f"decode sums {args.ranks} containers per tensor; median of {args.repeat} iterations (ms)")
+          f"decode sums {args.ranks} containers per tensor; {args.repeat} iterations, wall ms "
+          f"(the minimum is the better figure on a busy machine)")
     rows = measure(pipe, grads, args.ranks, args.repeat)
+    print(f"  {'stage':<44} {'median':>9} {'min':>9}")
     for stage, values in rows.items():
-        print(f"  {stage:<44} {statistics.median(values):9.2f}")
+        print(f"  {stage:<44} {statistics.median(values):9.2f} {min(values):9.2f}")
     s = pipe.stats
     print(f"  wire bytes per iteration: {s.wire_bytes // max(1, args.repeat + 1):,} "
           f"(index {s.index_bytes // (args.repeat + 1):,}, values {s.value_bytes // (args.repeat + 1):,}, "
