@@ -120,9 +120,9 @@ def run(args) -> int:
     print(f"NumPy:           encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
     if args.scale_size:
         print(f"\nat scale: Top-r {args.ratio:g} of synthetic gradients of {args.scale_size:,} entries")
-        print(f"{'gradient':<10} {'values':>8} {'codec':<44} {'value bytes':>11} {'perm bytes':>10} {'rel_err':>9}")
+        print(f"{'gradient':<10} {'values':>8} {'codec':<52} {'value bytes':>11} {'perm bytes':>10} {'rel_err':>9}")
         for dist, count, label, nbytes, perm, err in scale_rows(args.scale_size, args.ratio):
-            print(f"{dist:<10} {count:>8} {label:<44} {nbytes:>11} {perm:>10} {err:>9.5f}")
+            print(f"{dist:<10} {count:>8} {label:<52} {nbytes:>11} {perm:>10} {err:>9.5f}")
     return 0
 
 
