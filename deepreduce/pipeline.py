@@ -52,6 +52,7 @@ class Pipeline:
         self.sparsifier = sparsifier
         self.index = index
         self.value = value
+        self.value.reorder_is_free = bool(index.keeps_order)
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
