@@ -25,8 +25,9 @@ class DeflateValues(ValueCodec):
     PARAMS = {"level": Param(int, default=6, low=0, high=9, doc="zlib compression level")}
 
     def encode(self, values, ctx):
-        raw = np.ascontiguousarray(values, dtype="<f4").tobytes()
-        return ValueEncoding(b"", zlib.compress(raw, self.level))
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        raw = values.astype("<f4", copy=False).tobytes()
+        return ValueEncoding(b"", zlib.compress(raw, self.level), reconstructed=values)
 
     def decode(self, params, payload, count):
         if params:

@@ -36,7 +36,7 @@ from .. import _native
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
-from ._base import ValueCodec, ValueEncoding
+from ._base import ValueCodec, ValueEncoding, in_input_order
 from ._sorting import sort_descending
 
 MAX_DEGREE = 15
@@ -260,7 +260,12 @@ class PolyFit(ValueCodec):
                 raise DeepReduceError(f"polyfit encode of tensor {ctx.name!r} failed: {exc}") from exc
         else:
             perm, payload = encode_numpy(values, self.degree, self.segments, self.min_points, self.coef_bytes)
-        return ValueEncoding(struct.pack("<BB", self.degree, self.coef_bytes), payload, perm)
+        params = struct.pack("<BB", self.degree, self.coef_bytes)
+        try:  # the receiver's values: the fitted curves at the n sorted positions
+            curve = self.decode(params, payload, values.size)
+        except ContainerError as exc:
+            raise DeepReduceError(f"polyfit: the fit of tensor {ctx.name!r} does not decode: {exc}") from exc
+        return ValueEncoding(params, payload, perm, in_input_order(curve, perm))
 
     @staticmethod
     def _params(params: bytes):
