@@ -53,6 +53,7 @@ class Pipeline:
         self.sparsifier = sparsifier
         self.index = index
         self.value = value
+        self.value.reorder_is_free = bool(index.keeps_order)
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
@@ -137,8 +138,10 @@ class Pipeline:
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
         sparse = flat.size >= self.min_numel
-        histogram = sparse and select is None and getattr(self.sparsifier, "uses_histogram", False)
-        comp = self.memory.accumulate(name, flat, histogram, self.threads)
+        # a sparsifier class that defines fused_count has its selection done by the compensation pass
+        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.size) if fused else 0,
+                                      self.threads)
         if not comp.finite:
             if self.nonfinite == "raise":
                 nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
@@ -152,7 +155,7 @@ class Pipeline:
             self.memory.settle(name, None, None)
         else:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
-            self.memory.settle(name, positions, received)
+            self.memory.settle(name, positions, received, self.threads)
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload
@@ -160,8 +163,8 @@ class Pipeline:
     def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
         if select is not None:
             return select(comp.flat, ctx)
-        if comp.histogram is not None:
-            return self.sparsifier.select(comp.flat, ctx, histogram=comp.histogram)
+        if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
+            return comp.selected
         return self.sparsifier.select(comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):

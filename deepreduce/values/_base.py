@@ -44,6 +44,9 @@ class ValueCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
+    #: Set by the pipeline: True when its index codec keeps the value order, so a reordering
+    #: (``ValueEncoding.order``) only permutes the indices and costs no permutation section.
+    reorder_is_free = False
 
     def encode(self, values: np.ndarray, ctx: EncodeContext) -> ValueEncoding:
         raise NotImplementedError
