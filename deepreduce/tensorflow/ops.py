@@ -112,7 +112,7 @@ class _Given:
     def __getattr__(self, attr):
         return getattr(self._real, attr)
 
-    def select(self, flat, ctx, histogram=None):
+    def select(self, flat, ctx):
         return self._result
 
     def encode(self, *args):

@@ -22,6 +22,7 @@ import torch
 from ..comm import Communicator, Handle
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
+from .checkpoint import compression_state_dict, load_compression_state_dict
 from .pipeline import TorchPipeline, build
 
 LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
@@ -186,6 +187,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
         stats.update(steps=self._steps_communicated, communication_wait_seconds=self._wait_seconds)
         return stats
+
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        """The wrapped optimizer's state dict plus, under ``"deepreduce"``, the step counter, the
+        pipeline's residuals and learned state (or the summable compressor's, e.g. GradiVeQ models).
+
+        Save it as usual (``torch.save(optimizer.state_dict(), ...)``); a run resumed with
+        ``load_state_dict`` sends byte-identical containers to one that never stopped.
+        """
+        if self._handles:
+            raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
+        out = super(self.__class__, self).state_dict()
+        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count)
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Restore both parts of :meth:`state_dict`; a plain torch optimizer state dict (no
+        ``"deepreduce"`` entry) restores the optimizer and leaves the compression state as it is."""
+        state_dict = dict(state_dict)
+        compression = state_dict.pop("deepreduce", None)
+        if compression is not None:
+            self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
+                                                           "DistributedOptimizer")
+        super(self.__class__, self).load_state_dict(state_dict)
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
