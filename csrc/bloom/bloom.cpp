@@ -185,65 +185,75 @@ void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t
 }
 
 // ---------------------------------------------------------------- P2 conflict sets
-// Conflict sets in CSR form, ascending by bit: set s is bit[s] with members
+// Conflict sets in CSR form, in ascending bit order: set s has the members
 // members[start[s] .. start[s+1]) (indices into P, ascending).
 struct ConflictSets {
-    std::vector<uint64_t> bit;
     std::vector<uint64_t> start{0};
     std::vector<uint32_t> members;
 };
 
-// Blocked family: group the positives by block (sort of np keys), then count the probe bits of
-// each block's members in a 512-entry table; everything after the sort is linear.
+// Blocked family: group the positives by block (counting sort by block id, or a sort when the
+// block count dwarfs the positives), then per block mark the distinct probe bits of its members
+// in a 512-bit map and a count table; linear in np * k apart from that grouping.
 ConflictSets blocked_sets(const uint64_t* P, size_t np, uint64_t blocks, int k, uint64_t seed) {
     const uint64_t key = blocked::key(seed);
-    std::vector<uint64_t> order(np);   // block << 32 | member
-    std::vector<uint32_t> g0(np);
+    std::vector<uint32_t> block_of(np), g0(np), order(np);
     for (size_t a = 0; a < np; ++a) {
         const uint64_t h = blocked::hash(P[a], key);
-        order[a] = (blocked::block(h, blocks) << 32) | a;
+        block_of[a] = static_cast<uint32_t>(blocked::block(h, blocks));
         g0[a] = static_cast<uint32_t>(h);
     }
-    std::sort(order.begin(), order.end());
+    if (blocks <= 4 * static_cast<uint64_t>(np) + 4096) {   // stable counting sort by block
+        std::vector<uint32_t> bucket(blocks + 1, 0);
+        for (size_t a = 0; a < np; ++a) ++bucket[block_of[a] + 1];
+        for (uint64_t b = 0; b < blocks; ++b) bucket[b + 1] += bucket[b];
+        for (size_t a = 0; a < np; ++a) order[bucket[block_of[a]]++] = static_cast<uint32_t>(a);
+    } else {
+        for (size_t a = 0; a < np; ++a) order[a] = static_cast<uint32_t>(a);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return block_of[x] < block_of[y]; });
+    }
     ConflictSets sets;
-    sets.members.reserve(np * static_cast<size_t>(k));
-    uint32_t count[blocked::BLOCK_BITS], fill[blocked::BLOCK_BITS];
-    std::vector<uint16_t> probe(static_cast<size_t>(k));
+    sets.members.resize(np * static_cast<size_t>(k));
+    std::vector<uint16_t> probes(np * static_cast<size_t>(k));   // distinct probe bits of each member
+    std::vector<uint8_t> nprobes(np);
+    uint32_t count[blocked::BLOCK_BITS] = {}, fill[blocked::BLOCK_BITS];
+    size_t used = 0;
     for (size_t lo = 0; lo < np;) {
-        const uint64_t block = order[lo] >> 32;
+        const uint32_t block = block_of[order[lo]];
         size_t hi = lo;
-        while (hi < np && (order[hi] >> 32) == block) ++hi;
-        std::fill(count, count + blocked::BLOCK_BITS, 0u);
-        // distinct probe bits of each member (a member repeating a bit counts once)
-        auto member_bits = [&](size_t e, auto visit) {
-            uint32_t g = g0[order[e] & 0xffffffffu];
+        while (hi < np && block_of[order[hi]] == block) ++hi;
+        uint64_t touched[blocked::BLOCK_BITS / 64] = {};
+        for (size_t e = lo; e < hi; ++e) {   // a member repeating a bit counts once
+            uint32_t g = g0[order[e]];
+            uint16_t* row = &probes[e * k];
+            uint64_t mine[blocked::BLOCK_BITS / 64] = {};
             int c = 0;
             for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
-                const uint16_t p = static_cast<uint16_t>(g >> 23);
-                if (std::find(probe.begin(), probe.begin() + c, p) == probe.begin() + c) {
-                    probe[c++] = p;
-                    visit(p);
+                const uint32_t p = g >> 23;
+                const uint64_t bit = uint64_t(1) << (p & 63);
+                if (!(mine[p >> 6] & bit)) {
+                    mine[p >> 6] |= bit;
+                    touched[p >> 6] |= bit;
+                    row[c++] = static_cast<uint16_t>(p);
+                    ++count[p];
                 }
             }
-        };
-        for (size_t e = lo; e < hi; ++e) member_bits(e, [&](uint16_t p) { ++count[p]; });
-        const size_t base = sets.members.size();
-        size_t total = 0;
-        for (uint32_t p = 0; p < blocked::BLOCK_BITS; ++p) {
-            fill[p] = static_cast<uint32_t>(total);
-            if (count[p]) {
-                total += count[p];
-                sets.bit.push_back(block * blocked::BLOCK_BITS + p);
-                sets.start.push_back(base + total);
+            nprobes[e] = static_cast<uint8_t>(c);
+        }
+        for (uint32_t w = 0; w < blocked::BLOCK_BITS / 64; ++w) {   // the block's sets, ascending bit
+            for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
+                const uint32_t p = w * 64 + static_cast<uint32_t>(__builtin_ctzll(bits));
+                fill[p] = static_cast<uint32_t>(used);
+                used += count[p];
+                count[p] = 0;
+                sets.start.push_back(used);
             }
         }
-        sets.members.resize(base + total);
-        for (size_t e = lo; e < hi; ++e) {
-            const uint32_t a = static_cast<uint32_t>(order[e] & 0xffffffffu);
-            member_bits(e, [&](uint16_t p) { sets.members[base + fill[p]++] = a; });
-        }
+        for (size_t e = lo; e < hi; ++e)
+            for (int c = 0; c < nprobes[e]; ++c) sets.members[fill[probes[e * k + c]]++] = order[e];
         lo = hi;
     }
+    sets.members.resize(used);
     return sets;
 }
 
@@ -261,7 +271,6 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
     sets.members.reserve(pairs.size());
     for (size_t e = 0; e < pairs.size(); ++e) {
         if (e > 0 && pairs[e].first != pairs[e - 1].first) sets.start.push_back(e);
-        if (e == 0 || pairs[e].first != pairs[e - 1].first) sets.bit.push_back(pairs[e].first);
         sets.members.push_back(pairs[e].second);
     }
     if (!pairs.empty()) sets.start.push_back(pairs.size());
@@ -272,7 +281,7 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
 // gives one not yet chosen member (drawn when it has several), and stays for the next pass while
 // it had several; stop at r.
 void greedy_select(const ConflictSets& sets, size_t np, size_t r, uint64_t draw_seed, std::vector<uint8_t>& chosen) {
-    const size_t nsets = sets.bit.size();
+    const size_t nsets = sets.start.size() - 1;
     size_t max_size = 0;
     for (size_t s = 0; s < nsets; ++s) max_size = std::max<size_t>(max_size, sets.start[s + 1] - sets.start[s]);
     std::vector<size_t> by_size(max_size + 2, 0);   // stable counting sort by size (bits stay ascending)
@@ -282,24 +291,31 @@ void greedy_select(const ConflictSets& sets, size_t np, size_t r, uint64_t draw_
     for (size_t s = 0; s < nsets; ++s) active[by_size[sets.start[s + 1] - sets.start[s]]++] = static_cast<uint32_t>(s);
 
     chosen.assign(np, 0);
-    std::vector<uint32_t> cand, next;
+    std::vector<uint32_t> next;
     size_t nchosen = 0;
     uint64_t draw = 0;
     while (nchosen < r && !active.empty()) {
         next.clear();
         for (uint32_t s : active) {
             if (nchosen == r) break;
-            cand.clear();
-            for (uint64_t e = sets.start[s]; e < sets.start[s + 1]; ++e)
-                if (!chosen[sets.members[e]]) cand.push_back(sets.members[e]);
-            if (cand.empty()) continue;
-            size_t pick = 0;
-            if (cand.size() > 1) {
+            const uint32_t* first = sets.members.data() + sets.start[s];
+            const uint32_t* last = sets.members.data() + sets.start[s + 1];
+            size_t ncand = 0;
+            uint32_t only = 0;
+            for (const uint32_t* e = first; e < last; ++e)
+                if (!chosen[*e]) ++ncand, only = *e;
+            if (ncand == 0) continue;
+            if (ncand > 1) {   // draw among the candidates (ascending), keep the set for the next pass
                 ++draw;
-                pick = static_cast<size_t>(splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), cand.size()));
+                size_t pick = static_cast<size_t>(splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand));
+                for (const uint32_t* e = first;; ++e)
+                    if (!chosen[*e] && pick-- == 0) {
+                        only = *e;
+                        break;
+                    }
                 next.push_back(s);
             }
-            chosen[cand[pick]] = 1;
+            chosen[only] = 1;
             ++nchosen;
         }
         active.swap(next);
