@@ -33,6 +33,7 @@ from ..comm import Communicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .background import EncodeWorker
+from .checkpoint import compression_state_dict, load_compression_state_dict
 from .pipeline import TorchPipeline, build
 
 LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
@@ -276,11 +277,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
         if self._summable:
             stats.update(decode_seconds=self._times["summable_decode"])
-        stats.update(encode_seconds=self._times["encode"], steps=self._steps_communicated, background=self._worker.background,
-                     encode_hidden_seconds=self._times["encode_hidden"],
+        stats.update(encode_seconds=self._times["encode"], steps=self._steps_communicated,
+                     background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
                      encode_wait_seconds=self._times["encode_wait"],
                      communication_wait_seconds=self._times["communication_wait"])
         return stats
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        """The wrapped optimizer's state dict plus, under ``"deepreduce"``, the step counter, the
+        pipeline's residuals and learned state (or the summable compressor's, e.g. GradiVeQ models).
+
+        Save it as usual (``torch.save(optimizer.state_dict(), ...)``); a run resumed with
+        ``load_state_dict`` sends byte-identical containers to one that never stopped.
+        """
+        if self._pending:
+            raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
+        out = super(self.__class__, self).state_dict()
+        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count)
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Restore both parts of :meth:`state_dict`; a plain torch optimizer state dict (no
+        ``"deepreduce"`` entry) restores the optimizer and leaves the compression state as it is."""
+        state_dict = dict(state_dict)
+        compression = state_dict.pop("deepreduce", None)
+        if compression is not None:
+            self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
+                                                           "DistributedOptimizer")
+        super(self.__class__, self).load_state_dict(state_dict)
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
