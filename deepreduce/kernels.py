@@ -5,10 +5,11 @@ released, large tensors split over ``threads`` std::threads) when it is built, e
 Both paths give identical results, and the thread count never changes one: threads work on
 fixed blocks whose outcomes are combined in block order.
 
-The magnitude histogram (``scan(..., histogram=True)``) counts the entries per bucket of the
-top ``HIST_BITS`` bits of the magnitude's float32 bit pattern (sign bit cleared); the Top-r
-radix selection (``deepreduce.sparsify._topk``) starts from it, so a pipeline with error
-feedback reads the gradient once for compensation, finiteness and the first selection pass.
+``scan(..., topk=r)`` also selects the Top-r of the compensated gradient in the same pass over
+memory (see ``csrc/select/select.h``): a sample of evenly spaced blocks gives a magnitude bound
+about 1.3 r entries reach, the pass gathers them while it compensates, and the cut is resolved
+among those. So a pipeline with error feedback reads the gradient and the residual once for
+compensation, finiteness and selection.
 """
 from __future__ import annotations
 
@@ -19,9 +20,6 @@ import numpy as np
 from . import _native
 from .errors import ContainerError
 
-HIST_BITS = 11
-HIST_SHIFT = 31 - HIST_BITS
-HIST_SIZE = 1 << HIST_BITS
 BLOCK = 4096  # compensation blocks: a non-finite block is never added into the residual
 
 
@@ -30,17 +28,7 @@ def native():
     return _native.load("select")
 
 
-def magnitude_keys(values: np.ndarray) -> np.ndarray:
-    """uint32 keys ordered like the magnitudes of float32 ``values``: the bit pattern without sign."""
-    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
-
-
-def magnitude_histogram(values: np.ndarray) -> np.ndarray:
-    """Entries per bucket of the top ``HIST_BITS`` magnitude bits (uint64, ``HIST_SIZE`` buckets)."""
-    return np.bincount(magnitude_keys(values) >> np.uint32(HIST_SHIFT), minlength=HIST_SIZE).astype(np.uint64)
-
-
-def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, histogram: bool = False,
+def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
          threads: int = 1) -> Tuple[bool, Optional[np.ndarray]]:
     """One pass over a float32 gradient: is it finite; with ``residual``, compensate in place.
 
@@ -48,13 +36,16 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, histogram: boo
     (``residual += flat``), so afterwards the residual *is* the compensated gradient. When
     ``flat`` holds a NaN or Inf, the step is refused: blocks holding one are never added, the
     others are taken out again (``residual = (residual + flat) - flat``, which restores each
-    entry to within two float32 roundings of ``|residual + flat|``). Returns ``(finite,
-    histogram)``; the histogram (of the compensated gradient, or of ``flat`` without a
-    residual) only when asked and finite.
+    entry to within two float32 roundings of ``|residual + flat|``).
+
+    Returns ``(finite, positions)``: with ``0 < topk < size`` and a finite gradient, positions
+    are the Top-``topk`` of the compensated gradient (``sparsify._topk.topk_positions``),
+    otherwise None.
     """
+    select = 0 < topk < flat.size
     module = native()
     if module is not None:
-        return module.scan(flat, residual, histogram, threads)
+        return module.scan(flat, residual, topk if select else 0, threads)
     finite = bool(np.isfinite(flat).all())
     if not finite:
         if residual is not None:
@@ -62,8 +53,11 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, histogram: boo
         return False, None
     if residual is not None:
         np.add(residual, flat, out=residual)
-    source = flat if residual is None else residual
-    return True, magnitude_histogram(source) if histogram else None
+    if not select:
+        return True, None
+    from .sparsify._topk import topk_positions
+
+    return True, topk_positions(flat if residual is None else residual, topk)
 
 
 def _add_and_take_out_finite_blocks(flat: np.ndarray, residual: np.ndarray) -> None:
@@ -116,3 +110,13 @@ def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascend
         module.scatter_add_unchecked(out, indices, values, threads)
     else:
         out[indices] += values
+
+
+def subtract_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, threads: int = 1) -> None:
+    """``target[positions] -= values`` for distinct in-range positions (``a - b == a + (-b)`` exactly)."""
+    module = native()
+    if module is None:
+        target[positions] -= values
+    else:
+        module.scatter_add_unchecked(target, np.ascontiguousarray(positions, dtype=np.int64),
+                                     np.negative(values, dtype=np.float32), threads)

@@ -28,17 +28,18 @@ from typing import Dict, NamedTuple, Optional
 import numpy as np
 
 from . import kernels
-from .errors import CommunicationError
+from .errors import CommunicationError, ConfigError
 from .params import Component
 from .registry import register
 
 
 class Compensated(NamedTuple):
-    """What ``Memory.accumulate`` found: the compensated gradient and the scan's results."""
+    """What ``Memory.accumulate`` found: the compensated gradient, whether the gradient was
+    finite, and (when asked for a Top-r) the selected positions."""
 
     flat: np.ndarray
     finite: bool
-    histogram: Optional[np.ndarray] = None
+    selected: Optional[np.ndarray] = None
 
 
 class Memory(Component):
@@ -47,17 +48,22 @@ class Memory(Component):
     kind = "memory"
     stateful = False
 
-    def accumulate(self, name: str, flat: np.ndarray, histogram: bool = False, threads: int = 1) -> Compensated:
-        """Compensate ``flat`` (float32, flat) for ``name``; a non-finite gradient leaves the state alone."""
-        finite, hist = kernels.scan(flat, None, histogram, threads)
-        return Compensated(flat, finite, hist)
+    def accumulate(self, name: str, flat: np.ndarray, topk: int = 0, threads: int = 1) -> Compensated:
+        """Compensate ``flat`` (float32, flat) for ``name``; a non-finite gradient leaves the state alone.
+
+        ``topk > 0``: also select the Top-``topk`` of the compensated gradient in the same pass.
+        """
+        finite, selected = kernels.scan(flat, None, topk, threads)
+        return Compensated(flat, finite, selected)
 
     def compensate(self, name: str, flat: np.ndarray) -> np.ndarray:
         """The compensated gradient as a new array, leaving the state alone (staged encoders)."""
         return flat
 
-    def settle(self, name: str, positions: Optional[np.ndarray], values: Optional[np.ndarray]) -> None:
-        """Take what the receiver reconstructs out of the residual; ``positions=None``: all, exactly."""
+    def settle(self, name: str, positions: Optional[np.ndarray], values: Optional[np.ndarray],
+               threads: int = 1) -> None:
+        """Take what the receiver reconstructs out of the residual (``residual[positions] -=
+        values``, distinct positions); ``positions=None``: the whole tensor was sent exactly."""
 
     def reset(self) -> None:
         """Forget every residual."""
@@ -89,27 +95,27 @@ class ResidualMemory(Memory):
             )
         return residual
 
-    def accumulate(self, name, flat, histogram=False, threads=1):
+    def accumulate(self, name, flat, topk=0, threads=1):
         residual = self._existing(name, flat)
         if residual is None:
-            finite, hist = kernels.scan(flat, None, histogram, threads)
+            finite, selected = kernels.scan(flat, None, topk, threads)
             if not finite:
                 return Compensated(flat, False)
             residual = self._residuals[name] = np.array(flat, dtype=np.float32, copy=True)
-            return Compensated(residual, True, hist)
-        finite, hist = kernels.scan(flat, residual, histogram, threads)
-        return Compensated(residual if finite else flat, finite, hist)
+            return Compensated(residual, True, selected)
+        finite, selected = kernels.scan(flat, residual, topk, threads)
+        return Compensated(residual if finite else flat, finite, selected)
 
     def compensate(self, name, flat):
         residual = self._existing(name, flat)
         return np.array(flat, dtype=np.float32, copy=True) if residual is None else residual + flat
 
-    def settle(self, name, positions, values):
+    def settle(self, name, positions, values, threads=1):
         residual = self._residuals[name]
         if positions is None:
             residual.fill(0.0)
         elif len(positions):
-            residual[positions] -= values
+            kernels.subtract_at(residual, positions, values, threads)
 
     def residual(self, name: str) -> Optional[np.ndarray]:
         """The float32 residual currently held for ``name``; None before its first step."""
@@ -117,3 +123,31 @@ class ResidualMemory(Memory):
 
     def reset(self):
         self._residuals.clear()
+
+    def state_dict(self) -> dict:
+        """``{"residuals": {name: residual}}`` (copies), for checkpoints."""
+        return {"residuals": {name: residual.copy() for name, residual in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace every residual with the checkpoint's; errors name a malformed entry."""
+        residuals = _checked_keys(self, state, ("residuals",))["residuals"]
+        if not isinstance(residuals, dict):
+            raise ConfigError(f"memory {self.id!r}: 'residuals' must be a dict of name -> array")
+        loaded = {}
+        for name, residual in residuals.items():
+            array = np.asarray(residual)
+            if not isinstance(name, str) or array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
+                raise ConfigError(f"memory {self.id!r}: residual {name!r} must be a 1-D float array, "
+                                  f"got {array.dtype} of shape {array.shape}")
+            loaded[name] = np.array(array, dtype=np.float32, copy=True)
+        self.reset()
+        self._residuals.update(loaded)
+
+
+def _checked_keys(component, state, keys) -> dict:
+    """``state`` if it is a dict with exactly ``keys``; a ConfigError naming the difference otherwise."""
+    if not isinstance(state, dict) or set(state) != set(keys):
+        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(f"{component.kind} {component.id!r}: checkpoint state must have the keys "
+                          f"{list(keys)}, got {got}")
+    return state

@@ -25,6 +25,7 @@ from .stats import CompressionStats
 from .values import ValueCodec
 
 NONFINITE_POLICIES = ("propagate", "raise")
+_STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")
 DEFAULT_MIN_NUMEL = 1000
 
 
@@ -90,6 +91,34 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"Pipeline({self.get_config()!r})"
 
+    @property
+    def config_digest(self) -> bytes:
+        """16-byte digest of the wire config (no communicator): equal on ranks that agree."""
+        return self._digest
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What this pipeline learned while encoding: error-feedback residuals and the
+        components' adaptive state (e.g. SIDCo stage counts), keyed by component.
+
+        Plain Python values and NumPy arrays; ``load_state_dict`` on a pipeline built from the
+        same config makes its next containers byte-identical to this one's.
+        """
+        return {"config_digest": self._digest.hex(),
+                **{kind: getattr(self, kind).state_dict() for kind in _STATEFUL_PARTS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; refuses a checkpoint of another config."""
+        expected = {"config_digest", *_STATEFUL_PARTS}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"pipeline checkpoint must have the keys {sorted(expected)}, got {got}")
+        if state["config_digest"] != self._digest.hex():
+            raise ConfigError("pipeline checkpoint was saved by a pipeline with another config "
+                              f"(digest {state['config_digest']}, this pipeline {self._digest.hex()})")
+        for kind in _STATEFUL_PARTS:
+            getattr(self, kind).load_state_dict(state[kind])
+
     def context(self, name: str, step: int) -> EncodeContext:
         """The seeding context for one (tensor, step): the same on every rank."""
         return EncodeContext(self._digest, name, step)
@@ -109,8 +138,10 @@ class Pipeline:
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
         sparse = flat.size >= self.min_numel
-        histogram = sparse and select is None and getattr(self.sparsifier, "uses_histogram", False)
-        comp = self.memory.accumulate(name, flat, histogram, self.threads)
+        # a sparsifier class that defines fused_count has its selection done by the compensation pass
+        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.size) if fused else 0,
+                                      self.threads)
         if not comp.finite:
             if self.nonfinite == "raise":
                 nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
@@ -124,7 +155,8 @@ class Pipeline:
             self.memory.settle(name, None, None)
         else:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
-            self.memory.settle(name, positions, received)
+            self.memory.settle(name, positions, received, self.threads)
+        c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload
@@ -132,8 +164,8 @@ class Pipeline:
     def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
         if select is not None:
             return select(comp.flat, ctx)
-        if comp.histogram is not None:
-            return self.sparsifier.select(comp.flat, ctx, histogram=comp.histogram)
+        if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
+            return comp.selected
         return self.sparsifier.select(comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):

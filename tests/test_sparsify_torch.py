@@ -102,9 +102,9 @@ def test_cpu_tensors_are_selected_by_the_core_without_a_copy():
     seen = []
 
     class Spy(type(registry.create("sparsifier", {"id": "topk", "ratio": 0.1}))):
-        def select(self, flat, c, histogram=None):
+        def select(self, flat, c):
             seen.append(flat)
-            return super().select(flat, c, histogram)
+            return super().select(flat, c)
 
     t = torch.from_numpy(gradient(np.random.default_rng(2), 10_000))
     got = select_torch(Spy(ratio=0.1), t, ctx(0))

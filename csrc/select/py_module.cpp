@@ -16,53 +16,44 @@ namespace {
 using FloatIn = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using FloatInPlace = py::array_t<float, py::array::c_style>;
 using IndexIn = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using HistIn = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 int checked_threads(int threads) {
   if (threads < 1) throw std::invalid_argument("threads must be at least 1");
   return threads;
 }
 
-py::tuple scan(FloatIn g, py::object residual, bool histogram, int threads) {
+// (finite, Top-r positions or None): see dr_select::scan.
+py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
   threads = checked_threads(threads);
+  const int64_t n = g.size();
   float* r = nullptr;
   FloatInPlace res;
   if (!residual.is_none()) {
     res = residual.cast<FloatInPlace>();
-    if (res.size() != g.size()) throw std::invalid_argument("scan: residual and gradient differ in size");
+    if (res.size() != n) throw std::invalid_argument("scan: residual and gradient differ in size");
     r = res.mutable_data();
   }
-  py::array_t<uint64_t> hist;
-  uint64_t* h = nullptr;
-  if (histogram) {
-    hist = py::array_t<uint64_t>(dr_select::kHistSize);
-    h = hist.mutable_data();
-  }
-  bool finite;
+  const bool select = topk_r > 0 && topk_r < n;
+  py::array_t<int64_t> out(select ? topk_r : 0);
+  int64_t* o = out.mutable_data();
+  dr_select::Scan result;
   {
     py::gil_scoped_release release;
-    finite = dr_select::scan(g.data(), r, g.size(), h, threads);
+    result = dr_select::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
   }
-  if (!finite || !histogram) return py::make_tuple(finite, py::none());
-  return py::make_tuple(finite, hist);
+  if (result == dr_select::Scan::kSelected) return py::make_tuple(true, out);
+  return py::make_tuple(result == dr_select::Scan::kFinite, py::none());
 }
 
-py::array_t<int64_t> topk(FloatIn x, int64_t r, py::object histogram, int threads) {
+py::array_t<int64_t> topk(FloatIn x, int64_t r, int threads) {
   threads = checked_threads(threads);
   const int64_t n = x.size();
   if (r <= 0 || r >= n) throw std::invalid_argument("topk: r must satisfy 0 < r < n");
-  HistIn hist;
-  const uint64_t* h = nullptr;
-  if (!histogram.is_none()) {
-    hist = histogram.cast<HistIn>();
-    if (hist.size() != dr_select::kHistSize) throw std::invalid_argument("topk: histogram has the wrong size");
-    h = hist.data();
-  }
   py::array_t<int64_t> out(r);
   int64_t* o = out.mutable_data();
   {
     py::gil_scoped_release release;
-    dr_select::topk(x.data(), n, r, h, threads, o);
+    dr_select::topk(x.data(), n, r, threads, o);
   }
   return out;
 }
@@ -107,10 +98,9 @@ void scatter_add_unchecked(FloatInPlace out, IndexIn idx, FloatIn val, int threa
 
 PYBIND11_MODULE(_select, m) {
   m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold selection, scatter-add";
-  m.attr("HIST_SIZE") = dr_select::kHistSize;
-  m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("histogram"), py::arg("threads"),
-        "(finite, histogram or None); with a residual, residual += g in place (see select.h)");
-  m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("histogram"), py::arg("threads"),
+  m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
+        "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
+  m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
         "ascending positions of the r largest |x| (ties: lowest position first)");
   m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
   m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),

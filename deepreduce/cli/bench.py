@@ -34,6 +34,11 @@ def register(subparsers) -> None:
                         help="override the configs' 'threads' option (a positive integer or 'auto')")
     parser.add_argument("--core", action="store_true",
                         help="time the core Pipeline even when torch is installed")
+    parser.add_argument("--selection", action="store_true",
+                        help="only time Top-r selection at each size (--ratio, default 0.01): C++ on 1 and "
+                             "'auto' threads, NumPy, torch.topk, and the pipeline's fused compensation pass")
+    parser.add_argument("--decode-sum", type=int, default=0, metavar="RANKS",
+                        help="add a column: decode_sum of RANKS containers (one per simulated rank) into one buffer")
     parser.add_argument("--gradient", default=None, metavar="NAME",
                         help="use the saved real gradient NAME (deepreduce/data/gradients.npz, e.g. "
                              "layers.7.conv1.weight) instead of synthetic sizes; 'list' prints the names")
@@ -149,9 +154,10 @@ def print_table(rows) -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
+        extra = f"  decode_sum {r['decode_sum_ms']:.3f} ms" if "decode_sum_ms" in r else ""
         print(f"{r['config']:<28} {r['size']:>10} {r['idx_vol']:>8.4f} {r['val_vol']:>8.4f} {r['total_vol']:>8.4f} "
               f"{r['encode_ms']:>9.3f} {r['nomem_ms']:>9.3f} {r['encode_ms'] / max(r['nomem_ms'], 1e-9):>6.2f} "
-              f"{r['decode_ms']:>9.3f} {r['rel_err']:>9.2e}  {r['backend']}", flush=True)
+              f"{r['decode_ms']:>9.3f} {r['rel_err']:>9.2e}  {r['backend']}{extra}", flush=True)
 
 
 def run(args) -> int:
@@ -168,6 +174,12 @@ def run(args) -> int:
         inputs = [(args.gradient, get(args.gradient))]
     else:
         inputs = [(str(int(s)), None) for s in args.sizes.split(",") if s]
+    if getattr(args, "selection", False):
+        from ._bench_kernels import print_selection, selection_rows
+
+        grads = [real if real is not None else synthetic_gradient(int(label), args.seed) for label, real in inputs]
+        print_selection(selection_rows([g.ravel() for g in grads], args.ratio or 0.01, args.repeat))
+        return 0
     rows, path_name = [], ""
     for path in paths:
         config = with_threads(with_ratio(load_config(path), args.ratio), getattr(args, "threads", None))
@@ -180,6 +192,12 @@ def run(args) -> int:
                 row["nomem_ms"] = encode_ms(bare, grad, "bench", args.repeat)
             else:
                 row["nomem_ms"] = row["encode_ms"]
+            if getattr(args, "decode_sum", 0):
+                from ._bench_kernels import decode_sum_ms
+
+                others = [grad.ravel()] + [synthetic_gradient(grad.size, args.seed + k).reshape(grad.shape).ravel()
+                                           for k in range(1, args.decode_sum)]
+                row["decode_sum_ms"] = decode_sum_ms(pipe, others, args.repeat)
             rows.append(dict(row, config=os.path.splitext(os.path.basename(path))[0], size=grad.size))
     print(f"path: {path_name}; configs as shipped (error-feedback memory included); "
           "nomem_ms: the same config with memory 'none'; mem_x = enc_ms / nomem_ms")

@@ -8,26 +8,23 @@ the same rule on non-CPU devices (``deepreduce.torch.sparsify``), so all select 
 
 The C++ kernel (``csrc/select``) is a radix select on the magnitudes' float32 bit patterns (sign
 bit cleared; for non-NaN floats their order is the order of the magnitudes): a histogram of the
-top bits (possibly computed already by the pipeline's compensation pass,
-``deepreduce.kernels.scan``) finds the bucket holding the cut, one pass gathers the entries of
-that bucket and above, and the cut and its ties are resolved among those. The NumPy path below
-gives the same positions. Inputs are finite (the pipeline sends non-finite gradients dense).
+top bits finds the bucket holding the cut, one pass gathers the entries of that bucket and
+above, and the cut and its ties are resolved among those. (In a pipeline, the compensation pass
+``deepreduce.kernels.scan`` usually gathers the candidates itself, from a sampled bound.) The
+NumPy path below gives the same positions. Inputs are finite (the pipeline sends non-finite
+gradients dense).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import numpy as np
 
 from .. import kernels
 
 
-def topk_positions(values: np.ndarray, r: int, threads: int = 1,
-                   histogram: Optional[np.ndarray] = None) -> np.ndarray:
+def topk_positions(values: np.ndarray, r: int, threads: int = 1) -> np.ndarray:
     """Ascending int64 positions of the ``r`` entries of largest magnitude (ties: lowest first).
 
-    ``values`` may be signed (magnitudes are taken) or magnitudes already; ``histogram`` is
-    ``kernels.scan``'s magnitude histogram of ``values`` when the caller has it.
+    ``values`` may be signed (magnitudes are taken) or magnitudes already.
     """
     d = values.size
     if r <= 0:
@@ -36,7 +33,7 @@ def topk_positions(values: np.ndarray, r: int, threads: int = 1,
         return np.arange(d, dtype=np.int64)
     module = kernels.native()
     if module is not None:
-        return module.topk(np.ascontiguousarray(values, dtype=np.float32), int(r), histogram, threads)
+        return module.topk(np.ascontiguousarray(values, dtype=np.float32), int(r), threads)
     magnitudes = np.abs(values)
     cut = np.partition(magnitudes, d - r)[d - r]
     above = np.flatnonzero(magnitudes > cut)

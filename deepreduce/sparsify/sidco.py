@@ -287,6 +287,28 @@ class SIDCo(Sparsifier):
         """Forget every tensor's stage state."""
         self._states.clear()
 
+    def state_dict(self) -> dict:
+        """Every tensor's adaptive stage state, ``{"tensors": {name: {slot: value}}}``."""
+        return {"tensors": {name: {slot: getattr(state, slot) for slot in _fits.StageState.__slots__}
+                            for name, state in self._states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the stage states :meth:`state_dict` returned."""
+        from ..errors import ConfigError
+
+        tensors = state.get("tensors") if isinstance(state, dict) and set(state) == {"tensors"} else None
+        if not isinstance(tensors, dict):
+            raise ConfigError("sparsifier 'sidco': checkpoint state must be {'tensors': {name: stage state}}")
+        loaded = {}
+        for name, slots in tensors.items():
+            if not isinstance(slots, dict) or set(slots) != set(_fits.StageState.__slots__):
+                raise ConfigError(f"sparsifier 'sidco': stage state of {name!r} must have the keys "
+                                  f"{list(_fits.StageState.__slots__)}")
+            loaded[name] = _fits.StageState(int(slots["stages"]))
+            for slot, value in slots.items():
+                setattr(loaded[name], slot, value)
+        self._states = loaded
+
     @property
     def backend(self) -> str:
         """``"c++"`` when the ``deepreduce._sidco`` kernels run, else ``"numpy"``."""
