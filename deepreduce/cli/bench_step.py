@@ -52,7 +52,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic ResNet-50 gradients")
     parser.add_argument("--threads", default="auto",
                         help="threads of deepreduce's kernels and PyTorch's ops alike (a positive integer; "
-                             "default auto: what the pipeline option threads: auto gives on this host)")
+                             "default auto: usable CPUs // --ranks, what threads: auto gives each rank "
+                             "when the ranks share this host)")
     parser.add_argument("--interleave", action="store_true",
                         help="step all methods in turn (steadier ratios on a busy machine; holds every "
                              "method's state at once: several GB for resnet50)")
@@ -261,12 +262,14 @@ def run(args) -> int:
     import torch
 
     from ..errors import ConfigError
-    from ..parallel import resolve_threads
+    from ..parallel import AUTO, check_threads, usable_cpus
     from ..reproduce import torch_hooks
 
     if min(args.ranks, args.steps) < 1 or args.warmup < 0:
         raise ConfigError("bench-step: --ranks and --steps must be at least 1, --warmup at least 0")
-    threads = resolve_threads(_threads_option(args.threads))
+    threads = check_threads(_threads_option(args.threads), "bench-step --threads")
+    if threads == AUTO:
+        threads = max(1, usable_cpus() // args.ranks)
     torch.set_num_threads(threads)
     paths = args.configs or default_configs()
     hooks = [torch_hooks.spec("powersgd", 4), torch_hooks.spec("powersgd", 1), torch_hooks.spec("fp16"),

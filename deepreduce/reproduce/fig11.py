@@ -160,8 +160,9 @@ def run_workers(link: Optional[ShapedLink], port: int, methods, iterations: int,
             "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2)), "--accumulate", str(accumulate)]
     if quick:
         base += ["--quick", "--batch", "512"]
+    # Both ranks share this host: LOCAL_WORLD_SIZE makes deepreduce's threads: auto give each its share.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2")
     if os.path.exists(out_json):
         os.remove(out_json)           # never report an earlier run's figures
     procs, logs = [], []
