@@ -57,11 +57,12 @@ def test_gradiveq_codes_go_through_all_reduce(ranks):
 
 
 def documented_container_bytes(shape, ratio=0.01, min_numel=1000):
-    """docs/container-format.md: 52 + 8 ndim header; Top-r raw sends floor(r d) uint32 + float32 pairs."""
+    """docs/container-format.md: header of varints; Top-r raw sends floor(r d) uint32 + float32 pairs."""
     numel = math.prod(shape)
     if numel < min_numel:
-        return container.overhead(len(shape)) + 4 * numel
-    return container.overhead(len(shape)) + 8 * max(1, math.floor(ratio * numel))
+        return container.overhead(shape, numel, value_bytes=4 * numel) + 4 * numel
+    r = max(1, math.floor(ratio * numel))
+    return container.overhead(shape, r, 4 * r, 4 * r) + 8 * r
 
 
 def test_topk_bytes_on_the_wire_are_the_documented_container_sizes(ranks):
