@@ -11,8 +11,8 @@ process on the same array, the median over ``--repeat`` runs of:
 * P2's conflict-set selection (``select_conflict``) on ``--p2-positives`` positives at fpr 0.01
   (the size of the recommender gradient of ``reproduce fig11``).
 
-each with 1 thread and with ``--threads`` (default: the CPUs this process may use, what the
-pipeline's ``threads: auto`` gives one rank per host). ``ms`` is wall time; ``cpu_ms`` is the
+each with 1 thread and with ``--threads`` (default: what the pipeline's ``threads: auto`` resolves
+to, ``deepreduce.parallel.resolve_threads``: usable CPUs over local ranks). ``ms`` is wall time; ``cpu_ms`` is the
 process's CPU time over the same runs (all threads together), which a loaded machine inflates
 less than wall time for the single-thread rows. Targets (issue 12): Bloom P0 encode+decode
 at most the Top-r time with 1 thread and under half of it with the default threads (column
@@ -23,7 +23,6 @@ position with 1 thread. Timings on a shared machine are noisy: run it quietly.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -37,8 +36,8 @@ def register(subparsers) -> None:
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="gradient length d")
     parser.add_argument("--ratio", type=float, default=0.01, help="Top-r ratio (r = ratio * d)")
     parser.add_argument("--fpr", type=float, default=0.001, help="Bloom false-positive rate")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="the multi-threaded runs' thread count (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the multi-threaded runs' thread count (default: the pipeline's threads: auto)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per row (median reported)")
     parser.add_argument("--p2-positives", type=int, default=250_000, help="positives of the P2 selection row")
     parser.add_argument("--seed", type=int, default=0)
@@ -58,7 +57,7 @@ def median_seconds(fn, repeat: int):
 
 
 def run(args) -> int:
-    from .. import _native, registry
+    from .. import _native, parallel, registry
     from ..index import bloom
     from ..seeding import EncodeContext, config_digest
     from .bench_sparsify import synthetic
@@ -74,7 +73,8 @@ def run(args) -> int:
     indices = sparsifier.select(grad, ctx)
     r = int(indices.size)
     blocks, k = bloom.filter_params(r, args.fpr)
-    thread_counts = sorted({1, max(1, args.threads)})
+    default = parallel.resolve_threads(parallel.AUTO) if args.threads is None else args.threads
+    thread_counts = sorted({1, max(1, default)})
     print(f"d = {d:,}, r = {r:,} (ratio {args.ratio}), fpr {args.fpr}: {blocks:,} blocks of 512 bits, k = {k}; "
           f"median of {args.repeat} runs; threads {thread_counts}")
     header = f"{'row':<44} {'threads':>7} {'ms':>9} {'cpu_ms':>9} {'ns/pos':>7} {'cpu_ns':>7} {'/ Top-r':>8}"
