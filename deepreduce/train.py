@@ -14,9 +14,11 @@ one job: two replicas of the model, started from the same weights, take turns on
 batches, one with Horovod's dense allreduce and one with the deepreduce optimizer, and each epoch
 prints both median step times and their ratio (the epoch line reports the deepreduce replica).
 
-Under ``torchrun`` (``torchrun --nproc-per-node 2 -m deepreduce.train --baseline``) the baseline
-runs as plain DistributedDataParallel over gloo, so both launchers' forward passes can be compared.
-Under Horovod the job first applies :mod:`deepreduce.runtime`'s settings (each only where the
+Under ``torchrun`` (``torchrun --nproc-per-node 2 -m deepreduce.train``, or examples/train_ddp.py)
+the same job runs under DistributedDataParallel over gloo: ``--config`` through deepreduce's DDP
+communication hook (:mod:`deepreduce.torch.ddp`), ``--baseline`` with DDP's own allreduce, and
+``--hook fp16|powersgd`` with PyTorch's own hooks (PowerSGD rank ``--powersgd-rank``, default 4),
+so one command compares deepreduce configs with them. Under Horovod the job first applies :mod:`deepreduce.runtime`'s settings (each only where the
 environment does not already set it).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ OPTIMIZER_LINE = ("optimizer {label:8s} | encode {encode:6.2f} ms (hidden {hidde
 AB_LINE = ("a/b epoch {epoch:3d} | dense {dense:7.2f} ms | deepreduce {deepreduce:7.2f} ms | ratio {ratio:.3f} "
            "(of median step times) | paired {paired:.3f} (median of per-step ratios)")
 PHASES = ("forward", "backward", "step")
+TORCH_HOOKS = ("fp16", "powersgd")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -48,6 +51,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--ab", action="store_true",
                         help="alternate dense allreduce and deepreduce every step and print their step-time ratio")
     parser.add_argument("--profile", action="store_true", help="print median forward/backward/step ms per epoch")
+    parser.add_argument("--hook", choices=TORCH_HOOKS, default=None,
+                        help="under torchrun: one of PyTorch's own DDP hooks instead of deepreduce's")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of --hook powersgd")
     parser.add_argument("--sync-encode", action="store_true",
                         help="encode inside the backward hook instead of on the background worker")
     parser.add_argument("--epochs", type=int, default=8)
@@ -62,6 +68,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ab and args.baseline:
         parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")
+    if args.hook and (args.baseline or args.ab):
+        parser.error("--hook replaces deepreduce by a PyTorch hook; it does not combine with --baseline or --ab")
     return args
 
 
@@ -91,18 +99,25 @@ class HorovodWorld:
 
         return self.hvd.allreduce(torch.tensor(float(value)), name=name).item()
 
-    def dense(self, model, base):
-        return model, self.hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    def dense(self, model, base, args):
+        """(model, optimizer, stats) of the uncompressed replica; stats None: volume 1."""
+        from .errors import ConfigError
+
+        if args.hook:
+            raise ConfigError("--hook selects one of PyTorch's DDP hooks: launch with torchrun")
+        return model, self.hvd.DistributedOptimizer(base, named_parameters=model.named_parameters()), None
 
     def deepreduce(self, model, base, args):
+        """(model, optimizer, stats) of the deepreduce replica; stats() has "wire_bytes"."""
         import deepreduce.torch as drt
 
-        return model, drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                               compression=args.config, background=not args.sync_encode)
+        optimizer = drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                             compression=args.config, background=not args.sync_encode)
+        return model, optimizer, optimizer.compression_stats
 
 
 class TorchWorld:
-    """The job's ranks under torchrun: gloo process group, DistributedDataParallel for the baseline."""
+    """The job's ranks under torchrun: gloo process group, DistributedDataParallel with a comm hook."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -122,25 +137,60 @@ class TorchWorld:
         self.dist.all_reduce(total)
         return total.item() / self.size
 
-    def dense(self, model, base):
+    @staticmethod
+    def _ddp(model, **kwargs):
         from torch.nn.parallel import DistributedDataParallel
 
-        # Buffers (BatchNorm statistics) stay per rank, as under Horovod: no broadcast in forward.
-        return DistributedDataParallel(model, broadcast_buffers=False), base
+        # Buffers (BatchNorm statistics) stay per rank after the first broadcast, as under Horovod.
+        return DistributedDataParallel(model, forward_sync_buffers=False, **kwargs)
+
+    def dense(self, model, base, args):
+        """DDP's allreduce, or with ``--hook`` one of PyTorch's hooks (stats counts its bytes).
+
+        PowerSGD gets the whole model in one bucket: its hook starts collectives from gloo's
+        callback threads, and with two buckets in flight their order differs between ranks
+        (gloo aborts with "collective mismatch").
+        """
+        wrapped = self._ddp(model, **({"bucket_cap_mb": 1024} if args.hook == "powersgd" else {}))
+        return wrapped, base, torch_hook(wrapped, args) if args.hook else None
 
     def deepreduce(self, model, base, args):
-        from .errors import ConfigError
+        """DDP with deepreduce's communication hook; stats is the hook state's."""
+        from .torch import ddp
 
-        raise ConfigError("under torchrun the main job runs --baseline (DistributedDataParallel) only; "
-                          "launch deepreduce configs with horovodrun")
+        wrapped = self._ddp(model)
+        return wrapped, base, ddp.register(wrapped, args.config).compression_stats
+
+
+def torch_hook(model, args):
+    """Register PyTorch's fp16 or PowerSGD hook on a DDP ``model``; return a stats callable whose
+    "wire_bytes" counts what this rank sent (fp16: 2 bytes an element; PowerSGD: its factors and
+    the tensors it leaves uncompressed, and the plain float32 allreduce of its first iterations)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if args.hook == "fp16":
+        sent = {"wire_bytes": 0}
+
+        def fp16_hook(state, bucket):
+            sent["wire_bytes"] += 2 * bucket.buffer().numel()
+            return default_hooks.fp16_compress_hook(state, bucket)
+
+        model.register_comm_hook(None, fp16_hook)
+        return lambda: dict(sent)
+    numel = sum(p.numel() for p in model.parameters())
+    # start_powerSGD_iter=2: the earliest PyTorch allows with error feedback (deepreduce compresses from step 0)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return lambda: {"wire_bytes": 4 * (state.total_numel_after_compression
+                                       + numel * min(state.iter, state.start_powerSGD_iter))}
 
 
 class Arm:
     """One model replica with its optimizer; keeps per-step phase timings."""
 
-    def __init__(self, label: str, model, optimizer, scheduler, compressed: bool) -> None:
+    def __init__(self, label: str, model, optimizer, scheduler, stats) -> None:
         self.label, self.model, self.optimizer, self.scheduler = label, model, optimizer, scheduler
-        self.compressed = compressed
+        self.stats = stats        # callable -> dict with "wire_bytes" (and timings), or None: sends dense
         self.times: Dict[str, List[float]] = {phase: [] for phase in PHASES}
 
     def step(self, x, y) -> float:
@@ -191,15 +241,16 @@ def build_arms(world, args) -> List[Arm]:
     torch.manual_seed(args.seed)
     model = ResNet20()
     world.broadcast(model)
-    kinds = ["dense", "deepreduce"] if args.ab else ["dense" if args.baseline else "deepreduce"]
+    kinds = ["dense", "deepreduce"] if args.ab else ["dense" if args.baseline or args.hook else "deepreduce"]
     arms = []
     for kind in kinds:
         replica = copy.deepcopy(model) if kind != kinds[-1] else model
         base = torch.optim.SGD(replica.parameters(), lr=args.lr * world.size, momentum=args.momentum,
                                weight_decay=args.weight_decay)
-        wrapped, optimizer = world.dense(replica, base) if kind == "dense" else world.deepreduce(replica, base, args)
+        build = world.dense if kind == "dense" else world.deepreduce
+        wrapped, optimizer, stats = build(replica, base, args)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, args.epochs))
-        arms.append(Arm(kind, wrapped, optimizer, scheduler, compressed=kind == "deepreduce"))
+        arms.append(Arm(kind, wrapped, optimizer, scheduler, stats))
     return arms
 
 
@@ -233,7 +284,7 @@ def train(args: argparse.Namespace) -> List[dict]:
     dense_bytes_per_step = 4 * sum(p.numel() for p in reported.model.parameters())
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        before = reported.optimizer.compression_stats() if reported.compressed else None
+        before = reported.stats() if reported.stats else None
         indices = shard(len(y_train), world.rank, world.size, epoch, seed=args.seed)
         steps = len(indices) // args.batch_size
         if args.max_steps:
@@ -258,14 +309,15 @@ def train(args: argparse.Namespace) -> List[dict]:
             record["step_ms"] = {arm.label: arm.medians_ms() for arm in arms}
         if args.ab:
             record["ab_ratio"] = paired_ratio(arms[0], arms[1])
-        if reported.compressed and args.profile:
-            record["optimizer_ms"] = optimizer_ms(before, reported.optimizer.compression_stats(), steps)
+        if args.profile and before is not None and "encode_hidden_seconds" in before:   # Horovod optimizer
+            record["optimizer_ms"] = optimizer_ms(before, reported.stats(), steps)
         history.append(record)
         if world.rank == 0:
             print_epoch(args, record)
     if world.rank == 0 and args.metrics_json:
         with open(args.metrics_json, "w", encoding="utf-8") as handle:
-            json.dump({"config": None if args.baseline else args.config, "ranks": world.size,
+            json.dump({"config": None if args.baseline or args.hook else args.config, "hook": args.hook,
+                       "ranks": world.size,
                        "ab": args.ab, "epochs": history}, handle, indent=2)
     return history
 
@@ -273,8 +325,8 @@ def train(args: argparse.Namespace) -> List[dict]:
 def epoch_record(world, args, epoch, steps, reported, before, losses, dense_bytes_per_step, x_test, y_test,
                  seconds) -> dict:
     volume = 1.0
-    if reported.compressed:
-        after = reported.optimizer.compression_stats()
+    if reported.stats:
+        after = reported.stats()
         volume = (after["wire_bytes"] - before["wire_bytes"]) / max(1, dense_bytes_per_step * steps)
     model = getattr(reported.model, "module", reported.model)
     return {"epoch": epoch + 1, "loss": world.mean(np.mean(losses), "epoch_loss"),

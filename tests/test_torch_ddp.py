@@ -57,12 +57,13 @@ def test_gradiveq_codes_go_through_all_reduce(ranks):
 
 
 def documented_container_bytes(shape, ratio=0.01, min_numel=1000):
-    """docs/container-format.md: header of varints; Top-r raw sends floor(r d) uint32 + float32 pairs."""
+    """docs/container-format.md: header, varints and CRC (container.overhead) plus the sections;
+    Top-r with raw codecs sends floor(r d) uint32 indices and float32 values, small tensors dense."""
     numel = math.prod(shape)
     if numel < min_numel:
         return container.overhead(shape, numel, value_bytes=4 * numel) + 4 * numel
-    r = max(1, math.floor(ratio * numel))
-    return container.overhead(shape, r, 4 * r, 4 * r) + 8 * r
+    n = max(1, math.floor(ratio * numel))
+    return container.overhead(shape, n, index_bytes=4 * n, value_bytes=4 * n) + 8 * n
 
 
 def test_topk_bytes_on_the_wire_are_the_documented_container_sizes(ranks):

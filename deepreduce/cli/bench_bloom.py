@@ -11,16 +11,18 @@ process on the same array, the median over ``--repeat`` runs of:
 * P2's conflict-set selection (``select_conflict``) on ``--p2-positives`` positives at fpr 0.01
   (the size of the recommender gradient of ``reproduce fig11``).
 
-each with 1 thread and with ``--threads`` (default: the CPUs this process may use, what the
-pipeline's ``threads: auto`` gives one rank per host). Targets (issue 12): Bloom P0 encode+decode
-at most the Top-r time with 1 thread and under half of it with the default threads; a query at
-most 1 ns per position with 1 thread. Timings on a shared machine are noisy: run it quietly.
+each with 1 thread and with ``--threads`` (default: what the pipeline's ``threads: auto`` resolves
+to, ``deepreduce.parallel.resolve_threads``: usable CPUs over local ranks). ``ms`` is wall time; ``cpu_ms`` is the
+process's CPU time over the same runs (all threads together), which a loaded machine inflates
+less than wall time for the single-thread rows. Targets (issue 12): Bloom P0 encode+decode
+at most the Top-r time with 1 thread and under half of it with the default threads (column
+``/ Top-r``, wall time against the Top-r row of the same thread count); a query at most 1 ns per
+position with 1 thread. Timings on a shared machine are noisy: run it quietly.
 
     python -m deepreduce bench-bloom
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -34,26 +36,28 @@ def register(subparsers) -> None:
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="gradient length d")
     parser.add_argument("--ratio", type=float, default=0.01, help="Top-r ratio (r = ratio * d)")
     parser.add_argument("--fpr", type=float, default=0.001, help="Bloom false-positive rate")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="the multi-threaded runs' thread count (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the multi-threaded runs' thread count (default: the pipeline's threads: auto)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per row (median reported)")
     parser.add_argument("--p2-positives", type=int, default=250_000, help="positives of the P2 selection row")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
 
-def median_seconds(fn, repeat: int) -> float:
+def median_seconds(fn, repeat: int):
+    """(median wall seconds, median process CPU seconds) over ``repeat`` runs after a warm-up."""
     fn()   # warm-up (caches, sizing tables, thread start-up paths)
-    times = []
+    wall, cpu = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def run(args) -> int:
-    from .. import _native, registry
+    from .. import _native, parallel, registry
     from ..index import bloom
     from ..seeding import EncodeContext, config_digest
     from .bench_sparsify import synthetic
@@ -69,17 +73,20 @@ def run(args) -> int:
     indices = sparsifier.select(grad, ctx)
     r = int(indices.size)
     blocks, k = bloom.filter_params(r, args.fpr)
-    thread_counts = sorted({1, max(1, args.threads)})
+    default = parallel.resolve_threads(parallel.AUTO) if args.threads is None else args.threads
+    thread_counts = sorted({1, max(1, default)})
     print(f"d = {d:,}, r = {r:,} (ratio {args.ratio}), fpr {args.fpr}: {blocks:,} blocks of 512 bits, k = {k}; "
           f"median of {args.repeat} runs; threads {thread_counts}")
-    header = f"{'row':<44} {'threads':>7} {'ms':>9} {'ns/pos':>7} {'/ Top-r':>8}"
+    header = f"{'row':<44} {'threads':>7} {'ms':>9} {'cpu_ms':>9} {'ns/pos':>7} {'cpu_ns':>7} {'/ Top-r':>8}"
     print(header)
     print("-" * len(header))
 
-    def row(label, threads, seconds, base=None, per=None):
-        ns = f"{1e9 * seconds / per:>7.2f}" if per else f"{'':>7}"
-        ratio = f"{seconds / base:>8.2f}" if base else f"{'':>8}"
-        print(f"{label:<44} {threads:>7} {1e3 * seconds:>9.1f} {ns} {ratio}", flush=True)
+    def row(label, threads, times, base=None, per=None):
+        (wall, cpu), blank = times, f"{'':>7}"
+        ns = f"{1e9 * wall / per:>7.2f} {1e9 * cpu / per:>7.2f}" if per else f"{blank} {blank}"
+        ratio = f"{wall / base[0]:>8.2f}" if base else f"{'':>8}"
+        print(f"{label:<44} {threads:>7} {1e3 * wall:>9.1f} {1e3 * cpu:>9.1f} {ns} {ratio}", flush=True)
+        return times
 
     codec = bloom.BloomIndex(policy="p0", fpr=args.fpr)
     receiver = bloom.BloomIndex()
@@ -96,8 +103,7 @@ def run(args) -> int:
         if hasattr(sparsifier, "threads"):
             sparsifier.threads = threads
         codec.threads = receiver.threads = threads
-        topr = median_seconds(lambda: sparsifier.select(grad, ctx), args.repeat)
-        row("Top-r selection", threads, topr)
+        topr = row("Top-r selection", threads, median_seconds(lambda: sparsifier.select(grad, ctx), args.repeat))
 
         def p0_round_trip():
             enc = codec.encode(indices, grad[indices], grad, ctx)

@@ -57,7 +57,7 @@ from .. import container
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
-from .optimizer import LOSSLESS_CONFIG
+from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build
 
 _FAILED = -1          # header size of a rank whose encoder raised
@@ -99,21 +99,6 @@ def _is_summable(obj) -> bool:
 
 def _digest64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
-def _named(named_parameters) -> Optional[Dict[torch.Tensor, str]]:
-    if named_parameters is None:
-        return None
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
-           or not isinstance(item[1], torch.Tensor) for item in named):
-        raise ConfigError("DeepReduceState: named_parameters must be (name, parameter) pairs, "
-                          "e.g. model.named_parameters()")
-    names = [n for n, _ in named]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"DeepReduceState: named_parameters has duplicate names: {', '.join(duplicates)}")
-    return {p: n for n, p in named}
 
 
 def _describe(names: List[str]) -> str:
@@ -158,7 +143,7 @@ class DeepReduceState:
             self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
             self.compressor = None
             self._config_digest = int.from_bytes(self.pipeline.core.config_digest[:8], "little", signed=True)
-        self._names = _named(named_parameters)
+        self._names = None if named_parameters is None else named_parameter_map(named_parameters)
         self._auto_names: Dict[torch.Tensor, str] = {}
         # state
         self.step = 0

@@ -308,20 +308,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
 
 
-def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
-    """Map every parameter to a unique name, as Horovod requires; errors name the problem."""
-    all_params = [p for group in param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {p: f"param.{i}" for i, p in enumerate(all_params)}
+def named_parameter_map(named_parameters) -> Dict[torch.Tensor, str]:
+    """``{parameter: name}`` from (name, parameter) pairs; a ConfigError for malformed pairs or
+    duplicate names (the DDP hook state uses it too)."""
     named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+    if any(not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+           or not isinstance(item[1], torch.Tensor) for item in named):
         raise ConfigError("named_parameters must be a sequence of (name, parameter) pairs, "
                           "e.g. model.named_parameters()")
     names = [n for n, _ in named]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
-    mapping = {p: n for n, p in named}
+    return {p: n for n, p in named}
+
+
+def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
+    """Map every parameter to a unique name, as Horovod requires; errors name the problem."""
+    all_params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(all_params)}
+    mapping = named_parameter_map(named_parameters)
     missing = [i for i, p in enumerate(all_params) if p not in mapping]
     if missing:
         raise ConfigError(f"named_parameters does not cover {len(missing)} optimizer parameter(s) "
