@@ -156,6 +156,7 @@ class Pipeline:
         else:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
             self.memory.settle(name, positions, received, self.threads)
+        c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload
@@ -208,7 +209,7 @@ class Pipeline:
         start = time.perf_counter()
         c = self._unpack(payload, expected_shape)
         target = _output(out, c)
-        self._decode_into(c, target, accumulate=False)
+        self._decode_into(c, target, accumulate=out is None)  # a fresh buffer is all zeros
         self.stats.tensors_decoded += 1
         self.stats.decode_seconds += time.perf_counter() - start
         return target.reshape(c.shape)
@@ -230,7 +231,7 @@ class Pipeline:
                 c = self._unpack(payload, expected_shape)
                 if target is None:
                     target, expected_shape = _output(out, c), c.shape
-                self._decode_into(c, target, accumulate=rank > 0)
+                self._decode_into(c, target, accumulate=rank > 0 or out is None)
             except DeepReduceError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
@@ -255,7 +256,8 @@ class Pipeline:
         return codec
 
     def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool) -> None:
-        """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``.
+        """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``
+        (adding into a fresh all-zero buffer spares a pass that would zero it again).
 
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
@@ -312,9 +314,10 @@ def _as_float32(grad, name: str):
 
 
 def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
-    """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or a fresh one."""
+    """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or fresh zeros
+    (pages the OS hands out zeroed; only those the scatter touches are ever written)."""
     if out is None:
-        return np.empty(c.numel, dtype=np.float32)
+        return np.zeros(c.numel, dtype=np.float32)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
             or not out.flags.writeable:
         raise DeepReduceError("decode: out= must be a writeable C-contiguous float32 NumPy array")

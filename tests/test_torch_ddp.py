@@ -49,12 +49,20 @@ def test_lossless_hook_matches_ddp_allreduce_and_ranks_agree(ranks):
     assert 0 < r0["fp16_max_diff"] < 1e-2
 
 
+def test_gradiveq_codes_go_through_all_reduce(ranks):
+    r0, r1 = both(ranks, "scenario_gradiveq")
+    assert r0["compressed"] > 0 and r0["compressed"] == r1["compressed"]   # the conv layer after training
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+    assert r0["wire_bytes"] == r1["wire_bytes"] > 0
+
+
 def documented_container_bytes(shape, ratio=0.01, min_numel=1000):
-    """docs/container-format.md: 52 + 8 ndim header; Top-r raw sends floor(r d) uint32 + float32 pairs."""
+    """docs/container-format.md: header of varints; Top-r raw sends floor(r d) uint32 + float32 pairs."""
     numel = math.prod(shape)
     if numel < min_numel:
-        return container.overhead(len(shape)) + 4 * numel
-    return container.overhead(len(shape)) + 8 * max(1, math.floor(ratio * numel))
+        return container.overhead(shape, numel, value_bytes=4 * numel) + 4 * numel
+    r = max(1, math.floor(ratio * numel))
+    return container.overhead(shape, r, 4 * r, 4 * r) + 8 * r
 
 
 def test_topk_bytes_on_the_wire_are_the_documented_container_sizes(ranks):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deepreduce.torch import ddp
+from deepreduce.torch import GradiVeQ, ddp
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}
 LOSSLESS = {"sparsifier": "none", "index": "raw", "value": "raw", "memory": "none"}
@@ -99,6 +99,14 @@ def scenario_lossless(rank):
             "fp16_max_diff": float(np.abs(flat_params(fp16) - ref).max())}
 
 
+def scenario_gradiveq(rank):
+    compressor = GradiVeQ(warmup=1, sample_iters=2, compress_iters=3, min_numel=64)
+    model, opt, state = make(compressor)
+    train(model, opt, rank, 5)
+    return {"params": flat_params(model), "compressed": compressor.stats["compressed"],
+            "wire_bytes": state.compression_stats()["wire_bytes"]}
+
+
 def scenario_topk_bytes(rank):
     model, opt, state = make(TOPK)
     train(model, opt, rank, 3)
@@ -173,7 +181,7 @@ def scenario_bad_input(rank):
     }
 
 
-SCENARIOS = [scenario_lossless, scenario_topk_bytes, scenario_checkpoint, scenario_unused, scenario_bad_input,
+SCENARIOS = [scenario_lossless, scenario_gradiveq, scenario_topk_bytes, scenario_checkpoint, scenario_unused, scenario_bad_input,
              scenario_nonfinite, scenario_disagreement]
 
 
