@@ -1,7 +1,8 @@
 """GradiVeQ: PCA vector quantisation whose codes can be summed (spec doc §3, Part III.3).
 
 Framework-neutral math (NumPy); ``deepreduce.torch.GradiVeQ`` applies it to torch tensors
-inside Horovod's allreduce.
+inside Horovod's allreduce, ``deepreduce.tensorflow.GradiVeQ`` to TensorFlow tensors (through
+:class:`SampleWindow` and the functions here, in graph ops).
 
 A conv-layer gradient is flattened so that the ``F`` filters' gradients at one (h, w, depth)
 position are adjacent (torch ``(F, D, H, W)`` -> ``(H, W, D, F)``), and cut into slices of
@@ -239,6 +240,34 @@ def decompress(model: Model, code: np.ndarray, parts: int = 1) -> Tuple[np.ndarr
         slices[g.start:g.start + g.count] = block @ g.u.T if g.u is not None else block
     slices += model.offset / np.float32(parts)
     return slices, code[pos:]
+
+
+class SampleWindow:
+    """One sampling window of a tensor: collects aggregated gradients, trains when full.
+
+    :meth:`add` takes one aggregated gradient's slices (``n_slices x K``); it keeps each
+    group's first slice (the PCA samples) and a float64 running sum of all slices (the
+    per-slice means), and returns the trained :class:`Model` once ``size`` gradients are in
+    (None before).
+    """
+
+    def __init__(self, plan: SlicePlan, size: int, loss: float) -> None:
+        self.plan = plan
+        self.size = size
+        self.loss = loss
+        self.samples: List[List[np.ndarray]] = [[] for _ in plan.groups]
+        self.running = np.zeros((plan.n_slices, plan.slice_size), dtype=np.float64)
+        self.count = 0
+
+    def add(self, slices: np.ndarray) -> Optional[Model]:
+        slices = np.asarray(slices, dtype=np.float64)
+        for i, (start, _count) in enumerate(self.plan.groups):
+            self.samples[i].append(slices[start].copy())
+        self.running += slices
+        self.count += 1
+        if self.count < self.size:
+            return None
+        return train(self.plan, [np.stack(s) for s in self.samples], self.running / self.count, self.loss)
 
 
 @dataclass(frozen=True)
