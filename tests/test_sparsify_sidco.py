@@ -170,3 +170,88 @@ def test_native_kernels_match_numpy_path(monkeypatch):
         got = sidco(**cfg).select(g, ctx(0))
         monkeypatch.delenv("DEEPREDUCE_BACKEND")
         np.testing.assert_array_equal(want, got)
+
+
+SHIPPED = ["configs/sidco_exp.yaml", "configs/sidco_gamma.yaml", "configs/sidco_gpareto.yaml"]
+
+
+def _real_layers(min_numel):
+    from deepreduce import gradients
+
+    return {n: g for n, g in gradients.load().items() if n != "all" and g.size >= min_numel}
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_shipped_configs_meet_target_on_every_real_layer(config):
+    """Every real ResNet-20 layer the pipeline sparsifies, through the config as shipped (its
+    residual memory included), over several steps: k_hat / k within [0.8, 1.2] at each step."""
+    import deepreduce
+
+    pipe = deepreduce.build(config)
+    layers = _real_layers(pipe.min_numel)
+    assert len(layers) == 18
+    for name, grad in layers.items():
+        for step in range(6):
+            pipe.encode(grad, name=name, step=step)
+            last = pipe.sparsifier.last
+            assert 0.8 <= last["k_hat"] / last["k"] <= 1.2, (name, step, last)
+
+
+def test_staged_fit_alone_is_close_on_real_layers():
+    """The fitted thresholds themselves (tail check off, 3 stages, ratios from the actual
+    exceedance counts) land within [0.8, 1.3] of k on every real layer at 1%, where a single
+    exponential stage ranges over [0.17, 1.93]."""
+    layers = _real_layers(1000)
+    for dist in _fits.DISTRIBUTIONS:
+        sp = sidco(ratio=0.01, distribution=dist, stages=3, adapt="off", tail_check=False)
+        for name, grad in layers.items():
+            sp.select(grad.ravel(), ctx(0, name))
+            assert 0.8 <= sp.last["k_hat"] / sp.last["k"] <= 1.3, (dist, name, sp.last)
+            assert not sp.last["exact_tail"]
+
+
+def test_later_stage_ratios_follow_actual_exceedances():
+    # 1% of d = 1e6 is 10,000; if the first stage left 400,000 (not 250,000) above its
+    # threshold, the two remaining stages split 10,000 / 400,000 equally
+    assert _fits.remaining_stage_ratio(10_000.0, 400_000, 2) == pytest.approx((1 / 40) ** 0.5)
+    assert _fits.remaining_stage_ratio(10_000.0, 20_000, 1) == pytest.approx(0.5)
+    assert _fits.remaining_stage_ratio(10_000.0, 9_000, 2) >= 1.0
+    assert _fits.remaining_stage_ratio(10_000.0, 0, 2) == 1.0
+
+
+def test_tail_check_replaces_a_missed_threshold_with_the_exact_count():
+    from deepreduce.sparsify.sidco import NumpyOps, checked_tail_threshold
+
+    tails = [np.arange(1, 401, dtype=np.float32), np.arange(301, 401, dtype=np.float32)]
+    # a threshold leaving 40 of the wanted 60 (outside 20%): the 60th largest, 341
+    assert checked_tail_threshold(NumpyOps, tails, 361.0, 60, 0.2) == 341.0
+    # within tolerance: unchanged
+    assert checked_tail_threshold(NumpyOps, tails, 346.0, 60, 0.2) == 346.0
+    # the newest set is smaller than k: the older one answers
+    assert checked_tail_threshold(NumpyOps, tails, 380.0, 150, 0.2) == 251.0
+    # on a very heavy tail (Student-t, 1.5 degrees of freedom) the 3-stage exponential fit
+    # misses without the check and lands within 20% with it
+    g = np.random.default_rng(5).standard_t(1.5, size=100_000).astype(np.float32)
+    off = sidco(ratio=0.001, stages=3, adapt="off", tail_check=False).select(g, ctx(0)).size
+    on = sidco(ratio=0.001, stages=3, adapt="off")
+    assert not 80 <= off <= 120
+    assert 80 <= on.select(g, ctx(0)).size <= 120 and on.last["exact_tail"]
+
+
+def test_torch_selection_equals_numpy_on_real_layers_with_tail_check():
+    import torch
+
+    import deepreduce
+    from deepreduce.torch.sparsify import select_torch
+
+    for config in SHIPPED:
+        pipe = deepreduce.build(config)
+        twin = deepreduce.build(config).sparsifier
+        fired = 0
+        for name, grad in _real_layers(pipe.min_numel).items():
+            flat = grad.ravel()
+            want = pipe.sparsifier.select(flat, pipe.context(name, 0))
+            got = select_torch(twin, torch.from_numpy(flat), pipe.context(name, 0)).numpy()
+            assert np.array_equal(want, got), (config, name)
+            fired += pipe.sparsifier.last["exact_tail"]
+        assert fired >= 1   # the check path ran in both bindings

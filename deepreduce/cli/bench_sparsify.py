@@ -7,6 +7,8 @@ each ratio, in the same process on the same array: the time of Top-r selection w
 median over ``--repeat`` runs, the speed-up over Top-r, and the selected count over the target
 ``k_hat / k`` (mean over the timed runs). Before timing, each sparsifier runs ``--warmup``
 steps so SIDCo's stage adaptation settles (its state is kept per tensor, as in training).
+The SIDCo rows are the shipped configs ``configs/sidco_{exp,gamma,gpareto}.yaml`` (their
+sparsifier section, ratio replaced) when run from the project root, else the defaults.
 
 Run it on one thread for the figures in docs/benchmarks.md::
 
@@ -47,6 +49,19 @@ def synthetic(size: int, dist: str, seed: int) -> np.ndarray:
         mag = rng.gamma(0.6, 1e-3, size=size) if dist == "gamma" else rng.pareto(5.0, size=size) * 1e-3
         g = mag * np.where(rng.random(size) < 0.5, -1.0, 1.0)
     return g.astype(np.float32)
+
+
+SHIPPED_SIDCO = {"exponential": "sidco_exp", "gamma": "sidco_gamma", "gpareto": "sidco_gpareto"}
+
+
+def shipped_sidco(distribution: str) -> dict:
+    """The sparsifier section of the shipped SIDCo config for ``distribution`` (or the defaults)."""
+    from ..config import load_config
+
+    path = os.path.join("configs", SHIPPED_SIDCO[distribution] + ".yaml")
+    if os.path.isfile(path):
+        return dict(load_config(path)["sparsifier"])
+    return {"id": "sidco", "distribution": distribution}
 
 
 def time_topr(grad: np.ndarray, k: int, repeat: int) -> float:
@@ -92,7 +107,7 @@ def run(args) -> int:
         k = count_for(ratio, grad.size)
         base = time_topr(grad, k, args.repeat)
         print(f"{ratio:>7g} {'topr-argpartition':<16} {1e3 * base:>9.1f} {1.0:>9.2f} {1.0:>8.3f} {'':>6}", flush=True)
-        methods = [(f"sidco-{d[:3]}", {"id": "sidco", "ratio": ratio, "distribution": d})
+        methods = [(f"sidco-{d[:3]}", dict(shipped_sidco(d), ratio=ratio))
                    for d in ("exponential", "gamma", "gpareto")]
         if not args.no_dgc:
             methods.append(("dgc", {"id": "dgc", "ratio": ratio}))

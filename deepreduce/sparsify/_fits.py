@@ -118,6 +118,20 @@ def stage_ratio(m: int, stages: int, ratio: float, first_ratio: float) -> float:
     return (ratio / first_ratio) ** (1.0 / (stages - 1))
 
 
+def remaining_stage_ratio(target: float, exceedances: int, stages_left: int) -> float:
+    """Ratio of a later stage: an equal geometric split of ``target / exceedances`` over the
+    ``stages_left`` stages still to run (this one included).
+
+    The paper defines ``delta_m = k_m / k_{m-1}``, relative to the exceedances the previous
+    stage actually left; with the nominal split of :func:`stage_ratio` an earlier stage's
+    miss (say 40% instead of 25% above the first threshold) carries into the final count.
+    Returns a value >= 1 when the exceedances are already no more than the target.
+    """
+    if exceedances <= 0:
+        return 1.0
+    return (target / exceedances) ** (1.0 / max(1, stages_left))
+
+
 class StageState:
     """Adaptive stage count of one tensor (Algorithm 1): ``M``, the window sum and count.
 

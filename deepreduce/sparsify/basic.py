@@ -1,6 +1,8 @@
 """The elementary sparsifiers: keep the non-zeros, Top-r by magnitude, Random-r."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..params import Param
@@ -11,14 +13,47 @@ from ._topk import topk_positions
 RATIO = Param(float, default=0.01, low=0.0, high=1.0, low_open=True, doc="fraction of entries kept")
 
 
+DENSE_WARNING_DENSITY = 0.5
+
+
+class DenseGradientWarning(RuntimeWarning):
+    """A config without a sparsifier was fed a dense gradient: it sends most of the dense bytes."""
+
+
 @register
 class NoSparsifier(Sparsifier):
-    """Keeps exactly the non-zero entries: the path for inherently sparse gradients (embeddings)."""
+    """Keeps exactly the non-zero entries: the path for inherently sparse gradients (embeddings).
+
+    Fed a dense gradient (more than ``DENSE_WARNING_DENSITY`` = 50% non-zeros) it still sends
+    every non-zero, i.e. more bytes than the dense tensor once indices are added; it then
+    issues one :class:`DenseGradientWarning` per tensor name (per instance, i.e. per pipeline)
+    with the measured density, so the mistake of running an embedding config on dense layers
+    is seen instead of silently costing bandwidth.
+    """
 
     id = "none"
 
+    def _validate(self) -> None:
+        self._dense_warned: set = set()
+
     def select(self, flat, ctx):
-        return np.flatnonzero(flat).astype(np.int64)
+        chosen = np.flatnonzero(flat).astype(np.int64)
+        self.check_density(chosen.size, flat.size, ctx.name)
+        return chosen
+
+    def check_density(self, nonzero: int, numel: int, name: str) -> None:
+        """Warn once per tensor name when ``nonzero / numel`` exceeds ``DENSE_WARNING_DENSITY``."""
+        if numel == 0 or nonzero <= DENSE_WARNING_DENSITY * numel:
+            return
+        if name in self._dense_warned:
+            return
+        self._dense_warned.add(name)
+        warnings.warn(
+            f"sparsifier 'none' was given a dense gradient {name!r}: {nonzero} of {numel} entries "
+            f"({100.0 * nonzero / numel:.1f}%) are non-zero, above the {100 * DENSE_WARNING_DENSITY:.0f}% "
+            "this config is meant for (inherently sparse gradients); every non-zero is sent. "
+            "Use a sparsifier (e.g. topk) for dense layers.",
+            DenseGradientWarning, stacklevel=2)
 
 
 @register

@@ -36,6 +36,16 @@ from .basic import RATIO
 SMALLEST_FLOAT32 = float(np.finfo(np.float32).smallest_subnormal)
 
 
+def _np_count_at_least(x: np.ndarray, eta: float) -> int:
+    """Entries of the magnitudes ``x`` at or above float32 ``eta``."""
+    return int(np.count_nonzero(x >= np.float32(eta)))
+
+
+def _np_kth_largest(x: np.ndarray, k: int) -> float:
+    """The ``k``-th largest of the magnitudes ``x`` (``1 <= k <= x.size``)."""
+    return float(np.partition(x, x.size - k)[x.size - k])
+
+
 class NumpyOps:
     """The array operations :func:`sidco_select` needs, on NumPy float32 vectors."""
 
@@ -89,6 +99,9 @@ class NumpyOps:
     def top1(a):
         return topk_positions(a, 1)
 
+    count_at_least = staticmethod(_np_count_at_least)
+    kth_largest = staticmethod(_np_kth_largest)
+
 
 class NativeOps:
     """The same operations through the C++ kernels (``deepreduce._sidco``): the vectors stay
@@ -132,31 +145,39 @@ class NativeOps:
     def top1(a):
         return topk_positions(np.abs(a), 1)
 
+    # the exceedance vectors are NumPy magnitudes here too (abs_exceed returns |x|)
+    count_at_least = staticmethod(_np_count_at_least)
+    kth_largest = staticmethod(_np_kth_largest)
+
 
 def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
-    """Run the staged fit on magnitudes ``a``; return ``(eta, stages actually used)``.
+    """Run the staged fit on magnitudes ``a``; return ``(eta, stages actually used, exact)``.
 
-    ``eta`` is already rounded to float32 (as every binding compares in float32).
+    ``eta`` is already rounded to float32 (as every binding compares in float32); ``exact``
+    says whether the tail check replaced the fitted threshold (:func:`checked_tail_threshold`).
     """
     dist, tail = sparsifier.distribution, _fits.TAIL_OF[sparsifier.distribution]
     exact = sparsifier.gamma_inverse == "exact"
     d = ops.size(a)
-    eta, used, x = 0.0, 0, a
+    eta, used, x, tails = 0.0, 0, a, []
     for m in range(1, stages + 1):
-        dm = _fits.stage_ratio(m, stages, sparsifier.ratio, sparsifier.first_ratio)
         if m == 1:
+            dm = _fits.stage_ratio(m, stages, sparsifier.ratio, sparsifier.first_ratio)
             need_var, need_log = _fits.needs(dist)
             st = ops.first_stats(a, need_var, need_log)
             if st.n == 0:
-                return float("inf"), 0            # all zero: nothing reaches any threshold
+                return float("inf"), 0, False     # all zero: nothing reaches any threshold
             dm_nonzero = dm * d / st.n            # zeros never exceed: rescale to the non-zeros
             if dm_nonzero >= 1.0:
-                return SMALLEST_FLOAT32, 1        # every non-zero entry
+                return SMALLEST_FLOAT32, 1, False  # every non-zero entry
             t = _fits.threshold(dist, st, dm_nonzero, exact)
             if t is None:                         # all non-zero magnitudes equal
-                return float(np.float32(st.mean)), 1
+                return float(np.float32(st.mean)), 1, False
             eta = t
         else:
+            dm = _fits.remaining_stage_ratio(sparsifier.ratio * d, ops.size(x), stages - m + 1)
+            if dm >= 1.0:                         # the exceedances are already no more than k
+                break
             st = ops.tail_stats(x, eta, _fits.needs(tail)[0])
             t = _fits.threshold(tail, st, dm, exact)
             if t is None:
@@ -165,16 +186,40 @@ def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
         used = m
         if m < stages:
             x = ops.exceed(x, eta)
+            tails.append(x)
             if ops.size(x) < 2:
                 break
-    return float(np.float32(eta)), used
+    eta = fitted = float(np.float32(eta))
+    if sparsifier.tail_check and tails:
+        eta = checked_tail_threshold(ops, tails, eta, count_for(sparsifier.ratio, d), sparsifier.tolerance)
+    return eta, used, eta != fitted
+
+
+def checked_tail_threshold(ops, tails: list, eta: float, k: int, tolerance: float) -> float:
+    """The staged threshold ``eta``, or an exact ``k``-th largest magnitude when it misses.
+
+    ``tails`` are the exceedance sets the stages computed, largest first; the last one holds
+    every magnitude above a threshold no higher than ``eta`` and is small (about
+    ``k / delta_M`` entries), so the final count ``|{j: |g_j| >= eta}|`` is known from it
+    alone. When that count falls outside ``[k (1 - tolerance), k (1 + tolerance)]`` -- the
+    fitted tail model does not describe the few dozen to few thousand largest magnitudes of a
+    real layer well enough -- the threshold becomes the ``k``-th largest entry of the newest
+    set holding at least ``k`` entries (a partial sort of that set, not of the gradient).
+    """
+    count = ops.count_at_least(tails[-1], eta)
+    if k * (1.0 - tolerance) <= count <= k * (1.0 + tolerance):
+        return eta
+    for x in reversed(tails):
+        if ops.size(x) >= k:
+            return float(np.float32(ops.kth_largest(x, k)))
+    return eta
 
 
 def sidco_select(ops, flat, sparsifier: "SIDCo", ctx):
     """Positions SIDCo selects in ``flat`` (ascending), updating the tensor's stage state."""
     state = sparsifier.stage_state(ctx.name)
     a = ops.magnitudes(flat)
-    eta, used = sidco_threshold(ops, a, sparsifier, state.stages)
+    eta, used, exact = sidco_threshold(ops, a, sparsifier, state.stages)
     chosen = ops.select(a, eta)
     k_hat = ops.size(chosen)
     if k_hat == 0 and ops.size(a) > 0:
@@ -183,7 +228,7 @@ def sidco_select(ops, flat, sparsifier: "SIDCo", ctx):
     state.record(ctx.step, k_hat, k, sparsifier.period, sparsifier.tolerance,
                  sparsifier.stage_cap(), sparsifier.adapt)
     sparsifier.last = {"name": ctx.name, "step": ctx.step, "threshold": eta, "stages": used,
-                       "k_hat": k_hat, "k": k}
+                       "exact_tail": exact, "k_hat": k_hat, "k": k}
     return chosen
 
 
@@ -213,6 +258,9 @@ class SIDCo(Sparsifier):
                            doc="allowed relative deviation of the mean count from the target"),
         "gamma_inverse": Param(str, default="exact", choices=("exact", "approx"),
                                doc="gamma threshold: exact inverse or the paper's closed form"),
+        "tail_check": Param(bool, default=True,
+                            doc="with 2+ stages, replace a last-stage threshold whose count misses "
+                                "k by more than 'tolerance' with the exact k-th largest exceedance"),
     }
 
     def _validate(self) -> None:

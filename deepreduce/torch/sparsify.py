@@ -111,9 +111,19 @@ class TorchOps:
     def top1(a):
         return topk_positions(a, 1)
 
+    @staticmethod
+    def count_at_least(x, eta: float) -> int:
+        return int(torch.count_nonzero(x >= _f32(eta)))
+
+    @staticmethod
+    def kth_largest(x, k: int) -> float:
+        return float(torch.kthvalue(x, x.numel() - k + 1).values)
+
 
 def _none(sp, flat, ctx):
-    return _positions(flat != 0)
+    chosen = _positions(flat != 0)
+    sp.check_density(int(chosen.numel()), flat.numel(), ctx.name)
+    return chosen
 
 
 def _topk(sp, flat, ctx):
