@@ -101,7 +101,7 @@ def train(args: argparse.Namespace) -> List[dict]:
                  drk.MetricAverageCallback(),    # before EpochLine: it prints the averaged loss
                  EpochLine()]
     model.fit(shard_batches(x_train, y_train, hvd.rank(), hvd.size(), args.batch_size, steps, args.seed),
-              steps_per_epoch=steps, epochs=args.epochs, callbacks=callbacks, verbose=0)
+              steps_per_epoch=steps, epochs=args.epochs, callbacks=callbacks, shuffle=False, verbose=0)
     if hvd.rank() == 0 and args.metrics_json:
         with open(args.metrics_json, "w", encoding="utf-8") as handle:
             json.dump({"framework": "keras", "config": None if args.baseline else args.config,

@@ -1,4 +1,5 @@
-"""2-rank horovodrun test of the TensorFlow tape and optimizer (worker: tests/workers/tf_tape_equivalence.py)."""
+"""2-rank horovodrun test of the TensorFlow tape, optimizer, Keras callbacks and GradiVeQ, in one launch
+(TensorFlow starts slowly; worker: tests/workers/tf_tape_equivalence.py)."""
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ def _horovodrun():
     return candidate if os.path.exists(candidate) else shutil.which("horovodrun")
 
 
-def run_workers(script, out_path, timeout=300):
+def run_workers(script, out_path, timeout=600):
     """Run a worker under ``horovodrun -np 2``; it writes rank 0's results as JSON to ``out_path``."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -91,9 +92,8 @@ def test_tape_inside_function_keeps_one_counter(result):
     assert result["inside_function_counter"] == 3
 
 
-@pytest.mark.parametrize("mode", ["accumulation", "accumulation_allreduce"])
-def test_gradient_accumulation_equals_one_step_on_the_summed_gradients(result, mode):
-    r = result[mode]
+def test_gradient_accumulation_equals_one_step_on_the_summed_gradients(result):
+    r = result["accumulation"]
     assert r["ranks_identical"] and r["changed"] > 1e-3
     assert r["max_abs_diff"] <= 1e-6
 
@@ -102,9 +102,8 @@ def test_accumulation_counts_applied_steps(result):
     assert result["accumulation_iterations"] == 2   # 4 micro-batches, 2 passes each
 
 
-@pytest.mark.parametrize("tape", ["gradiveq_horovod", "gradiveq_deepreduce"])
-def test_gradiveq_is_a_summable_compressor_in_the_tapes(result, tape):
-    r = result[tape]
+def test_gradiveq_is_a_summable_compressor_in_horovods_own_tape(result):
+    r = result["gradiveq"]
     assert r["ranks_identical"] and r["changed"] > 1e-3
     stats = r["stats"]
     # warm-up 1 + sampling 2, then trained once and w1 sent as codes in the last 3 steps
