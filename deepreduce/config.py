@@ -1,7 +1,7 @@
 """YAML or dict configs -> validated, fully defaulted config dicts -> pipelines.
 
 A config has the sections ``sparsifier``, ``index``, ``value`` and ``memory``, each
-``{id: ..., <parameters>}``, and optionally ``communicator``, ``min_numel`` and ``nonfinite``.
+``{id: ..., <parameters>}``, and optionally ``communicator``, ``min_numel``, ``nonfinite`` and ``threads``.
 :func:`load_config` validates every key against the registry and fills in defaults, so
 ``build(load_config(p.get_config()))`` equals ``p``.
 """
@@ -13,13 +13,13 @@ from typing import Any, Mapping, Union
 
 import yaml
 
-from . import registry
+from . import parallel, registry
 from .errors import ConfigError
 from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline
 
 REQUIRED_SECTIONS = ("sparsifier", "index", "value", "memory")
 OPTIONAL_SECTIONS = ("communicator",)
-SCALARS = ("min_numel", "nonfinite")
+SCALARS = ("min_numel", "nonfinite", "threads")
 ALLOWED_KEYS = REQUIRED_SECTIONS + OPTIONAL_SECTIONS + SCALARS
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Pipeline]
@@ -66,6 +66,7 @@ def load_config(source: ConfigLike) -> dict:
         raise ConfigError(f"config: 'nonfinite' is {nonfinite!r}; allowed: {', '.join(NONFINITE_POLICIES)}")
     out["min_numel"] = min_numel
     out["nonfinite"] = nonfinite
+    out["threads"] = parallel.check_threads(raw.get("threads", parallel.AUTO))
     return out
 
 
@@ -76,5 +77,5 @@ def build(source: ConfigLike) -> Pipeline:
     return Pipeline(
         components["sparsifier"], components["index"], components["value"], components["memory"],
         communicator=components.get("communicator"),
-        min_numel=config["min_numel"], nonfinite=config["nonfinite"],
+        min_numel=config["min_numel"], nonfinite=config["nonfinite"], threads=config["threads"],
     )

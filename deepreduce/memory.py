@@ -1,35 +1,69 @@
 """Error-feedback memories, keyed by tensor name, living in one pipeline instance.
 
-``compensate`` adds what earlier steps failed to send; ``update`` stores the new residual as
-the compensated gradient minus exactly what the receiver reconstructs (the decoded container),
-so over any run: sum(sent) + final residual == sum(gradients).
+The pipeline drives a memory in two calls per encoded tensor:
 
-The residual is held in float64 and also keeps the rounding of the float32 compensated
-gradient handed to the sparsifier (``carry = (g + e) - float32(g + e)``), so nothing is lost
-to float32 rounding either: the conservation law holds to float64 precision.
+* ``accumulate(name, flat)``: the residual absorbs the gradient in place (``residual +=
+  grad``, one pass that also checks finiteness, see ``deepreduce.kernels.scan``); the residual
+  buffer now *is* the compensated gradient the sparsifier reads.
+* ``settle(name, positions, values)``: after encoding, ``residual[positions] -= values``,
+  where ``values`` is what the receiver reconstructs at ``positions`` (value codecs hand it back
+  as a by-product of encoding, computed from their ``n`` values; nothing decodes a container on
+  the sender). A tensor sent dense is reconstructed exactly, so its residual becomes zero.
+
+The residual is float32, as in production error-feedback implementations (a float64 residual
+would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
+with ``c_t = fl(e_{t-1} + g_t)`` the compensated gradient and ``e_t = fl(c_t - s_t)`` the
+residual after sending ``s_t``, each step rounds once in each operation, so per element after
+``T`` steps::
+
+    |sum_t s_t + e_T - sum_t g_t| <= 2**-24 * sum_t (|c_t| + |e_t|)
+
+(an entry a lossless codec sends exactly leaves ``e_t = 0`` with no rounding at all).
+tests/test_memory.py checks this bound over many steps.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, NamedTuple, Optional
 
 import numpy as np
 
+from . import kernels
 from .errors import CommunicationError
 from .params import Component
 from .registry import register
 
 
+class Compensated(NamedTuple):
+    """What ``Memory.accumulate`` found: the compensated gradient, whether the gradient was
+    finite, and (when asked for a Top-r) the selected positions."""
+
+    flat: np.ndarray
+    finite: bool
+    selected: Optional[np.ndarray] = None
+
+
 class Memory(Component):
-    """Base class: stateless by default."""
+    """Base class: stateless by default (the compensated gradient is the gradient)."""
 
     kind = "memory"
     stateful = False
 
+    def accumulate(self, name: str, flat: np.ndarray, topk: int = 0, threads: int = 1) -> Compensated:
+        """Compensate ``flat`` (float32, flat) for ``name``; a non-finite gradient leaves the state alone.
+
+        ``topk > 0``: also select the Top-``topk`` of the compensated gradient in the same pass.
+        """
+        finite, selected = kernels.scan(flat, None, topk, threads)
+        return Compensated(flat, finite, selected)
+
     def compensate(self, name: str, flat: np.ndarray) -> np.ndarray:
+        """The compensated gradient as a new array, leaving the state alone (staged encoders)."""
         return flat
 
-    def update(self, name: str, compensated: np.ndarray, reconstructed: np.ndarray) -> None:
-        """Record what was sent for ``name``; stateless memories ignore it."""
+    def settle(self, name: str, positions: Optional[np.ndarray], values: Optional[np.ndarray],
+               threads: int = 1) -> None:
+        """Take what the receiver reconstructs out of the residual (``residual[positions] -=
+        values``, distinct positions); ``positions=None``: the whole tensor was sent exactly."""
 
     def reset(self) -> None:
         """Forget every residual."""
@@ -44,41 +78,48 @@ class NoMemory(Memory):
 
 @register
 class ResidualMemory(Memory):
-    """Error feedback: residual = compensated gradient - what the receiver reconstructs."""
+    """Error feedback: residual = compensated gradient - what the receiver reconstructs (float32)."""
 
     id = "residual"
     stateful = True
 
     def _validate(self) -> None:
         self._residuals: Dict[str, np.ndarray] = {}
-        self._carry: Dict[str, np.ndarray] = {}
 
-    def compensate(self, name, flat):
+    def _existing(self, name: str, flat: np.ndarray) -> Optional[np.ndarray]:
         residual = self._residuals.get(name)
-        if residual is None:
-            self._carry.pop(name, None)
-            return flat
-        if residual.shape != flat.shape:
+        if residual is not None and residual.size != flat.size:
             raise CommunicationError(
                 f"residual memory: tensor {name!r} had {residual.size} elements, now {flat.size}; "
                 "a name must keep its size"
             )
-        exact = flat.astype(np.float64) + residual
-        compensated = exact.astype(flat.dtype)
-        self._carry[name] = exact - compensated
-        return compensated
+        return residual
 
-    def update(self, name, compensated, reconstructed):
-        residual = np.asarray(compensated, dtype=np.float64) - np.asarray(reconstructed, dtype=np.float64)
-        carry = self._carry.pop(name, None)
-        if carry is not None:
-            residual += carry
-        self._residuals[name] = residual
+    def accumulate(self, name, flat, topk=0, threads=1):
+        residual = self._existing(name, flat)
+        if residual is None:
+            finite, selected = kernels.scan(flat, None, topk, threads)
+            if not finite:
+                return Compensated(flat, False)
+            residual = self._residuals[name] = np.array(flat, dtype=np.float32, copy=True)
+            return Compensated(residual, True, selected)
+        finite, selected = kernels.scan(flat, residual, topk, threads)
+        return Compensated(residual if finite else flat, finite, selected)
 
-    def residual(self, name: str) -> np.ndarray:
-        """The residual (float64) currently held for ``name``; None before its first update."""
+    def compensate(self, name, flat):
+        residual = self._existing(name, flat)
+        return np.array(flat, dtype=np.float32, copy=True) if residual is None else residual + flat
+
+    def settle(self, name, positions, values, threads=1):
+        residual = self._residuals[name]
+        if positions is None:
+            residual.fill(0.0)
+        elif len(positions):
+            kernels.subtract_at(residual, positions, values, threads)
+
+    def residual(self, name: str) -> Optional[np.ndarray]:
+        """The float32 residual currently held for ``name``; None before its first step."""
         return self._residuals.get(name)
 
     def reset(self):
         self._residuals.clear()
-        self._carry.clear()

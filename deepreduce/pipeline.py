@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import bitpack, container, registry
+from . import bitpack, container, kernels, parallel, registry
 from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
@@ -35,13 +35,16 @@ class Pipeline:
         sparsifier, index, value, memory: built components (see ``deepreduce.build``).
         communicator: optional communicator component used by the training integrations.
         min_numel: tensors with fewer elements travel dense (float32) in the container.
+        threads: threads of the C++ kernels (a positive int, or "auto": this host's usable CPUs
+            divided by its ranks; see ``deepreduce.parallel``); never changes a byte.
         nonfinite: ``"propagate"`` sends a tensor holding NaN/Inf dense and unchanged, so the
             receiver (and an AMP loss scaler) sees it; ``"raise"`` refuses it with
             NonFiniteGradientError.
     """
 
     def __init__(self, sparsifier: Sparsifier, index: IndexCodec, value: ValueCodec, memory: Memory,
-                 communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate") -> None:
+                 communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate",
+                 threads: parallel.ThreadsOption = parallel.AUTO) -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ConfigError(f"pipeline: 'min_numel' must be a non-negative integer, got {min_numel!r}")
         if nonfinite not in NONFINITE_POLICIES:
@@ -49,13 +52,19 @@ class Pipeline:
         self.sparsifier = sparsifier
         self.index = index
         self.value = value
+        self.value.reorder_is_free = bool(index.keeps_order)
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
         self.nonfinite = nonfinite
+        self.threads_option = parallel.check_threads(threads, "pipeline")
+        self.threads = parallel.resolve_threads(self.threads_option)
+        for component in (sparsifier, index, value):
+            component.threads = self.threads
         self.stats = CompressionStats()
         wire_config = self.get_config()
         wire_config.pop("communicator", None)
+        wire_config.pop("threads")  # threads never change a byte
         self._digest = config_digest(wire_config)
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
 
@@ -69,6 +78,7 @@ class Pipeline:
             "memory": self.memory.get_config(),
             "min_numel": self.min_numel,
             "nonfinite": self.nonfinite,
+            "threads": self.threads_option,
         }
         if self.communicator is not None:
             config["communicator"] = self.communicator.get_config()
@@ -91,11 +101,19 @@ class Pipeline:
         ``select(compensated, ctx) -> ascending int64 positions`` replaces the sparsifier's own
         NumPy selection; framework bindings pass their native implementation of the same
         sparsifier (it must choose the same positions).
+
+        With error feedback, the memory's residual absorbs the gradient in place and is what
+        the sparsifier reads; after encoding, what the receiver reconstructs (the value codec's
+        by-product) is taken out of it at the positions it lands on.
         """
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
-        finite = bool(np.isfinite(flat).all())
-        if not finite:
+        sparse = flat.size >= self.min_numel
+        # a sparsifier class that defines fused_count has its selection done by the compensation pass
+        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.size) if fused else 0,
+                                      self.threads)
+        if not comp.finite:
             if self.nonfinite == "raise":
                 nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
                 raise NonFiniteGradientError(
@@ -103,71 +121,126 @@ class Pipeline:
                     "(pipeline option nonfinite='raise')"
                 )
             c = _dense_container(flat, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
+        elif not sparse:
+            c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
+            self.memory.settle(name, None, None)
         else:
-            compensated = self.memory.compensate(name, flat)
-            if flat.size < self.min_numel:
-                c = _dense_container(compensated, shape, container.FLAG_DENSE)
-            else:
-                c = self._encode_sparse(compensated, shape, self.context(name, step), select)
-            if self.memory.stateful:
-                self.memory.update(name, compensated, self._decode(c).ravel())
+            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
+            self.memory.settle(name, positions, received, self.threads)
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload
 
-    def _encode_sparse(self, compensated: np.ndarray, shape, ctx: EncodeContext, select=None) -> container.Container:
-        indices = (select or self.sparsifier.select)(compensated, ctx)
+    def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
+        if select is not None:
+            return select(comp.flat, ctx)
+        if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
+            return comp.selected
+        return self.sparsifier.select(comp.flat, ctx)
+
+    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
+        """(container, positions, the receiver's values at those positions)."""
+        compensated = comp.flat
+        indices = self._select(comp, ctx, select)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
         if self.index.keeps_order:
             venc = self.value.encode(values, ctx)
+            positions = indices
             if venc.order is not None:
-                indices, values = indices[venc.order], values[venc.order]
-            ienc = self.index.encode(indices, values, compensated, ctx)
+                indices = indices[venc.order]
+            ienc = self.index.encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
         else:
             ienc = self.index.encode(indices, values, compensated, ctx)
             venc = self.value.encode(ienc.values, ctx)
+            positions = ienc.indices
             if venc.order is not None and len(ienc.indices):
                 perm_width = bitpack.width_for(len(ienc.indices) - 1)
                 perm_section = bitpack.pack(venc.order, perm_width)
-        return container.Container(
+        received = self.value.reconstruct(venc, len(positions))
+        c = container.Container(
             shape=shape, n=len(ienc.indices), index_id=self.index.wire_id, value_id=self.value.wire_id,
             flags=container.FLAG_PERMUTED if perm_width else 0, perm_width=perm_width,
             index_params=ienc.params, value_params=venc.params,
             index_section=ienc.payload, value_section=venc.payload, perm_section=perm_section,
         )
+        return c, positions, received
 
     # ------------------------------------------------------------------ decode
-    def decode(self, payload, expected_shape: Optional[Sequence[int]] = None) -> np.ndarray:
+    def decode(self, payload, expected_shape: Optional[Sequence[int]] = None,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
         """Reconstruct the dense float32 tensor a container describes.
 
         ``expected_shape`` (optional) is checked against the header, so a rank that sent a
         tensor of another shape under the same name is reported, not silently mis-summed.
+        ``out`` (optional): a C-contiguous float32 array of the tensor's size to write into
+        (overwritten); otherwise a fresh array is returned.
         """
         start = time.perf_counter()
+        c = self._unpack(payload, expected_shape)
+        target = _output(out, c)
+        self._decode_into(c, target, accumulate=False)
+        self.stats.tensors_decoded += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+        return target.reshape(c.shape)
+
+    def decode_sum(self, payloads: Sequence, expected_shape: Optional[Sequence[int]] = None,
+                   out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Sum of the tensors in several containers (one per rank), checked for equal shapes.
+
+        Every container is decoded straight into one float32 buffer (``out``, overwritten, or a
+        fresh array): sparse containers are scatter-added, dense ones added in place, so no
+        per-rank dense tensor is ever allocated.
+        """
+        if len(payloads) == 0:
+            raise CommunicationError("no containers to decode")
+        target = None
+        for rank, payload in enumerate(payloads):
+            start = time.perf_counter()
+            try:
+                c = self._unpack(payload, expected_shape)
+                if target is None:
+                    target, expected_shape = _output(out, c), c.shape
+                self._decode_into(c, target, accumulate=rank > 0)
+            except DeepReduceError as exc:
+                raise type(exc)(f"rank {rank}: {exc}") from exc
+            self.stats.tensors_decoded += 1
+            self.stats.decode_seconds += time.perf_counter() - start
+        return target.reshape(expected_shape)
+
+    def _unpack(self, payload, expected_shape) -> container.Container:
         c = container.unpack(payload)
         if expected_shape is not None and tuple(expected_shape) != c.shape:
             raise CommunicationError(
                 f"container holds a tensor of shape {c.shape}, expected {tuple(expected_shape)}: "
                 "ranks disagree about this tensor"
             )
-        out = self._decode(c)
-        self.stats.tensors_decoded += 1
-        self.stats.decode_seconds += time.perf_counter() - start
-        return out
+        return c
 
     def _codec(self, kind: str, wire_id: int):
         key = (kind, wire_id)
         codec = self._decoders.get(key)
         if codec is None:
             codec = self._decoders[key] = registry.by_wire_id(kind, wire_id)()
+            codec.threads = self.threads
         return codec
 
-    def _decode(self, c: container.Container) -> np.ndarray:
+    def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool) -> None:
+        """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``.
+
+        Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
+        the index codec decodes to the ascending set, else on a sorted copy of the n indices).
+        """
         if c.dense:
-            return np.frombuffer(c.value_section, dtype="<f4").astype(np.float32).reshape(c.shape)
+            dense = np.frombuffer(c.value_section, dtype="<f4")
+            if accumulate:
+                np.add(out, dense, out=out)
+            else:
+                out[:] = dense
+            return
+        index_codec = self._codec("index", c.index_id)
         try:
-            indices = self._codec("index", c.index_id).decode(c.index_params, c.index_section, c.n, c.numel)
+            indices = index_codec.decode(c.index_params, c.index_section, c.n, c.numel)
             values = self._codec("value", c.value_id).decode(c.value_params, c.value_section, c.n)
         except DeepReduceError:
             raise
@@ -177,37 +250,16 @@ class Pipeline:
             raise ContainerError(
                 f"container decoded to {len(indices)} indices and {len(values)} values, header says {c.n}"
             )
-        if c.permuted:
+        if c.permuted:  # value j belongs to indices[perm[j]]: put the values in index order
             perm = bitpack.unpack(c.perm_section, c.perm_width, c.n).astype(np.int64)
             if c.n and (perm.max() >= c.n or np.bincount(perm, minlength=c.n).max() != 1):
                 raise ContainerError("container permutation section is not a permutation")
-            indices = indices[perm]
-        out = np.zeros(c.numel, dtype=np.float32)
-        if c.n:
-            if indices.min() < 0 or indices.max() >= c.numel:
-                raise ContainerError(f"container index out of range for a tensor of {c.numel} elements")
-            seen = np.zeros(c.numel, dtype=bool)
-            seen[indices] = True
-            if np.count_nonzero(seen) != c.n:
-                raise ContainerError("container repeats an index")
-            out[indices] = values
-        return out.reshape(c.shape)
-
-    def decode_sum(self, payloads: Sequence, expected_shape: Optional[Sequence[int]] = None) -> np.ndarray:
-        """Sum of the tensors in several containers (one per rank), checked for equal shapes."""
-        total = None
-        for rank, payload in enumerate(payloads):
-            try:
-                dense = self.decode(payload, expected_shape)
-            except DeepReduceError as exc:
-                raise type(exc)(f"rank {rank}: {exc}") from exc
-            if total is None:
-                total, expected_shape = dense.copy(), dense.shape
-            else:
-                total += dense
-        if total is None:
-            raise CommunicationError("no containers to decode")
-        return total
+            in_index_order = np.empty(c.n, dtype=np.float32)
+            in_index_order[perm] = values
+            values = in_index_order
+        if not accumulate:
+            out.fill(0.0)
+        kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
 
     # ------------------------------------------------------------------ stats
     def _count_encode(self, c: container.Container, nbytes: int, numel: int, seconds: float) -> None:
@@ -228,6 +280,18 @@ def _as_float32(grad, name: str):
     if not np.issubdtype(arr.dtype, np.floating):
         raise DeepReduceError(f"gradient {name!r} has dtype {arr.dtype}; deepreduce compresses floating-point tensors")
     return np.ascontiguousarray(arr, dtype=np.float32).ravel(), tuple(int(s) for s in arr.shape)
+
+
+def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
+    """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or a fresh one."""
+    if out is None:
+        return np.empty(c.numel, dtype=np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise DeepReduceError("decode: out= must be a writeable C-contiguous float32 NumPy array")
+    if out.size != c.numel:
+        raise CommunicationError(f"decode: out= has {out.size} elements, the container's tensor {c.numel}")
+    return out.reshape(-1)
 
 
 def _dense_container(flat: np.ndarray, shape, flags: int) -> container.Container:

@@ -130,3 +130,103 @@ def test_stats_count_bytes_and_time():
     assert s["dense_bytes"] == 8000 and s["wire_bytes"] == payload.size
     assert s["index_bytes"] == s["value_bytes"] == 80
     assert s["relative_volume"] == payload.size / 8000 and s["encode_seconds"] > 0 and s["tensors_decoded"] == 1
+
+
+# ---------------------------------------------------------------------- decode into one buffer
+def _sparse_pipe(index="raw", value="raw", ratio=0.05):
+    return deepreduce.build(cfg({"id": "topk", "ratio": ratio}, value=value, index=index))
+
+
+@pytest.mark.parametrize("index,value", [("raw", "raw"), ("elias_fano", "fp16"), ({"id": "bloom", "policy": "p0"}, "polyfit"),
+                                         ("raw", "polyfit")])
+def test_decode_sum_into_out_equals_the_sum_of_single_decodes(index, value):
+    pipe = _sparse_pipe(index, value)
+    parts = [pipe.encode(grad(seed=s), name="w") for s in range(3)]
+    parts.append(deepreduce.build(dict(cfg({"id": "topk", "ratio": 0.05}), min_numel=10**6)).encode(grad(seed=9), name="w"))
+    expected = np.zeros((50, 40), np.float32)
+    for p in parts:
+        expected += pipe.decode(p)
+    out = np.full((50, 40), 7.0, np.float32)          # stale contents are overwritten
+    got = pipe.decode_sum(parts, expected_shape=(50, 40), out=out)
+    assert got.base is out or got is out
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(pipe.decode_sum(parts), expected)
+    single = np.full(2000, 3.0, np.float32)
+    pipe.decode(parts[0], out=single)
+    np.testing.assert_array_equal(single.reshape(50, 40), pipe.decode(parts[0]))
+
+
+def test_decode_out_must_fit():
+    pipe = _sparse_pipe()
+    payload = pipe.encode(grad(), name="w")
+    with pytest.raises(CommunicationError, match="1999 elements"):
+        pipe.decode_sum([payload], out=np.zeros(1999, np.float32))
+    with pytest.raises(DeepReduceError, match="float32"):
+        pipe.decode(payload, out=np.zeros(2000, np.float64))
+
+
+def _raw_container(indices, numel=100):
+    indices = np.asarray(indices)
+    return container.pack(container.Container(
+        shape=(numel,), n=indices.size, index_id=0, value_id=0,
+        index_section=indices.astype("<u4").tobytes(), value_section=np.ones(indices.size, "<f4").tobytes()))
+
+
+@pytest.mark.parametrize("indices,message", [([3, 9, 3], "repeats an index"), ([5, 100], "out of range"),
+                                             ([7, 2, 7, 1], "repeats an index")])
+def test_corrupted_containers_are_rejected(indices, message):
+    pipe = _sparse_pipe()
+    good = _raw_container([1, 2])
+    with pytest.raises(deepreduce.ContainerError, match=message):
+        pipe.decode(_raw_container(indices))
+    with pytest.raises(deepreduce.ContainerError, match="rank 1: .*" + message):
+        pipe.decode_sum([good, _raw_container(indices)], out=np.zeros(100, np.float32))
+
+
+def test_unsorted_indices_are_rejected_where_the_codec_promises_ascending(monkeypatch):
+    from deepreduce.index.elias_fano import EliasFanoIndex
+
+    pipe = _sparse_pipe("elias_fano")
+    payload = pipe.encode(grad(), name="w")
+    original = EliasFanoIndex.decode
+    monkeypatch.setattr(EliasFanoIndex, "decode", lambda self, *a: original(self, *a)[::-1].copy())
+    with pytest.raises(deepreduce.ContainerError, match="not strictly ascending"):
+        pipe.decode(payload)
+    monkeypatch.setattr(EliasFanoIndex, "decode", lambda self, *a: np.repeat(original(self, *a)[:50], 2))
+    with pytest.raises(deepreduce.ContainerError, match="not strictly ascending"):
+        pipe.decode_sum([payload])
+
+
+# ---------------------------------------------------------------------- threads option
+def test_threads_option_is_validated_by_name_and_never_changes_a_byte():
+    for bad in (0, -2, "many", 1.5, True):
+        with pytest.raises(deepreduce.ConfigError, match="'threads'"):
+            deepreduce.build(dict(cfg({"id": "topk", "ratio": 0.01}), threads=bad))
+    one = deepreduce.build(dict(cfg({"id": "topk", "ratio": 0.01}, value="qsgd", memory="residual"), threads=1))
+    four = deepreduce.build(dict(cfg({"id": "topk", "ratio": 0.01}, value="qsgd", memory="residual"), threads=4))
+    assert four.get_config()["threads"] == 4 and four.threads == 4
+    assert one._digest == four._digest  # the wire config digest leaves threads out
+    assert one.sparsifier.threads == one.index.threads == one.value.threads == 1
+    assert four.sparsifier.threads == four.index.threads == four.value.threads == 4
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        g = rng.standard_normal(300_000).astype(np.float32)
+        a, b = one.encode(g, name="w", step=step), four.encode(g, name="w", step=step)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(one.decode_sum([a, b]), four.decode_sum([a, b]))
+    np.testing.assert_array_equal(one.memory.residual("w"), four.memory.residual("w"))
+
+
+def test_threads_auto_divides_the_cpus_among_local_ranks(monkeypatch):
+    from deepreduce import parallel
+
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 16)
+    for variable in parallel.LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert parallel.resolve_threads("auto") == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert parallel.resolve_threads("auto") == 4
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "32")  # Open MPI's variable is read first
+    assert parallel.resolve_threads("auto") == 1
+    assert parallel.resolve_threads(3) == 3
+    assert deepreduce.build(cfg({"id": "topk", "ratio": 0.01})).get_config()["threads"] == "auto"

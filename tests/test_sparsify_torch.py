@@ -1,4 +1,5 @@
-"""Torch-native sparsifiers select exactly what the NumPy core selects (and DGC/threshold basics)."""
+"""Torch-native sparsifiers (what non-CPU devices run, tested here on CPU tensors) select exactly
+what the NumPy core selects; CPU tensors go to the core itself (and DGC/threshold basics)."""
 import numpy as np
 import pytest
 import torch
@@ -7,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from deepreduce import registry
 from deepreduce.errors import DeepReduceError
 from deepreduce.seeding import EncodeContext, config_digest
-from deepreduce.torch.sparsify import select_torch
+from deepreduce.torch.sparsify import select_torch, select_torch_native
 
 CONFIGS = [
     {"id": "none"},
@@ -43,7 +44,7 @@ def test_torch_selects_like_numpy_over_steps(config):
     for step in range(8):
         g = gradient(rng, 50_000, zeros=0.3 if step % 2 else 0.0, ties=step % 3 == 0)
         want = sp_np.select(g, ctx(step))
-        got = select_torch(sp_t, torch.from_numpy(g), ctx(step))
+        got = select_torch_native(sp_t, torch.from_numpy(g), ctx(step))
         assert got.dtype == torch.int64
         np.testing.assert_array_equal(got.numpy(), want)
 
@@ -55,6 +56,7 @@ def test_topk_ties_go_to_lowest_positions(values, ratio):
     g = np.array(values, dtype=np.float32)
     sp = registry.create("sparsifier", {"id": "topk", "ratio": ratio})
     want = sp.select(g, ctx(0))
+    np.testing.assert_array_equal(select_torch_native(sp, torch.from_numpy(g), ctx(0)).numpy(), want)
     np.testing.assert_array_equal(select_torch(sp, torch.from_numpy(g), ctx(0)).numpy(), want)
     # reference: stable sort by descending magnitude, keep the first r, ascending
     order = np.argsort(-np.abs(g), kind="stable")[: want.size]
@@ -92,4 +94,20 @@ def test_select_torch_rejects_bad_input_and_falls_back_for_unknown():
         def select(self, flat, c):
             return np.array([0, 2], dtype=np.int64)
 
+    assert select_torch_native(Odd(ratio=0.5), torch.ones(4), ctx(0)).tolist() == [0, 2]
     assert select_torch(Odd(ratio=0.5), torch.ones(4), ctx(0)).tolist() == [0, 2]
+
+
+def test_cpu_tensors_are_selected_by_the_core_without_a_copy():
+    seen = []
+
+    class Spy(type(registry.create("sparsifier", {"id": "topk", "ratio": 0.1}))):
+        def select(self, flat, c):
+            seen.append(flat)
+            return super().select(flat, c)
+
+    t = torch.from_numpy(gradient(np.random.default_rng(2), 10_000))
+    got = select_torch(Spy(ratio=0.1), t, ctx(0))
+    assert np.shares_memory(seen[0], t.numpy())
+    np.testing.assert_array_equal(got.numpy(), registry.create("sparsifier", {"id": "topk", "ratio": 0.1}).select(
+        t.numpy(), ctx(0)))

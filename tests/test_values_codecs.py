@@ -36,11 +36,59 @@ def test_qsgd_wire_size(n):
     assert len(wide.payload) == 4 * math.ceil(n / 100) + 2 * n
 
 
+@pytest.mark.parametrize("free", [False, True])
 @pytest.mark.parametrize("level", [0, 1, 6, 9])
-def test_deflate_wire_size_is_the_zlib_stream(level):
+def test_deflate_wire_size_is_the_zlib_stream(level, free):
     v = make_values(700)
-    enc = codec("deflate", level=level).encode(v, CTX)
-    assert enc.params == b"" and enc.payload == zlib.compress(v.astype("<f4").tobytes(), level)
+    c = codec("deflate", level=level)
+    c.reorder_is_free = free
+    enc = c.encode(v, CTX)
+    sent = v if enc.order is None else v[enc.order]
+    assert enc.params == b"" and enc.payload == zlib.compress(sent.astype("<f4").tobytes(), level)
+
+
+def test_deflate_sends_sorted_values_only_when_that_is_smaller_with_the_permutation():
+    from deepreduce.values._sorting import sort_descending
+    from deepreduce.values.deflate import permutation_bytes
+
+    v = np.random.default_rng(2).laplace(scale=1e-3, size=20_000).astype(np.float32)
+    plain = len(zlib.compress(v.tobytes(), 6))
+    ordered = len(zlib.compress(v[sort_descending(v)].tobytes(), 6))
+    assert ordered < plain < ordered + permutation_bytes(v.size)     # sorting pays only if free
+    free = codec("deflate")
+    free.reorder_is_free = True
+    enc = free.encode(v, CTX)
+    assert np.array_equal(enc.order, sort_descending(v)) and len(enc.payload) == ordered
+    assert free.decode(enc.params, enc.payload, v.size).tobytes() == v[enc.order].tobytes()
+    costly = codec("deflate")                       # a set index codec: the permutation travels
+    enc = costly.encode(v, CTX)
+    assert enc.order is None and len(enc.payload) == plain
+    # 256 values drawn from 64 distinct ones: sorted runs compress so well that even a carried
+    # 8-bit permutation pays
+    rng = np.random.default_rng(3)
+    steps = rng.standard_normal(64).astype(np.float32)[rng.integers(0, 64, size=256)]
+    enc = costly.encode(steps, CTX)
+    assert enc.order is not None
+    assert len(enc.payload) + permutation_bytes(steps.size) < len(zlib.compress(steps.tobytes(), 6))
+
+
+@pytest.mark.parametrize("index", ["raw", "elias_fano"])
+def test_deflate_pipeline_round_trip_and_permutation_only_when_it_pays(index):
+    grad = np.random.default_rng(4).laplace(scale=1e-3, size=200_000).astype(np.float32)
+    cfg = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": index},
+           "value": {"id": "deflate"}, "memory": {"id": "none"}}
+    pipe = build(cfg)
+    payload = pipe.encode(grad, "g", 0)
+    c = container.unpack(payload)
+    keep = pipe.sparsifier.select(grad, pipe.context("g", 0))
+    expected = np.zeros_like(grad)
+    expected[keep] = grad[keep]
+    np.testing.assert_array_equal(build(cfg).decode(payload), expected)
+    plain = len(zlib.compress(grad[keep].tobytes(), 6))
+    if index == "raw":            # free reorder: the sorted stream (about half at 255,570 values)
+        assert not c.permuted and len(c.value_section) < plain
+    else:                                           # 14-bit permutation costs more than it saves
+        assert not c.permuted and len(c.value_section) == plain
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 368])
@@ -119,7 +167,7 @@ def test_round_trip_lengths_and_order(id_, n):
         assert not c.keeps_order
         assert sorted(enc.order.tolist()) == list(range(n))
     if id_ in LOSSLESS:
-        assert out.tobytes() == v.tobytes()
+        assert out.tobytes() == (v if enc.order is None else v[enc.order]).tobytes()
     if id_ in ("polyfit", "dexp") and 0 < n <= 4:   # exact: interpolation / verbatim values
         np.testing.assert_allclose(out, v[enc.order], rtol=1e-5, atol=1e-9)
 
@@ -128,12 +176,12 @@ def test_polyfit_backends_give_identical_bytes(monkeypatch):
     native = polyfit_mod._native.load("fit")
     if native is None:
         pytest.skip("C++ extension deepreduce._fit is not built")
-    for n in (0, 1, 6, 21, 368, 4000):
+    for n in (0, 1, 6, 21, 127, 128, 368, 1000, 1001, 4000, 9000):
         v = make_values(n, seed=n)
         v[: n // 10] = 0.0
-        for degree, segments in ((5, 4), (3, 8), (0, 2)):
-            p1, b1 = native.encode(v, degree, segments, 20, 4)
-            p2, b2 = polyfit_mod.encode_numpy(v, degree, segments, 20, 4)
+        for degree, segments, min_points in ((5, 4, 20), (3, 8, 20), (0, 2, 20), (5, 0, 6), (5, 0, 1)):
+            p1, b1 = native.encode(v, degree, segments, min_points, 4)
+            p2, b2 = polyfit_mod.encode_numpy(v, degree, segments, min_points, 4)
             assert b1 == b2 and np.array_equal(p1, p2)
             d1 = native.decode(b1, n, degree, 4)
             d2 = polyfit_mod.decode_numpy(b1, n, degree, 4)
@@ -251,4 +299,4 @@ def test_native_polyfit_decode_rejects_garbage_without_crashing():
     with pytest.raises(ValueError):
         native.decode(good, 300, 16, 4)
     with pytest.raises(ValueError):
-        native.encode(make_values(10), 5, 0, 20, 4)
+        native.encode(make_values(10), 5, -1, 20, 4)

@@ -14,6 +14,12 @@
 namespace {
 
 constexpr int kMaxDegree = 15;
+// Automatic segment count per sign: kAutoSegmentsMin, plus one per doubling of n beyond
+// kAutoSegmentsBase values, at most n / kAutoValuesPerSegment (at least 1): see
+// dr_polyfit_auto_segments.
+constexpr int kAutoSegmentsMin = 4;
+constexpr int64_t kAutoSegmentsBase = 1000;
+constexpr int64_t kAutoValuesPerSegment = 64;
 
 inline uint32_t desc_key(float f) {
   uint32_t u;
@@ -29,13 +35,15 @@ struct Segment {
   int64_t split;      // where to split
 };
 
-// Squared distance of each interior point to the chord through the end points; returns the
-// split point (first argmax) or -1 when either child would have fewer than min_points points.
+// Squared distance of each interior point to the chord through the end points. The split
+// point is the first argmax, moved inside [a + min_points, b - min_points] so both children
+// keep min_points points (a steep head whose argmax sits next to an end still splits); a
+// segment shorter than 2 min_points, or exactly a line (distance 0), is final (best = -1).
 void chord_split(const double* y, Segment& s, int64_t min_points) {
   s.best = -1.0;
   s.split = -1;
   int64_t a = s.a, b = s.b;
-  if (b - a < 3) return;
+  if (b - a < 3 || b - a < 2 * min_points) return;
   double ya = y[a];
   double slope = (y[b - 1] - ya) / static_cast<double>(b - 1 - a);
   double best = -1.0;
@@ -48,9 +56,9 @@ void chord_split(const double* y, Segment& s, int64_t min_points) {
       arg = i;
     }
   }
-  if (arg - a >= min_points && b - arg >= min_points) {
+  if (best > 0.0) {
     s.best = best;
-    s.split = arg;
+    s.split = arg < a + min_points ? a + min_points : (arg > b - min_points ? b - min_points : arg);
   }
 }
 
@@ -62,7 +70,7 @@ void segment_part(const double* y, int64_t a, int64_t b, int max_segments, int64
   chord_split(y, segs[0], min_points);
   while (static_cast<int>(segs.size()) < max_segments) {
     int pick = -1;
-    double best = 0.0;  // a perfect line (distance 0) is never split
+    double best = -1.0;
     for (size_t k = 0; k < segs.size(); ++k) {
       if (segs[k].split >= 0 && segs[k].best > best) {
         best = segs[k].best;
@@ -189,7 +197,7 @@ extern "C" {
 const char* dr_fit_error_message(int code) {
   switch (code) {
     case DR_FIT_OK: return "ok";
-    case DR_FIT_E_ARG: return "invalid polyfit argument (degree in [0, 15], coefficient width 4 or 8, n < 2**32)";
+    case DR_FIT_E_ARG: return "invalid polyfit argument (degree in [0, 15], coefficient width 4 or 8, segments >= 0, n < 2**32)";
     case DR_FIT_E_CAPACITY: return "polyfit output buffer too small";
     case DR_FIT_E_LENGTH: return "polyfit payload length does not match its segment table";
     case DR_FIT_E_SEGMENTS: return "polyfit segment lengths are zero or do not add up to the value count";
@@ -234,8 +242,17 @@ int dr_sort_desc(const float* v, int64_t n, int64_t* perm) {
   return DR_FIT_OK;
 }
 
+int dr_polyfit_auto_segments(int64_t n) {
+  int extra = 0;
+  while (extra < 40 && (static_cast<int64_t>(kAutoSegmentsBase) << extra) < n) ++extra;
+  const int64_t by_size = n / kAutoValuesPerSegment;
+  const int64_t count = kAutoSegmentsMin + extra;
+  return static_cast<int>(count < by_size ? count : (by_size > 1 ? by_size : 1));
+}
+
 int64_t dr_polyfit_payload_bound(int64_t n, int degree, int max_segments, int coef_bytes) {
-  if (n < 0 || max_segments < 1 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
+  if (n < 0 || max_segments < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
+  if (max_segments == 0) max_segments = dr_polyfit_auto_segments(n);
   int64_t segs = 2 * static_cast<int64_t>(max_segments);
   return 4 + segs * (4 + static_cast<int64_t>(degree + 1) * coef_bytes);
 }
@@ -243,9 +260,10 @@ int64_t dr_polyfit_payload_bound(int64_t n, int degree, int max_segments, int co
 int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_segments,
                           int min_points, int coef_bytes, int64_t* perm, uint8_t* out,
                           int64_t out_capacity) {
-  if (n < 0 || n > 0xFFFFFFFFLL || max_segments < 1 || min_points < 1 ||
+  if (n < 0 || n > 0xFFFFFFFFLL || max_segments < 0 || min_points < 1 ||
       !valid_args(degree, coef_bytes))
     return DR_FIT_E_ARG;
+  if (max_segments == 0) max_segments = dr_polyfit_auto_segments(n);
   int64_t bound = dr_polyfit_payload_bound(n, degree, max_segments, coef_bytes);
   if (out_capacity < bound) return DR_FIT_E_CAPACITY;
   int rc = dr_sort_desc(values, n, perm);

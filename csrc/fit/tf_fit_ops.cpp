@@ -21,7 +21,7 @@ using tensorflow::errors::InvalidArgument;
 REGISTER_OP("DeepReduceFitEncode")
     .Input("values: float")
     .Attr("degree: int >= 0")
-    .Attr("max_segments: int >= 1")
+    .Attr("max_segments: int >= 0")
     .Attr("min_points: int >= 1")
     .Attr("coef_bytes: int = 4")
     .Output("perm: int64")

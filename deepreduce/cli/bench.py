@@ -1,9 +1,14 @@
 """``deepreduce bench``: one row per (config, tensor size): volume, speed, error, backend.
 
-Columns: relative volume of the index and value sections (bytes over dense float32 bytes),
-of the whole container, encode and decode milliseconds (median of ``--repeat`` runs, single
-process), the relative L2 error of the reconstruction against the sparsifier's output (what the
-codecs were asked to carry), and the backend each codec ran on ("c++" or "numpy").
+Each config runs as shipped (its error-feedback memory included) through the code the PyTorch
+optimizer runs: ``deepreduce.torch.TorchPipeline`` (CPU tensors go to the core's C++ kernels
+without a copy) when torch is installed, else the core ``Pipeline``; the first line of the
+output names the path. Columns: relative volume of the index and value sections (bytes over
+dense float32 bytes) and of the whole container, encode milliseconds as shipped, encode
+milliseconds with the memory switched off and their ratio (the cost of error feedback), decode
+milliseconds (medians of ``--repeat`` steps, single process), the relative L2 error of the
+first step's reconstruction against the sparsifier's output (what the codecs were asked to
+carry), and the backend each codec ran on ("c++" or "numpy").
 """
 from __future__ import annotations
 
@@ -25,6 +30,15 @@ def register(subparsers) -> None:
                         help="override the sparsifier's ratio (configs whose sparsifier has one)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients")
+    parser.add_argument("--threads", default=None,
+                        help="override the configs' 'threads' option (a positive integer or 'auto')")
+    parser.add_argument("--core", action="store_true",
+                        help="time the core Pipeline even when torch is installed")
+    parser.add_argument("--selection", action="store_true",
+                        help="only time Top-r selection at each size (--ratio, default 0.01): C++ on 1 and "
+                             "'auto' threads, NumPy, torch.topk, and the pipeline's fused compensation pass")
+    parser.add_argument("--decode-sum", type=int, default=0, metavar="RANKS",
+                        help="add a column: decode_sum of RANKS containers (one per simulated rank) into one buffer")
     parser.add_argument("--gradient", default=None, metavar="NAME",
                         help="use the saved real gradient NAME (deepreduce/data/gradients.npz, e.g. "
                              "layers.7.conv1.weight) instead of synthetic sizes; 'list' prints the names")
@@ -52,22 +66,74 @@ def with_ratio(config: dict, ratio) -> dict:
     return config
 
 
-def measure(pipe, grad: np.ndarray, name: str, repeat: int) -> dict:
-    """Encode and decode ``grad`` ``repeat`` times; return the row's figures."""
-    from ..container import unpack
+def with_threads(config: dict, threads) -> dict:
+    """The config with its ``threads`` option replaced (``--threads``), when given."""
+    if threads is None:
+        return config
+    return dict(config, threads=threads if threads == "auto" else int(threads))
 
-    encode_s, decode_s = [], []
+
+def build_as_trained(config: dict, core_only: bool = False):
+    """(pipeline, path name): the torch binding the optimizer uses when torch is installed."""
+    from ..config import build
+
+    if not core_only:
+        try:
+            from ..torch import build as build_torch
+        except ImportError:
+            pass
+        else:
+            return build_torch(config), "deepreduce.torch.TorchPipeline (the optimizer's encode/decode)"
+    return build(config), "deepreduce.Pipeline (core" + ("" if core_only else "; torch is not installed") + ")"
+
+
+def _encode_input(pipe, grad: np.ndarray):
+    """The gradient as the pipeline takes it: a CPU torch tensor sharing memory for TorchPipeline."""
+    if hasattr(pipe, "core"):
+        import torch
+
+        return torch.from_numpy(grad)
+    return grad
+
+
+def encode_ms(pipe, grad: np.ndarray, name: str, repeat: int) -> float:
+    """Median encode milliseconds over ``repeat`` successive steps (memory state carried over)."""
+    tensor = _encode_input(pipe, grad)
+    times = []
     for step in range(repeat):
         t0 = time.perf_counter()
-        payload = pipe.encode(grad, name=name, step=step)
+        pipe.encode(tensor, name=name, step=step)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def measure(pipe, grad: np.ndarray, name: str, repeat: int) -> dict:
+    """Encode and decode ``grad`` at ``repeat`` successive steps; return the row's figures.
+
+    ``pipe`` is a core Pipeline or a TorchPipeline. Volume and error come from the first step
+    (where an error-feedback memory is still empty, so every config sees the same input).
+    """
+    from ..config import build
+    from ..container import unpack
+
+    core = getattr(pipe, "core", pipe)
+    tensor = _encode_input(pipe, grad)
+    encode_s, decode_s, first = [], [], None
+    for step in range(repeat):
+        t0 = time.perf_counter()
+        payload = pipe.encode(tensor, name=name, step=step)
         t1 = time.perf_counter()
         decoded = pipe.decode(payload)
         t2 = time.perf_counter()
         encode_s.append(t1 - t0)
         decode_s.append(t2 - t1)
-    target = np.zeros_like(grad.ravel())
-    indices = pipe.sparsifier.select(grad.ravel(), pipe.context(name, repeat - 1))
-    target[indices] = grad.ravel()[indices]
+        if first is None:
+            first = (np.asarray(payload), np.asarray(decoded))
+    payload, decoded = first
+    flat = grad.ravel()
+    target = np.zeros_like(flat)
+    indices = build(core.get_config()).sparsifier.select(flat, core.context(name, 0))  # fresh state: step 0
+    target[indices] = flat[indices]
     c = unpack(payload)
     dense_bytes = 4 * grad.size
     norm = float(np.linalg.norm(target)) or 1.0
@@ -78,22 +144,24 @@ def measure(pipe, grad: np.ndarray, name: str, repeat: int) -> dict:
         "encode_ms": 1e3 * statistics.median(encode_s),
         "decode_ms": 1e3 * statistics.median(decode_s),
         "rel_err": float(np.linalg.norm(decoded.ravel() - target)) / norm,
-        "backend": f"{pipe.index.backend}/{pipe.value.backend}",
+        "backend": f"{core.index.backend}/{core.value.backend}",
     }
 
 
 def print_table(rows) -> None:
     header = f"{'config':<28} {'size':>10} {'idx_vol':>8} {'val_vol':>8} {'total':>8} " \
-             f"{'enc_ms':>9} {'dec_ms':>9} {'rel_err':>9}  backend(idx/val)"
+             f"{'enc_ms':>9} {'nomem_ms':>9} {'mem_x':>6} {'dec_ms':>9} {'rel_err':>9}  backend(idx/val)"
     print(header)
     print("-" * len(header))
     for r in rows:
+        extra = f"  decode_sum {r['decode_sum_ms']:.3f} ms" if "decode_sum_ms" in r else ""
         print(f"{r['config']:<28} {r['size']:>10} {r['idx_vol']:>8.4f} {r['val_vol']:>8.4f} {r['total_vol']:>8.4f} "
-              f"{r['encode_ms']:>9.3f} {r['decode_ms']:>9.3f} {r['rel_err']:>9.2e}  {r['backend']}", flush=True)
+              f"{r['encode_ms']:>9.3f} {r['nomem_ms']:>9.3f} {r['encode_ms'] / max(r['nomem_ms'], 1e-9):>6.2f} "
+              f"{r['decode_ms']:>9.3f} {r['rel_err']:>9.2e}  {r['backend']}{extra}", flush=True)
 
 
 def run(args) -> int:
-    from ..config import build, load_config
+    from ..config import load_config
 
     paths = args.configs or sorted(glob.glob(os.path.join("configs", "*.yaml")))
     if getattr(args, "gradient", None):
@@ -106,15 +174,33 @@ def run(args) -> int:
         inputs = [(args.gradient, get(args.gradient))]
     else:
         inputs = [(str(int(s)), None) for s in args.sizes.split(",") if s]
-    rows = []
+    if getattr(args, "selection", False):
+        from ._bench_kernels import print_selection, selection_rows
+
+        grads = [real if real is not None else synthetic_gradient(int(label), args.seed) for label, real in inputs]
+        print_selection(selection_rows([g.ravel() for g in grads], args.ratio or 0.01, args.repeat))
+        return 0
+    rows, path_name = [], ""
     for path in paths:
-        config = with_ratio(load_config(path), args.ratio)
+        config = with_threads(with_ratio(load_config(path), args.ratio), getattr(args, "threads", None))
         for label, real in inputs:
-            # No error feedback: each repetition must see the same input.
-            pipe = build(dict(config, min_numel=0, memory={"id": "none"}))
             grad = real if real is not None else synthetic_gradient(int(label), args.seed)
+            pipe, path_name = build_as_trained(config, getattr(args, "core", False))
             row = measure(pipe, grad, "bench", args.repeat)
+            if pipe.get_config()["memory"]["id"] != "none":
+                bare, _ = build_as_trained(dict(config, memory={"id": "none"}), getattr(args, "core", False))
+                row["nomem_ms"] = encode_ms(bare, grad, "bench", args.repeat)
+            else:
+                row["nomem_ms"] = row["encode_ms"]
+            if getattr(args, "decode_sum", 0):
+                from ._bench_kernels import decode_sum_ms
+
+                others = [grad.ravel()] + [synthetic_gradient(grad.size, args.seed + k).reshape(grad.shape).ravel()
+                                           for k in range(1, args.decode_sum)]
+                row["decode_sum_ms"] = decode_sum_ms(pipe, others, args.repeat)
             rows.append(dict(row, config=os.path.splitext(os.path.basename(path))[0], size=grad.size))
+    print(f"path: {path_name}; configs as shipped (error-feedback memory included); "
+          "nomem_ms: the same config with memory 'none'; mem_x = enc_ms / nomem_ms")
     if getattr(args, "gradient", None):
         print(f"input: saved real gradient {args.gradient!r} ({inputs[0][1].size} elements)")
     print_table(rows)

@@ -9,7 +9,11 @@ Two measurements, both on saved real ResNet-20 gradients (``deepreduce capture-g
   (``||decoded - topr|| / ||topr||``) and encode+decode time;
 * **speed**: Fit-Poly encode + decode of ``--count`` values (default 255,570 = 1% of ResNet-50's
   25,557,032) with the C++ kernel (single thread) and the NumPy path. The values are the
-  ``--count`` largest-magnitude entries of every ResNet-20 gradient concatenated (``all``).
+  ``--count`` largest-magnitude entries of every ResNet-20 gradient concatenated (``all``);
+* **error at scale**: the relative L2 error and value-section bytes of Fit-Poly on the Top-r
+  ``--ratio`` values of synthetic gradients of ``--scale-size`` entries (default 25,557,032;
+  Laplace, generalised Pareto, Student-t as in ``bench-sparsify``), with the old fixed
+  segmentation (4 per sign, >= 20 points) and the automatic one (``--scale-size 0`` skips it).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ratio", type=float, default=0.01, help="Top-r ratio of the volume rows")
     parser.add_argument("--count", type=int, default=255_570, help="values in the speed rows")
     parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median reported)")
+    parser.add_argument("--scale-size", type=int, default=25_557_032,
+                        help="gradient size of the error-at-scale rows (0: skip them)")
     parser.set_defaults(func=run)
 
 
@@ -51,7 +57,7 @@ def volume_rows(grad: np.ndarray, ratio: float, repeat: int):
     flat = grad.ravel()
     rows, reference, ref_sections = [], None, None
     cases = [("Top-r raw/raw", "raw", {"id": "raw"}),
-             ("Fit-Poly (deg 5, <=4 seg/sign)", "raw", {"id": "polyfit"}),
+             ("Fit-Poly (deg 5, auto seg/sign)", "raw", {"id": "polyfit"}),
              ("Fit-Poly (deg 5, <=2 seg/sign)", "raw", {"id": "polyfit", "segments": 2}),
              ("Fit-DExp", "raw", {"id": "dexp"})]
     if "elias_fano" in registry.ids("index"):   # a set code: the permutation travels too
@@ -89,22 +95,55 @@ def run(args) -> int:
     count = min(args.count, allg.size)
     values = allg[np.argsort(-np.abs(allg), kind="stable")[:count]].astype(np.float32)
     values = values[np.random.default_rng(0).permutation(count)]     # transmission order is not sorted
-    print(f"\nspeed: Fit-Poly (degree 5, <=4 segments per sign, float32 coefficients) on {count} real values")
+    seg, minp = polyfit.PolyFit.PARAMS["segments"].default, polyfit.PolyFit.PARAMS["min_points"].default
+    print(f"\nspeed: Fit-Poly (degree 5, {polyfit.auto_segments(count)} segments per sign (automatic), "
+          f"float32 coefficients) on {count} real values")
     native = _native.load("fit")
     if native is not None:
-        _, payload = native.encode(values, 5, 4, 20, 4)
-        both = _times_ms(lambda: native.decode(native.encode(values, 5, 4, 20, 4)[1], count, 5, 4), args.repeat)
-        enc = _median_ms(lambda: native.encode(values, 5, 4, 20, 4), args.repeat)
+        _, payload = native.encode(values, 5, seg, minp, 4)
+        both = _times_ms(lambda: native.decode(native.encode(values, 5, seg, minp, 4)[1], count, 5, 4), args.repeat)
+        enc = _median_ms(lambda: native.encode(values, 5, seg, minp, 4), args.repeat)
         dec = _median_ms(lambda: native.decode(payload, count, 5, 4), args.repeat)
-        cpu = _times_ms(lambda: native.decode(native.encode(values, 5, 4, 20, 4)[1], count, 5, 4), args.repeat,
+        cpu = _times_ms(lambda: native.decode(native.encode(values, 5, seg, minp, 4)[1], count, 5, 4), args.repeat,
                         clock=time.thread_time)
         print(f"C++ (1 thread):  encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms (wall medians)")
         print(f"C++ encode+decode: wall min {min(both):.2f} / median {statistics.median(both):.2f} ms; "
               f"thread CPU time min {min(cpu):.2f} / median {statistics.median(cpu):.2f} ms ({args.repeat} runs)")
     else:
         print("C++ kernel deepreduce._fit not built: " + _native.BUILD_HINT)
-    enc = _median_ms(lambda: polyfit.encode_numpy(values, 5, 4, 20, 4), max(1, args.repeat // 2))
-    _, payload = polyfit.encode_numpy(values, 5, 4, 20, 4)
+    enc = _median_ms(lambda: polyfit.encode_numpy(values, 5, seg, minp, 4), max(1, args.repeat // 2))
+    _, payload = polyfit.encode_numpy(values, 5, seg, minp, 4)
     dec = _median_ms(lambda: polyfit.decode_numpy(payload, count, 5, 4), max(1, args.repeat // 2))
     print(f"NumPy:           encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
+    if args.scale_size:
+        print(f"\nerror at scale: Top-r {args.ratio:g} of synthetic gradients of {args.scale_size:,} entries")
+        print(f"{'gradient':<10} {'values':>8} {'segmentation':<28} {'value bytes':>11} {'rel_err':>9}")
+        for dist, count, label, nbytes, err in scale_rows(args.scale_size, args.ratio):
+            print(f"{dist:<10} {count:>8} {label:<28} {nbytes:>11} {err:>9.5f}")
     return 0
+
+
+SCALE_CASES = (("4 per sign, >= 20 points", 4, 20), ("automatic (default)", None, None))
+
+
+def scale_rows(size: int, ratio: float):
+    """(gradient, n, segmentation, value-section bytes, relative error) of Fit-Poly on the Top-r
+    values of each synthetic gradient of ``size`` entries."""
+    from ..seeding import EncodeContext
+    from ..values import polyfit
+    from .bench_sparsify import synthetic
+
+    ctx, rows = EncodeContext(b"\x00" * 16, "bench", 0), []
+    for dist in ("laplace", "gpareto", "student-t"):
+        g = synthetic(size, dist, 0)
+        k = max(1, int(ratio * size))
+        values = g[np.sort(np.argpartition(np.abs(g), size - k)[size - k:])]
+        del g
+        for label, segments, min_points in SCALE_CASES:
+            params = {} if segments is None else {"segments": segments, "min_points": min_points}
+            codec = polyfit.PolyFit(**params)
+            enc = codec.encode(values, ctx)
+            out = codec.decode(enc.params, enc.payload, values.size)
+            err = float(np.linalg.norm(out - values[enc.order]) / np.linalg.norm(values))
+            rows.append((dist, values.size, label, len(enc.payload), err))
+    return rows

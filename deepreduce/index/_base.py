@@ -33,6 +33,7 @@ class IndexCodec(Component):
     """
 
     kind = "index"
+    threads = 1  # C++ kernel threads; the pipeline sets its resolved ``threads`` option
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"

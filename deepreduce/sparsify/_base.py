@@ -25,6 +25,7 @@ class Sparsifier(Component):
     """
 
     kind = "sparsifier"
+    threads = 1  # C++ kernel threads; the pipeline sets its resolved ``threads`` option
 
     def select(self, flat: np.ndarray, ctx: EncodeContext) -> np.ndarray:
         raise NotImplementedError

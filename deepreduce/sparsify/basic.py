@@ -62,10 +62,15 @@ class TopK(Sparsifier):
 
     id = "topk"
     PARAMS = {"ratio": RATIO}
-
     def select(self, flat, ctx):
         # ties at the cut go to the lowest positions, so every binding selects the same entries
-        return topk_positions(np.abs(flat), count_for(self.ratio, flat.size))
+        return topk_positions(flat, count_for(self.ratio, flat.size), self.threads)
+
+    def fused_count(self, numel: int) -> int:
+        """The Top-r count the pipeline's compensation pass selects for this sparsifier
+        (``deepreduce.kernels.scan``: the same positions as :meth:`select`, in the same pass);
+        0 for a subclass with its own ``select``."""
+        return count_for(self.ratio, numel) if type(self).select is TopK.select else 0
 
 
 @register

@@ -15,7 +15,7 @@ from ..params import Param
 from ..registry import register
 from ..seeding import EncodeContext
 from ._base import Sparsifier, count_for
-from ._topk import topk_positions
+from ._topk import threshold_positions, topk_positions
 from .basic import RATIO
 
 
@@ -54,12 +54,11 @@ class DGC(Sparsifier):
         k = count_for(self.ratio, d)
         if k >= d:
             return np.arange(d, dtype=np.int64)
-        magnitudes = np.abs(flat)
         positions = sample_positions(d, self.sample_ratio, self.min_samples, ctx)
-        sample = magnitudes[positions]
+        sample = np.abs(flat[positions])
         k_s = sample_count(k, sample.size, d)
         cut = np.partition(sample, sample.size - k_s)[sample.size - k_s]
-        chosen = np.flatnonzero(magnitudes >= cut)
+        chosen = threshold_positions(flat, cut, self.threads)
         if chosen.size > k:
-            chosen = chosen[topk_positions(magnitudes[chosen], k)]
+            chosen = chosen[topk_positions(flat[chosen], k, self.threads)]
         return chosen.astype(np.int64, copy=False)

@@ -1,11 +1,10 @@
 """Fixed-threshold sparsification: keep every entry whose magnitude reaches a constant."""
 from __future__ import annotations
 
-import numpy as np
-
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier
+from ._topk import threshold_positions
 
 
 @register
@@ -21,4 +20,4 @@ class ThresholdSparsifier(Sparsifier):
                                  doc="magnitude an entry must reach to be sent")}
 
     def select(self, flat, ctx):
-        return np.flatnonzero(np.abs(flat) >= np.float32(self.threshold)).astype(np.int64, copy=False)
+        return threshold_positions(flat, self.threshold, self.threads)

@@ -2,13 +2,16 @@
 
 :func:`select_torch` is what the torch pipeline calls: given a built sparsifier component, a
 flat float32 tensor (CPU or GPU) and the encode context, it returns the ascending int64
-positions the NumPy ``sparsifier.select`` returns for the same data, name and step.
+positions the NumPy ``sparsifier.select`` returns for the same data, name and step. On the CPU
+that *is* the core's selection (its C++ kernels on a zero-copy NumPy view, faster than any
+torch formulation); on other devices :func:`select_torch_native` runs torch operations on the
+device (tests run it on CPU tensors against the core).
 
 How "the same selection" is kept:
 
 * Top-r (and the hierarchical Top-r of DGC, the Top-1 fallback of SIDCo) uses the core's tie
-  rule (``deepreduce.sparsify._topk``): the r-th largest magnitude is found with
-  ``torch.kthvalue``; ties at the cut go to the lowest positions.
+  rule (``deepreduce.sparsify._topk``): the r-th largest magnitude is the smallest value
+  ``torch.topk`` returns; ties at the cut go to the lowest positions.
 * Random positions (Random-r, DGC's sample) are drawn by NumPy from ``ctx.rng(...)`` -- the
   same generator and seed as the core -- and copied to the device. NumPy and torch generators
   produce different streams, so drawing on the device could not match the core; the draw is
@@ -18,9 +21,6 @@ How "the same selection" is kept:
   threshold is rounded to float32 once, as in the core. Selections agree unless an entry lies
   within float64 rounding of the threshold.
 * Thresholds are compared in float32 (the threshold rounded once), like NumPy.
-
-Sparsifiers without a torch version (third-party components) fall back to their NumPy
-``select`` on a CPU copy; the positions are moved back to the tensor's device.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ..sparsify._base import Sparsifier, count_for
 from ..sparsify.dgc import sample_count, sample_positions
 from ..sparsify.sidco import sidco_select
 
-__all__ = ["select_torch", "topk_positions", "TorchOps"]
+__all__ = ["select_torch", "select_torch_native", "topk_positions", "TorchOps"]
 
 
 def _f32(value: float) -> float:
@@ -55,7 +55,7 @@ def topk_positions(magnitudes: torch.Tensor, r: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=device)
     if r >= d:
         return torch.arange(d, dtype=torch.int64, device=device)
-    cut = torch.kthvalue(magnitudes, d - r + 1).values
+    cut = torch.topk(magnitudes, r, sorted=False).values.min()  # the r-th largest magnitude
     above = _positions(magnitudes > cut)
     at = _positions(magnitudes == cut)[: r - above.numel()]
     chosen, _ = torch.sort(torch.cat([above, at]))
@@ -147,7 +147,7 @@ def _dgc(sp, flat, ctx):
     positions = torch.from_numpy(sample_positions(d, sp.sample_ratio, sp.min_samples, ctx)).to(flat.device)
     sample = magnitudes[positions]
     k_s = sample_count(k, sample.numel(), d)
-    cut = torch.kthvalue(sample, sample.numel() - k_s + 1).values
+    cut = torch.topk(sample, k_s, sorted=False).values.min()
     chosen = _positions(magnitudes >= cut)
     if chosen.numel() > k:
         chosen = chosen[topk_positions(magnitudes[chosen], k)]
@@ -167,12 +167,24 @@ def select_torch(sparsifier: Sparsifier, flat: torch.Tensor, ctx: EncodeContext)
     """Positions (ascending ``torch.int64`` on ``flat``'s device) that ``sparsifier`` keeps.
 
     ``flat`` must be a 1-D floating tensor of finite values (the pipeline sends non-finite
-    gradients dense before selecting). Stateful sparsifiers (SIDCo) update the same per-tensor
-    state as their NumPy ``select``.
+    gradients dense before selecting). A CPU tensor is selected by the core (its C++ kernels)
+    on a zero-copy NumPy view; other devices run :func:`select_torch_native`. Stateful
+    sparsifiers (SIDCo) update the same per-tensor state as their NumPy ``select``.
     """
-    if flat.dim() != 1 or not flat.dtype.is_floating_point:
-        raise DeepReduceError(f"select_torch needs a 1-D floating tensor, got shape {tuple(flat.shape)} "
-                         f"and dtype {flat.dtype}")
+    _check_flat(flat)
+    if flat.device.type == "cpu":
+        view = flat.detach().float().contiguous().numpy()
+        return torch.from_numpy(np.ascontiguousarray(sparsifier.select(view, ctx), dtype=np.int64))
+    return select_torch_native(sparsifier, flat, ctx)
+
+
+def select_torch_native(sparsifier: Sparsifier, flat: torch.Tensor, ctx: EncodeContext) -> torch.Tensor:
+    """The selection as torch operations on ``flat``'s device: the same positions as the core.
+
+    Sparsifiers without a torch version (third-party components) fall back to their NumPy
+    ``select`` on a CPU copy; the positions are moved back to the tensor's device.
+    """
+    _check_flat(flat)
     if flat.dtype != torch.float32:
         flat = flat.float()
     fn = SELECTORS.get(sparsifier.id)
@@ -180,6 +192,12 @@ def select_torch(sparsifier: Sparsifier, flat: torch.Tensor, ctx: EncodeContext)
         chosen = sparsifier.select(flat.detach().cpu().numpy(), ctx)
         return torch.from_numpy(np.ascontiguousarray(chosen, dtype=np.int64)).to(flat.device)
     return fn(sparsifier, flat, ctx)
+
+
+def _check_flat(flat: torch.Tensor) -> None:
+    if flat.dim() != 1 or not flat.dtype.is_floating_point:
+        raise DeepReduceError(f"select_torch needs a 1-D floating tensor, got shape {tuple(flat.shape)} "
+                              f"and dtype {flat.dtype}")
 
 
 def _core_select(id_: str):

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
-from ._base import ValueCodec, ValueEncoding
+from ._base import ValueCodec, ValueEncoding, in_input_order
 from ._sorting import sort_descending
 
 VERBATIM_MAX = 4
@@ -35,6 +35,13 @@ VERBATIM_MAX = 4
 def model(params: np.ndarray, t: np.ndarray) -> np.ndarray:
     a, b, c, d = (float(p) for p in params)
     return a * np.exp(b * t) + c * np.exp(d * t)
+
+
+def evaluate(params: np.ndarray, count: int) -> np.ndarray:
+    """The decoded (sorted) values: the model at ``t_j = j / (count - 1)``, float64 rounded to float32."""
+    t = np.arange(count, dtype=np.float64) / float(count - 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return model(params, t).astype(np.float32)
 
 
 def fit_dexp(y: np.ndarray, iterations: int, max_rate: float) -> np.ndarray:
@@ -98,11 +105,14 @@ class DExpFit(ValueCodec):
         perm = sort_descending(values)
         y = values[perm]
         if y.size <= VERBATIM_MAX:
-            return ValueEncoding(b"", y.astype("<f4").tobytes(), perm)
+            return ValueEncoding(b"", y.astype("<f4").tobytes(), perm, in_input_order(y, perm))
         params = fit_dexp(y.astype(np.float64), self.iterations, self.max_rate).astype("<f4")
         if not np.isfinite(params).all():
             raise DeepReduceError(f"dexp: the fit of tensor {ctx.name!r} produced non-finite parameters")
-        return ValueEncoding(b"", params.tobytes(), perm)
+        curve = evaluate(params.astype(np.float64), y.size)
+        if not np.isfinite(curve).all():
+            raise DeepReduceError(f"dexp: the fit of tensor {ctx.name!r} decodes to non-finite values")
+        return ValueEncoding(b"", params.tobytes(), perm, in_input_order(curve, perm))
 
     def decode(self, params, payload, count):
         if params:
@@ -116,9 +126,7 @@ class DExpFit(ValueCodec):
         q = np.frombuffer(payload, dtype="<f4").astype(np.float64)
         if not np.isfinite(q).all():
             raise ContainerError("dexp value section holds non-finite parameters")
-        t = np.arange(count, dtype=np.float64) / float(count - 1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = model(q, t).astype(np.float32)
+        out = evaluate(q, count)
         if not np.isfinite(out).all():
             raise ContainerError("dexp parameters decode to non-finite values")
         return out

@@ -42,6 +42,11 @@ def bucket_norms(values: np.ndarray, bucket_size: int) -> np.ndarray:
     return norms
 
 
+def dequantise(nu: np.ndarray, q: np.ndarray, levels: int) -> np.ndarray:
+    """``nu q / s`` in float64, rounded to float32: the receiver's values (encode and decode)."""
+    return (nu * q.astype(np.float64) / levels).astype(np.float32)
+
+
 @register
 class QSGD(ValueCodec):
     """QSGD with ``levels`` magnitude levels (int8 for <= 127) and per-bucket L2 norms."""
@@ -70,7 +75,8 @@ class QSGD(ValueCodec):
         level = np.minimum(level, s)
         q = (np.sign(values) * level).astype(level_dtype(s))
         params = struct.pack("<HI", s, self.bucket_size)
-        return ValueEncoding(params, norms.astype("<f4").tobytes() + q.tobytes())
+        return ValueEncoding(params, norms.astype("<f4").tobytes() + q.tobytes(),
+                             reconstructed=dequantise(nu, q, s))
 
     @staticmethod
     def _params(params: bytes):
@@ -89,12 +95,12 @@ class QSGD(ValueCodec):
         if len(payload) != expected:
             raise ContainerError(f"qsgd value section has {len(payload)} bytes, expected {expected}")
         norms = np.frombuffer(payload, dtype="<f4", count=nb).astype(np.float64)
-        q = np.frombuffer(payload, dtype=dtype, offset=4 * nb, count=count).astype(np.float64)
+        q = np.frombuffer(payload, dtype=dtype, offset=4 * nb, count=count)
         if not (np.isfinite(norms).all() and (norms >= 0).all()):
             raise ContainerError("qsgd value section holds a negative or non-finite norm")
-        if count and np.abs(q).max() > s:
+        if count and (int(q.max()) > s or int(q.min()) < -s):
             raise ContainerError(f"qsgd value section holds a level beyond +-{s}")
-        return (np.repeat(norms, bucket)[:count] * q / s).astype(np.float32)
+        return dequantise(np.repeat(norms, bucket)[:count], q, s)
 
     @classmethod
     def describe_params(cls, params):

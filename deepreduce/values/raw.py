@@ -23,7 +23,8 @@ class RawValues(ValueCodec):
     wire_id = 0
 
     def encode(self, values, ctx):
-        return ValueEncoding(b"", np.asarray(values, dtype="<f4").tobytes())
+        values = np.asarray(values, dtype=np.float32)
+        return ValueEncoding(b"", values.astype("<f4", copy=False).tobytes(), reconstructed=values)
 
     def decode(self, params, payload, count):
         _check_length("raw", payload, count, 4)
@@ -48,7 +49,8 @@ class Fp16Values(ValueCodec):
                 f"fp16 value codec: tensor {ctx.name!r} has a value of magnitude "
                 f"{float(np.max(np.abs(values))):.4g} beyond float16's {FP16_MAX}; use 'raw' or scale the loss"
             )
-        return ValueEncoding(b"", values.astype("<f2").tobytes())
+        half = values.astype("<f2")
+        return ValueEncoding(b"", half.tobytes(), reconstructed=half.astype(np.float32))
 
     def decode(self, params, payload, count):
         _check_length("fp16", payload, count, 2)

@@ -170,30 +170,35 @@ class SketchML(ValueCodec):
         flags = (FLAG_SEPARATE if self.separate_signs else 0) | (FLAG_SKETCH if self.sketch else 0)
         params = struct.pack("<BBHI", flags, self.rows, self.groups, self.hash_seed)
         out = []
+        received = np.zeros(n, dtype=np.float32)
         if self.separate_signs:
             negative = np.signbit(values) & (values != 0)
             out.append(bitpack.pack(negative.astype(np.uint8), 1))
-            parts = [np.flatnonzero(~negative), np.flatnonzero(negative)]
+            parts = [(np.flatnonzero(~negative), 1.0), (np.flatnonzero(negative), -1.0)]
             data = np.abs(values)
         else:
-            parts, data = [np.arange(n)], values
-        for keys in parts:
+            parts, data = [(np.arange(n), 1.0)], values
+        for keys, sign in parts:
             if keys.size:
-                out.append(self._encode_part(data[keys], keys))
-        return ValueEncoding(params, b"".join(out))
+                section, bucket_values = self._encode_part(data[keys], keys)
+                out.append(section)
+                received[keys] = sign * bucket_values
+        return ValueEncoding(params, b"".join(out), reconstructed=received)
 
-    def _encode_part(self, x: np.ndarray, keys: np.ndarray) -> bytes:
+    def _encode_part(self, x: np.ndarray, keys: np.ndarray):
+        """(bytes of one part, the bucket value the receiver decodes for each of its values)."""
         index, means = quantile_buckets(x, self.buckets)
         q = means.size
         out = [struct.pack("<H", q), means.astype("<f4").tobytes()]
         if not self.sketch:
             out.append(self._put_stream(index, q))
-            return b"".join(out)
+            return b"".join(out), means[index]
         gsize = -(-q // self.groups)
         ngroups = -(-q // gsize)
         group = index // gsize
         if ngroups > 1:
             out.append(bitpack.pack(group, bitpack.width_for(ngroups - 1)))
+        decoded = np.zeros(keys.size, dtype=np.int64)
         for g in range(ngroups):
             members = np.flatnonzero(group == g)
             if members.size == 0:
@@ -202,7 +207,8 @@ class SketchML(ValueCodec):
             cells = minmax_insert(keys[members], index[members] - g * gsize, self.rows, t, self.hash_seed, gsize)
             out.append(struct.pack("<I", t))
             out.append(self._put_stream(cells.ravel(), gsize))
-        return b"".join(out)
+            decoded[members] = g * gsize + minmax_query(cells, keys[members], self.hash_seed)
+        return b"".join(out), means[decoded]
 
     # ------------------------------------------------------------------ decode
     @staticmethod

@@ -1,0 +1,110 @@
+// pybind11 binding of the hot-path kernels: deepreduce._select. Arrays in, arrays out; the GIL
+// is released around every kernel. In-place arguments (residual, out) must already be
+// writeable C-contiguous float32 arrays: they are never converted (a copy would lose the write).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "select.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using FloatIn = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using FloatInPlace = py::array_t<float, py::array::c_style>;
+using IndexIn = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+int checked_threads(int threads) {
+  if (threads < 1) throw std::invalid_argument("threads must be at least 1");
+  return threads;
+}
+
+// (finite, Top-r positions or None): see dr_select::scan.
+py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
+  threads = checked_threads(threads);
+  const int64_t n = g.size();
+  float* r = nullptr;
+  FloatInPlace res;
+  if (!residual.is_none()) {
+    res = residual.cast<FloatInPlace>();
+    if (res.size() != n) throw std::invalid_argument("scan: residual and gradient differ in size");
+    r = res.mutable_data();
+  }
+  const bool select = topk_r > 0 && topk_r < n;
+  py::array_t<int64_t> out(select ? topk_r : 0);
+  int64_t* o = out.mutable_data();
+  dr_select::Scan result;
+  {
+    py::gil_scoped_release release;
+    result = dr_select::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
+  }
+  if (result == dr_select::Scan::kSelected) return py::make_tuple(true, out);
+  return py::make_tuple(result == dr_select::Scan::kFinite, py::none());
+}
+
+py::array_t<int64_t> topk(FloatIn x, int64_t r, int threads) {
+  threads = checked_threads(threads);
+  const int64_t n = x.size();
+  if (r <= 0 || r >= n) throw std::invalid_argument("topk: r must satisfy 0 < r < n");
+  py::array_t<int64_t> out(r);
+  int64_t* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dr_select::topk(x.data(), n, r, threads, o);
+  }
+  return out;
+}
+
+py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
+  threads = checked_threads(threads);
+  std::vector<int64_t> found;
+  {
+    py::gil_scoped_release release;
+    found = dr_select::threshold(x.data(), x.size(), t, threads);
+  }
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(found.size()));
+  if (!found.empty()) std::copy(found.begin(), found.end(), out.mutable_data());
+  return out;
+}
+
+void check_scatter(const FloatInPlace& out, const IndexIn& idx, const FloatIn& val) {
+  if (idx.size() != val.size()) throw std::invalid_argument("scatter_add: indices and values differ in length");
+}
+
+void scatter_add(FloatInPlace out, IndexIn idx, FloatIn val, int threads) {
+  threads = checked_threads(threads);
+  check_scatter(out, idx, val);
+  float* o = out.mutable_data();
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = dr_select::scatter_add_checked(o, out.size(), idx.data(), val.data(), idx.size(), threads);
+  }
+  if (!error.empty()) throw py::value_error(error);
+}
+
+void scatter_add_unchecked(FloatInPlace out, IndexIn idx, FloatIn val, int threads) {
+  threads = checked_threads(threads);
+  check_scatter(out, idx, val);
+  float* o = out.mutable_data();
+  py::gil_scoped_release release;
+  dr_select::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_select, m) {
+  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold selection, scatter-add";
+  m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
+        "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
+  m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
+        "ascending positions of the r largest |x| (ties: lowest position first)");
+  m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
+  m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
+        "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
+  m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
+        py::arg("threads"), "out[indices] += values for indices the caller has checked (distinct, in range)");
+}

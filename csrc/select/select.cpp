@@ -1,0 +1,332 @@
+// Hot-path kernels of deepreduce._select (see select.h for the contracts).
+#include "select.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <thread>
+
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+namespace dr_select {
+namespace {
+
+constexpr int64_t kMinPerThread = int64_t{1} << 16;  // below this a thread costs more than it saves
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kExpMask = 0x7F800000u;
+constexpr int kSubHists = 4;  // interleaved sub-histograms: runs of one bucket do not serialise
+
+inline uint32_t bits_of(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+inline uint32_t magnitude_key(float v) { return bits_of(v) & kAbsMask; }
+
+// Chunk c of `chunks` over [0, n), boundaries on multiples of kBlock.
+struct Chunks {
+  int64_t n;
+  int count;
+  Chunks(int64_t n_, int threads) : n(n_) {
+    int64_t useful = std::max<int64_t>(1, n / kMinPerThread);
+    count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
+  }
+  int64_t begin(int c) const {
+    int64_t blocks = (n + kBlock - 1) / kBlock;
+    return std::min(n, blocks * c / count * kBlock);
+  }
+  int64_t end(int c) const { return begin(c + 1); }
+};
+
+// Runs body(c) for every chunk, chunk 0 on the calling thread.
+void run_chunks(int count, const std::function<void(int)>& body) {
+  if (count <= 1) {
+    body(0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(count - 1);
+  for (int c = 1; c < count; ++c) pool.emplace_back(body, c);
+  body(0);
+  for (auto& t : pool) t.join();
+}
+
+inline bool block_finite(const float* g, int64_t len) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < len; ++i) bad |= static_cast<uint32_t>((bits_of(g[i]) & kExpMask) == kExpMask);
+  return bad == 0;
+}
+
+// Histogram of the magnitude buckets of x[0..len) into sub-histograms h[kSubHists][kHistSize].
+inline void count_buckets(const float* x, int64_t len, uint32_t* h) {
+  int64_t i = 0;
+  for (; i + kSubHists <= len; i += kSubHists) {
+    for (int s = 0; s < kSubHists; ++s) ++h[s * kHistSize + (magnitude_key(x[i + s]) >> kHistShift)];
+  }
+  for (; i < len; ++i) ++h[magnitude_key(x[i]) >> kHistShift];
+}
+
+// Adds the uint32 sub-histograms into out (uint64) and clears them.
+inline void flush_buckets(uint32_t* h, uint64_t* out) {
+  for (int s = 0; s < kSubHists; ++s) {
+    for (int64_t b = 0; b < kHistSize; ++b) {
+      out[b] += h[s * kHistSize + b];
+      h[s * kHistSize + b] = 0;
+    }
+  }
+}
+
+constexpr int64_t kFlushEvery = int64_t{1} << 30;  // uint32 sub-counters never overflow
+// Calls emit(i), in order, for every i in [lo, hi) with keep(x[i]). keep must imply
+// magnitude_key(x[i]) >= low. Selections keep few entries: 16 keys at a time are compared with
+// `low` into a bit mask (SSE2 where available), and only its set bits are visited.
+template <class Keep, class Emit>
+inline void gather(const float* x, int64_t lo, int64_t hi, uint32_t low, Keep keep, Emit emit) {
+  int64_t i = lo;
+#ifdef __SSE2__
+  const __m128i abs_mask = _mm_set1_epi32(static_cast<int>(kAbsMask));
+  const __m128i bound = _mm_set1_epi32(static_cast<int>(low) - 1);  // keys and low are < 2^31
+  for (; i + 16 <= hi; i += 16) {
+    unsigned mask = 0;
+    for (int q = 0; q < 4; ++q) {
+      const __m128i v = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 4 * q)), abs_mask);
+      mask |= static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(v, bound)))) << (4 * q);
+    }
+    while (mask) {
+      const int j = __builtin_ctz(mask);
+      mask &= mask - 1;
+      if (keep(x[i + j])) emit(i + j);
+    }
+  }
+#endif
+  for (; i < hi; ++i)
+    if (keep(x[i])) emit(i);
+}
+
+// Entries with magnitude key >= a bound, per chunk in position order.
+struct Candidates {
+  std::vector<std::vector<int64_t>> pos;
+  std::vector<std::vector<uint32_t>> key;
+  explicit Candidates(int chunks) : pos(chunks), key(chunks) {}
+  int64_t size() const {
+    int64_t total = 0;
+    for (const auto& p : pos) total += static_cast<int64_t>(p.size());
+    return total;
+  }
+  void reserve(int c, int64_t guess) {
+    pos[c].reserve(static_cast<size_t>(guess));
+    key[c].reserve(static_cast<size_t>(guess));
+  }
+  void gather_from(int c, const float* x, int64_t lo, int64_t hi, uint32_t low) {
+    gather(
+        x, lo, hi, low, [low](float v) { return magnitude_key(v) >= low; },
+        [&](int64_t i) {
+          pos[c].push_back(i);
+          key[c].push_back(magnitude_key(x[i]));
+        });
+  }
+};
+
+// Writes the r positions of largest key among the candidates (which must hold every entry of
+// the tensor above the r-th largest key, and at least r entries): every key above the cut,
+// then the ties at the cut lowest position first, ascending.
+void finish_topk(const Candidates& cand, int64_t r, int64_t* out) {
+  const int chunks = static_cast<int>(cand.pos.size());
+  std::vector<uint32_t> keys;
+  keys.reserve(static_cast<size_t>(cand.size()));
+  for (const auto& k : cand.key) keys.insert(keys.end(), k.begin(), k.end());
+  std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t cut = keys[r - 1];
+  // Per-chunk counts give every chunk its output offset and its share of the ties.
+  std::vector<int64_t> above(chunks, 0), ties(chunks, 0), take(chunks, 0), offset(chunks, 0);
+  int64_t total_above = 0;
+  for (int c = 0; c < chunks; ++c) {
+    for (uint32_t k : cand.key[c]) {
+      above[c] += k > cut;
+      ties[c] += k == cut;
+    }
+    total_above += above[c];
+  }
+  int64_t ties_left = r - total_above, written = 0;
+  for (int c = 0; c < chunks; ++c) {
+    take[c] = std::min(ties[c], ties_left);
+    ties_left -= take[c];
+    offset[c] = written;
+    written += above[c] + take[c];
+  }
+  run_chunks(chunks, [&](int c) {
+    int64_t o = offset[c], taken = 0;
+    const auto& p = cand.pos[c];
+    const auto& k = cand.key[c];
+    for (size_t j = 0; j < p.size(); ++j) {
+      if (k[j] > cut) {
+        out[o++] = p[j];
+      } else if (k[j] == cut && taken < take[c]) {
+        out[o++] = p[j];
+        ++taken;
+      }
+    }
+  });
+}
+
+constexpr int64_t kSampleBlocks = 256, kSampleLen = 256;  // 65536 sampled entries
+static_assert(kFusedMinSize >= 4 * kSampleBlocks * kSampleLen, "a sample is at most a quarter of the tensor");
+
+// A key bound that, judging from a sample of evenly spaced blocks of the compensated
+// gradient, about 1.3 r entries reach; 0 when the tensor is too small to sample.
+uint32_t sampled_bound(const float* g, const float* residual, int64_t n, int64_t r) {
+  if (n < kFusedMinSize) return 0;
+  std::vector<uint32_t> sample;
+  sample.reserve(kSampleBlocks * kSampleLen);
+  for (int64_t b = 0; b < kSampleBlocks; ++b) {
+    const int64_t start = (n - kSampleLen) * b / (kSampleBlocks - 1);
+    for (int64_t i = start; i < start + kSampleLen; ++i)
+      sample.push_back(magnitude_key(residual ? residual[i] + g[i] : g[i]));
+  }
+  const double expected = static_cast<double>(r) * static_cast<double>(sample.size()) / static_cast<double>(n);
+  const int64_t rank = std::min<int64_t>(static_cast<int64_t>(sample.size()),
+                                         static_cast<int64_t>(1.25 * expected + 4.0 * std::sqrt(expected) + 16.0));
+  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(), std::greater<uint32_t>());
+  return sample[rank - 1];
+}
+
+std::vector<uint64_t> histogram(const float* x, int64_t n, int threads) {
+  Chunks chunks(n, threads);
+  std::vector<std::vector<uint64_t>> partial(chunks.count, std::vector<uint64_t>(kHistSize, 0));
+  run_chunks(chunks.count, [&](int c) {
+    std::vector<uint32_t> sub(kSubHists * kHistSize, 0);
+    for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += kFlushEvery) {
+      count_buckets(x + b, std::min(kFlushEvery, hi - b), sub.data());
+      flush_buckets(sub.data(), partial[c].data());
+    }
+  });
+  std::vector<uint64_t> hist(kHistSize, 0);
+  for (const auto& p : partial)
+    for (int64_t b = 0; b < kHistSize; ++b) hist[b] += p[b];
+  return hist;
+}
+
+}  // namespace
+
+Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out) {
+  Chunks chunks(n, threads);
+  const bool fuse = topk_r > 0 && topk_r < n;
+  const uint32_t low = fuse ? sampled_bound(g, residual, n, topk_r) : 0;
+  const bool gathering = fuse && low > 0;
+  Candidates cand(chunks.count);
+  std::vector<char> finite(chunks.count, 1);
+  run_chunks(chunks.count, [&](int c) {
+    const int64_t lo = chunks.begin(c), hi = chunks.end(c);
+    if (gathering)
+      cand.reserve(c, (hi - lo) * (topk_r + topk_r / 2) / n + 64);
+    for (int64_t b = lo; b < hi; b += kBlock) {
+      const int64_t len = std::min(kBlock, hi - b);
+      if (!block_finite(g + b, len)) {
+        finite[c] = 0;
+        continue;
+      }
+      const float* source = g;
+      if (residual) {
+        float* r = residual + b;
+        for (int64_t i = 0; i < len; ++i) r[i] += g[b + i];
+        source = residual;
+      }
+      if (gathering && finite[c]) cand.gather_from(c, source, b, b + len, low);
+    }
+  });
+  if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; })) {
+    if (residual) {  // take the step out again: only the finite blocks were added
+      run_chunks(chunks.count, [&](int c) {
+        for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += kBlock) {
+          const int64_t len = std::min(kBlock, hi - b);
+          if (!block_finite(g + b, len)) continue;
+          float* r = residual + b;
+          for (int64_t i = 0; i < len; ++i) r[i] -= g[b + i];
+        }
+      });
+    }
+    return Scan::kNonFinite;
+  }
+  if (!fuse) return Scan::kFinite;
+  const float* source = residual ? residual : g;
+  if (gathering && cand.size() >= topk_r) {
+    finish_topk(cand, topk_r, out);
+  } else {  // tensor too small to sample, or the sample's bound was too high: select on its own
+    topk(source, n, topk_r, threads, out);
+  }
+  return Scan::kSelected;
+}
+
+void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out) {
+  const std::vector<uint64_t> hist = histogram(x, n, threads);
+  // The bucket holding the r-th largest magnitude: gather it and everything above.
+  int64_t bucket = kHistSize - 1;
+  uint64_t above_bucket = 0;
+  for (; bucket > 0; --bucket) {
+    if (above_bucket + hist[bucket] >= static_cast<uint64_t>(r)) break;
+    above_bucket += hist[bucket];
+  }
+  const uint32_t low = static_cast<uint32_t>(bucket) << kHistShift;
+  const int64_t at_or_above = static_cast<int64_t>(above_bucket + hist[bucket]);
+  Chunks chunks(n, threads);
+  Candidates cand(chunks.count);
+  run_chunks(chunks.count, [&](int c) {
+    const int64_t lo = chunks.begin(c), hi = chunks.end(c);
+    cand.reserve(c, static_cast<int64_t>(static_cast<double>(hi - lo) / static_cast<double>(n) * at_or_above) + 64);
+    cand.gather_from(c, x, lo, hi, low);
+  });
+  finish_topk(cand, r, out);
+}
+
+std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads) {
+  Chunks chunks(n, threads);
+  std::vector<std::vector<int64_t>> found(chunks.count);
+  const uint32_t low = t > 0.0f ? magnitude_key(t) : 0u;
+  run_chunks(chunks.count, [&](int c) {
+    gather(
+        x, chunks.begin(c), chunks.end(c), low, [t](float v) { return std::fabs(v) >= t; },
+        [&](int64_t i) { found[c].push_back(i); });
+  });
+  if (chunks.count == 1) return std::move(found[0]);
+  size_t total = 0;
+  for (const auto& f : found) total += f.size();
+  std::vector<int64_t> out;
+  out.reserve(total);
+  for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
+  return out;
+}
+
+std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n,
+                                int threads) {
+  if (n == 0) return "";
+  Chunks chunks(n, threads);
+  std::atomic<bool> ordered{true};
+  run_chunks(chunks.count, [&](int c) {
+    const int64_t lo = chunks.begin(c), hi = chunks.end(c);
+    bool ok = true;
+    for (int64_t j = std::max<int64_t>(lo, 1); j < hi; ++j) ok &= idx[j] > idx[j - 1];
+    if (!ok) ordered.store(false, std::memory_order_relaxed);
+  });
+  if (!ordered.load())
+    return "container indices are not strictly ascending although the index codec promises ascending order "
+           "(an index is repeated or out of order)";
+  if (idx[0] < 0 || idx[n - 1] >= numel)
+    return "container index out of range for a tensor of " + std::to_string(numel) + " elements";
+  scatter_add(out, idx, val, n, threads);
+  return "";
+}
+
+void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads) {
+  Chunks chunks(n, threads);
+  run_chunks(chunks.count, [&](int c) {
+    for (int64_t j = chunks.begin(c), hi = chunks.end(c); j < hi; ++j) out[idx[j]] += val[j];
+  });
+}
+
+}  // namespace dr_select

@@ -1,0 +1,46 @@
+// Passes over whole float32 tensors for the pipeline's hot path (deepreduce._select):
+// compensation fused with the finiteness scan and the gathering of Top-r candidates, Top-r
+// radix selection with the project's tie rule, threshold selection, and scatter-add decode.
+//
+// Every kernel splits its input into `threads` chunks of whole blocks and combines the chunks'
+// results in chunk order, so the thread count never changes a result.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dr_select {
+
+constexpr int kHistBits = 11;                 // buckets: top 11 bits of the magnitude pattern
+constexpr int kHistShift = 31 - kHistBits;    // sign bit cleared, so 31 significant bits
+constexpr int64_t kHistSize = int64_t{1} << kHistBits;
+constexpr int64_t kBlock = 4096;              // a non-finite block is never added to a residual
+constexpr int64_t kFusedMinSize = int64_t{1} << 18;  // smaller tensors: no sampled bound
+
+enum class Scan { kNonFinite, kFinite, kSelected };
+
+// One pass over the gradient g[0..n): checks that it is finite and, with `residual`, adds g into
+// it in place (residual becomes the compensated gradient). If g holds a NaN/Inf, blocks holding
+// one are left alone and the others are taken out again (residual = (residual + g) - g):
+// returns kNonFinite. With 0 < topk_r < n, also writes the Top-r positions of the compensated
+// gradient (as topk) into out and returns kSelected: a sample of the compensated gradient gives
+// a magnitude bound about 1.3 r entries reach, the same pass gathers those entries, and the
+// Top-r is resolved among them (if fewer than r reach the bound, topk runs on its own).
+Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out);
+
+// Ascending positions of the r entries of largest |x| (0 < r < n): every entry above the r-th
+// largest magnitude, then the entries equal to it, lowest position first. A radix select on the
+// magnitude bit patterns: a histogram of their top kHistBits bits finds the bucket of the cut,
+// one pass gathers that bucket and above, the cut is resolved among those. Writes r positions.
+void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out);
+
+// Ascending positions with |x| >= t.
+std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads);
+
+// out[idx[j]] += val[j] for j < n. The checked form first verifies that idx is strictly
+// ascending and inside [0, numel); it returns an error message (nothing written) if not.
+std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n,
+                                int threads);
+void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads);
+
+}  // namespace dr_select
