@@ -221,3 +221,17 @@ def test_pipeline_built_inside_tf_function_traces_twice_without_new_variables():
     # traced again for the new shape (and once more on the first call, where TF saw a variable created)
     assert len(traces) >= 2 and all(pipe is traces[0] for pipe in traces)
     assert int(traces[0].iterations.numpy()) == 3
+
+
+def test_numpy_stages_keep_denormals_inside_tf_function():
+    """TF's op threads flush denormals to zero; the core's stages must not (same bytes as eager)."""
+    from deepreduce.tensorflow.pipeline import numpy_op
+
+    def scaled():
+        return np.array([np.float32(1e-40) * np.float32(1.0)], np.float32)
+
+    @tf.function
+    def f():
+        return numpy_op(scaled, [], tf.float32, "denormal")
+
+    assert f().numpy()[0] == scaled()[0] > 0

@@ -29,7 +29,6 @@ import numpy as np
 import tensorflow as tf
 
 from .. import gradiveq as gv
-from ..errors import ConfigError
 from .pipeline import numpy_op
 
 
@@ -51,12 +50,6 @@ class _Ctx:
     dtype: tf.DType
 
 
-def _require_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"GradiVeQ: {name!r} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def _outermost_graph():
     """The outermost function graph being traced (a ``tf.cond`` branch belongs to its function), or None."""
     if tf.executing_eagerly():
@@ -68,42 +61,22 @@ def _outermost_graph():
     return graph
 
 
-class GradiVeQ:
+class GradiVeQ(gv.Settings):
     """Horovod-compatible GradiVeQ compressor for TensorFlow (``compress``/``decompress``).
 
-    The arguments and defaults are those of ``deepreduce.torch.GradiVeQ`` (the paper's schedule
-    2,500 / 100 / 400 iterations), with ``layout="tf"``.
+    Arguments: those of :class:`deepreduce.gradiveq.Settings` and ``deepreduce.torch.GradiVeQ``
+    (the paper's schedule 2,500 / 100 / 400 iterations), with ``layout="tf"``.
     """
 
     def __init__(self, loss: float = 0.01, reuse: int = 0, slice_size: int = 0, max_slice: int = 4096,
                  min_numel: int = 1024, warmup: int = 2500, sample_iters: int = 100,
                  compress_iters: int = 400, layout: str = "tf") -> None:
-        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0.0 < loss < 1.0:
-            raise ConfigError(f"GradiVeQ: 'loss' must be a number in (0, 1), got {loss!r}")
-        if layout not in gv.LAYOUTS:
-            raise ConfigError(f"GradiVeQ: 'layout' is {layout!r}; allowed: {', '.join(gv.LAYOUTS)}")
-        self.loss = float(loss)
-        self.reuse = _require_int("reuse", reuse, 0)
-        self.slice_size = _require_int("slice_size", slice_size, 0)
-        self.max_slice = _require_int("max_slice", max_slice, 2)
-        self.min_numel = _require_int("min_numel", min_numel, 0)
-        self.layout = layout
-        self.schedule = gv.Schedule(_require_int("warmup", warmup, 0), _require_int("sample_iters", sample_iters, 2),
-                                    _require_int("compress_iters", compress_iters, 1))
+        super().__init__(loss, reuse, slice_size, max_slice, min_numel, warmup, sample_iters, compress_iters, layout)
         self._states: Dict[tuple, _TensorState] = {}
         self._occurrence: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self.stats = {"compressed": 0, "uncompressed": 0, "dense_elements": 0, "sent_elements": 0,
                       "trainings": 0}
-
-    def get_config(self) -> dict:
-        return {"loss": self.loss, "reuse": self.reuse, "slice_size": self.slice_size,
-                "max_slice": self.max_slice, "min_numel": self.min_numel, "warmup": self.schedule.warmup,
-                "sample_iters": self.schedule.sample_iters, "compress_iters": self.schedule.compress_iters,
-                "layout": self.layout}
-
-    def __repr__(self) -> str:
-        return "GradiVeQ(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
 
     def compression_stats(self) -> dict:
         """Counts of compressed/uncompressed sends, element volumes, and per-tensor ``d``."""
@@ -133,9 +106,7 @@ class GradiVeQ:
         with self._lock:
             state = self._states.get(key)
             if state is None:
-                plan = gv.slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel,
-                                     self.reuse)
-                state = self._states[key] = _TensorState(shape, plan)
+                state = self._states[key] = _TensorState(shape, self.plan(shape))
             return state
 
     # ---------------------------------------------------------------- NumPy stages (run at every step)

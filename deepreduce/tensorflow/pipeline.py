@@ -39,16 +39,23 @@ from .. import container
 from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
+from .fpenv import default_floating_point
 
 
 def numpy_op(func, inputs, dtypes, name: str):
     """A stateful ``tf.numpy_function`` op running ``func`` as plain Python.
 
-    ``do_not_convert`` keeps AutoGraph from rewriting ``func`` (inside ``tf.function`` it would
+    ``func`` runs with the default floating-point environment (TF's op threads flush denormals
+    to zero; the core must compute as it does anywhere else, see :mod:`.fpenv`).
+    ``do_not_convert`` keeps AutoGraph from rewriting it (inside ``tf.function`` it would
     otherwise run every call through AutoGraph's converted-call machinery, which is slower).
     Stateful: TF never folds, caches or deduplicates it (residuals and counters change).
     """
-    return tf.numpy_function(tf.autograph.experimental.do_not_convert(func), inputs, dtypes,
+    def run(*args):
+        with default_floating_point():
+            return func(*args)
+
+    return tf.numpy_function(tf.autograph.experimental.do_not_convert(run), inputs, dtypes,
                              stateful=True, name=name)
 
 
