@@ -5,6 +5,10 @@ Every folder ``csrc/<name>/`` with a ``py_module.cpp`` becomes the pybind11 exte
 which scripts/build_tf_ops.sh compiles against TensorFlow). The extensions are optional at run
 time: if one fails to build, installation continues and deepreduce falls back to its NumPy path
 with a warning that says how to rebuild.
+
+Only numpy, pyyaml, scipy and bitarray are required; ``pip install "deepreduce[torch]"`` adds
+torch (an installed torch that satisfies it is left alone), and Horovod and TensorFlow are the
+extras ``horovod`` and ``tensorflow``. pyproject.toml declares the build requirements.
 """
 import glob
 import os
@@ -35,7 +39,15 @@ def native_extensions():
 
 
 class OptionalBuildExt(build_ext):
-    """Builds each extension, warning instead of failing when a compiler error occurs."""
+    """Builds each extension, warning instead of failing when a compiler error occurs.
+
+    The extensions build in parallel (one per CPU unless ``--parallel``/``-j`` says otherwise).
+    """
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def build_extension(self, ext):
         try:

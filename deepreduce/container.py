@@ -1,26 +1,25 @@
-"""Container format v1: the one wire format every binding writes and reads.
+"""Container format v2 (written) and v1 (still read): the one wire format every binding uses.
 
-Layout (all integers little-endian; the byte table lives in docs/container-format.md)::
+Layout of v2 (integers little-endian; the byte tables of both versions live in
+docs/container-format.md)::
 
     offset  size       field
     0       4          magic b"DPRD"
-    4       1          format version (1)
+    4       1          format version (2)
     5       1          flags: bit0 DENSE, bit1 PERMUTED, bit2 NONFINITE (others must be 0)
     6       1          index codec wire id
     7       1          value codec wire id
     8       1          ndim (0..32)
     9       1          permutation entry width in bits (0 when not PERMUTED)
-    10      2          index codec parameter length  Pi
-    12      2          value codec parameter length  Pv
-    14      2          reserved (0)
-    16      8          n, the number of transmitted values
-    24      8          index section length  Li
-    32      8          value section length  Lv
-    40      8          permutation section length  Lp
-    48      8*ndim     shape
+    10      8          config digest of the sender's wire config (all zero: unknown)
+    18      varints    n, Pi, Pv, Li, Lv, Lp, then the ndim dimensions of the shape
     ..      Pi, Pv     index codec parameters, value codec parameters
     ..      Li, Lv, Lp index section, value section, permutation section
     end-4   4          CRC-32 (zlib) of every byte before it
+
+Varints are unsigned LEB128 (:mod:`deepreduce.varint`), so the header shrinks with the numbers it
+carries: 18 bytes, one or a few per count and dimension, against v1's 48 + 8 per dimension.
+v1 (fixed u16/u64 fields, no digest) is still read, so containers written before v2 decode.
 
 A DENSE container carries the whole tensor as float32 in the value section (small tensors,
 and tensors with NaN/Inf when the pipeline propagates them).
@@ -30,33 +29,46 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from . import varint
 from .errors import ContainerError
 
 MAGIC = b"DPRD"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 FLAG_DENSE = 0x01
 FLAG_PERMUTED = 0x02
 FLAG_NONFINITE = 0x04
 _KNOWN_FLAGS = FLAG_DENSE | FLAG_PERMUTED | FLAG_NONFINITE
 MAX_NDIM = 32
-
-_FIXED = struct.Struct("<4sBBBBBBHHHQQQQ")
-FIXED_SIZE = _FIXED.size  # 48
+MAX_PARAMS = 0xFFFF
+DIGEST_SIZE = 8
 CRC_SIZE = 4
 
+_V1 = struct.Struct("<4sBBBBBBHHHQQQQ")   # 48 bytes, then 8 per dimension
+_V2 = struct.Struct("<4sBBBBBB8s")        # 18 bytes, then varints
+_LENGTH_FIELDS = ("index params length", "value params length", "index section length",
+                  "value section length", "permutation section length")
 
-def overhead(ndim: int, index_params: int = 0, value_params: int = 0) -> int:
-    """Bytes a container spends outside its three sections."""
-    return FIXED_SIZE + 8 * ndim + index_params + value_params + CRC_SIZE
+
+def overhead(shape, n: int, index_bytes: int = 0, value_bytes: int = 0, perm_bytes: int = 0,
+             index_params: int = 0, value_params: int = 0) -> int:
+    """Bytes a v2 container spends outside its three sections (header, params, CRC)."""
+    numbers = (n, index_params, value_params, index_bytes, value_bytes, perm_bytes, *shape)
+    return _V2.size + sum(varint.size(v) for v in numbers) + index_params + value_params + CRC_SIZE
 
 
 @dataclass
 class Container:
-    """The parsed fields of one container (sections as bytes)."""
+    """The parsed fields of one container (sections as bytes).
+
+    ``digest``: the first 8 bytes of the sender's config digest (``Pipeline`` sets it; a receiver
+    compares it with its own to detect ranks with different configs); None in a v1 container.
+    ``version``: the format version it was read from (``pack`` always writes the current one).
+    """
 
     shape: Tuple[int, ...]
     n: int
@@ -69,6 +81,8 @@ class Container:
     index_section: bytes = b""
     value_section: bytes = b""
     perm_section: bytes = b""
+    digest: Optional[bytes] = None
+    version: int = field(default=VERSION, compare=False)
     nbytes: int = field(default=0, compare=False)
 
     @property
@@ -92,20 +106,20 @@ class Container:
 
 
 def pack(c: Container) -> np.ndarray:
-    """Serialise a container to a 1-D uint8 array."""
+    """Serialise a container (format v2) to a 1-D uint8 array."""
     if len(c.shape) > MAX_NDIM:
         raise ContainerError(f"tensor has {len(c.shape)} dimensions; at most {MAX_NDIM} are supported")
     for name, params in (("index", c.index_params), ("value", c.value_params)):
-        if len(params) > 0xFFFF:
-            raise ContainerError(f"{name} codec parameters take {len(params)} bytes; at most 65535")
-    head = _FIXED.pack(
-        MAGIC, VERSION, c.flags, c.index_id, c.value_id, len(c.shape), c.perm_width,
-        len(c.index_params), len(c.value_params), 0,
-        c.n, len(c.index_section), len(c.value_section), len(c.perm_section),
-    )
+        if len(params) > MAX_PARAMS:
+            raise ContainerError(f"{name} codec parameters take {len(params)} bytes; at most {MAX_PARAMS}")
+    digest = bytes(DIGEST_SIZE) if c.digest is None else bytes(c.digest)
+    if len(digest) != DIGEST_SIZE:
+        raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
+    numbers = (c.n, len(c.index_params), len(c.value_params), len(c.index_section), len(c.value_section),
+               len(c.perm_section), *c.shape)
     body = b"".join((
-        head,
-        struct.pack(f"<{len(c.shape)}Q", *c.shape),
+        _V2.pack(MAGIC, VERSION, c.flags, c.index_id, c.value_id, len(c.shape), c.perm_width, digest),
+        b"".join(varint.encode(v) for v in numbers),
         c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section,
     ))
     crc = struct.pack("<I", zlib.crc32(body))
@@ -121,50 +135,98 @@ def _as_bytes(payload) -> bytes:
     return arr.tobytes()
 
 
-def _total_length(buf: bytes, offset: int) -> int:
-    """Length of the container starting at ``offset``, from its fixed header alone."""
-    if len(buf) - offset < FIXED_SIZE + CRC_SIZE:
-        raise ContainerError(
-            f"truncated container at byte {offset}: {len(buf) - offset} bytes, "
-            f"the header alone needs {FIXED_SIZE + CRC_SIZE}"
-        )
-    (magic, version, flags, _, _, ndim, _, pi, pv, _, _, li, lv, lp) = _FIXED.unpack_from(buf, offset)
+class _Header(NamedTuple):
+    version: int
+    flags: int
+    index_id: int
+    value_id: int
+    perm_width: int
+    digest: Optional[bytes]
+    reserved: int
+    n: int
+    lengths: Tuple[int, int, int, int, int]   # Pi, Pv, Li, Lv, Lp
+    shape: Tuple[int, ...]
+    size: int                                 # header bytes before the index params
+
+    @property
+    def total(self) -> int:
+        return self.size + sum(self.lengths) + CRC_SIZE
+
+
+def _read_header(buf: bytes, offset: int) -> _Header:
+    """The header of the container starting at ``offset`` (either version)."""
+    if len(buf) - offset < 5 + CRC_SIZE:
+        raise ContainerError(f"truncated container at byte {offset}: {len(buf) - offset} bytes")
+    magic, version = buf[offset:offset + 4], buf[offset + 4]
     if magic != MAGIC:
         raise ContainerError(f"not a deepreduce container at byte {offset}: magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise ContainerError(f"container format version {version} is not supported (this build reads {VERSION})")
-    if ndim > MAX_NDIM:
-        raise ContainerError(f"container claims {ndim} dimensions; at most {MAX_NDIM}")
-    return FIXED_SIZE + 8 * ndim + pi + pv + li + lv + lp + CRC_SIZE
+    if version not in READ_VERSIONS:
+        raise ContainerError(f"container format version {version} is not supported "
+                             f"(this build reads versions {' and '.join(map(str, READ_VERSIONS))})")
+    fixed = _V1 if version == 1 else _V2
+    if len(buf) - offset < fixed.size + CRC_SIZE:
+        raise ContainerError(
+            f"truncated container at byte {offset}: {len(buf) - offset} bytes, "
+            f"the version {version} header alone needs {fixed.size + CRC_SIZE}"
+        )
+    if version == 1:
+        (_, _, flags, iid, vid, ndim, width, pi, pv, reserved, n, li, lv, lp) = _V1.unpack_from(buf, offset)
+        digest, lengths, pos = None, (pi, pv, li, lv, lp), offset + _V1.size
+        if ndim > MAX_NDIM:
+            raise ContainerError(f"container claims {ndim} dimensions; at most {MAX_NDIM}")
+        if len(buf) - pos < 8 * ndim:
+            raise ContainerError(f"truncated container at byte {offset}: the shape runs past the end")
+        shape = struct.unpack_from(f"<{ndim}Q", buf, pos)
+        pos += 8 * ndim
+    else:
+        (_, _, flags, iid, vid, ndim, width, digest) = _V2.unpack_from(buf, offset)
+        if ndim > MAX_NDIM:
+            raise ContainerError(f"container claims {ndim} dimensions; at most {MAX_NDIM}")
+        pos, reserved = offset + _V2.size, 0
+        n, pos = varint.decode(buf, pos, "n")
+        numbers = []
+        for name in _LENGTH_FIELDS:
+            value, pos = varint.decode(buf, pos, name)
+            numbers.append(value)
+        lengths = tuple(numbers)
+        dims = []
+        for axis in range(ndim):
+            value, pos = varint.decode(buf, pos, f"shape[{axis}]")
+            dims.append(value)
+        shape = tuple(dims)
+        for name, length in zip(_LENGTH_FIELDS[:2], lengths[:2]):
+            if length > MAX_PARAMS:
+                raise ContainerError(f"container {name} is {length}; at most {MAX_PARAMS}")
+    return _Header(version, flags, iid, vid, width, digest, reserved, n, lengths,
+                   tuple(int(s) for s in shape), pos - offset)
 
 
 def unpack(payload) -> Container:
-    """Parse and check one container; raise ContainerError on any inconsistency."""
+    """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency."""
     buf = _as_bytes(payload)
-    total = _total_length(buf, 0)
-    if total != len(buf):
-        raise ContainerError(f"container length mismatch: header describes {total} bytes, buffer has {len(buf)}")
+    h = _read_header(buf, 0)
+    if h.total != len(buf):
+        raise ContainerError(f"container length mismatch: header describes {h.total} bytes, buffer has {len(buf)}")
     body, (crc,) = buf[:-CRC_SIZE], struct.unpack_from("<I", buf, len(buf) - CRC_SIZE)
     if zlib.crc32(body) != crc:
         raise ContainerError("container checksum mismatch: the buffer is corrupted")
-    (_, _, flags, index_id, value_id, ndim, perm_width, pi, pv, reserved, n, li, lv, lp) = _FIXED.unpack_from(buf)
-    if flags & ~_KNOWN_FLAGS or reserved:
-        raise ContainerError(f"container has unknown flags 0x{flags:02x} or non-zero reserved bits")
-    pos = FIXED_SIZE
-    shape = struct.unpack_from(f"<{ndim}Q", buf, pos)
-    pos += 8 * ndim
+    if h.flags & ~_KNOWN_FLAGS or h.reserved:
+        raise ContainerError(f"container has unknown flags 0x{h.flags:02x} or non-zero reserved bits")
+    pos = h.size
     sections = []
-    for length in (pi, pv, li, lv, lp):
+    for length in h.lengths:
         sections.append(buf[pos:pos + length])
         pos += length
     c = Container(
-        shape=tuple(int(s) for s in shape), n=n, index_id=index_id, value_id=value_id, flags=flags,
-        perm_width=perm_width, index_params=sections[0], value_params=sections[1],
-        index_section=sections[2], value_section=sections[3], perm_section=sections[4], nbytes=len(buf),
+        shape=h.shape, n=h.n, index_id=h.index_id, value_id=h.value_id, flags=h.flags,
+        perm_width=h.perm_width, index_params=sections[0], value_params=sections[1],
+        index_section=sections[2], value_section=sections[3], perm_section=sections[4],
+        digest=h.digest, version=h.version, nbytes=len(buf),
     )
+    li, lv, lp = h.lengths[2:]
     if c.n > c.numel:
         raise ContainerError(f"container claims {c.n} values for a tensor of {c.numel} elements")
-    if c.permuted != (perm_width > 0) or (not c.permuted and lp):
+    if c.permuted != (c.perm_width > 0) or (not c.permuted and lp):
         raise ContainerError("container permutation flag, width and section disagree")
     if c.dense and (c.n != c.numel or lv != 4 * c.numel or li or lp):
         raise ContainerError("dense container sections do not match its shape")
@@ -172,11 +234,11 @@ def unpack(payload) -> Container:
 
 
 def split(buffer) -> List[np.ndarray]:
-    """Split the concatenation of several containers (an allgather result) into each one."""
+    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2)."""
     buf = _as_bytes(buffer)
     out, offset = [], 0
     while offset < len(buf):
-        length = _total_length(buf, offset)
+        length = _read_header(buf, offset).total
         if offset + length > len(buf):
             raise ContainerError(
                 f"truncated container at byte {offset}: needs {length} bytes, {len(buf) - offset} remain"
@@ -192,7 +254,8 @@ def inspect(payload) -> dict:
 
     c = unpack(payload)
     info = {
-        "format_version": VERSION,
+        "format_version": c.version,
+        "config_digest": None if c.digest is None else c.digest.hex(),
         "nbytes": c.nbytes,
         "shape": c.shape,
         "numel": c.numel,

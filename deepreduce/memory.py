@@ -28,7 +28,7 @@ from typing import Dict, NamedTuple, Optional
 import numpy as np
 
 from . import kernels
-from .errors import CommunicationError
+from .errors import CommunicationError, ConfigError
 from .params import Component
 from .registry import register
 
@@ -123,3 +123,31 @@ class ResidualMemory(Memory):
 
     def reset(self):
         self._residuals.clear()
+
+    def state_dict(self) -> dict:
+        """``{"residuals": {name: residual}}`` (copies), for checkpoints."""
+        return {"residuals": {name: residual.copy() for name, residual in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace every residual with the checkpoint's; errors name a malformed entry."""
+        residuals = _checked_keys(self, state, ("residuals",))["residuals"]
+        if not isinstance(residuals, dict):
+            raise ConfigError(f"memory {self.id!r}: 'residuals' must be a dict of name -> array")
+        loaded = {}
+        for name, residual in residuals.items():
+            array = np.asarray(residual)
+            if not isinstance(name, str) or array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
+                raise ConfigError(f"memory {self.id!r}: residual {name!r} must be a 1-D float array, "
+                                  f"got {array.dtype} of shape {array.shape}")
+            loaded[name] = np.array(array, dtype=np.float32, copy=True)
+        self.reset()
+        self._residuals.update(loaded)
+
+
+def _checked_keys(component, state, keys) -> dict:
+    """``state`` if it is a dict with exactly ``keys``; a ConfigError naming the difference otherwise."""
+    if not isinstance(state, dict) or set(state) != set(keys):
+        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(f"{component.kind} {component.id!r}: checkpoint state must have the keys "
+                          f"{list(keys)}, got {got}")
+    return state

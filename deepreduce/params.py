@@ -122,6 +122,20 @@ class Component:
         """The config dict that rebuilds an equal component."""
         return {"id": self.id, **{key: getattr(self, key) for key in self.PARAMS}}
 
+    def state_dict(self) -> dict:
+        """What the component learned while encoding (checkpointed with the training state).
+
+        Stateless components return ``{}``; stateful ones (error-feedback memories, SIDCo's
+        adaptive stage counts) return plain Python values and NumPy arrays.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; a stateless component accepts only ``{}``."""
+        if state:
+            raise ConfigError(f"{self.kind} {self.id!r} keeps no state, but the checkpoint holds "
+                              f"{', '.join(sorted(map(str, state)))}")
+
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.get_config() == other.get_config()
 

@@ -25,6 +25,7 @@ from .stats import CompressionStats
 from .values import ValueCodec
 
 NONFINITE_POLICIES = ("propagate", "raise")
+_STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")
 DEFAULT_MIN_NUMEL = 1000
 
 
@@ -90,6 +91,34 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"Pipeline({self.get_config()!r})"
 
+    @property
+    def config_digest(self) -> bytes:
+        """16-byte digest of the wire config (no communicator): equal on ranks that agree."""
+        return self._digest
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What this pipeline learned while encoding: error-feedback residuals and the
+        components' adaptive state (e.g. SIDCo stage counts), keyed by component.
+
+        Plain Python values and NumPy arrays; ``load_state_dict`` on a pipeline built from the
+        same config makes its next containers byte-identical to this one's.
+        """
+        return {"config_digest": self._digest.hex(),
+                **{kind: getattr(self, kind).state_dict() for kind in _STATEFUL_PARTS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; refuses a checkpoint of another config."""
+        expected = {"config_digest", *_STATEFUL_PARTS}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"pipeline checkpoint must have the keys {sorted(expected)}, got {got}")
+        if state["config_digest"] != self._digest.hex():
+            raise ConfigError("pipeline checkpoint was saved by a pipeline with another config "
+                              f"(digest {state['config_digest']}, this pipeline {self._digest.hex()})")
+        for kind in _STATEFUL_PARTS:
+            getattr(self, kind).load_state_dict(state[kind])
+
     def context(self, name: str, step: int) -> EncodeContext:
         """The seeding context for one (tensor, step): the same on every rank."""
         return EncodeContext(self._digest, name, step)
@@ -127,6 +156,7 @@ class Pipeline:
         else:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
             self.memory.settle(name, positions, received, self.threads)
+        c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c)
         self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
         return payload

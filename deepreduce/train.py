@@ -7,23 +7,49 @@ Run with N ranks under Horovod, e.g.::
 Each epoch rank 0 prints the training loss (averaged over ranks), the test accuracy, the relative
 data volume (bytes this job put on the wire over dense float32 bytes, averaged over ranks) and
 the wall time. ``--baseline`` trains with Horovod's own allreduce instead (no compression).
+
+``--profile`` adds, per epoch, the median forward / backward / step milliseconds per step (and,
+for deepreduce, where the optimizer's time went). ``--ab`` measures deepreduce's overhead inside
+one job: two replicas of the model, started from the same weights, take turns on the same
+batches, one with Horovod's dense allreduce and one with the deepreduce optimizer, and each epoch
+prints both median step times and their ratio (the epoch line reports the deepreduce replica).
+
+Under ``torchrun`` (``torchrun --nproc-per-node 2 -m deepreduce.train --baseline``) the baseline
+runs as plain DistributedDataParallel over gloo, so both launchers' forward passes can be compared.
+Under Horovod the job first applies :mod:`deepreduce.runtime`'s settings (each only where the
+environment does not already set it).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
+import statistics
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 EPOCH_LINE = "epoch {epoch:3d} | train loss {loss:.4f} | test acc {acc_pct:.2f}% | rel volume {volume:.4f} | time {seconds:.1f}s"
+PROFILE_LINE = ("profile {label:10s} | forward {forward:7.2f} ms | backward {backward:7.2f} ms | "
+                "step {step:7.2f} ms | total {total:7.2f} ms  (medians over {steps} steps)")
+OPTIMIZER_LINE = ("optimizer {label:8s} | encode {encode:6.2f} ms (hidden {hidden:6.2f}) | wait for encode "
+                  "{encode_wait:6.2f} ms | wait for collectives {comm_wait:6.2f} ms | decode {decode:6.2f} ms  (per step)")
+AB_LINE = ("a/b epoch {epoch:3d} | dense {dense:7.2f} ms | deepreduce {deepreduce:7.2f} ms | ratio {ratio:.3f} "
+           "(of median step times) | paired {paired:.3f} (median of per-step ratios)")
+PHASES = ("forward", "backward", "step")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/topk_raw.yaml", help="DeepReduce config (YAML)")
-    parser.add_argument("--baseline", action="store_true", help="no compression: Horovod allreduce")
+    parser.add_argument("--baseline", action="store_true", help="no compression: Horovod allreduce (DDP under torchrun)")
+    parser.add_argument("--ab", action="store_true",
+                        help="alternate dense allreduce and deepreduce every step and print their step-time ratio")
+    parser.add_argument("--profile", action="store_true", help="print median forward/backward/step ms per epoch")
+    parser.add_argument("--sync-encode", action="store_true",
+                        help="encode inside the backward hook instead of on the background worker")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate (scaled by the number of ranks)")
@@ -33,7 +59,116 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
     parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.ab and args.baseline:
+        parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")
+    return args
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (torch.distributed.elastic) marks every worker's environment with a run id."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class HorovodWorld:
+    """The job's ranks under horovodrun / mpirun: Horovod collectives and optimizers."""
+
+    def __init__(self) -> None:
+        from . import runtime
+
+        runtime.apply_defaults()
+        import horovod.torch as hvd
+
+        hvd.init()
+        self.hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def broadcast(self, model) -> None:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def mean(self, value: float, name: str) -> float:
+        import torch
+
+        return self.hvd.allreduce(torch.tensor(float(value)), name=name).item()
+
+    def dense(self, model, base):
+        return model, self.hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+
+    def deepreduce(self, model, base, args):
+        import deepreduce.torch as drt
+
+        return model, drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                               compression=args.config, background=not args.sync_encode)
+
+
+class TorchWorld:
+    """The job's ranks under torchrun: gloo process group, DistributedDataParallel for the baseline."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def broadcast(self, model) -> None:
+        for tensor in model.state_dict().values():
+            self.dist.broadcast(tensor, src=0)
+
+    def mean(self, value: float, name: str) -> float:
+        import torch
+
+        total = torch.tensor(float(value))
+        self.dist.all_reduce(total)
+        return total.item() / self.size
+
+    def dense(self, model, base):
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Buffers (BatchNorm statistics) stay per rank, as under Horovod: no broadcast in forward.
+        return DistributedDataParallel(model, broadcast_buffers=False), base
+
+    def deepreduce(self, model, base, args):
+        from .errors import ConfigError
+
+        raise ConfigError("under torchrun the main job runs --baseline (DistributedDataParallel) only; "
+                          "launch deepreduce configs with horovodrun")
+
+
+class Arm:
+    """One model replica with its optimizer; keeps per-step phase timings."""
+
+    def __init__(self, label: str, model, optimizer, scheduler, compressed: bool) -> None:
+        self.label, self.model, self.optimizer, self.scheduler = label, model, optimizer, scheduler
+        self.compressed = compressed
+        self.times: Dict[str, List[float]] = {phase: [] for phase in PHASES}
+
+    def step(self, x, y) -> float:
+        from torch.nn import functional as F
+
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        self.optimizer.step()
+        step_end = time.perf_counter()
+        for phase, seconds in zip(PHASES, (forward_end - start, backward_end - forward_end, step_end - backward_end)):
+            self.times[phase].append(seconds)
+        return loss.item()
+
+    def medians_ms(self) -> Dict[str, float]:
+        out = {phase: 1e3 * statistics.median(self.times[phase]) for phase in PHASES}
+        out["total"] = 1e3 * statistics.median(self.totals())
+        return out
+
+    def totals(self) -> List[float]:
+        return [sum(parts) for parts in zip(*(self.times[p] for p in PHASES))]
+
+    def reset_times(self) -> None:
+        for phase in PHASES:
+            self.times[phase].clear()
 
 
 def evaluate(model, x_test, y_test) -> float:
@@ -47,65 +182,117 @@ def evaluate(model, x_test, y_test) -> float:
     return float(acc)
 
 
-def train(args: argparse.Namespace) -> List[dict]:
-    """Run the job on the current Horovod world; returns rank 0's per-epoch metrics."""
-    import horovod.torch as hvd
+def build_arms(world, args) -> List[Arm]:
+    """The model replica(s) of this run; the last one is the one the epoch line reports."""
     import torch
-    from torch.nn import functional as F
 
-    import deepreduce.torch as drt
-    from deepreduce.data import load_digits_32, shard
     from deepreduce.models.resnet import ResNet20
 
-    hvd.init()
-    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_digits_32()
     model = ResNet20()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    base = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum,
-                           weight_decay=args.weight_decay)
-    if args.baseline:
-        optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    else:
-        optimizer = drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                             compression=args.config)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, args.epochs))
+    world.broadcast(model)
+    kinds = ["dense", "deepreduce"] if args.ab else ["dense" if args.baseline else "deepreduce"]
+    arms = []
+    for kind in kinds:
+        replica = copy.deepcopy(model) if kind != kinds[-1] else model
+        base = torch.optim.SGD(replica.parameters(), lr=args.lr * world.size, momentum=args.momentum,
+                               weight_decay=args.weight_decay)
+        wrapped, optimizer = world.dense(replica, base) if kind == "dense" else world.deepreduce(replica, base, args)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, args.epochs))
+        arms.append(Arm(kind, wrapped, optimizer, scheduler, compressed=kind == "deepreduce"))
+    return arms
+
+
+def paired_ratio(dense: Arm, compressed: Arm) -> float:
+    """Median over steps of (deepreduce step time / dense step time on the same batch)."""
+    return statistics.median(c / d for c, d in zip(compressed.totals(), dense.totals()))
+
+
+def optimizer_ms(before: dict, after: dict, steps: int) -> Dict[str, float]:
+    """Per-step milliseconds of the deepreduce optimizer's phases between two stats snapshots."""
+    def per_step(key):
+        return 1e3 * (after[key] - before[key]) / max(1, steps)
+
+    return {"encode": per_step("encode_seconds"), "hidden": per_step("encode_hidden_seconds"),
+            "encode_wait": per_step("encode_wait_seconds"), "comm_wait": per_step("communication_wait_seconds"),
+            "decode": per_step("decode_seconds")}
+
+
+def train(args: argparse.Namespace) -> List[dict]:
+    """Run the job on the current world (Horovod, or torchrun for the baseline); returns rank 0's metrics."""
+    import torch
+
+    from deepreduce.data import load_digits_32, shard
+
+    world = TorchWorld() if launched_by_torchrun() else HorovodWorld()
+    torch.set_num_threads(args.threads)
+    x_train, y_train, x_test, y_test = load_digits_32()
+    arms = build_arms(world, args)
+    reported = arms[-1]
     history = []
-    dense_bytes_per_step = 4 * sum(p.numel() for p in model.parameters())
+    dense_bytes_per_step = 4 * sum(p.numel() for p in reported.model.parameters())
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        before = None if args.baseline else optimizer.compression_stats()
-        indices = shard(len(y_train), hvd.rank(), hvd.size(), epoch, seed=args.seed)
+        before = reported.optimizer.compression_stats() if reported.compressed else None
+        indices = shard(len(y_train), world.rank, world.size, epoch, seed=args.seed)
         steps = len(indices) // args.batch_size
         if args.max_steps:
             steps = min(steps, args.max_steps)
         losses = []
+        for arm in arms:
+            arm.reset_times()
         for step in range(steps):
             batch = indices[step * args.batch_size:(step + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(torch.from_numpy(x_train[batch])), torch.from_numpy(y_train[batch]))
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        scheduler.step()
-        if args.baseline:
-            volume = 1.0
-        else:
-            after = optimizer.compression_stats()
-            volume = (after["wire_bytes"] - before["wire_bytes"]) / max(1, dense_bytes_per_step * steps)
-        mean_loss = hvd.allreduce(torch.tensor(float(np.mean(losses))), name="epoch_loss").item()
-        mean_volume = hvd.allreduce(torch.tensor(volume), name="epoch_volume").item()
-        record = {"epoch": epoch + 1, "loss": mean_loss, "acc": evaluate(model, x_test, y_test),
-                  "volume": mean_volume, "seconds": time.perf_counter() - start}
+            x, y = torch.from_numpy(x_train[batch]), torch.from_numpy(y_train[batch])
+            order = arms if step % 2 == 0 else arms[::-1]     # alternate who goes first
+            for arm in order:
+                loss = arm.step(x, y)
+                if arm is reported:
+                    losses.append(loss)
+        for arm in arms:
+            arm.scheduler.step()
+        record = epoch_record(world, args, epoch, steps, reported, before, losses, dense_bytes_per_step,
+                              x_test, y_test, time.perf_counter() - start)
+        record["steps"] = steps
+        if args.ab or args.profile:
+            record["step_ms"] = {arm.label: arm.medians_ms() for arm in arms}
+        if args.ab:
+            record["ab_ratio"] = paired_ratio(arms[0], arms[1])
+        if reported.compressed and args.profile:
+            record["optimizer_ms"] = optimizer_ms(before, reported.optimizer.compression_stats(), steps)
         history.append(record)
-        if hvd.rank() == 0:
-            print(EPOCH_LINE.format(acc_pct=100 * record["acc"], **record), flush=True)
-    if hvd.rank() == 0 and args.metrics_json:
+        if world.rank == 0:
+            print_epoch(args, record)
+    if world.rank == 0 and args.metrics_json:
         with open(args.metrics_json, "w", encoding="utf-8") as handle:
-            json.dump({"config": None if args.baseline else args.config, "ranks": hvd.size(),
-                       "epochs": history}, handle, indent=2)
+            json.dump({"config": None if args.baseline else args.config, "ranks": world.size,
+                       "ab": args.ab, "epochs": history}, handle, indent=2)
     return history
+
+
+def epoch_record(world, args, epoch, steps, reported, before, losses, dense_bytes_per_step, x_test, y_test,
+                 seconds) -> dict:
+    volume = 1.0
+    if reported.compressed:
+        after = reported.optimizer.compression_stats()
+        volume = (after["wire_bytes"] - before["wire_bytes"]) / max(1, dense_bytes_per_step * steps)
+    model = getattr(reported.model, "module", reported.model)
+    return {"epoch": epoch + 1, "loss": world.mean(np.mean(losses), "epoch_loss"),
+            "acc": evaluate(model, x_test, y_test), "volume": world.mean(volume, "epoch_volume"),
+            "seconds": seconds}
+
+
+def print_epoch(args, record: dict) -> None:
+    print(EPOCH_LINE.format(acc_pct=100 * record["acc"], **record), flush=True)
+    for label, medians in record.get("step_ms", {}).items():
+        if args.profile:
+            print(PROFILE_LINE.format(label=label, steps=record["steps"], **medians), flush=True)
+    if "optimizer_ms" in record:
+        print(OPTIMIZER_LINE.format(label="deepreduce", **record["optimizer_ms"]), flush=True)
+    if args.ab:
+        dense, compressed = record["step_ms"]["dense"]["total"], record["step_ms"]["deepreduce"]["total"]
+        print(AB_LINE.format(epoch=record["epoch"], dense=dense, deepreduce=compressed, ratio=compressed / dense,
+                             paired=record["ab_ratio"]), flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

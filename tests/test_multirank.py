@@ -23,3 +23,8 @@ def test_mpi4py_communicator_gathers_variable_sizes():
 def test_shape_mismatch_across_ranks_is_reported():
     out = run_ranks("horovodrun", "shape_mismatch.py")
     assert out.stdout.count("OK") == 2
+
+
+def test_background_encoder_matches_synchronous_path_and_surfaces_worker_errors():
+    out = run_ranks("horovodrun", "torch_background_encode.py")
+    assert out.stdout.count("OK") == 2

@@ -1,4 +1,5 @@
-"""fig11 quick mode: two ranks in two network namespaces over a tc-shaped veth pair.
+"""fig11 quick mode: two ranks in two network namespaces over a tc-shaped veth pair, deepreduce
+beside PyTorch's PowerSGD and fp16 DDP hooks.
 
 Runs for real where this process may create network namespaces (root with iproute2, as in
 the project's CI container); elsewhere the experiment itself reports that the link was not
@@ -11,7 +12,7 @@ import subprocess
 
 import pytest
 
-from deepreduce.reproduce import fig11
+from deepreduce.reproduce import fig11, torch_hooks
 
 
 def _our_namespaces():
@@ -32,6 +33,9 @@ def test_fig11_quick(tmp_path):
     networks = [r["network"] for r in result.rows]
     methods = {r["method"] for r in result.rows}
     assert "no compression (allreduce)" in methods and "Top-r 10%" in methods
+    hooks = {label for label, config in fig11.METHODS if torch_hooks.is_hook(config)}
+    assert hooks == {"PowerSGD rank 1 (torch DDP hook)", "PowerSGD rank 4 (torch DDP hook)",
+                     "fp16 (torch DDP hook)"} and hooks <= methods
     if available:
         assert set(networks) == {name for name, _ in fig11.BANDWIDTHS}
         assert all("tbf" in q for q in result.extra["qdisc"].values())
@@ -44,10 +48,17 @@ def test_fig11_quick(tmp_path):
         assert any(n.startswith("NOT SHAPED") and why in n for n in result.notes)
     for row in result.rows:
         assert row["compute_ms"] > 0 and row["total_ms"] >= row["comm_ms"]
+        assert row["total_ms"] == pytest.approx(row["compute_ms"] + row["codec_ms"] + row["comm_ms"])
+        assert row["speedup"] > 0
         if row["method"].startswith("no compression"):
             assert row["volume"] == 1.0 and row["codec_ms"] == 0
         else:
-            assert 0 < row["volume"] < 1.0
+            assert 0 < row["volume"] < 1.0 and row["codec_ms"] > 0
+    for net in set(networks):
+        volume = {r["method"]: r["volume"] for r in result.rows if r["network"] == net}
+        assert volume["fp16 (torch DDP hook)"] == 0.5               # two bytes per float32 gradient entry
+        # PowerSGD compressed in the measured iterations: rank-1 factors are smaller than rank-4 ones.
+        assert 0 < volume["PowerSGD rank 1 (torch DDP hook)"] < volume["PowerSGD rank 4 (torch DDP hook)"] < 0.5
     assert _our_namespaces() == before            # cleaned up after itself
 
 

@@ -255,3 +255,20 @@ def test_torch_selection_equals_numpy_on_real_layers_with_tail_check():
             assert np.array_equal(want, got), (config, name)
             fired += pipe.sparsifier.last["exact_tail"]
         assert fired >= 1   # the check path ran in both bindings
+
+
+def test_multi_stage_on_a_mostly_zero_gradient_meets_the_target():
+    """Non-zeros fewer than stage 1's 25% share (an embedding gradient): stage 1 keeps them
+    all and the later stages cut to k, instead of sending every non-zero."""
+    rng = np.random.default_rng(12)
+    g = np.zeros(200_000, np.float32)
+    g[rng.choice(g.size, 15_000, replace=False)] = rng.laplace(scale=1e-3, size=15_000)
+    for dist in _fits.DISTRIBUTIONS:
+        sp = sidco(ratio=0.01, distribution=dist, stages=3, adapt="off")
+        chosen = sp.select(g, ctx(0))
+        assert 0.8 <= chosen.size / 2000 <= 1.2, (dist, chosen.size)
+        assert np.all(g[chosen] != 0)
+    # the target covers every non-zero: exactly the non-zeros of normal magnitude
+    g[:3] = [1e-40, -1e-39, 0.0]
+    chosen = sidco(ratio=0.2, stages=3).select(g, ctx(0))
+    assert chosen.tolist() == [j for j in np.flatnonzero(g).tolist() if abs(g[j]) >= 1.17549435e-38]

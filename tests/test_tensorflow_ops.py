@@ -39,37 +39,38 @@ def filter_case():
     rng = np.random.default_rng(3)
     d = 50_000
     idx = np.sort(rng.choice(d, 500, replace=False)).astype(np.int64)
-    m, k = bloom_codec.filter_params(idx.size, 0.01)
-    return idx, d, m, k, 0xDEADBEEFCAFEF00D
+    blocks, k = bloom_codec.filter_params(idx.size, 0.01)
+    return idx, d, blocks, k, 0xDEADBEEFCAFEF00D
 
 
 def test_bloom_build_and_query_match_numpy_twin(filter_case):
-    idx, d, m, k, seed = filter_case
-    bits = OPS.deep_reduce_bloom_build(idx, m, k, as_i64(seed)).numpy()
-    assert bits.tobytes() == bloom_codec.np_build(idx.astype(np.uint64), m, k, seed)
-    positives = OPS.deep_reduce_bloom_query(bits, m, k, as_i64(seed), d, d).numpy()
-    expected = bloom_codec.np_query(bits.tobytes(), m, k, seed, d, d).astype(np.int64)
+    idx, d, blocks, k, seed = filter_case
+    bits = OPS.deep_reduce_bloom_build(idx, blocks, k, as_i64(seed)).numpy()
+    assert bits.tobytes() == bloom_codec.np_build(idx.astype(np.uint64), blocks, k, seed)
+    positives = OPS.deep_reduce_bloom_query(bits, blocks, k, as_i64(seed), d, d).numpy()
+    expected = bloom_codec.np_query(bits.tobytes(), blocks, k, seed, d, d).astype(np.int64)
     np.testing.assert_array_equal(positives, expected)
     assert np.isin(idx, positives).all() and positives.size > idx.size   # no false negatives, some FPs
     # early exit: with a limit the query may stop, but returns a prefix with more than `limit`
-    short = OPS.deep_reduce_bloom_query(bits, m, k, as_i64(seed), d, 10).numpy()
+    short = OPS.deep_reduce_bloom_query(bits, blocks, k, as_i64(seed), d, 10).numpy()
     assert short.size > 10 and np.array_equal(short, positives[:short.size])
 
 
 @pytest.mark.parametrize("policy", bloom_codec.POLICIES)
 def test_bloom_select_matches_the_codec_policies(filter_case, policy):
-    idx, d, m, k, seed = filter_case
+    idx, d, blocks, k, seed = filter_case
     draw = 0xFEDCBA9876543210
-    bits = bloom_codec.np_build(idx.astype(np.uint64), m, k, seed)
-    P = bloom_codec.np_query(bits, m, k, seed, d, d)
+    bits = bloom_codec.np_build(idx.astype(np.uint64), blocks, k, seed)
+    P = bloom_codec.np_query(bits, blocks, k, seed, d, d)
     r = idx.size
-    got = OPS.deep_reduce_bloom_select(P.astype(np.int64), r, m, k, as_i64(seed), as_i64(draw), policy=policy).numpy()
+    got = OPS.deep_reduce_bloom_select(P.astype(np.int64), r, blocks, k, as_i64(seed), as_i64(draw), policy=policy).numpy()
     if policy == "p1":
         expected = bloom_codec.np_select_random(P, r, draw)
     elif policy == "p2":
-        expected = bloom_codec.np_select_conflict(P, r, m, k, seed, draw)
+        expected = bloom_codec.np_select_conflict(P, r, blocks, k, seed, draw)
     else:
-        expected = bloom_codec.BloomIndex(policy=policy)._select(None, policy, P, r, m, k, seed, draw)
+        params = bloom_codec.BloomParams("blocked", policy, k, blocks, seed, draw)
+        expected = bloom_codec.BloomIndex(policy=policy)._select(None, params, P, r)
     np.testing.assert_array_equal(got, np.asarray(expected).astype(np.int64))
 
 
@@ -85,17 +86,17 @@ def test_fit_encode_decode_match_numpy_twin(coef_bytes):
 
 
 def test_bad_input_fails_the_op_without_crashing(filter_case):
-    idx, d, m, k, seed = filter_case
+    idx, d, blocks, k, seed = filter_case
     seed = as_i64(seed)
-    bits = OPS.deep_reduce_bloom_build(idx, m, k, seed)
+    bits = OPS.deep_reduce_bloom_build(idx, blocks, k, seed)
     with pytest.raises(tf.errors.InvalidArgumentError, match="bytes, expected"):
-        OPS.deep_reduce_bloom_query(bits[:-1], m, k, seed, d, d)
+        OPS.deep_reduce_bloom_query(bits[:-1], blocks, k, seed, d, d)
     with pytest.raises(tf.errors.InvalidArgumentError, match="k in"):
-        OPS.deep_reduce_bloom_build(idx, m, 0, seed)
+        OPS.deep_reduce_bloom_build(idx, blocks, 0, seed)
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-negative"):
-        OPS.deep_reduce_bloom_build(tf.constant([-1], tf.int64), m, k, seed)
+        OPS.deep_reduce_bloom_build(tf.constant([-1], tf.int64), blocks, k, seed)
     with pytest.raises(tf.errors.InvalidArgumentError, match="requested"):
-        OPS.deep_reduce_bloom_select(tf.constant([1, 2], tf.int64), 3, m, k, seed, 0, policy="p1")
+        OPS.deep_reduce_bloom_select(tf.constant([1, 2], tf.int64), 3, blocks, k, seed, 0, policy="p1")
     garbage = np.random.default_rng(0).integers(0, 256, 40).astype(np.uint8)
     with pytest.raises(tf.errors.InvalidArgumentError, match="polyfit decode"):
         OPS.deep_reduce_fit_decode(garbage, 1000, degree=5, coef_bytes=4)
@@ -176,14 +177,6 @@ def test_backend_choice():
         drtf.build(path, backend="gpu")
 
 
-def _recrc(buf):
-    import struct
-    import zlib
-
-    out = bytearray(buf[:-4])
-    return np.frombuffer(bytes(out) + struct.pack("<I", zlib.crc32(bytes(out))), dtype=np.uint8).copy()
-
-
 @pytest.mark.parametrize("policy", bloom_codec.POLICIES)
 def test_graph_decode_queries_and_selects_with_the_ops(policy, monkeypatch):
     config = {"sparsifier": {"id": "topk", "ratio": 0.02}, "index": {"id": "bloom", "policy": policy, "fpr": 0.01},
@@ -212,9 +205,11 @@ def test_graph_decode_queries_and_selects_with_the_ops(policy, monkeypatch):
     types = _op_types(decode_sum.get_concrete_function(tf.TensorSpec([None], tf.uint8)))
     assert {"DeepReduceBloomQuery", "DeepReduceBloomSelect"} <= types
     # a header count that the filter cannot back fails with the core's message
-    bad = payloads[0].copy()
-    bad[16:24] = np.frombuffer(np.uint64(8000).tobytes(), np.uint8)   # n = numel
-    bad = _recrc(bad)
+    import deepreduce.container as ct
+
+    header = ct.unpack(payloads[0])
+    header.n = 8000   # n = numel
+    bad = ct.pack(header)
     with pytest.raises(tf.errors.OpError, match="positives|values"):
         decode_one(tf.constant(bad))
     with pytest.raises(tf.errors.OpError, match="containers for"):

@@ -148,7 +148,8 @@ def test_container_size_adds_up_for_polyfit_with_raw_indices():
     payload = pipe.encode(grad, "conv")
     c = container.unpack(payload)
     assert c.n == 368 and not c.permuted and len(c.index_section) == 4 * 368
-    assert payload.size == container.overhead(4, 0, 2) + len(c.index_section) + len(c.value_section)
+    sections = len(c.index_section), len(c.value_section)
+    assert payload.size == container.overhead(grad.shape, c.n, *sections, value_params=2) + sum(sections)
 
 
 # ---------------------------------------------------------------------------- round trips

@@ -1,75 +1,181 @@
-// Bloom filter kernels; see bloom.h for the hash family and the contracts.
+// Bloom filter kernels; see bloom.h for the hash families and the contracts.
 #include "bloom.h"
 
 #include <algorithm>
+#include <exception>
 #include <stdexcept>
+#include <thread>
 #include <utility>
+
+// The hash pass of the blocked query is compiled twice (AVX2 and baseline) and picked at load
+// time where the compiler supports it; both compute the same integers.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define DR_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define DR_MULTIVERSION
+#endif
 
 namespace deepreduce {
 namespace bloom {
 
 namespace {
 
-inline bool test_bit(const uint8_t* bits, uint64_t j) { return (bits[j >> 3] >> (j & 7)) & 1u; }
-
 void check_k(int k) {
     if (k < 1 || k > MAX_K) throw std::invalid_argument("Bloom filter: k must be in [1, 64]");
 }
 
-}  // namespace
-
-void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, uint64_t* out) {
-    check_k(k);
-    if (m == 0) throw std::invalid_argument("Bloom filter: m must be positive");
-    uint64_t keys[MAX_K];
-    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
-    for (size_t a = 0; a < n; ++a)
-        for (int i = 0; i < k; ++i) out[a * k + i] = position(x[a], keys[i], m);
+void check_threads(int threads) {
+    if (threads < 1 || threads > MAX_THREADS) throw std::invalid_argument("Bloom filter: threads must be in [1, 256]");
 }
 
-void build(const uint64_t* idx, size_t n, uint64_t m, int k, uint64_t seed, uint8_t* bits) {
-    check_k(k);
-    if (n == 0) return;
-    if (m == 0) throw std::invalid_argument("Bloom filter: m must be positive to insert indices");
-    uint64_t keys[MAX_K];
-    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
-    for (size_t a = 0; a < n; ++a) {
-        const uint64_t x = idx[a];
-        for (int i = 0; i < k; ++i) {
-            const uint64_t j = position(x, keys[i], m);
-            bits[j >> 3] |= static_cast<uint8_t>(1u << (j & 7));
+void check_blocks(uint64_t blocks) {
+    if (blocks > blocked::MAX_BLOCKS) throw std::invalid_argument("Bloom filter: more than 2^31 - 1 blocks");
+}
+
+void check_ascending(const uint64_t* P, size_t np, const char* what) {
+    for (size_t a = 1; a < np; ++a)
+        if (P[a] <= P[a - 1]) throw std::invalid_argument(std::string(what) + ": positives must be strictly ascending");
+}
+
+inline bool test_bit(const uint8_t* bits, uint64_t j) { return (bits[j >> 3] >> (j & 7)) & 1u; }
+
+// Work below this many items per thread is not worth a thread.
+constexpr uint64_t MIN_PER_THREAD = uint64_t(1) << 16;
+
+// fn(t, lo, hi) over `parts` contiguous ranges of [0, n); rethrows the first exception.
+template <class F>
+void run_parts(uint64_t n, int parts, F fn) {
+    if (parts <= 1) {
+        fn(0, uint64_t(0), n);
+        return;
+    }
+    std::vector<std::thread> pool;
+    std::vector<std::exception_ptr> errors(parts);
+    for (int t = 0; t < parts; ++t) {
+        const uint64_t lo = n / parts * t + std::min<uint64_t>(t, n % parts);
+        const uint64_t hi = lo + n / parts + (static_cast<uint64_t>(t) < n % parts);
+        pool.emplace_back([&, t, lo, hi] {
+            try {
+                fn(t, lo, hi);
+            } catch (...) {
+                errors[t] = std::current_exception();
+            }
+        });
+    }
+    for (auto& th : pool) th.join();
+    for (auto& e : errors)
+        if (e) std::rethrow_exception(e);
+}
+
+int parts_for(uint64_t n, int threads) {
+    return static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(threads, n / MIN_PER_THREAD)));
+}
+
+// Query [0, d) by ranges, one per thread, each range(lo, hi, limit, out) appending its ascending
+// positives (stopping once it holds more than `limit`); concatenated in order and cut to limit + 1,
+// so the result is the first min(|P|, limit + 1) positives whatever the thread count.
+template <class Range>
+void query_by_ranges(uint64_t d, uint64_t limit, int threads, Range range, std::vector<uint64_t>& out) {
+    const int parts = parts_for(d, threads);
+    if (parts == 1) {
+        range(uint64_t(0), d, limit, out);
+    } else {
+        std::vector<std::vector<uint64_t>> found(parts);
+        run_parts(d, parts, [&](int t, uint64_t lo, uint64_t hi) { range(lo, hi, limit, found[t]); });
+        for (auto& part : found) {
+            out.insert(out.end(), part.begin(), part.end());
+            if (out.size() > limit) break;
         }
+    }
+    if (out.size() > limit) out.resize(static_cast<size_t>(limit) + 1);
+}
+
+// ---------------------------------------------------------------- blocked family
+constexpr size_t BATCH = 512;
+
+// Hash pass over one batch of consecutive indices (vectorises: no loads, no branches).
+DR_MULTIVERSION
+void hash_batch(uint64_t z0, size_t n, uint64_t blocks, uint32_t* blk, uint32_t* g) {
+    for (size_t i = 0; i < n; ++i) {
+        const uint64_t h = mix64(z0 + i * GAMMA);
+        blk[i] = static_cast<uint32_t>((static_cast<uint64_t>(static_cast<uint32_t>(h >> 32)) * blocks) >> 32);
+        g[i] = static_cast<uint32_t>(h);
     }
 }
 
-void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit,
-           std::vector<uint64_t>& out) {
-    check_k(k);
-    if (m == 0 || d == 0) return;
-    uint64_t keys[MAX_K];
-    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
+inline uint32_t probe_bit(const uint8_t* block, uint32_t g) {
+    const uint32_t p = g >> 23;
+    return (block[p >> 3] >> (p & 7)) & 1u;
+}
+
+// Probes of one hashed batch: probes 0 and 1 on every index (same cache line), then each further
+// probe on the survivors only; compaction in place without branches (c <= i). Returns the count
+// of positives, their offsets in cand.
+size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t* g, uint32_t* cand) {
+    size_t c = 0;
+    if (k >= 2) {
+        for (size_t i = 0; i < n; ++i) {
+            const uint8_t* block = bits + static_cast<uint64_t>(blk[i]) * blocked::BLOCK_BYTES;
+            const uint32_t g1 = blocked::next_probe(g[i]);
+            const uint32_t ok = probe_bit(block, g[i]) & probe_bit(block, g1);
+            cand[c] = static_cast<uint32_t>(i);
+            blk[c] = blk[i];
+            g[c] = blocked::next_probe(g1);
+            c += ok;
+        }
+    } else {
+        for (size_t i = 0; i < n; ++i) {
+            const uint32_t ok = probe_bit(bits + static_cast<uint64_t>(blk[i]) * blocked::BLOCK_BYTES, g[i]);
+            cand[c] = static_cast<uint32_t>(i);
+            c += ok;
+        }
+    }
+    for (int j = 2; j < k && c; ++j) {
+        size_t c2 = 0;
+        for (size_t a = 0; a < c; ++a) {
+            const uint32_t ok = probe_bit(bits + static_cast<uint64_t>(blk[a]) * blocked::BLOCK_BYTES, g[a]);
+            cand[c2] = cand[a];
+            blk[c2] = blk[a];
+            g[c2] = blocked::next_probe(g[a]);
+            c2 += ok;
+        }
+        c = c2;
+    }
+    return c;
+}
+
+void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t key, uint64_t lo, uint64_t hi,
+                         uint64_t limit, std::vector<uint64_t>& out) {
+    alignas(64) uint32_t blk[BATCH], g[BATCH], cand[BATCH];
+    for (uint64_t base = lo; base < hi; base += BATCH) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(BATCH, hi - base));
+        hash_batch(key + base * GAMMA, n, blocks, blk, g);
+        const size_t c = probe_batch(bits, k, n, blk, g, cand);
+        for (size_t a = 0; a < c; ++a) out.push_back(base + cand[a]);
+        if (out.size() > limit) return;
+    }
+}
+
+// ---------------------------------------------------------------- SplitMix64 family
+void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t* keys, uint64_t lo,
+                          uint64_t hi, uint64_t limit, std::vector<uint64_t>& out) {
     // Blocks of candidates: hash function 0 over the block, then each further function over the
     // survivors only (early exit at the first zero bit), compacting without branches.
-    constexpr uint64_t BLOCK = 4096;
-    uint64_t buf[BLOCK];
-    const uint64_t key0 = keys[0];
-    for (uint64_t base = 0; base < d; base += BLOCK) {
-        const uint64_t end = std::min(d, base + BLOCK);
+    uint64_t buf[BATCH];
+    for (uint64_t base = lo; base < hi; base += BATCH) {
+        const uint64_t end = std::min<uint64_t>(hi, base + BATCH);
         size_t n = 0;
-        uint64_t z = key0 + base * GAMMA;
+        uint64_t z = keys[0] + base * GAMMA;
         for (uint64_t x = base; x < end; ++x, z += GAMMA) {
-            const uint64_t j = mulhi64(mix64(z), m);
             buf[n] = x;
-            n += test_bit(bits, j);
+            n += test_bit(bits, splitmix::mulhi64(mix64(z), m));
         }
         for (int i = 1; i < k && n; ++i) {
-            const uint64_t key = keys[i];
             size_t n2 = 0;
             for (size_t a = 0; a < n; ++a) {
                 const uint64_t x = buf[a];
-                const uint64_t j = position(x, key, m);
                 buf[n2] = x;
-                n2 += test_bit(bits, j);
+                n2 += test_bit(bits, splitmix::position(x, keys[i], m));
             }
             n = n2;
         }
@@ -78,8 +184,232 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
     }
 }
 
+// ---------------------------------------------------------------- P2 conflict sets
+// Conflict sets in CSR form, in ascending bit order: set s has the members
+// members[start[s] .. start[s+1]) (indices into P, ascending).
+struct ConflictSets {
+    std::vector<uint64_t> start{0};
+    std::vector<uint32_t> members;
+};
+
+// Blocked family: group the positives by block (counting sort by block id, or a sort when the
+// block count dwarfs the positives), then per block mark the distinct probe bits of its members
+// in a 512-bit map and a count table; linear in np * k apart from that grouping.
+ConflictSets blocked_sets(const uint64_t* P, size_t np, uint64_t blocks, int k, uint64_t seed) {
+    const uint64_t key = blocked::key(seed);
+    std::vector<uint32_t> block_of(np), g0(np), order(np);
+    for (size_t a = 0; a < np; ++a) {
+        const uint64_t h = blocked::hash(P[a], key);
+        block_of[a] = static_cast<uint32_t>(blocked::block(h, blocks));
+        g0[a] = static_cast<uint32_t>(h);
+    }
+    if (blocks <= 4 * static_cast<uint64_t>(np) + 4096) {   // stable counting sort by block
+        std::vector<uint32_t> bucket(blocks + 1, 0);
+        for (size_t a = 0; a < np; ++a) ++bucket[block_of[a] + 1];
+        for (uint64_t b = 0; b < blocks; ++b) bucket[b + 1] += bucket[b];
+        for (size_t a = 0; a < np; ++a) order[bucket[block_of[a]]++] = static_cast<uint32_t>(a);
+    } else {
+        for (size_t a = 0; a < np; ++a) order[a] = static_cast<uint32_t>(a);
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return block_of[x] < block_of[y]; });
+    }
+    ConflictSets sets;
+    sets.members.resize(np * static_cast<size_t>(k));
+    std::vector<uint16_t> probes(np * static_cast<size_t>(k));   // distinct probe bits of each member
+    std::vector<uint8_t> nprobes(np);
+    uint32_t count[blocked::BLOCK_BITS] = {}, fill[blocked::BLOCK_BITS];
+    size_t used = 0;
+    for (size_t lo = 0; lo < np;) {
+        const uint32_t block = block_of[order[lo]];
+        size_t hi = lo;
+        while (hi < np && block_of[order[hi]] == block) ++hi;
+        uint64_t touched[blocked::BLOCK_BITS / 64] = {};
+        for (size_t e = lo; e < hi; ++e) {   // a member repeating a bit counts once
+            uint32_t g = g0[order[e]];
+            uint16_t* row = &probes[e * k];
+            uint64_t mine[blocked::BLOCK_BITS / 64] = {};
+            int c = 0;
+            for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
+                const uint32_t p = g >> 23;
+                const uint64_t bit = uint64_t(1) << (p & 63);
+                if (!(mine[p >> 6] & bit)) {
+                    mine[p >> 6] |= bit;
+                    touched[p >> 6] |= bit;
+                    row[c++] = static_cast<uint16_t>(p);
+                    ++count[p];
+                }
+            }
+            nprobes[e] = static_cast<uint8_t>(c);
+        }
+        for (uint32_t w = 0; w < blocked::BLOCK_BITS / 64; ++w) {   // the block's sets, ascending bit
+            for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
+                const uint32_t p = w * 64 + static_cast<uint32_t>(__builtin_ctzll(bits));
+                fill[p] = static_cast<uint32_t>(used);
+                used += count[p];
+                count[p] = 0;
+                sets.start.push_back(used);
+            }
+        }
+        for (size_t e = lo; e < hi; ++e)
+            for (int c = 0; c < nprobes[e]; ++c) sets.members[fill[probes[e * k + c]]++] = order[e];
+        lo = hi;
+    }
+    sets.members.resize(used);
+    return sets;
+}
+
+// SplitMix64 family (v1 containers): sort the distinct (bit, member) pairs.
+ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint64_t seed) {
+    uint64_t keys[MAX_K];
+    for (int i = 0; i < k; ++i) keys[i] = splitmix::hash_key(seed, i);
+    std::vector<std::pair<uint64_t, uint32_t>> pairs;
+    pairs.reserve(np * static_cast<size_t>(k));
+    for (size_t a = 0; a < np; ++a)
+        for (int i = 0; i < k; ++i) pairs.emplace_back(splitmix::position(P[a], keys[i], m), static_cast<uint32_t>(a));
+    std::sort(pairs.begin(), pairs.end());
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    ConflictSets sets;
+    sets.members.reserve(pairs.size());
+    for (size_t e = 0; e < pairs.size(); ++e) {
+        if (e > 0 && pairs[e].first != pairs[e - 1].first) sets.start.push_back(e);
+        sets.members.push_back(pairs[e].second);
+    }
+    if (!pairs.empty()) sets.start.push_back(pairs.size());
+    return sets;
+}
+
+// Algorithm 1 over conflict sets ordered by (size, bit): passes over the active sets; each set
+// gives one not yet chosen member (drawn when it has several), and stays for the next pass while
+// it had several; stop at r.
+void greedy_select(const ConflictSets& sets, size_t np, size_t r, uint64_t draw_seed, std::vector<uint8_t>& chosen) {
+    const size_t nsets = sets.start.size() - 1;
+    size_t max_size = 0;
+    for (size_t s = 0; s < nsets; ++s) max_size = std::max<size_t>(max_size, sets.start[s + 1] - sets.start[s]);
+    std::vector<size_t> by_size(max_size + 2, 0);   // stable counting sort by size (bits stay ascending)
+    for (size_t s = 0; s < nsets; ++s) ++by_size[sets.start[s + 1] - sets.start[s] + 1];
+    for (size_t z = 1; z < by_size.size(); ++z) by_size[z] += by_size[z - 1];
+    std::vector<uint32_t> active(nsets);
+    for (size_t s = 0; s < nsets; ++s) active[by_size[sets.start[s + 1] - sets.start[s]]++] = static_cast<uint32_t>(s);
+
+    chosen.assign(np, 0);
+    std::vector<uint32_t> next;
+    size_t nchosen = 0;
+    uint64_t draw = 0;
+    while (nchosen < r && !active.empty()) {
+        next.clear();
+        for (uint32_t s : active) {
+            if (nchosen == r) break;
+            const uint32_t* first = sets.members.data() + sets.start[s];
+            const uint32_t* last = sets.members.data() + sets.start[s + 1];
+            size_t ncand = 0;
+            uint32_t only = 0;
+            for (const uint32_t* e = first; e < last; ++e)
+                if (!chosen[*e]) ++ncand, only = *e;
+            if (ncand == 0) continue;
+            if (ncand > 1) {   // draw among the candidates (ascending), keep the set for the next pass
+                ++draw;
+                size_t pick = static_cast<size_t>(splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand));
+                for (const uint32_t* e = first;; ++e)
+                    if (!chosen[*e] && pick-- == 0) {
+                        only = *e;
+                        break;
+                    }
+                next.push_back(s);
+            }
+            chosen[only] = 1;
+            ++nchosen;
+        }
+        active.swap(next);
+    }
+    if (nchosen != r) throw std::invalid_argument("Bloom P2: positives do not cover r distinct indices");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- blocked family
+namespace blocked {
+
+void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t seed, uint64_t* out) {
+    check_k(k);
+    check_blocks(blocks);
+    if (blocks == 0 && n) throw std::invalid_argument("Bloom filter: no blocks to place indices in");
+    const uint64_t kk = key(seed);
+    for (size_t a = 0; a < n; ++a) {
+        const uint64_t h = hash(x[a], kk);
+        const uint64_t base = block(h, blocks) * BLOCK_BITS;
+        uint32_t g = static_cast<uint32_t>(h);
+        for (int i = 0; i < k; ++i, g = next_probe(g)) out[a * k + i] = base + (g >> 23);
+    }
+}
+
+void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed, uint8_t* bits, int threads) {
+    check_k(k);
+    check_blocks(blocks);
+    check_threads(threads);
+    if (n == 0) return;
+    if (blocks == 0) throw std::invalid_argument("Bloom filter: no blocks to insert indices into");
+    const uint64_t kk = key(seed);
+    const int parts = parts_for(n, threads);
+    run_parts(n, parts, [&](int, uint64_t lo, uint64_t hi) {
+        for (uint64_t a = lo; a < hi; ++a) {
+            const uint64_t h = hash(idx[a], kk);
+            uint8_t* blk = bits + block(h, blocks) * BLOCK_BYTES;
+            uint32_t g = static_cast<uint32_t>(h);
+            for (int i = 0; i < k; ++i, g = next_probe(g)) {
+                const uint32_t p = g >> 23;
+                const uint8_t mask = static_cast<uint8_t>(1u << (p & 7));
+                if (parts > 1)
+                    __atomic_fetch_or(&blk[p >> 3], mask, __ATOMIC_RELAXED);
+                else
+                    blk[p >> 3] |= mask;
+            }
+        }
+    });
+}
+
+void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
+           std::vector<uint64_t>& out) {
+    check_k(k);
+    check_blocks(blocks);
+    check_threads(threads);
+    if (blocks == 0 || d == 0) return;
+    const uint64_t kk = key(seed);
+    query_by_ranges(d, limit, threads, [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+        blocked_query_range(bits, blocks, k, kk, lo, hi, lim, o);
+    }, out);
+}
+
+}  // namespace blocked
+
+// ---------------------------------------------------------------- SplitMix64 family
+namespace splitmix {
+
+void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, uint64_t* out) {
+    check_k(k);
+    if (m == 0 && n) throw std::invalid_argument("Bloom filter: m must be positive");
+    uint64_t keys[MAX_K];
+    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
+    for (size_t a = 0; a < n; ++a)
+        for (int i = 0; i < k; ++i) out[a * k + i] = position(x[a], keys[i], m);
+}
+
+void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
+           std::vector<uint64_t>& out) {
+    check_k(k);
+    check_threads(threads);
+    if (m == 0 || d == 0) return;
+    uint64_t keys[MAX_K];
+    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
+    query_by_ranges(d, limit, threads, [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+        splitmix_query_range(bits, m, k, keys, lo, hi, lim, o);
+    }, out);
+}
+
+}  // namespace splitmix
+
+// ---------------------------------------------------------------- policies
 void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out) {
     if (r > np) throw std::invalid_argument("Bloom P1: more indices requested than positives");
+    check_ascending(P, np, "Bloom P1");
     if (r == 0) return;
     std::vector<std::pair<uint64_t, uint64_t>> pri(np);
     for (size_t a = 0; a < np; ++a) pri[a] = {mix64(draw_seed + (P[a] + 1) * GAMMA), P[a]};
@@ -88,77 +418,23 @@ void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, u
     std::sort(out, out + r);
 }
 
-void select_conflict(const uint64_t* P, size_t np, size_t r, uint64_t m, int k, uint64_t seed,
+void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k, uint64_t seed,
                      uint64_t draw_seed, uint64_t* out) {
     check_k(k);
     if (r > np) throw std::invalid_argument("Bloom P2: more indices requested than positives");
+    if (np >= (uint64_t(1) << 32)) throw std::invalid_argument("Bloom P2: at most 2^32 - 1 positives");
+    check_ascending(P, np, "Bloom P2");
     if (r == 0) return;
-    if (m == 0) throw std::invalid_argument("Bloom P2: empty filter with positives");
-    uint64_t keys[MAX_K];
-    for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
-
-    // Distinct positions of each positive (duplicates within one x collapse).
-    std::vector<uint64_t> pos(np * static_cast<size_t>(k));
-    std::vector<uint8_t> npos(np);
-    for (size_t a = 0; a < np; ++a) {
-        uint64_t* row = &pos[a * k];
-        int c = 0;
-        for (int i = 0; i < k; ++i) {
-            const uint64_t j = position(P[a], keys[i], m);
-            bool dup = false;
-            for (int q = 0; q < c; ++q) dup |= (row[q] == j);
-            if (!dup) row[c++] = j;
-        }
-        npos[a] = static_cast<uint8_t>(c);
+    if (size == 0) throw std::invalid_argument("Bloom P2: empty filter with positives");
+    ConflictSets sets;
+    if (family == Family::blocked) {
+        check_blocks(size);
+        sets = blocked_sets(P, np, size, k, seed);
+    } else {
+        sets = splitmix_sets(P, np, size, k, seed);
     }
-    // Conflict sets in CSR form: members of set j ascending (P is ascending).
-    std::vector<uint32_t> count(m + 1, 0);
-    for (size_t a = 0; a < np; ++a)
-        for (int q = 0; q < npos[a]; ++q) ++count[pos[a * k + q] + 1];
-    std::vector<uint64_t> start(m + 1, 0);
-    for (uint64_t j = 0; j < m; ++j) start[j + 1] = start[j] + count[j + 1];
-    std::vector<uint32_t> members(start[m]);
-    {
-        std::vector<uint64_t> fill(start.begin(), start.end() - 1);
-        for (size_t a = 0; a < np; ++a)
-            for (int q = 0; q < npos[a]; ++q) members[fill[pos[a * k + q]]++] = static_cast<uint32_t>(a);
-    }
-    // Non-empty sets ordered by (size, bit): stable counting sort by size over ascending bits.
-    uint64_t max_size = 0;
-    for (uint64_t j = 0; j < m; ++j) max_size = std::max<uint64_t>(max_size, count[j + 1]);
-    std::vector<uint64_t> by_size(max_size + 2, 0);
-    for (uint64_t j = 0; j < m; ++j)
-        if (count[j + 1]) ++by_size[count[j + 1] + 1];
-    for (uint64_t s = 1; s <= max_size + 1; ++s) by_size[s] += by_size[s - 1];
-    std::vector<uint64_t> active(by_size[max_size + 1]);
-    for (uint64_t j = 0; j < m; ++j)
-        if (count[j + 1]) active[by_size[count[j + 1]]++] = j;
-
-    std::vector<uint8_t> chosen(np, 0);
-    std::vector<uint32_t> cand;
-    size_t nchosen = 0;
-    uint64_t draw = 0;
-    std::vector<uint64_t> next;
-    while (nchosen < r && !active.empty()) {
-        next.clear();
-        for (uint64_t j : active) {
-            if (nchosen == r) break;
-            cand.clear();
-            for (uint64_t e = start[j]; e < start[j + 1]; ++e)
-                if (!chosen[members[e]]) cand.push_back(members[e]);
-            if (cand.empty()) continue;
-            size_t pick = 0;
-            if (cand.size() > 1) {
-                ++draw;
-                pick = static_cast<size_t>(mulhi64(mix64(draw_seed + draw * GAMMA), cand.size()));
-            }
-            chosen[cand[pick]] = 1;
-            ++nchosen;
-            if (cand.size() > 1) next.push_back(j);
-        }
-        active.swap(next);
-    }
-    if (nchosen != r) throw std::invalid_argument("Bloom P2: positives do not cover r distinct indices");
+    std::vector<uint8_t> chosen;
+    greedy_select(sets, np, r, draw_seed, chosen);
     size_t o = 0;
     for (size_t a = 0; a < np; ++a)
         if (chosen[a]) out[o++] = P[a];

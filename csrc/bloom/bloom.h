@@ -2,16 +2,26 @@
 // policies P1 (random) and P2 (conflict sets, DeepReduce Algorithm 1).
 //
 // Pure C++ over plain buffers (no Python types), so the pybind11 module (py_module.cpp) and the
-// TensorFlow custom ops wrap the same functions. Every function checks its bounds and reports
-// bad input through its return value or a std::invalid_argument, never by crashing.
+// TensorFlow custom ops wrap the same functions. Every function checks its arguments and reports
+// bad input through a std::invalid_argument, never by reading out of bounds.
 //
-// Hash family (documented in docs/bloom.md; deepreduce/index/bloom.py reproduces it in NumPy):
-//   mix64(z)      = SplitMix64 finaliser: z ^= z>>30; z *= 0xbf58476d1ce4e5b9;
-//                   z ^= z>>27; z *= 0x94d049bb133111eb; z ^= z>>31        (all mod 2^64)
-//   GAMMA         = 0x9e3779b97f4a7c15
-//   key_i         = mix64(seed + (i+1)*GAMMA)          i = 0..k-1 (the SplitMix64 stream of `seed`)
-//   h_i(x)        = floor(mix64(key_i + x*GAMMA) * m / 2^64)   (Lemire's multiply-shift range map)
-// Bit j of the filter is bit (j % 8) of byte j / 8 (LSB first).
+// Two hash families (documented in docs/bloom.md; deepreduce/index/bloom.py reproduces both in
+// NumPy). All arithmetic is modulo 2^64; mix64 is the SplitMix64 finaliser
+//   mix64(z) = z ^= z>>30; z *= 0xbf58476d1ce4e5b9; z ^= z>>27; z *= 0x94d049bb133111eb; z ^ z>>31
+// and GAMMA = 0x9e3779b97f4a7c15.
+//
+// Blocked family (container format v2, written by every encoder): m = 512 * blocks bits.
+//   key           = mix64(seed + GAMMA)
+//   h(x)          = mix64(key + x*GAMMA)                      one 64-bit hash per index
+//   block(x)      = ((h >> 32) * blocks) >> 32                 blocks < 2^31, so the product < 2^63
+//   g_0           = h & 0xffffffff;  g_{i+1} = (g_i * 0x5bd1e995) & 0xffffffff   (31-bit multiplier)
+//   bit_i(x)      = 512 * block(x) + (g_i >> 23)              i = 0..k-1, all in one 64-byte block
+// Only multiply, add, xor, shift and mask on 64-bit integers: the same hash runs as integer tensor ops.
+//
+// SplitMix64 family (container format v1, decode only): k independent hashes over m bits,
+//   key_i = mix64(seed + (i+1)*GAMMA);  h_i(x) = floor(mix64(key_i + x*GAMMA) * m / 2^64).
+//
+// Bit j of a filter is bit (j % 8) of byte j / 8 (LSB first) in both families.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +33,7 @@ namespace bloom {
 
 constexpr uint64_t GAMMA = 0x9e3779b97f4a7c15ULL;
 constexpr int MAX_K = 64;
+constexpr int MAX_THREADS = 256;
 
 inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -30,38 +41,65 @@ inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+// Number of bytes of a filter of m bits, without overflow for any m.
+inline uint64_t filter_bytes(uint64_t m) { return m / 8 + (m % 8 != 0); }
+
+// ------------------------------------------------------------------ blocked family (v2)
+namespace blocked {
+
+constexpr uint64_t BLOCK_BITS = 512;
+constexpr uint64_t BLOCK_BYTES = 64;
+constexpr uint32_t PROBE_MUL = 0x5bd1e995u;
+constexpr uint64_t MAX_BLOCKS = (uint64_t(1) << 31) - 1;
+
+inline uint64_t key(uint64_t seed) { return mix64(seed + GAMMA); }
+inline uint64_t hash(uint64_t x, uint64_t key) { return mix64(key + x * GAMMA); }
+inline uint64_t block(uint64_t h, uint64_t blocks) { return ((h >> 32) * blocks) >> 32; }
+inline uint32_t next_probe(uint32_t g) { return g * PROBE_MUL; }
+
+// Global bit positions bit_0..bit_{k-1} of n indices, row-major (n x k).
+void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t seed, uint64_t* out);
+
+// Set the bits of n indices into `bits` (blocks * 64 bytes, not cleared here); `threads` threads.
+void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed, uint8_t* bits, int threads);
+
+// The first min(|P|, limit + 1) positives P of [0, d), ascending, into `out` (`threads` threads;
+// the result does not depend on the thread count).
+void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit,
+           int threads, std::vector<uint64_t>& out);
+
+}  // namespace blocked
+
+// ------------------------------------------------------------------ SplitMix64 family (v1, decode only)
+namespace splitmix {
+
 inline uint64_t mulhi64(uint64_t a, uint64_t b) {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * b) >> 64);
 }
-
-// key_i of the family for hash function i.
 inline uint64_t hash_key(uint64_t seed, int i) { return mix64(seed + static_cast<uint64_t>(i + 1) * GAMMA); }
-
-// h_i(x) given key_i.
 inline uint64_t position(uint64_t x, uint64_t key, uint64_t m) { return mulhi64(mix64(key + x * GAMMA), m); }
 
-// Number of bytes of a filter of m bits.
-inline uint64_t filter_bytes(uint64_t m) { return (m + 7) / 8; }
-
-// Positions h_0..h_{k-1} of n indices, row-major (n x k). For tests and the NumPy parity check.
+// Positions h_0..h_{k-1} of n indices, row-major (n x k).
 void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, uint64_t* out);
 
-// Set the bits of n indices into `bits` (filter_bytes(m) bytes, not cleared here).
-void build(const uint64_t* idx, size_t n, uint64_t m, int k, uint64_t seed, uint8_t* bits);
-
-// Append to `out`, ascending, every x in [0, d) whose k bits are all set; stops early once
-// `out` holds more than `limit` entries (the caller then knows |P| > limit).
-void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit,
+// As blocked::query, for a filter of m bits.
+void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
            std::vector<uint64_t>& out);
+
+}  // namespace splitmix
+
+// ------------------------------------------------------------------ policies
+enum class Family { splitmix = 0, blocked = 1 };
 
 // P1: the r entries of P with the smallest priority mix64(draw_seed + (x+1)*GAMMA) (ties by x),
 // written ascending to out. Requires r <= np.
 void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out);
 
 // P2 (Algorithm 1, reading documented in docs/bloom.md): r entries of P written ascending to
-// out. Requires r <= np and P to be the full positive set of the filter.
-void select_conflict(const uint64_t* P, size_t np, size_t r, uint64_t m, int k, uint64_t seed,
-                     uint64_t draw_seed, uint64_t* out);
+// out. Requires r <= np, P strictly ascending and the full positive set of the filter;
+// `size` is m (splitmix) or the block count (blocked).
+void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k,
+                     uint64_t seed, uint64_t draw_seed, uint64_t* out);
 
 }  // namespace bloom
 }  // namespace deepreduce

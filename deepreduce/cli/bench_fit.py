@@ -10,15 +10,18 @@ Two measurements, both on saved real ResNet-20 gradients (``deepreduce capture-g
 * **speed**: Fit-Poly encode + decode of ``--count`` values (default 255,570 = 1% of ResNet-50's
   25,557,032) with the C++ kernel (single thread) and the NumPy path. The values are the
   ``--count`` largest-magnitude entries of every ResNet-20 gradient concatenated (``all``);
-* **error at scale**: the relative L2 error and value-section bytes of Fit-Poly on the Top-r
-  ``--ratio`` values of synthetic gradients of ``--scale-size`` entries (default 25,557,032;
-  Laplace, generalised Pareto, Student-t as in ``bench-sparsify``), with the old fixed
-  segmentation (4 per sign, >= 20 points) and the automatic one (``--scale-size 0`` skips it).
+* **at scale**: on the Top-r ``--ratio`` values of synthetic gradients of ``--scale-size``
+  entries (default 25,557,032; Laplace, generalised Pareto, Student-t as in
+  ``bench-sparsify``): the relative L2 error and value-section bytes of Fit-Poly with the old
+  fixed segmentation (4 per sign, >= 20 points) and the automatic one, and the Deflate value
+  section in tensor order (the old codec), with a free reorder (order-keeping index codec) and
+  with a carried permutation (set index codec). ``--scale-size 0`` skips it.
 """
 from __future__ import annotations
 
 import statistics
 import time
+import zlib
 
 import numpy as np
 
@@ -116,10 +119,10 @@ def run(args) -> int:
     dec = _median_ms(lambda: polyfit.decode_numpy(payload, count, 5, 4), max(1, args.repeat // 2))
     print(f"NumPy:           encode {enc:8.2f} ms  decode {dec:8.2f} ms  total {enc + dec:8.2f} ms")
     if args.scale_size:
-        print(f"\nerror at scale: Top-r {args.ratio:g} of synthetic gradients of {args.scale_size:,} entries")
-        print(f"{'gradient':<10} {'values':>8} {'segmentation':<28} {'value bytes':>11} {'rel_err':>9}")
-        for dist, count, label, nbytes, err in scale_rows(args.scale_size, args.ratio):
-            print(f"{dist:<10} {count:>8} {label:<28} {nbytes:>11} {err:>9.5f}")
+        print(f"\nat scale: Top-r {args.ratio:g} of synthetic gradients of {args.scale_size:,} entries")
+        print(f"{'gradient':<10} {'values':>8} {'codec':<52} {'value bytes':>11} {'perm bytes':>10} {'rel_err':>9}")
+        for dist, count, label, nbytes, perm, err in scale_rows(args.scale_size, args.ratio):
+            print(f"{dist:<10} {count:>8} {label:<52} {nbytes:>11} {perm:>10} {err:>9.5f}")
     return 0
 
 
@@ -127,10 +130,10 @@ SCALE_CASES = (("4 per sign, >= 20 points", 4, 20), ("automatic (default)", None
 
 
 def scale_rows(size: int, ratio: float):
-    """(gradient, n, segmentation, value-section bytes, relative error) of Fit-Poly on the Top-r
-    values of each synthetic gradient of ``size`` entries."""
+    """(gradient, n, codec, value-section bytes, permutation bytes, relative error) of Fit-Poly
+    and Deflate on the Top-r values of each synthetic gradient of ``size`` entries."""
     from ..seeding import EncodeContext
-    from ..values import polyfit
+    from ..values import deflate, polyfit
     from .bench_sparsify import synthetic
 
     ctx, rows = EncodeContext(b"\x00" * 16, "bench", 0), []
@@ -145,5 +148,15 @@ def scale_rows(size: int, ratio: float):
             enc = codec.encode(values, ctx)
             out = codec.decode(enc.params, enc.payload, values.size)
             err = float(np.linalg.norm(out - values[enc.order]) / np.linalg.norm(values))
-            rows.append((dist, values.size, label, len(enc.payload), err))
+            rows.append((dist, values.size, f"Fit-Poly, {label}", len(enc.payload), 0, err))
+        rows.append((dist, values.size, "Deflate, tensor order (before)",
+                     len(zlib.compress(values.tobytes(), 6)), 0, 0.0))
+        for label, free in (("Deflate, order-keeping index (reorder free)", True),
+                            ("Deflate, set index (permutation carried)", False)):
+            codec = deflate.DeflateValues()
+            codec.reorder_is_free = free
+            enc = codec.encode(values, ctx)
+            perm = 0 if free or enc.order is None else deflate.permutation_bytes(values.size)
+            rows.append((dist, values.size, label + (", sorted" if enc.order is not None else ""),
+                         len(enc.payload), perm, 0.0))
     return rows

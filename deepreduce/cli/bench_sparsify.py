@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before timing (stage adaptation)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-dgc", action="store_true", help="skip DGC")
+    parser.add_argument("--real-layers", action="store_true",
+                        help="instead: k_hat/k of the shipped SIDCo configs on every saved ResNet-20 layer")
+    parser.add_argument("--steps", type=int, default=12, help="--real-layers: encodes per layer")
     parser.set_defaults(func=run)
 
 
@@ -92,9 +95,56 @@ def time_sparsifier(sp, grad: np.ndarray, k: int, repeat: int, warmup: int):
     return statistics.median(times), float(np.mean(counts)), stages
 
 
+def real_layer_rows(steps: int):
+    """Per shipped SIDCo config and saved ResNet-20 layer: first-step ``k_hat/k`` of one stage
+    (the paper's start), of the shipped stages without and with the tail check, and the range
+    of ``k_hat/k`` over ``steps`` encodes through the config as shipped (residual memory)."""
+    from .. import gradients
+    from ..config import build, load_config
+
+    layers = {n: g for n, g in gradients.load().items() if n != "all"}
+    rows = []
+    for dist in ("exponential", "gamma", "gpareto"):
+        config = load_config(os.path.join("configs", SHIPPED_SIDCO[dist] + ".yaml"))
+        variants = {"1 stage": dict(config["sparsifier"], stages=1, adapt="off"),
+                    "fit only": dict(config["sparsifier"], adapt="off", tail_check=False),
+                    "shipped": dict(config["sparsifier"], adapt="off")}
+        pipe = build(config)
+        for name, grad in layers.items():
+            if grad.size < pipe.min_numel:
+                continue
+            first = {}
+            for label, sparsifier in variants.items():
+                probe = build(dict(config, sparsifier=sparsifier, memory={"id": "none"}))
+                probe.sparsifier.select(grad.ravel(), probe.context(name, 0))
+                first[label] = probe.sparsifier.last["k_hat"] / probe.sparsifier.last["k"]
+            seen, fired = [], 0
+            for step in range(steps):
+                pipe.encode(grad, name=name, step=step)
+                seen.append(pipe.sparsifier.last["k_hat"] / pipe.sparsifier.last["k"])
+                fired += pipe.sparsifier.last["exact_tail"]
+            rows.append((SHIPPED_SIDCO[dist], name, grad.size, pipe.sparsifier.last["k"], first,
+                         min(seen), max(seen), fired))
+    return rows
+
+
+def run_real_layers(args) -> int:
+    print(f"k_hat/k on every saved ResNet-20 layer; first step of a fresh sparsifier, and over {args.steps} "
+          "encodes through the shipped config (residual memory, the same gradient each step)")
+    print(f"{'config':<14} {'layer':<24} {'d':>6} {'k':>4} {'1 stage':>8} {'fit only':>8} {'shipped':>8} "
+          f"{'steps min':>9} {'max':>5} {'checked':>7}")
+    for cfg, name, d, k, first, low, high, fired in real_layer_rows(args.steps):
+        print(f"{cfg:<14} {name:<24} {d:>6} {k:>4} {first['1 stage']:>8.2f} {first['fit only']:>8.2f} "
+              f"{first['shipped']:>8.2f} {low:>9.2f} {high:>5.2f} {fired:>4}/{args.steps}")
+    return 0
+
+
 def run(args) -> int:
     from .. import registry
     from ..sparsify import count_for
+
+    if args.real_layers:
+        return run_real_layers(args)
 
     threads = {v: os.environ.get(v, "unset") for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     print(f"d = {args.size:,}, gradient {args.dist}, median of {args.repeat} runs after {args.warmup} warm-up steps; "

@@ -30,6 +30,8 @@ class IndexCodec(Component):
     pipeline may hand them in any order (and needs no permutation for a reordering value codec).
     Codecs that only reproduce a set (ascending) set it to False.
     ``backend`` names the implementation that ran ("numpy" or "c++").
+    ``threads``: how many threads the codec's C++ kernels may use (the pipeline's ``threads``
+    option sets it); threads never change a byte of the output.
     """
 
     kind = "index"

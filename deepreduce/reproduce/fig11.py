@@ -11,7 +11,12 @@ communication, for:
 
 * no compression: dense ``all_reduce`` (the paper's NCCL Allreduce baseline);
 * Top-r (r = 10%, raw indices and values, error feedback), allgather of containers;
-* ``DR^QSGD_BF-P0`` and ``DR^Fit-Poly_BF-P2`` (no sparsifier), allgather of containers.
+* ``DR^QSGD_BF-P0`` and ``DR^Fit-Poly_BF-P2`` (no sparsifier), allgather of containers;
+* what a PyTorch user would pick instead, run as PyTorch ships it: PowerSGD rank 1 and rank 4
+  and fp16 compression as DDP communication hooks (:mod:`deepreduce.reproduce.torch_hooks`).
+
+Every row shows compute, codec (encode + decode) and communication time side by side, their
+total and the speed-up over the dense all-reduce.
 
 The experiment needs root (it creates namespaces). Every step has a timeout, and the
 namespaces (with the veth pair inside them) are deleted in a ``finally`` block, also on error
@@ -30,6 +35,7 @@ import time
 import uuid
 from typing import List, Optional, Tuple
 
+from . import torch_hooks
 from .common import Result, named_config, no_plot_note, progress, pyplot, save_figure
 
 NS_ADDRS = ("10.213.0.1", "10.213.0.2")   # a private /30 that exists only inside the namespaces
@@ -37,12 +43,16 @@ PREFIX = 30
 BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9), ("10gbit", 10e9))
 TOPR10 = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
           "memory": {"id": "residual"}}
-# label -> config dict, the name of a configs/<name>.yaml, or None for the dense all_reduce.
+# label -> config dict, the name of a configs/<name>.yaml, a PyTorch DDP hook, or None for the
+# dense all_reduce.
 METHODS = [
     ("no compression (allreduce)", None),
     ("Top-r 10%", TOPR10),
     ("DR^QSGD_BF-P0", "bfp0_qsgd"),
     ("DR^Fit-Poly_BF-P2", "bfp2_polyfit"),
+    ("PowerSGD rank 1 (torch DDP hook)", torch_hooks.spec("powersgd", 1)),
+    ("PowerSGD rank 4 (torch DDP hook)", torch_hooks.spec("powersgd", 4)),
+    ("fp16 (torch DDP hook)", torch_hooks.spec("fp16")),
 ]
 CMD_TIMEOUT = 20.0
 
@@ -220,7 +230,7 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
             config = named_config(config, result, configs_dir)
             if config is None:
                 continue          # a codec not in this build: noted, go on
-        elif config is not None:
+        elif config is not None and not torch_hooks.is_hook(config):
             config = load_config(config)
         methods.append([label, config])
     available, why = namespaces_available()
@@ -262,6 +272,11 @@ def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress
     result.extra.update(raw=raw, iterations=iterations, warmup=warmup, namespaces=use_netns, accumulate=accumulate)
     result.notes.append(f"medians over {iterations} iterations after {warmup} warm-up, max over the 2 ranks; "
                         "ideal_wire_ms = bytes one rank sends / link rate; speedup = no-compression total / total")
+    result.notes.append(f"torch DDP hook rows: PyTorch's hooks and state (PowerSGD: error feedback, warm start, "
+                        f"start_powerSGD_iter={torch_hooks.START_POWERSGD_ITER}, "
+                        f"{torch_hooks.warmup_iterations(torch_hooks.spec('powersgd', 1))} more warm-up iterations); "
+                        "codec_ms = hook time outside its all-reduces, comm_ms = those all-reduces, "
+                        "compute_ms = the rest of forward + backward")
     _plot(result, out_dir)
     return result
 

@@ -8,18 +8,23 @@ veth link). For each method in turn it rebuilds the same seeded model and runs `
 * ``compute``: forward and backward of the local mini-batch (of ``accumulate`` micro-batches,
   whose gradients add up before one exchange, as in the paper's gradient accumulation);
 * ``codec``: DeepReduce encode of every gradient plus decode-and-sum of every rank's container
-  (zero for the dense baseline);
+  straight into the parameter's ``.grad`` (zero for the dense baseline);
 * ``comm``: the collectives: dense ``all_reduce`` of one flat buffer for the baseline, one
   ``torch_distributed`` communicator allgather of this rank's fused containers (all tensors in
   one buffer) for compressed methods; a barrier before it keeps the ranks' different encode
   times out of the communication figure;
 
-then applies the averaged gradient with Adam. Rank 0 writes one JSON file with the per-method
+then applies the averaged gradient with Adam. PyTorch's own compression (methods
+``{"ddp_hook": ...}``: PowerSGD, fp16) runs as PyTorch users run it, a DDP communication hook
+on a ``DistributedDataParallel`` model (gradient accumulation under ``no_sync()``); its hook
+time splits into codec and collective waits (:class:`~deepreduce.reproduce.torch_hooks.HookTimer`)
+and compute is the rest of forward and backward. Rank 0 writes one JSON file with the per-method
 medians, bytes sent per iteration and the final training loss.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -81,11 +86,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
     import torch.distributed as dist
     from torch.nn import functional as F
+    from torch.nn.parallel import DistributedDataParallel
 
     from deepreduce.comm.torch_distributed import TorchDistributedCommunicator
     from deepreduce.config import build
     from deepreduce.models.ncf import NCF
     from deepreduce.recsys_data import QUICK, ZipfConfig, generate
+    from deepreduce.reproduce import torch_hooks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
@@ -98,22 +105,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         model = NCF(data.n_users, data.n_items)
         opt = torch.optim.Adam(model.parameters(), lr=0.002)
         params = list(model.named_parameters())
-        pipe = build(config) if config is not None else None
+        hooked = torch_hooks.is_hook(config)
+        pipe = build(config) if config is not None and not hooked else None
+        forward, timer, warmup = model, None, args.warmup
+        if hooked:
+            forward = DistributedDataParallel(model)
+            timer = torch_hooks.HookTimer()
+            torch_hooks.register(forward, config, timer)
+            warmup += torch_hooks.warmup_iterations(config)
         stream = _batches(data, args.batch, args.rank, args.world)
         compute, codec, network, sent, losses = [], [], [], [], []
         dist.barrier()
-        for it in range(args.warmup + args.iterations):
+        for it in range(warmup + args.iterations):
             t0 = time.perf_counter()
             opt.zero_grad()
-            for _ in range(args.accumulate):      # gradients add up over the micro-batches
-                users, items, labels = next(stream)
-                loss = F.binary_cross_entropy_with_logits(
-                    model(torch.from_numpy(users), torch.from_numpy(items)), torch.from_numpy(labels))
-                (loss / args.accumulate).backward()
+            if timer is not None:
+                timer.reset()
+            with timer if timer is not None else contextlib.nullcontext():
+                for micro in range(args.accumulate):      # gradients add up over the micro-batches
+                    syncing = not hooked or micro == args.accumulate - 1
+                    with contextlib.nullcontext() if syncing else forward.no_sync():
+                        users, items, labels = next(stream)
+                        loss = F.binary_cross_entropy_with_logits(
+                            forward(torch.from_numpy(users), torch.from_numpy(items)), torch.from_numpy(labels))
+                        (loss / args.accumulate).backward()
             t1 = time.perf_counter()
             enc = dec = comm_s = 0.0
             nbytes = 0
-            if pipe is None:
+            if hooked:
+                enc, dec, comm_s, nbytes = timer.encode_s, timer.decode_s, timer.comm_s, timer.bytes
+            elif pipe is None:
                 flat = torch.cat([p.grad.reshape(-1) for _, p in params])
                 c0 = time.perf_counter()
                 dist.all_reduce(flat)
@@ -134,15 +155,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 e2 = time.perf_counter()
                 gathered = [unfuse(part, len(params)) for part in comm.allgather(fused, "fig11")]
                 e3 = time.perf_counter()
-                for i, (name, p) in enumerate(params):
-                    total = pipe.decode_sum([g[i] for g in gathered], tuple(p.shape))
-                    p.grad.copy_(torch.from_numpy(total / args.world))
+                for i, (name, p) in enumerate(params):       # every rank's container, summed into .grad
+                    pipe.decode_sum([g[i] for g in gathered], tuple(p.shape), out=p.grad.numpy())
+                    p.grad.div_(args.world)
                 e4 = time.perf_counter()
                 enc, comm_s, dec = e1 - e0, e3 - e2, e4 - e3
                 nbytes = fused.size
             opt.step()
-            if it >= args.warmup:
-                compute.append(t1 - t0)
+            if it >= warmup:
+                # A hook runs inside backward: there, compute is what the hook's time leaves.
+                compute.append(t1 - t0 - (enc + dec + comm_s if hooked else 0.0))
                 codec.append(enc + dec)
                 network.append(comm_s)
                 sent.append(nbytes)

@@ -14,8 +14,10 @@ The algorithm is written once, in :func:`sidco_select`, over a small set of arra
 so both bindings make the same choices from the same float64 statistics.
 
 Engineering choices (spec doc §4.9): exact zeros are excluded from the first-stage fit (the
-ratio is rescaled to the non-zero count), the final selection is ``|g| >= eta`` with ``eta``
-rounded to float32 once for every binding, a stage with a degenerate sample (fewer than two
+ratio is rescaled to the non-zero count; when the target covers every non-zero entry they are
+all selected, and when only stage 1's share does, the later stages start from all of them),
+the final selection is ``|g| >= eta`` with ``eta`` rounded to float32 once for every binding
+and never below the smallest normal float32 (TensorFlow flushes subnormals to zero), a stage with a degenerate sample (fewer than two
 exceedances, zero variance) stops the staging at the previous threshold, and an empty
 selection falls back to Top-1.
 """
@@ -33,7 +35,10 @@ from ._base import Sparsifier, count_for
 from ._topk import topk_positions
 from .basic import RATIO
 
-SMALLEST_FLOAT32 = float(np.finfo(np.float32).smallest_subnormal)
+# "Every non-zero entry" is |g| >= the smallest normal float32: TensorFlow flushes subnormals to
+# zero, so a subnormal threshold would select every entry there and subnormal magnitudes would
+# count as non-zero in NumPy but not in TF.
+SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
 def _np_count_at_least(x: np.ndarray, eta: float) -> int:
@@ -167,13 +172,16 @@ def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
             st = ops.first_stats(a, need_var, need_log)
             if st.n == 0:
                 return float("inf"), 0, False     # all zero: nothing reaches any threshold
+            if sparsifier.ratio * d >= st.n:      # the target covers every non-zero entry
+                return SMALLEST_NORMAL, 1, False
             dm_nonzero = dm * d / st.n            # zeros never exceed: rescale to the non-zeros
-            if dm_nonzero >= 1.0:
-                return SMALLEST_FLOAT32, 1, False  # every non-zero entry
-            t = _fits.threshold(dist, st, dm_nonzero, exact)
-            if t is None:                         # all non-zero magnitudes equal
-                return float(np.float32(st.mean)), 1, False
-            eta = t
+            if dm_nonzero >= 1.0:                 # stage 1's share covers every non-zero entry:
+                eta = 0.0                         # the later stages start from all of them
+            else:
+                t = _fits.threshold(dist, st, dm_nonzero, exact)
+                if t is None:                     # all non-zero magnitudes equal
+                    return float(np.float32(st.mean)), 1, False
+                eta = t
         else:
             dm = _fits.remaining_stage_ratio(sparsifier.ratio * d, ops.size(x), stages - m + 1)
             if dm >= 1.0:                         # the exceedances are already no more than k
@@ -189,7 +197,7 @@ def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
             tails.append(x)
             if ops.size(x) < 2:
                 break
-    eta = fitted = float(np.float32(eta))
+    eta = fitted = float(np.float32(max(eta, SMALLEST_NORMAL)))   # never 0: zeros are not sent
     if sparsifier.tail_check and tails:
         eta = checked_tail_threshold(ops, tails, eta, count_for(sparsifier.ratio, d), sparsifier.tolerance)
     return eta, used, eta != fitted
@@ -286,6 +294,28 @@ class SIDCo(Sparsifier):
     def reset(self) -> None:
         """Forget every tensor's stage state."""
         self._states.clear()
+
+    def state_dict(self) -> dict:
+        """Every tensor's adaptive stage state, ``{"tensors": {name: {slot: value}}}``."""
+        return {"tensors": {name: {slot: getattr(state, slot) for slot in _fits.StageState.__slots__}
+                            for name, state in self._states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the stage states :meth:`state_dict` returned."""
+        from ..errors import ConfigError
+
+        tensors = state.get("tensors") if isinstance(state, dict) and set(state) == {"tensors"} else None
+        if not isinstance(tensors, dict):
+            raise ConfigError("sparsifier 'sidco': checkpoint state must be {'tensors': {name: stage state}}")
+        loaded = {}
+        for name, slots in tensors.items():
+            if not isinstance(slots, dict) or set(slots) != set(_fits.StageState.__slots__):
+                raise ConfigError(f"sparsifier 'sidco': stage state of {name!r} must have the keys "
+                                  f"{list(_fits.StageState.__slots__)}")
+            loaded[name] = _fits.StageState(int(slots["stages"]))
+            for slot, value in slots.items():
+                setattr(loaded[name], slot, value)
+        self._states = loaded
 
     @property
     def backend(self) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._native import forced_numpy
-from ..errors import BackendUnavailableError, CommunicationError, ContainerError
+from ..errors import BackendUnavailableError, CommunicationError
 from .pipeline import numpy_op
 
 LIBRARY_NAME = "_deepreduce_ops.so"
@@ -195,11 +195,11 @@ class OpsEncoder:
                 index = core.index
                 order = np.argsort(indices, kind="stable")
                 indices, values = indices[order], values[order]
-                m, k = bloom_codec.filter_params(int(indices.size), index.fpr)
-                draw_seed = ctx.seed_for(f"bloom-{index.policy}") if index.policy in ("p1", "p2") else 0
+                blocks, k = bloom_codec.filter_params(int(indices.size), index.fpr)
+                draw_seed = ctx.seed_for(f"bloom-{index.policy}") if index.policy in bloom_codec.DRAWING else 0
                 d = int(flat.size)
                 limit = indices.size if index.policy in ("naive", "leftmost") else d
-                meta[:] = [m, k, _int64(index.hash_seed), _int64(draw_seed), d, limit]
+                meta[:] = [blocks, k, _int64(index.hash_seed), _int64(draw_seed), d, limit]
             return np.int64(1), compensated, indices, values.astype(np.float32), meta
 
         return prepare
@@ -219,8 +219,8 @@ class OpsEncoder:
             view.sparsifier = _Given(core.sparsifier, indices)
             if self.bloom:
                 index = core.index
-                m, k, seed, draw_seed = (int(v) & ((1 << 64) - 1) for v in meta[:4])
-                params = bloom_codec._PARAMS.pack(bloom_codec._POLICY_CODE[index.policy], k, m, seed, draw_seed)
+                blocks, k, seed, draw_seed = (int(v) & ((1 << 64) - 1) for v in meta[:4])
+                params = bloom_codec.pack_params(index.policy, k, blocks, seed, draw_seed)
                 view.index = _Given(index, IndexEncoding(params, bits.tobytes(), chosen.astype(np.int64),
                                                          sent.astype(np.float32)))
             if self.fit:
@@ -243,10 +243,10 @@ class OpsEncoder:
         def sparse():
             chosen, sent, bits = indices, values, tf.zeros([0], tf.uint8)
             if self.bloom:
-                m, k, seed, draw_seed, d, limit = (meta[i] for i in range(6))
-                bits = ops.deep_reduce_bloom_build(indices, m, k, seed)
-                positives = ops.deep_reduce_bloom_query(bits, m, k, seed, d, limit)
-                chosen = ops.deep_reduce_bloom_select(positives, tf.size(indices, out_type=tf.int64), m, k, seed,
+                blocks, k, seed, draw_seed, d, limit = (meta[i] for i in range(6))
+                bits = ops.deep_reduce_bloom_build(indices, blocks, k, seed)
+                positives = ops.deep_reduce_bloom_query(bits, blocks, k, seed, d, limit)
+                chosen = ops.deep_reduce_bloom_select(positives, tf.size(indices, out_type=tf.int64), blocks, k, seed,
                                                       draw_seed, policy=core.index.policy)
                 if core.index.policy != "naive":
                     sent = tf.gather(compensated, chosen)
@@ -311,16 +311,18 @@ class OpsEncoder:
             out = []
             for part in parts:
                 c = container.unpack(part)
-                meta = np.zeros(8, np.int64)   # routed, m, k, seed, draw seed, numel, n, limit
+                meta = np.zeros(8, np.int64)   # routed, blocks, k, seed, draw seed, numel, n, limit
                 bits = np.zeros(0, np.uint8)
                 vmeta = np.zeros(2, np.int64)  # routed, n
                 vpay = np.zeros(0, np.uint8)
                 if not c.dense and policy is not None and c.index_id == bloom_codec.BloomIndex.wire_id:
-                    code, k, m, seed, draw_seed = bloom_codec._unpack_params(c.index_params)
-                    # a container of another policy (foreign config) is decoded by the core itself
-                    if code == policy and len(c.index_section) == (m + 7) // 8 and m > 0:
-                        limit = c.n if code in ("naive", "leftmost", "p0") else c.numel
-                        meta[:] = [1, m, k, _int64(seed), _int64(draw_seed), c.numel, c.n, limit]
+                    p = bloom_codec.unpack_params(c.index_params)
+                    # a container of another policy or hash family (foreign config, format v1)
+                    # is decoded by the core itself
+                    if (p.family == "blocked" and p.policy == policy and len(c.index_section) == p.filter_bytes
+                            and p.size > 0):
+                        limit = c.n if p.policy in ("naive", "leftmost", "p0") else c.numel
+                        meta[:] = [1, p.size, p.k, _int64(p.seed), _int64(p.draw_seed), c.numel, c.n, limit]
                         bits = np.frombuffer(c.index_section, dtype=np.uint8)
                 if (not c.dense and fit and c.value_id == polyfit_codec.PolyFit.wire_id
                         and c.value_params == fit_params):
@@ -381,11 +383,11 @@ class OpsEncoder:
             bits, meta, vpay, vmeta = parsed[4 * i:4 * i + 4]
             chosen, npos = tf.zeros([0], tf.int64), tf.constant(0, tf.int64)
             if self.bloom:
-                m, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
-                k = tf.maximum(k, 1)   # unrouted containers carry m = 0: the ops then return nothing
-                positives = ops.deep_reduce_bloom_query(bits, m, k, seed, numel, limit)
+                blocks, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
+                k = tf.maximum(k, 1)   # unrouted containers carry blocks = 0: the ops then return nothing
+                positives = ops.deep_reduce_bloom_query(bits, blocks, k, seed, numel, limit)
                 npos = tf.size(positives, out_type=tf.int64)
-                chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), m, k, seed, draw_seed,
+                chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), blocks, k, seed, draw_seed,
                                                       policy=core.index.policy)
             values = tf.zeros([0], tf.float32)
             if core.value.id in OPS_VALUE_CODECS:
@@ -436,14 +438,9 @@ class _GivenBloomDecode:
         from ..index import bloom as bloom_codec
 
         chosen, npos = self._queue.pop(0) if self._queue else (None, 0)
-        code, _, m, _, _ = bloom_codec._unpack_params(params)
-        if chosen is None or code != self._policy or m == 0 or len(payload) != (m + 7) // 8:
+        p = bloom_codec.unpack_params(params)
+        if (chosen is None or p.family != "blocked" or p.policy != self._policy or p.size == 0
+                or len(payload) != p.filter_bytes):
             return self._real.decode(params, payload, count, numel)
-        if m % 8 and payload[-1] >> (m % 8):
-            raise ContainerError("Bloom section has bits set beyond m")
-        if code == "p0" and npos != count:
-            raise ContainerError(f"Bloom P0 filter has {npos}{'+' if npos > count else ''} positives, "
-                                 f"header says {count}")
-        if npos < count:
-            raise ContainerError(f"Bloom filter has {npos} positives, fewer than the {count} values sent")
+        bloom_codec.check_positives(p.policy, int(npos), count)
         return np.asarray(chosen, dtype=np.int64)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .. import gradiveq as gv
+from ..errors import ConfigError
 
 
 @dataclass
@@ -106,6 +107,47 @@ class GradiVeQ(gv.Settings):
         out["ratio"] = out["dense_elements"] / out["sent_elements"] if out["sent_elements"] else 1.0
         out["dims"] = {str(k): s.model.dims for k, s in self._states.items() if s.model is not None}
         return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Every compressible tensor's schedule position, open sampling window and trained model,
+        plus the counters, as tensors and Python values (``torch.save`` takes it)."""
+        tensors = {}
+        for key, state in self._states.items():
+            if state.plan is None:
+                continue            # always sent uncompressed: nothing to remember
+            model = None
+            if state.model is not None:
+                model = {"groups": [(g.start, g.count, None if g.u is None else torch.from_numpy(g.u.copy()))
+                                    for g in state.model.groups],
+                         "offset": torch.from_numpy(state.model.offset.copy()), "dims": list(state.model.dims)}
+            tensors[key] = {"shape": list(state.plan.shape), "t": state.t, "n_samples": state.n_samples,
+                            "samples": [[x.clone() for x in group] for group in state.samples],
+                            "running": None if state.running is None else state.running.cpu().clone(),
+                            "model": model}
+        return {"config": self.get_config(), "tensors": tensors, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output into a GradiVeQ built with the same arguments."""
+        if not isinstance(state, dict) or set(state) != {"config", "tensors", "stats"}:
+            raise ConfigError("GradiVeQ.load_state_dict: expected a dict with the keys config, tensors, stats")
+        if state["config"] != self.get_config():
+            raise ConfigError(f"GradiVeQ.load_state_dict: checkpoint of GradiVeQ({state['config']}), "
+                              f"this compressor is {self!r}")
+        self._states.clear()
+        for key, entry in state["tensors"].items():
+            restored = self._state(key, tuple(entry["shape"]))
+            restored.t, restored.n_samples = int(entry["t"]), int(entry["n_samples"])
+            restored.samples = [list(group) for group in entry["samples"]]
+            restored.running = entry["running"]
+            if entry["model"] is not None:
+                groups = [gv.GroupModel(start, count, None if u is None else u.numpy())
+                          for start, count, u in entry["model"]["groups"]]
+                restored.model = gv.Model(restored.plan, groups, entry["model"]["offset"].numpy(),
+                                          list(entry["model"]["dims"]))
+        self.stats.update(state["stats"])
+        self._occurrence.clear()
+        self._new_step = True
 
     # ---------------------------------------------------------------- slicing on device
     def _slices(self, tensor: torch.Tensor, plan: gv.SlicePlan):
@@ -188,6 +230,7 @@ class GradiVeQ(gv.Settings):
             state.running = torch.zeros_like(slices)
         for i, (start, _count) in enumerate(plan.groups):
             state.samples[i].append(slices[start].cpu())
+        state.running = state.running.to(slices.device)     # a checkpoint restores it on the CPU
         state.running += slices
         state.n_samples += 1
         if state.n_samples == self.schedule.sample_iters:

@@ -7,21 +7,33 @@ gradient into a DeepReduce container, containers (whose sizes differ per rank) t
 allgather, and every rank decodes all of them and averages or sums. Horovod itself is used
 through its public collectives only, never patched.
 
+Encoding runs off the backward path: the hook hands the gradient to a background worker
+(``deepreduce.torch.background``), which encodes it and starts its collective while backward
+goes on; ``step()`` waits for every encode, then for the collectives, then decodes.
+``background=False`` encodes inside the hook instead (same bytes, for debugging). Starting
+Horovod collectives from the worker thread is safe: ``horovod.torch`` allocates handles under a
+mutex (``HandleManager``), its tensor queue is mutex-protected, and the Python-side handle map is a
+dict updated under the GIL. Horovod matches tensors across ranks by name, so the ranks need
+not enqueue in the same order.
+
 A Horovod-style summable compressor (an object with ``compress``/``decompress``, such as
 ``deepreduce.torch.GradiVeQ`` or ``horovod.torch.Compression.fp16``) is also accepted; its output
-is summed by allreduce instead.
+is summed by allreduce instead (compressed and enqueued by the same worker).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from concurrent.futures import Future
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from ..comm import Communicator, Handle
+from ..comm import Communicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
+from .background import EncodeWorker
+from .checkpoint import compression_state_dict, load_compression_state_dict
 from .pipeline import TorchPipeline, build
 
 LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
@@ -47,7 +59,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, communicator):
+                 gradient_predivide_factor, process_set, communicator, background):
         super(self.__class__, self).__init__(params)
         hvd = _horovod()
         self._hvd = hvd
@@ -62,14 +74,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compressor = None
             self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
         self._communicator = communicator or self._default_communicator()
+        self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
-        self._handles: Dict[torch.Tensor, Tuple[Handle, object]] = {}
+        self._pending: Dict[torch.Tensor, Future] = {}
         self._hook_handles: List = []
         self._step_count = 0
         self._should_synchronize = True
         self._synchronized = False
-        self._wait_seconds = 0.0
+        self._times = {"encode": 0.0, "encode_hidden": 0.0, "encode_wait": 0.0, "communication_wait": 0.0,
+                       "summable_decode": 0.0}
         self._steps_communicated = 0
         self._register_hooks()
 
@@ -90,50 +104,85 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     self._delay[p] = self.backward_passes_per_step
+                    self._hook_handles.append(p.register_hook(self._make_pass_check(p)))
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook()))
 
-    def _make_hook(self):
-        def hook(p: torch.Tensor) -> None:
+    def _make_pass_check(self, p: torch.Tensor):
+        """Refuse a backward pass beyond backward_passes_per_step *before* it accumulates into
+        ``p.grad``, which the worker may be reading."""
+        def check(grad: torch.Tensor) -> None:
             if self._delay[p] <= 0:
                 raise DeepReduceError(
                     "gradients were computed more than backward_passes_per_step times before "
                     "optimizer.step(); raise backward_passes_per_step or call step() more often"
                 )
+        return check
+
+    def _make_hook(self):
+        def hook(p: torch.Tensor) -> None:
             self._delay[p] -= 1
             if self._delay[p] == 0:
-                self._handles[p] = self._submit(p)
+                self._submit(p)
         return hook
 
     # ----------------------------------------------------------------- communication
-    def _submit(self, p: torch.Tensor):
-        """Start the collective for one parameter's gradient; return (handle, context)."""
-        name = self._names[p]
-        grad = p.grad
-        if self._summable:
-            kwargs = {} if self._process_set is None else {"process_set": self._process_set}
-            if getattr(self._compressor, "accepts_name", False):
-                compressed, ctx = self._compressor.compress(grad, name=name)
-            else:
-                compressed, ctx = self._compressor.compress(grad)
-            if self._op == self._hvd.Average:
-                handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._hvd.Average,
-                                                    prescale_factor=1.0 / self._predivide,
-                                                    postscale_factor=self._predivide, **kwargs)
-            else:
-                handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
-            return handle, ctx
-        payload = self._pipeline.encode(grad, name=name, step=self._step_count)
-        return self._communicator.allgather_async(payload.numpy(), f"deepreduce.{name}"), None
+    def _submit(self, p: torch.Tensor) -> None:
+        """Hand ``p``'s finished gradient to the worker, which encodes it and starts its collective.
+
+        The worker reads ``p.grad`` itself (no copy): autograd has finished writing it (this is
+        the last of backward_passes_per_step passes, and a further pass is refused before it
+        accumulates), and until ``step()``/``synchronize()`` nothing else may write it (as with
+        Horovod, whose collectives work on ``p.grad`` in place).
+        """
+        name, grad, step = self._names[p], p.grad, self._step_count
+
+        def start():
+            try:
+                if self._summable:
+                    return self._start_allreduce(name, grad)
+                return self._start_allgather(name, grad, step)
+            except Exception as exc:
+                exc.add_note(f"deepreduce: raised while encoding parameter {name!r} at step {step}")
+                raise
+
+        self._pending[p] = self._worker.submit(start)
+
+    def _start_allreduce(self, name: str, grad: torch.Tensor):
+        """Compress and start the allreduce; return (handle, ctx, (compress start, compress end))."""
+        start = time.perf_counter()
+        kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+        if getattr(self._compressor, "accepts_name", False):
+            compressed, ctx = self._compressor.compress(grad, name=name)
+        else:
+            compressed, ctx = self._compressor.compress(grad)
+        interval = (start, time.perf_counter())
+        if self._op == self._hvd.Average:
+            handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._hvd.Average,
+                                                prescale_factor=1.0 / self._predivide,
+                                                postscale_factor=self._predivide, **kwargs)
+        else:
+            handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
+        return handle, ctx, interval
+
+    def _start_allgather(self, name: str, grad: torch.Tensor, step: int):
+        """Encode and start the allgather; return (handle, None, (encode start, encode end))."""
+        start = time.perf_counter()
+        payload = self._pipeline.encode(grad, name=name, step=step)
+        interval = (start, time.perf_counter())
+        return self._communicator.allgather_async(payload.numpy(), f"deepreduce.{name}"), None, interval
 
     def _finish(self, p: torch.Tensor, handle, ctx) -> None:
+        """Wait for one collective and write the aggregated gradient into ``p.grad``."""
         start = time.perf_counter()
         if self._summable:
             output = self._hvd.synchronize(handle)
-            self._wait_seconds += time.perf_counter() - start
+            decode_start = time.perf_counter()
+            self._times["communication_wait"] += decode_start - start
             p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
+            self._times["summable_decode"] += time.perf_counter() - decode_start
             return
         payloads = handle.wait()
-        self._wait_seconds += time.perf_counter() - start
+        self._times["communication_wait"] += time.perf_counter() - start
         try:
             total = self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape))
         except CommunicationError as exc:
@@ -143,20 +192,52 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         p.grad.copy_(total.to(device=p.grad.device, dtype=p.grad.dtype))
 
     def synchronize(self) -> None:
-        """Wait for every parameter's collective and write the aggregated gradients."""
+        """Wait for every parameter's encode and collective and write the aggregated gradients.
+
+        An error of any parameter (raised on the worker, by the collective or by decoding) is
+        re-raised here, with its type and message, after every other pending collective has
+        been waited for; the optimizer is then ready for the next step.
+        """
+        wait_start = time.perf_counter()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p not in self._handles:
+                if p.requires_grad and p not in self._pending:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    self._handles[p] = self._submit(p)
-        for p, (handle, ctx) in list(self._handles.items()):
-            self._finish(p, handle, ctx)
-            self._delay[p] = self.backward_passes_per_step
-        self._handles.clear()
-        self._step_count += 1
+                    self._submit(p)
+        errors: List[BaseException] = []
+        try:
+            started = self._wait_for_encodes(wait_start, errors)
+            for p, handle, ctx in started:
+                try:
+                    self._finish(p, handle, ctx)
+                except Exception as exc:  # keep draining the other collectives first
+                    errors.append(exc)
+        finally:
+            self._pending.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+            self._step_count += 1
+        if errors:
+            raise errors[0]
         self._steps_communicated += 1
         self._synchronized = True
+
+    def _wait_for_encodes(self, wait_start: float, errors: List[BaseException]):
+        """Wait for the worker; return (parameter, handle, ctx) of every collective it started."""
+        started = []
+        for p, future in self._pending.items():
+            try:
+                handle, ctx, (encode_start, encode_end) = future.result()
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            started.append((p, handle, ctx))
+            self._times["encode"] += encode_end - encode_start
+            if self._worker.background:
+                self._times["encode_hidden"] += max(0.0, min(encode_end, wait_start) - encode_start)
+        self._times["encode_wait"] += time.perf_counter() - wait_start
+        return started
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -176,16 +257,55 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
+        if self._pending:
             raise DeepReduceError("optimizer.zero_grad() called after backward() but before step() or synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # ----------------------------------------------------------------- stats
     def compression_stats(self) -> dict:
-        """Bytes before and after compression, encode/decode time and time spent waiting."""
+        """Bytes before and after compression and where the time went.
+
+        ``encode_seconds``: wall time of the encodes (pipeline encode, or the summable
+        compressor's compress) of the steps taken; ``decode_seconds``: the pipeline's decode time
+        (or decompress time). ``encode_hidden_seconds``: the part of ``encode_seconds`` that ran
+        before ``step()``/``synchronize()`` started waiting, i.e. behind backward (always 0 with
+        ``background=False``; where ranks have fewer cores than busy threads, "hidden" encode
+        time still shares the CPU with backward). ``encode_wait_seconds``:
+        time step() waited for the worker; ``communication_wait_seconds``: time it then waited for
+        the collectives.
+        """
         stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
-        stats.update(steps=self._steps_communicated, communication_wait_seconds=self._wait_seconds)
+        if self._summable:
+            stats.update(decode_seconds=self._times["summable_decode"])
+        stats.update(encode_seconds=self._times["encode"], steps=self._steps_communicated,
+                     background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
+                     encode_wait_seconds=self._times["encode_wait"],
+                     communication_wait_seconds=self._times["communication_wait"])
         return stats
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        """The wrapped optimizer's state dict plus, under ``"deepreduce"``, the step counter, the
+        pipeline's residuals and learned state (or the summable compressor's, e.g. GradiVeQ models).
+
+        Save it as usual (``torch.save(optimizer.state_dict(), ...)``); a run resumed with
+        ``load_state_dict`` sends byte-identical containers to one that never stopped.
+        """
+        if self._pending:
+            raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
+        out = super(self.__class__, self).state_dict()
+        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count)
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Restore both parts of :meth:`state_dict`; a plain torch optimizer state dict (no
+        ``"deepreduce"`` entry) restores the optimizer and leaves the compression state as it is."""
+        state_dict = dict(state_dict)
+        compression = state_dict.pop("deepreduce", None)
+        if compression is not None:
+            self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
+                                                           "DistributedOptimizer")
+        super(self.__class__, self).load_state_dict(state_dict)
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
@@ -212,7 +332,8 @@ def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression=None, backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, process_set=None, communicator: Optional[Communicator] = None):
+                         sparse_as_dense: bool = False, process_set=None, communicator: Optional[Communicator] = None,
+                         background: bool = True):
     """Wrap ``optimizer`` so its gradients travel as DeepReduce containers.
 
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
@@ -221,6 +342,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ``groups`` (tensor fusion grouping) are accepted for compatibility; every tensor travels as
     its own container; ``sparse_as_dense`` is accepted and has no effect, since gradients are
     always compressed from their dense form. ``communicator`` overrides the config's (default: Horovod allgather).
+    ``background`` (default True) encodes on a worker thread while backward goes on; False encodes
+    inside the backward hook (identical bytes; simpler to debug).
     """
     hvd = _horovod()
     op = hvd.Average if op is None else op
@@ -235,4 +358,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, communicator)
+               gradient_predivide_factor, process_set, communicator, background)

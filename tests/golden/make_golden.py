@@ -1,12 +1,15 @@
-"""Regenerate the golden wire fixtures: one per config in configs/ (plus the core's own).
+"""Regenerate the golden wire fixtures of the current container format (v2): one per config in
+configs/ (plus the core's own).
 
 Run only when the wire format changes on purpose (and bump the container version then):
 
     .venv/bin/python tests/golden/make_golden.py
 
 Each fixture ``tests/golden/<name>.npz`` holds the config (JSON), the gradient, the tensor
-name and step, and the container bytes. tests/test_golden.py checks that encoding the gradient
-still gives exactly these bytes and that decoding them still gives the same tensor.
+name and step, the container bytes and the tensor they decode to. tests/test_golden.py checks
+that encoding the gradient still gives exactly these bytes and that decoding them still gives
+the same tensor. ``tests/golden/v1/`` keeps the format-v1 fixtures (written by the v1 code, with
+the tensors the v1 code decoded them to): they are decode-only and never regenerated.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def main() -> None:
     for name, config in golden_configs().items():
         payload = deepreduce.build(config).encode(grad, name="golden.weight", step=7)
         np.savez_compressed(os.path.join(HERE, f"{name}.npz"), config=json.dumps(config, sort_keys=True),
-                            grad=grad, tensor_name="golden.weight", step=7, payload=payload)
+                            grad=grad, tensor_name="golden.weight", step=7, payload=payload,
+                            decoded=deepreduce.build(config).decode(payload))
         print(f"{name}: {payload.size} bytes")
 
 

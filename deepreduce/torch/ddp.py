@@ -1,0 +1,391 @@
+"""DeepReduce as a PyTorch DDP communication hook.
+
+One line for the common case::
+
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state = deepreduce.torch.ddp.register(model, "configs/bf_p2.yaml")
+
+or, in the style of PyTorch's ``PowerSGDState`` / ``powerSGD_hook``::
+
+    state = DeepReduceState(process_group=None, compression="configs/bf_p2.yaml",
+                            named_parameters=net.named_parameters())
+    model.register_comm_hook(state, deepreduce_hook)
+
+What happens to a bucket. DDP hands the hook a flat bucket of many parameters' gradients. The
+bucket is cut back into one view per parameter (``bucket.parameters()`` in bucket order, no
+padding), and each parameter is encoded on its own under its name, so Top-r ratios, Bloom filters,
+seeds and error-feedback residuals mean exactly what they mean in
+``deepreduce.torch.DistributedOptimizer`` (and a parameter's residual survives DDP's bucket
+rebuild after the first iteration: it is keyed by name, not by bucket). Then, per bucket:
+
+1. every rank all-gathers a 4-entry int64 header: its payload size (or -1 if encoding failed),
+   the config digest, a digest of the bucket's parameter names and shapes, and its step;
+2. every rank checks the headers; any disagreement (another config, another model, a rank whose
+   encoder raised) raises the same error on every rank, naming the bucket's parameters, before
+   any payload moves, so a mistake is an error and never a hang;
+3. containers: the concatenation of the bucket's containers, padded to the longest rank's, goes
+   through one ``all_gather`` (uint8 tensors on the bucket's device, so NCCL works); every rank
+   splits each rank's bytes into containers, decodes and sums them per parameter and divides by
+   the world size (DDP averages). Summable compressors (``FP16Compressor``,
+   ``deepreduce.torch.GradiVeQ``) instead concatenate their codes into one ``all_reduce``.
+
+The hook itself only queues the bucket and returns a ``torch.futures.Future``; a per-state
+worker thread encodes, communicates, decodes and completes the future, so the backward pass
+never waits on communication (nor on encoding). The collectives run in a process group of their
+own (created by the state over the same ranks), issued by that one thread in hook order: futures
+chained on gloo complete on gloo's worker threads, and collectives issued from their callbacks
+would reach the group in an order that can differ between ranks.
+
+Checkpoints: ``state.state_dict()`` holds the step counter, the error-feedback residuals and any
+learned compressor state (SIDCo stage counts, GradiVeQ models); save it beside the model and
+optimizer state and ``load_state_dict`` it after building the state on resume. A resumed run
+sends byte-identical containers to one that never stopped.
+"""
+
+import hashlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import container
+from ..errors import CommunicationError, ConfigError, DeepReduceError
+from ..pipeline import Pipeline
+from .checkpoint import compression_state_dict, load_compression_state_dict
+from .optimizer import LOSSLESS_CONFIG
+from .pipeline import TorchPipeline, build
+
+_FAILED = -1          # header size of a rank whose encoder raised
+
+
+class FP16Compressor:
+    """Summable half precision: gradients travel as float16 through ``all_reduce``.
+
+    The contract of Horovod's ``Compression.fp16`` (``compress`` -> (tensor, context),
+    ``decompress``), so a ``DeepReduceState`` accepts either.
+    """
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        return tensor.to(torch.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
+        return tensor.to(ctx)
+
+    def __repr__(self) -> str:
+        return "FP16Compressor()"
+
+
+@dataclass
+class _Job:
+    """One bucket handed over by the hook."""
+
+    buffer: torch.Tensor
+    views: List[torch.Tensor]
+    names: List[str]
+    step: int
+    future: torch.futures.Future
+
+
+def _is_summable(obj) -> bool:
+    return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _named(named_parameters) -> Optional[Dict[torch.Tensor, str]]:
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+           or not isinstance(item[1], torch.Tensor) for item in named):
+        raise ConfigError("DeepReduceState: named_parameters must be (name, parameter) pairs, "
+                          "e.g. model.named_parameters()")
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"DeepReduceState: named_parameters has duplicate names: {', '.join(duplicates)}")
+    return {p: n for n, p in named}
+
+
+def _describe(names: List[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+class DeepReduceState:
+    """Hyperparameters, state and statistics of the deepreduce DDP hook (one per DDP model).
+
+    Hyperparameters:
+        process_group: the group DDP reduces over (None: the default group). The state creates
+            a private group over the same ranks for its collectives, so build it on every rank
+            (like DDP itself), after ``torch.distributed.init_process_group``.
+        compression: a deepreduce config (YAML path or dict), a built pipeline, or a summable
+            compressor (``FP16Compressor``, ``deepreduce.torch.GradiVeQ``, Horovod's
+            ``Compression.fp16``); None sends gradients losslessly.
+        named_parameters: ``model.named_parameters()`` of the wrapped module; names key the
+            residuals and seeds (the same names as the Horovod optimizer gives byte-identical
+            containers). Without it parameters are named ``param.<k>`` in the order DDP first
+            hands them over, which is the same on every rank.
+
+    State: ``step`` (iterations communicated), the pipeline's residuals and learned state.
+    Statistics: ``compression_stats()``.
+    """
+
+    def __init__(self, process_group=None, compression=None, named_parameters=None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise CommunicationError("DeepReduceState: call torch.distributed.init_process_group first")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ConfigError(f"DeepReduceState: process_group must be a torch.distributed.ProcessGroup "
+                              f"or None, got {type(process_group).__name__}")
+        # hyperparameters
+        self.process_group = process_group
+        group = dist.group.WORLD if process_group is None else process_group
+        self.world_size = dist.get_world_size(group)
+        if compression is not None and _is_summable(compression):
+            self.pipeline, self.compressor = None, compression
+            config = getattr(compression, "get_config", lambda: {})()
+            self._config_digest = _digest64(f"{type(compression).__qualname__}:{config!r}".encode())
+        else:
+            self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
+            self.compressor = None
+            self._config_digest = int.from_bytes(self.pipeline.core.config_digest[:8], "little", signed=True)
+        self._names = _named(named_parameters)
+        self._auto_names: Dict[torch.Tensor, str] = {}
+        # state
+        self.step = 0
+        # statistics
+        self.stats = {"buckets": 0, "dense_bytes": 0, "wire_bytes": 0, "collective_bytes": 0,
+                      "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
+        # the private group and the worker that alone issues collectives on it
+        self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+        self._jobs: "queue.Queue[_Job]" = queue.Queue()
+        self._worker: Optional[threading.Thread] = None
+
+    def __repr__(self) -> str:
+        what = self.compressor if self.pipeline is None else self.pipeline.get_config()
+        return f"DeepReduceState(world_size={self.world_size}, compression={what!r}, step={self.step})"
+
+    # ------------------------------------------------------------------ the hook's side
+    def _name(self, param: torch.Tensor) -> str:
+        if self._names is None:
+            return self._auto_names.setdefault(param, f"param.{len(self._auto_names)}")
+        name = self._names.get(param)
+        if name is None:
+            raise ConfigError(f"DDP bucket holds a parameter of shape {tuple(param.shape)} that is not in the "
+                              "named_parameters given to DeepReduceState (is the state registered on another "
+                              "model? pass model.module.named_parameters())")
+        return name
+
+    def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Queue one bucket for the worker; return the future DDP waits on."""
+        buffer = bucket.buffer()
+        params = bucket.parameters()
+        views, offset = [], 0
+        for p in params:
+            views.append(buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        if offset != buffer.numel():
+            raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
+                                     f"{offset}: cannot cut it into per-parameter gradients")
+        job = _Job(buffer, views, [self._name(p) for p in params], self.step,
+                   torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future())
+        if bucket.is_last():
+            self.step += 1
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="deepreduce-ddp", daemon=True)
+            self._worker.start()
+        self._jobs.put(job)
+        # The worker completes job.future with the bucket or an exception object; the chained
+        # future re-raises the latter, so DDP's wait fails with its message on this rank.
+        return job.future.then(_unwrap)
+
+    # ------------------------------------------------------------------ the worker's side
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job.future.set_result(self._reduce(job))
+            except Exception as exc:  # every failure reaches DDP's wait on this rank
+                job.future.set_exception(exc)
+            finally:
+                self._jobs.task_done()
+
+    def _reduce(self, job: _Job) -> torch.Tensor:
+        device = job.buffer.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        start = time.perf_counter()
+        failure, payload, codes = None, None, None
+        try:
+            if self.pipeline is None:
+                codes = self._compress(job)
+            else:
+                payload = self._encode(job)
+        except Exception as exc:  # reported to every rank through the header, raised below
+            failure = exc
+        self.stats["encode_seconds"] += time.perf_counter() - start
+        sent = payload if codes is None else codes[0]
+        nbytes = _FAILED if failure is not None else sent.numel() * sent.element_size()
+        headers = self._exchange_headers(job, nbytes, device)
+        self._check_agreement(job, headers, failure, equal_sizes=codes is not None)
+        self.stats["buckets"] += 1
+        self.stats["dense_bytes"] += 4 * sum(v.numel() for v in job.views)
+        self.stats["wire_bytes"] += nbytes
+        if codes is None:
+            self._gather_and_decode(job, payload, headers[:, 0])
+        else:
+            self._reduce_codes(job, *codes)
+        return job.buffer
+
+    def _exchange_headers(self, job: _Job, nbytes: int, device) -> np.ndarray:
+        layout = _digest64(repr([(n, tuple(v.shape)) for n, v in zip(job.names, job.views)]).encode())
+        header = torch.tensor([nbytes, self._config_digest, layout, job.step], dtype=torch.int64, device=device)
+        headers = [torch.empty_like(header) for _ in range(self.world_size)]
+        start = time.perf_counter()
+        dist.all_gather(headers, header, group=self._group)
+        self.stats["communication_seconds"] += time.perf_counter() - start
+        return torch.stack(headers).cpu().numpy()
+
+    def _check_agreement(self, job: _Job, headers: np.ndarray, failure: Optional[Exception],
+                         equal_sizes: bool) -> None:
+        where = f"DDP bucket with parameters {_describe(job.names)}"
+        if failure is not None:
+            raise failure
+        failed = [r for r in range(self.world_size) if headers[r, 0] == _FAILED]
+        if failed:
+            raise CommunicationError(f"{where}: rank(s) {failed} could not encode their gradients "
+                                     "(their own error says why)")
+        for column, what in ((1, "compression config"), (2, "parameter names or shapes"), (3, "step counter")):
+            if len(set(headers[:, column].tolist())) > 1:
+                raise CommunicationError(
+                    f"{where}: ranks disagree about the {what} "
+                    f"({', '.join(f'rank {r}: {int(v) & (2**64 - 1):x}' for r, v in enumerate(headers[:, column]))}); "
+                    "every rank must run the same model with the same deepreduce config and checkpoint")
+        if equal_sizes and len(set(headers[:, 0].tolist())) > 1:
+            raise CommunicationError(f"{where}: ranks produced codes of different sizes "
+                                     f"({headers[:, 0].tolist()} bytes) for an all_reduce; their "
+                                     f"{self.compressor!r} states differ")
+
+    # containers --------------------------------------------------------------
+    def _encode(self, job: _Job) -> torch.Tensor:
+        parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
+        return torch.cat(parts).to(job.buffer.device)
+
+    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
+        padded[:payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        start = time.perf_counter()
+        dist.all_gather(gathered, padded, group=self._group)
+        self.stats["communication_seconds"] += time.perf_counter() - start
+        self.stats["collective_bytes"] += longest
+        start = time.perf_counter()
+        per_rank = []
+        for rank, (data, size) in enumerate(zip(gathered, sizes)):
+            parts = container.split(data[:int(size)].cpu().numpy())
+            if len(parts) != len(job.names):
+                raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
+                                         f"{len(job.names)} parameters ({_describe(job.names)})")
+            per_rank.append(parts)
+        for i, (name, view) in enumerate(zip(job.names, job.views)):
+            try:
+                total = self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(view.shape))
+            except DeepReduceError as exc:
+                raise type(exc)(f"parameter {name!r}: {exc}") from exc
+            view.copy_(total.div_(self.world_size))
+        self.stats["decode_seconds"] += time.perf_counter() - start
+
+    # summable codes -----------------------------------------------------------
+    def _compress(self, job: _Job):
+        codes, contexts = [], []
+        named = getattr(self.compressor, "accepts_name", False)
+        for name, view in zip(job.names, job.views):
+            code, ctx = self.compressor.compress(view, name=name) if named else self.compressor.compress(view)
+            codes.append(code)
+            contexts.append(ctx)
+        dtypes = {c.dtype for c in codes}
+        if len(dtypes) != 1:
+            raise ConfigError(f"{self.compressor!r} returned codes of several dtypes ({sorted(map(str, dtypes))}) "
+                              "for one bucket; a summable compressor must use one dtype")
+        return torch.cat([c.reshape(-1) for c in codes]), codes, contexts
+
+    def _reduce_codes(self, job: _Job, flat: torch.Tensor, codes, contexts) -> None:
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=self._group)
+        self.stats["communication_seconds"] += time.perf_counter() - start
+        self.stats["collective_bytes"] += flat.numel() * flat.element_size()
+        start = time.perf_counter()
+        offset = 0
+        for code, ctx, view in zip(codes, contexts, job.views):
+            summed = flat[offset:offset + code.numel()].view(code.shape)
+            offset += code.numel()
+            view.copy_(self.compressor.decompress(summed, ctx).view(view.shape) / self.world_size)
+        self.stats["decode_seconds"] += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ stats and checkpoints
+    def wait_idle(self) -> None:
+        """Block until every queued bucket is finished (DDP's backward already waits for them)."""
+        self._jobs.join()
+
+    def compression_stats(self) -> dict:
+        """Hook-level totals: buckets, dense and wire bytes (this rank's payloads), bytes in the
+        collectives (with padding), encode/communication/decode seconds, steps, relative volume."""
+        self.wait_idle()
+        out = dict(self.stats, steps=self.step)
+        out["relative_volume"] = out["wire_bytes"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
+        return out
+
+    def state_dict(self) -> dict:
+        """Step counter, residuals and learned compressor state, plus the statistics, for ``torch.save``."""
+        self.wait_idle()
+        return dict(compression_state_dict(self.pipeline, self.compressor, self.step), stats=dict(self.stats))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (build the state with the same config first)."""
+        if not isinstance(state, dict) or set(state.get("stats", ())) != set(self.stats):
+            raise ConfigError("DeepReduceState.load_state_dict: expected the output of DeepReduceState.state_dict() "
+                              "(a dict with 'stats' holding this version's counters)")
+        self.wait_idle()
+        state = dict(state)
+        stats = state.pop("stats")
+        self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState")
+        self.stats.update(stats)
+
+
+def _unwrap(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()
+
+
+def deepreduce_hook(state: DeepReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``model.register_comm_hook(state, deepreduce_hook)``."""
+    return state.submit(bucket)
+
+
+def register(model: torch.nn.Module, compression=None, process_group=None) -> DeepReduceState:
+    """Build a :class:`DeepReduceState` for a DDP ``model`` and register the hook; return the state.
+
+    ``compression`` as for DeepReduceState; ``process_group`` defaults to the model's.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        raise ConfigError(f"deepreduce.torch.ddp.register needs a torch.nn.parallel.DistributedDataParallel "
+                          f"model, got {type(model).__name__}; wrap it first")
+    existing = getattr(model, "_comm_hooks", [])
+    if existing:
+        raise ConfigError(f"this DDP model already has a communication hook ({existing[0][0].__qualname__}); "
+                          "DDP accepts one per model")
+    state = DeepReduceState(model.process_group if process_group is None else process_group, compression,
+                            model.module.named_parameters())
+    model.register_comm_hook(state, deepreduce_hook)
+    return state

@@ -1,0 +1,70 @@
+"""`pip install "deepreduce[torch]"` into a user's own environment that already has torch.
+
+A fresh venv sees this machine's torch through a .pth file (as a user's environment would have its
+own); pip builds deepreduce from a copy of the sources with build isolation (pyproject.toml's build
+requirements), so the checkout gets no build outputs. The installed package must leave torch
+alone, carry its compiled extensions and import without Horovod or TensorFlow.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import ROOT
+
+CHECK = r"""
+import importlib.abc, json, sys
+
+class NoHorovodNoTensorFlow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("horovod", "tensorflow"):
+            raise ImportError(f"{name} is not installed in this environment")
+        return None
+
+sys.meta_path.insert(0, NoHorovodNoTensorFlow())
+import deepreduce, deepreduce.torch, deepreduce.torch.ddp, torch
+from deepreduce import _native
+natives = sys.argv[1].split(",")
+print(json.dumps({"deepreduce": deepreduce.__file__, "torch": torch.__file__, "torch_version": torch.__version__,
+                  "native": {n: _native.load(n) is not None for n in natives}}))
+"""
+
+
+def copy_sources(dest: Path) -> None:
+    """What a source distribution holds, without this checkout's build outputs."""
+    dest.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    ignore = shutil.ignore_patterns("*.so", "*.o", "__pycache__", "build")
+    for folder in ("csrc", "deepreduce"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
+
+
+def test_pip_install_torch_extra_into_an_environment_that_has_torch(tmp_path):
+    src = tmp_path / "src"
+    copy_sources(src)
+    venv = tmp_path / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "users_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-input",
+                              f"{src}[torch]"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+
+    natives = sorted(p.parent.name for p in (ROOT / "csrc").glob("*/py_module.cpp"))
+    check = subprocess.run([str(python), "-c", CHECK, ",".join(natives)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    result = json.loads(check.stdout.strip().splitlines()[-1])
+    assert Path(result["deepreduce"]).is_relative_to(site)           # the installed copy, not the checkout
+    assert (result["torch"], result["torch_version"]) == (torch.__file__, torch.__version__)
+    assert not (site / "torch").exists()                              # pip left the user's torch alone
+    assert result["native"] == {n: True for n in natives}            # the C++ extensions were built

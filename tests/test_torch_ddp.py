@@ -1,0 +1,119 @@
+"""The DDP communication hook on 2 real gloo ranks (one spawn runs every scenario, see workers/torch_ddp_hook.py)."""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from deepreduce import container
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+import torch_ddp_hook as worker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Both ranks' results, by scenario name; fails with the ranks' exit codes if one crashed."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = 20000 + os.getpid() % 20000
+    procs = [ctx.Process(target=worker.run, args=(rank, 2, port, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, result = queue.get(timeout=240)
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    exitcodes = [p.exitcode for p in procs]
+    assert exitcodes == [0, 0], f"ranks exited with {exitcodes}; scenarios done: {sorted(results.get(0, {}))}"
+    return results
+
+
+def both(ranks, scenario):
+    return ranks[0][scenario], ranks[1][scenario]
+
+
+def test_lossless_hook_matches_ddp_allreduce_and_ranks_agree(ranks):
+    r0, r1 = both(ranks, "scenario_lossless")
+    assert r0["max_diff"] < 1e-5 and r1["max_diff"] < 1e-5
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+    # fp16 codes through all_reduce: close to the float32 result, not equal to it
+    assert 0 < r0["fp16_max_diff"] < 1e-2
+
+
+def test_gradiveq_codes_go_through_all_reduce(ranks):
+    r0, r1 = both(ranks, "scenario_gradiveq")
+    assert r0["compressed"] > 0 and r0["compressed"] == r1["compressed"]   # the conv layer after training
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+    assert r0["wire_bytes"] == r1["wire_bytes"] > 0
+
+
+def documented_container_bytes(shape, ratio=0.01, min_numel=1000):
+    """docs/container-format.md: header of varints; Top-r raw sends floor(r d) uint32 + float32 pairs."""
+    numel = math.prod(shape)
+    if numel < min_numel:
+        return container.overhead(shape, numel, value_bytes=4 * numel) + 4 * numel
+    r = max(1, math.floor(ratio * numel))
+    return container.overhead(shape, r, 4 * r, 4 * r) + 8 * r
+
+
+def test_topk_bytes_on_the_wire_are_the_documented_container_sizes(ranks):
+    for result in both(ranks, "scenario_topk_bytes"):
+        per_step = sum(documented_container_bytes(s) for s in result["shapes"])
+        assert result["steps"] == 3
+        assert result["wire_bytes"] == 3 * per_step
+
+
+def test_resumed_state_sends_identical_containers(ranks):
+    for result in both(ranks, "scenario_checkpoint"):
+        assert len(result["names"]) == 6
+        assert result["identical"] and result["params_equal"] and result["step"] == 4
+        assert not result["without_state_identical"]   # the saved residuals and stage counts matter
+
+
+def test_unused_parameters_with_find_unused_parameters(ranks):
+    r0, r1 = both(ranks, "scenario_unused")
+    assert r0["steps"] == r1["steps"] == 3
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
+def test_nonfinite_gradients_follow_the_pipeline_option(ranks):
+    r0, r1 = both(ranks, "scenario_nonfinite")
+    assert r0["propagated"] and r1["propagated"]
+    (kind0, msg0, _), (kind1, msg1, _) = r0["raise"], r1["raise"]
+    # DDP re-raises a hook's failure as RuntimeError carrying the deepreduce error's class and text
+    assert "NonFiniteGradientError: gradient 'conv.weight'" in msg0 and "nonfinite='raise'" in msg0
+    assert "CommunicationError" in msg1 and "rank(s) [0] could not encode" in msg1
+
+
+def test_rank_disagreement_is_an_error_on_every_rank_within_seconds(ranks):
+    for result in both(ranks, "scenario_disagreement"):
+        kind, message, seconds = result["error"]
+        assert "CommunicationError" in message and "compression config" in message and "'conv.weight'" in message
+        assert seconds < 30
+
+
+def test_bad_input_gets_clear_errors(ranks):
+    for result in both(ranks, "scenario_bad_input"):
+        assert result["twice"][0] == "ConfigError" and "already has a communication hook" in result["twice"][1]
+        assert result["not_ddp"][0] == "ConfigError" and "got Net" in result["not_ddp"][1]
+        assert result["bad_group"][0] == "ConfigError" and "process_group" in result["bad_group"][1]
+        assert result["bad_names"][0] == "ConfigError" and "named_parameters" in result["bad_names"][1]
+        assert result["bad_config"][0] == "ConfigError" and "nope" in result["bad_config"][1]
+        assert result["bad_checkpoint"][0] == "ConfigError" and "state_dict()" in result["bad_checkpoint"][1]
+
+
+def test_state_needs_an_initialised_process_group():
+    from deepreduce.errors import CommunicationError
+    from deepreduce.torch.ddp import DeepReduceState
+
+    with pytest.raises(CommunicationError, match="init_process_group"):
+        DeepReduceState()

@@ -1,0 +1,198 @@
+"""Two gloo ranks (torch.multiprocessing spawn) exercising the DDP hook; one launch runs every scenario.
+
+``run(rank, world, port, queue)`` puts ``(rank, results)`` on the queue, results keyed by scenario;
+tests/test_torch_ddp.py checks them. Scenarios that must fail run last, each on a fresh model.
+"""
+import io
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from deepreduce.torch import GradiVeQ, ddp
+
+TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}
+LOSSLESS = {"sparsifier": "none", "index": "raw", "value": "raw", "memory": "none"}
+STATEFUL = {"sparsifier": {"id": "sidco", "ratio": 0.02, "stages": 2, "period": 2}, "memory": "residual",
+            "index": {"id": "bloom", "policy": "p2", "fpr": 0.01}, "value": "raw"}
+
+
+class Net(nn.Module):
+    """Conv + linear layers above and below the 1,000-element dense threshold; optional extra branch."""
+
+    def __init__(self, branch: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.fc1 = nn.Linear(16 * 6 * 6, 64)
+        self.fc2 = nn.Linear(64, 10)
+        self.branch = nn.Linear(16 * 6 * 6, 10) if branch else None
+        self.unused = nn.Linear(10, 10) if branch else None
+
+    def forward(self, x, use_branch: bool = False):
+        h = torch.relu(self.conv(x)).flatten(1)
+        out = self.fc2(torch.relu(self.fc1(h)))
+        return out + self.branch(h) if use_branch else out
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def make(compression="default", seed=0, branch=False, **ddp_kwargs):
+    """(ddp model, optimizer, hook state or None) from one seed, bucket cap small enough for 2+ buckets."""
+    torch.manual_seed(seed)
+    net = Net(branch)
+    model = DDP(net, bucket_cap_mb=0.02, **ddp_kwargs)
+    state = None if compression == "default" else ddp.register(model, compression)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
+
+
+def train(model, opt, rank, steps, start=0, use_branch=False):
+    for step in range(start, start + steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x, use_branch), y).backward()
+        opt.step()
+
+
+def flat_params(model) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def record_containers(pipeline) -> dict:
+    """Wrap a TorchPipeline's encode so every container it sends is kept, by parameter name."""
+    sent = {}
+    encode = pipeline.encode
+
+    def recording(tensor, name="", step=0):
+        payload = encode(tensor, name=name, step=step)
+        sent[name] = payload.numpy().tobytes()
+        return payload
+
+    pipeline.encode = recording
+    return sent
+
+
+def error_of(fn):
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # the scenario reports what was raised
+        return type(exc).__name__, str(exc), time.perf_counter() - start
+    return None, "", time.perf_counter() - start
+
+
+def scenario_lossless(rank):
+    reference, ref_opt, _ = make()
+    hooked, opt, _ = make(LOSSLESS, gradient_as_bucket_view=True)
+    train(reference, ref_opt, rank, 3)
+    train(hooked, opt, rank, 3)
+    fp16, fp16_opt, _ = make(ddp.FP16Compressor())
+    train(fp16, fp16_opt, rank, 3)
+    ref = flat_params(reference)
+    return {"max_diff": float(np.abs(flat_params(hooked) - ref).max()), "params": flat_params(hooked),
+            "fp16_max_diff": float(np.abs(flat_params(fp16) - ref).max())}
+
+
+def scenario_gradiveq(rank):
+    compressor = GradiVeQ(warmup=1, sample_iters=2, compress_iters=3, min_numel=64)
+    model, opt, state = make(compressor)
+    train(model, opt, rank, 5)
+    return {"params": flat_params(model), "compressed": compressor.stats["compressed"],
+            "wire_bytes": state.compression_stats()["wire_bytes"]}
+
+
+def scenario_topk_bytes(rank):
+    model, opt, state = make(TOPK)
+    train(model, opt, rank, 3)
+    stats = state.compression_stats()
+    shapes = [tuple(p.shape) for p in model.module.parameters()]
+    return {"wire_bytes": stats["wire_bytes"], "steps": stats["steps"], "shapes": shapes}
+
+
+def scenario_checkpoint(rank):
+    steps = 3
+    model, opt, state = make(STATEFUL)
+    train(model, opt, rank, steps)
+    buffer = io.BytesIO()
+    torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                "deepreduce": state.state_dict()}, buffer)
+    original = record_containers(state.pipeline)
+    train(model, opt, rank, 1, start=steps)
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed_model, resumed_opt, resumed_state = make(STATEFUL, seed=1)
+    resumed_model.module.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    resumed_state.load_state_dict(checkpoint["deepreduce"])
+    resumed = record_containers(resumed_state.pipeline)
+    train(resumed_model, resumed_opt, rank, 1, start=steps)
+
+    forgetful_model, forgetful_opt, forgetful_state = make(STATEFUL, seed=1)
+    forgetful_model.module.load_state_dict(checkpoint["model"])
+    forgetful_opt.load_state_dict(checkpoint["optimizer"])
+    forgetful = record_containers(forgetful_state.pipeline)
+    train(forgetful_model, forgetful_opt, rank, 1, start=steps)
+    return {"names": sorted(original), "identical": original == resumed, "without_state_identical": original == forgetful,
+            "params_equal": bool(np.array_equal(flat_params(model), flat_params(resumed_model))),
+            "step": resumed_state.step}
+
+
+def scenario_unused(rank):
+    model, opt, state = make(TOPK, branch=True, find_unused_parameters=True)
+    train(model, opt, rank, 3, use_branch=rank == 0)
+    return {"params": flat_params(model), "steps": state.step}
+
+
+def scenario_nonfinite(rank):
+    model, opt, _ = make(TOPK)
+    x, y = batch(rank, 0)
+    if rank == 0:
+        x[0, 0, 0, 0] = float("nan")
+    nn.functional.cross_entropy(model(x), y).backward()
+    all_nan = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
+    raising, _, _ = make(dict(TOPK, nonfinite="raise"))
+    return {"propagated": all_nan,
+            "raise": error_of(lambda: nn.functional.cross_entropy(raising(x), y).backward())}
+
+
+def scenario_disagreement(rank):
+    config = dict(TOPK, sparsifier={"id": "topk", "ratio": 0.01 * (rank + 1)})
+    model, _, _ = make(config)
+    x, y = batch(rank, 0)
+    return {"error": error_of(lambda: nn.functional.cross_entropy(model(x), y).backward())}
+
+
+def scenario_bad_input(rank):
+    model, _, _ = make(TOPK)
+    return {
+        "twice": error_of(lambda: ddp.register(model, TOPK)),
+        "not_ddp": error_of(lambda: ddp.register(Net(), TOPK)),
+        "bad_group": error_of(lambda: ddp.DeepReduceState(process_group="world")),
+        "bad_names": error_of(lambda: ddp.DeepReduceState(named_parameters=[("a", 1)])),
+        "bad_config": error_of(lambda: ddp.DeepReduceState(compression=dict(TOPK, sparsifier="nope"))),
+        "bad_checkpoint": error_of(lambda: ddp.DeepReduceState(compression=TOPK).load_state_dict({"step": 1})),
+    }
+
+
+SCENARIOS = [scenario_lossless, scenario_gradiveq, scenario_topk_bytes, scenario_checkpoint, scenario_unused, scenario_bad_input,
+             scenario_nonfinite, scenario_disagreement]
+
+
+def run(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for scenario in SCENARIOS:
+            results[scenario.__name__] = scenario(rank)
+    finally:
+        queue.put((rank, results))
+        dist.destroy_process_group()
