@@ -1,7 +1,8 @@
 """GradiVeQ: PCA vector quantisation whose codes can be summed (spec doc §3, Part III.3).
 
 Framework-neutral math (NumPy); ``deepreduce.torch.GradiVeQ`` applies it to torch tensors
-inside Horovod's allreduce.
+inside Horovod's allreduce, ``deepreduce.tensorflow.GradiVeQ`` to TensorFlow tensors (through
+:class:`SampleWindow` and the functions here, in graph ops).
 
 A conv-layer gradient is flattened so that the ``F`` filters' gradients at one (h, w, depth)
 position are adjacent (torch ``(F, D, H, W)`` -> ``(H, W, D, F)``), and cut into slices of
@@ -239,6 +240,83 @@ def decompress(model: Model, code: np.ndarray, parts: int = 1) -> Tuple[np.ndarr
         slices[g.start:g.start + g.count] = block @ g.u.T if g.u is not None else block
     slices += model.offset / np.float32(parts)
     return slices, code[pos:]
+
+
+class SampleWindow:
+    """One sampling window of a tensor: collects aggregated gradients, trains when full.
+
+    :meth:`add` takes one aggregated gradient's slices (``n_slices x K``); it keeps each
+    group's first slice (the PCA samples) and a float64 running sum of all slices (the
+    per-slice means), and returns the trained :class:`Model` once ``size`` gradients are in
+    (None before).
+    """
+
+    def __init__(self, plan: SlicePlan, size: int, loss: float) -> None:
+        self.plan = plan
+        self.size = size
+        self.loss = loss
+        self.samples: List[List[np.ndarray]] = [[] for _ in plan.groups]
+        self.running = np.zeros((plan.n_slices, plan.slice_size), dtype=np.float64)
+        self.count = 0
+
+    def add(self, slices: np.ndarray) -> Optional[Model]:
+        slices = np.asarray(slices, dtype=np.float64)
+        for i, (start, _count) in enumerate(self.plan.groups):
+            self.samples[i].append(slices[start].copy())
+        self.running += slices
+        self.count += 1
+        if self.count < self.size:
+            return None
+        return train(self.plan, [np.stack(s) for s in self.samples], self.running / self.count, self.loss)
+
+
+def _require_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"GradiVeQ: {name!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class Settings:
+    """The validated parameters of a GradiVeQ compressor, shared by every binding's adapter.
+
+    Args (defaults are the paper's experiment values where it gives them):
+        loss: compression-loss threshold ``lambda`` of eq. (6), in (0, 1). Default 0.01.
+        reuse: slices sharing one compressor ``s``; 0 means the whole layer (``s = inf``).
+        slice_size: ``K``; 0 picks ``3 F D`` / ``F D`` per conv layer (spec Part III.3 item 6).
+        max_slice: largest automatic ``K`` (the SVD costs ``O(L_t^2 K)``). Default 4096.
+        min_numel: smaller tensors travel uncompressed. Default 1024.
+        warmup, sample_iters, compress_iters: the schedule (2500, 100, 400).
+        layout: ``"torch"`` (kernels ``(F, D, H, W)``) or ``"tf"`` (``(H, W, D, F)``).
+    """
+
+    def __init__(self, loss: float = 0.01, reuse: int = 0, slice_size: int = 0, max_slice: int = 4096,
+                 min_numel: int = 1024, warmup: int = 2500, sample_iters: int = 100,
+                 compress_iters: int = 400, layout: str = "torch") -> None:
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0.0 < loss < 1.0:
+            raise ConfigError(f"GradiVeQ: 'loss' must be a number in (0, 1), got {loss!r}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"GradiVeQ: 'layout' is {layout!r}; allowed: {', '.join(LAYOUTS)}")
+        self.loss = float(loss)
+        self.reuse = _require_int("reuse", reuse, 0)
+        self.slice_size = _require_int("slice_size", slice_size, 0)
+        self.max_slice = _require_int("max_slice", max_slice, 2)
+        self.min_numel = _require_int("min_numel", min_numel, 0)
+        self.layout = layout
+        self.schedule = Schedule(_require_int("warmup", warmup, 0), _require_int("sample_iters", sample_iters, 2),
+                                 _require_int("compress_iters", compress_iters, 1))
+
+    def get_config(self) -> dict:
+        return {"loss": self.loss, "reuse": self.reuse, "slice_size": self.slice_size,
+                "max_slice": self.max_slice, "min_numel": self.min_numel, "warmup": self.schedule.warmup,
+                "sample_iters": self.schedule.sample_iters, "compress_iters": self.schedule.compress_iters,
+                "layout": self.layout}
+
+    def __repr__(self) -> str:
+        return "GradiVeQ(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
+
+    def plan(self, shape: Sequence[int]) -> Optional[SlicePlan]:
+        """The slicing of a tensor of ``shape`` under these settings (None: uncompressed)."""
+        return slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel, self.reuse)
 
 
 @dataclass(frozen=True)

@@ -156,9 +156,9 @@ def test_tape_arguments_are_checked_without_running_collectives():
     topk = os.path.join(ROOT, "configs", "topk_raw.yaml")
     with tf.GradientTape() as tape:
         pass
-    # a config with error feedback rebuilt per tape in eager mode would lose its residuals: warn
-    with pytest.warns(RuntimeWarning, match="build it once|Build it once"):
-        drtf.DistributedGradientTape(tape, compression=topk)
+    # a config path resolves to the process-wide pipeline of that config, every time
+    first = drtf.DistributedGradientTape(tape, compression=topk)
+    assert drtf.DistributedGradientTape(tape, compression=topk).pipeline is first.pipeline is drtf.shared(topk)
     pipe = drtf.build(topk)
     wrapped = drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Sum)
     assert isinstance(wrapped, tf.GradientTape) and wrapped.pipeline is pipe
@@ -168,22 +168,70 @@ def test_tape_arguments_are_checked_without_running_collectives():
         drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Sum, gradient_predivide_factor=2.0)
     keras = pytest.importorskip("keras")
     with pytest.raises(deepreduce.ConfigError, match="backward_passes_per_step"):
-        drtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe, backward_passes_per_step=2)
+        drtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe, backward_passes_per_step=0)
+    with pytest.raises(deepreduce.ConfigError, match="Keras optimizer"):
+        drtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), compression=pipe,
+                                  backward_passes_per_step=2)
     wrapped_opt = drtf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), compression=pipe)
     assert isinstance(wrapped_opt, keras.optimizers.SGD) and wrapped_opt.get_config()["momentum"] == 0.5
 
 
 def test_tf_resnet20_matches_the_torch_model_size():
-    """examples/train_tf.py's ResNet-20 has the paper's 269,722 trainable parameters, as the torch model."""
-    import importlib.util
-
+    """The TF jobs' ResNet-20 has the paper's 269,722 trainable parameters, as the torch model."""
     keras = pytest.importorskip("keras")
-    spec = importlib.util.spec_from_file_location("train_tf", os.path.join(ROOT, "examples", "train_tf.py"))
-    train_tf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tf)
-    model = train_tf.resnet20(keras)
+    from deepreduce.tensorflow import job
+
+    model = job.resnet20(keras)
     assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 269_722
     assert tuple(model(np.zeros((2, 32, 32, 3), np.float32)).shape) == (2, 10)
     from deepreduce import train as torch_job
 
-    assert train_tf.EPOCH_LINE == torch_job.EPOCH_LINE   # the same per-epoch line as the PyTorch job
+    record = job.epoch_record(3, 0.25, 0.9, 0.03, 1.5)
+    assert job.epoch_line(record) == torch_job.EPOCH_LINE.format(acc_pct=90.0, **record)   # the PyTorch job's line
+
+
+def test_shared_pipeline_one_per_config_and_per_core_pipeline():
+    path = os.path.join(ROOT, "configs", "topk_raw.yaml")
+    pipe = drtf.shared(path)
+    assert drtf.shared(path) is pipe
+    assert drtf.shared(deepreduce.load_config(path)) is pipe     # equal configs, one pipeline
+    assert drtf.shared(RANDOMK) is not pipe
+    core = deepreduce.build(path)
+    assert drtf.shared(core) is drtf.shared(core) and drtf.shared(core).core is core
+    assert drtf.shared(pipe) is pipe and drtf.build(path) is not pipe    # build() always makes a new one
+
+
+def test_pipeline_built_inside_tf_function_traces_twice_without_new_variables():
+    """A TFPipeline resolved inside a traced step (as the tape does) is created once: a retrace
+    (another input shape) finds it again, so no tf.Variable is created on a later call."""
+    traces = []
+
+    @tf.function
+    def step(x):
+        pipe = drtf.shared(RANDOMK)
+        traces.append(pipe)
+        counter = pipe.iterations
+        payload = pipe.encode(x, name=f"retrace_{x.shape[0]}", step=counter)
+        counter.assign_add(1)
+        return pipe.decode(payload, x.shape)
+
+    for shape in ((30, 40), (30, 40), (50, 20)):
+        g = grad(len(traces), shape)
+        assert step(tf.constant(g)).shape == shape
+    # traced again for the new shape (and once more on the first call, where TF saw a variable created)
+    assert len(traces) >= 2 and all(pipe is traces[0] for pipe in traces)
+    assert int(traces[0].iterations.numpy()) == 3
+
+
+def test_numpy_stages_keep_denormals_inside_tf_function():
+    """TF's op threads flush denormals to zero; the core's stages must not (same bytes as eager)."""
+    from deepreduce.tensorflow.pipeline import numpy_op
+
+    def scaled():
+        return np.array([np.float32(1e-40) * np.float32(1.0)], np.float32)
+
+    @tf.function
+    def f():
+        return numpy_op(scaled, [], tf.float32, "denormal")
+
+    assert f().numpy()[0] == scaled()[0] > 0

@@ -27,26 +27,35 @@ is a Python string fixed at trace time, as Horovod's own tensor names are.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from .. import container
-from ..config import ConfigLike, build as build_core
+from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
+from .fpenv import default_floating_point
 
 
 def numpy_op(func, inputs, dtypes, name: str):
     """A stateful ``tf.numpy_function`` op running ``func`` as plain Python.
 
-    ``do_not_convert`` keeps AutoGraph from rewriting ``func`` (inside ``tf.function`` it would
+    ``func`` runs with the default floating-point environment (TF's op threads flush denormals
+    to zero; the core must compute as it does anywhere else, see :mod:`.fpenv`).
+    ``do_not_convert`` keeps AutoGraph from rewriting it (inside ``tf.function`` it would
     otherwise run every call through AutoGraph's converted-call machinery, which is slower).
     Stateful: TF never folds, caches or deduplicates it (residuals and counters change).
     """
-    return tf.numpy_function(tf.autograph.experimental.do_not_convert(func), inputs, dtypes,
+    def run(*args):
+        with default_floating_point():
+            return func(*args)
+
+    return tf.numpy_function(tf.autograph.experimental.do_not_convert(run), inputs, dtypes,
                              stateful=True, name=name)
 
 
@@ -68,7 +77,8 @@ class TFPipeline:
     feedback residuals) and statistics live in the wrapped core pipeline, so build one
     ``TFPipeline`` per training run and keep it (see :func:`build`).
 
-    ``iterations`` is a step counter owned by the pipeline (an int64 ``tf.Variable``), used by
+    ``iterations`` is a step counter owned by the pipeline (an int64 ``tf.Variable`` created
+    with the pipeline, lifted out of any ``tf.function`` being traced), used by
     :class:`~deepreduce.tensorflow.DistributedGradientTape` when no explicit step is given.
     """
 
@@ -78,7 +88,8 @@ class TFPipeline:
         if backend not in self.BACKENDS:
             raise ConfigError(f"TFPipeline: backend {backend!r}; allowed: {', '.join(self.BACKENDS)}")
         self.core = core
-        self._iterations = None
+        with tf.init_scope():   # created once, with the pipeline, even while a tf.function traces
+            self._iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="deepreduce_iterations")
         # TF may run the py_func ops of several gradients at once; the core's statistics and
         # residual dict are updated under this lock so concurrent calls never interleave.
         self.lock = threading.RLock()
@@ -116,10 +127,7 @@ class TFPipeline:
 
     @property
     def iterations(self) -> tf.Variable:
-        """This pipeline's own step counter (created on first use, outside any ``tf.function``)."""
-        if self._iterations is None:
-            with tf.init_scope():
-                self._iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="deepreduce_iterations")
+        """This pipeline's own step counter."""
         return self._iterations
 
     # ------------------------------------------------------------------ encode
@@ -235,3 +243,41 @@ def build(config: ConfigLike, backend: str = "auto") -> TFPipeline:
     if isinstance(config, TFPipeline):
         return config
     return TFPipeline(config if isinstance(config, Pipeline) else build_core(config), backend=backend)
+
+
+_shared_lock = threading.Lock()
+_shared_by_digest: Dict[Tuple[str, str], TFPipeline] = {}
+_shared_by_core: Dict[int, TFPipeline] = {}   # id(core) -> pipeline (which holds the core)
+
+
+def config_digest(config: ConfigLike) -> str:
+    """SHA-256 of a config's normalised form (every default filled in): equal configs, equal digests."""
+    canonical = json.dumps(load_config(config), sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@tf.autograph.experimental.do_not_convert   # plain Python, also when called in a traced step
+def shared(config: ConfigLike, backend: str = "auto") -> TFPipeline:
+    """The one TFPipeline of ``config`` in this process, built on first use and then reused.
+
+    This is what lets a ``DistributedGradientTape`` be created inside the ``tf.function`` step
+    (Horovod's TF2 pattern) with a config path or dict: every trace and every eager step finds
+    the same pipeline, so its residuals, statistics and ``iterations`` variable are created
+    once. A TFPipeline is returned as is; a core Pipeline maps to one TFPipeline per object
+    (by identity); a path or dict maps to one per normalised config (by :func:`config_digest`),
+    so two equal configs share state. Shared pipelines live as long as the process. Two models trained in one process with equal configs
+    therefore need separately built pipelines (:func:`build`) or distinct tensor names.
+    """
+    if isinstance(config, TFPipeline):
+        return config
+    with _shared_lock:
+        if isinstance(config, Pipeline):
+            pipe = _shared_by_core.get(id(config))
+            if pipe is None or pipe.core is not config:
+                pipe = _shared_by_core[id(config)] = TFPipeline(config, backend=backend)
+            return pipe
+        key = (config_digest(config), backend)
+        pipe = _shared_by_digest.get(key)
+        if pipe is None:
+            pipe = _shared_by_digest[key] = TFPipeline(build_core(config), backend=backend)
+        return pipe

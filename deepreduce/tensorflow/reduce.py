@@ -30,13 +30,13 @@ def import_horovod():
     return hvd
 
 
-def is_horovod_compressor(compression) -> bool:
-    """True for Horovod's own compressors (``hvd.Compression.none``/``fp16`` or a subclass)."""
-    try:
-        from horovod.tensorflow.compression import Compressor
-    except ImportError:
-        return False
-    return (isinstance(compression, type) and issubclass(compression, Compressor)) or isinstance(compression, Compressor)
+def is_summable_compressor(compression) -> bool:
+    """True for a Horovod-style compressor whose output an allreduce can sum.
+
+    Horovod's own (``hvd.Compression.none``/``fp16``, classes with static methods) and any
+    object with ``compress``/``decompress`` methods, such as :class:`deepreduce.tensorflow.GradiVeQ`.
+    """
+    return callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))
 
 
 def resolve_op(op):
@@ -61,9 +61,10 @@ class Reducer:
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
-    With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given Horovod compressor
-    (``hvd.Compression.none``/``fp16``): the uncompressed baseline, which also works with Keras 3
-    variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3 removed).
+    With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given summable compressor
+    (``hvd.Compression.none``/``fp16``, the uncompressed baseline, or GradiVeQ), which also
+    works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3
+    removed).
 
     Holds no per-step state: the pipeline owns residuals, statistics and the step counter, so a
     new tape each step (the Horovod idiom) keeps using the same state.
@@ -88,6 +89,14 @@ class Reducer:
             raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
+
+    def compression_stats(self) -> dict:
+        """The pipeline's running statistics (bytes, encode/decode time), or the summable
+        compressor's ``compression_stats()`` where it has one; empty for Horovod's compressors."""
+        if self.pipeline is not None:
+            return self.pipeline.compression_stats()
+        stats = getattr(self.hvd_compression, "compression_stats", None)
+        return stats() if callable(stats) else {}
 
     @property
     def size(self) -> int:

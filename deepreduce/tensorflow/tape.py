@@ -1,26 +1,29 @@
 """``DistributedGradientTape``: Horovod's tape, with gradients sent as DeepReduce containers.
 
-Usage (eager or inside ``tf.function``)::
+Usage (Horovod's TF2 pattern: the wrapper is created inside the step, eager or compiled)::
 
-    compression = deepreduce.tensorflow.build("configs/topk_raw.yaml")   # once per run
-    with tf.GradientTape() as tape:
-        loss = loss_fn(model(x, training=True), y)
-    tape = deepreduce.tensorflow.DistributedGradientTape(tape, compression=compression)
-    grads = tape.gradient(loss, model.trainable_variables)
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = deepreduce.tensorflow.DistributedGradientTape(tape, compression="configs/topk_raw.yaml")
+        grads = tape.gradient(loss, model.trainable_variables)
+        ...
 
 It takes the arguments of ``horovod.tensorflow.DistributedGradientTape``. ``compression`` is a
-deepreduce config (YAML path, dict, core or TF pipeline); Horovod's own compressors
-(``hvd.Compression.none``/``fp16``, summable) are handed to Horovod's tape unchanged.
+deepreduce config (YAML path, dict, core or TF pipeline): a path, dict or core pipeline
+resolves to one pipeline per config in the process (see :func:`.pipeline.shared`), so the
+residuals and the step counter survive the per-step wrapper. A summable compressor (Horovod's
+``hvd.Compression.none``/``fp16``, :class:`deepreduce.tensorflow.GradiVeQ`) goes through
+``hvd.allreduce``.
 """
 from __future__ import annotations
-
-import warnings
 
 import tensorflow as tf
 
 from ..errors import ConfigError
-from .pipeline import TFPipeline, build
-from .reduce import Reducer, is_horovod_compressor
+from .pipeline import TFPipeline, shared
+from .reduce import Reducer, is_summable_compressor
 
 
 def _source_key(source):
@@ -28,26 +31,16 @@ def _source_key(source):
     return ref() if callable(ref) else id(source)
 
 
-def resolve_compression(compression, owner: str) -> TFPipeline:
-    """A TFPipeline for ``compression``; warns when a config is rebuilt where state would be lost."""
-    if isinstance(compression, TFPipeline):
-        return compression
-    pipe = build(compression)
-    if pipe.core.memory.stateful and tf.executing_eagerly():
-        warnings.warn(
-            f"{owner}: a new pipeline is built from the config each time; its error-feedback residuals "
-            "and step counter restart with every call in eager mode. Build it once with "
-            "deepreduce.tensorflow.build(config) and pass that object as compression=.",
-            RuntimeWarning, stacklevel=3,
-        )
-    return pipe
+def make_reducer(compression, **kwargs) -> Reducer:
+    """A Reducer: containers by allgather for a deepreduce config, Horovod allreduce otherwise.
 
-
-def make_reducer(compression, owner: str, **kwargs) -> Reducer:
-    """A Reducer: containers by allgather for a deepreduce config, Horovod allreduce otherwise."""
-    if compression is None or is_horovod_compressor(compression):
+    A config path, dict or core pipeline resolves to its process-wide pipeline
+    (:func:`~deepreduce.tensorflow.pipeline.shared`), so a tape created at every step, or inside
+    every trace of a ``tf.function``, keeps one set of residuals and one step counter.
+    """
+    if compression is None or is_summable_compressor(compression):
         return Reducer(None, hvd_compression=compression, **kwargs)
-    return Reducer(resolve_compression(compression, owner), **kwargs)
+    return Reducer(shared(compression), **kwargs)
 
 
 class _DeepReduceGradientTape(tf.GradientTape):
@@ -68,6 +61,10 @@ class _DeepReduceGradientTape(tf.GradientTape):
     @property
     def pipeline(self) -> TFPipeline:
         return self._deepreduce.pipeline
+
+    def compression_stats(self) -> dict:
+        """The pipeline's (or summable compressor's) running statistics; see :meth:`Reducer.compression_stats`."""
+        return self._deepreduce.compression_stats()
 
     def register_local_source(self, source) -> None:
         """Mark a source as worker-local: its gradient is not communicated (Horovod semantics)."""
@@ -122,6 +119,6 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
-    reducer = make_reducer(compression, "DistributedGradientTape", op=op, process_set=process_set,
+    reducer = make_reducer(compression, op=op, process_set=process_set,
                            gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
     return _DeepReduceGradientTape(gradtape, reducer, step, scale_local_gradients, name_prefix)

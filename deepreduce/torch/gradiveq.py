@@ -59,23 +59,11 @@ class _Ctx:
     dtype: torch.dtype
 
 
-def _require_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"GradiVeQ: {name!r} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-class GradiVeQ:
+class GradiVeQ(gv.Settings):
     """Horovod-compatible GradiVeQ compressor (instance methods ``compress``/``decompress``).
 
-    Args (defaults are the paper's experiment values where it gives them):
-        loss: compression-loss threshold ``lambda`` of eq. (6), in (0, 1). Default 0.01.
-        reuse: slices sharing one compressor ``s``; 0 means the whole layer (``s = inf``).
-        slice_size: ``K``; 0 picks ``3 F D`` / ``F D`` per conv layer (spec Part III.3 item 6).
-        max_slice: largest automatic ``K`` (the SVD costs ``O(L_t^2 K)``). Default 4096.
-        min_numel: smaller tensors travel uncompressed. Default 1024.
-        warmup, sample_iters, compress_iters: the schedule (2500, 100, 400).
-        layout: ``"torch"`` (kernels ``(F, D, H, W)``) or ``"tf"`` (``(H, W, D, F)``).
+    Arguments: those of :class:`deepreduce.gradiveq.Settings` (the paper's defaults; layout
+    ``"torch"``).
     """
 
     accepts_name = True
@@ -83,32 +71,12 @@ class GradiVeQ:
     def __init__(self, loss: float = 0.01, reuse: int = 0, slice_size: int = 0, max_slice: int = 4096,
                  min_numel: int = 1024, warmup: int = 2500, sample_iters: int = 100,
                  compress_iters: int = 400, layout: str = "torch") -> None:
-        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0.0 < loss < 1.0:
-            raise ConfigError(f"GradiVeQ: 'loss' must be a number in (0, 1), got {loss!r}")
-        if layout not in gv.LAYOUTS:
-            raise ConfigError(f"GradiVeQ: 'layout' is {layout!r}; allowed: {', '.join(gv.LAYOUTS)}")
-        self.loss = float(loss)
-        self.reuse = _require_int("reuse", reuse, 0)
-        self.slice_size = _require_int("slice_size", slice_size, 0)
-        self.max_slice = _require_int("max_slice", max_slice, 2)
-        self.min_numel = _require_int("min_numel", min_numel, 0)
-        self.layout = layout
-        self.schedule = gv.Schedule(_require_int("warmup", warmup, 0), _require_int("sample_iters", sample_iters, 2),
-                                    _require_int("compress_iters", compress_iters, 1))
+        super().__init__(loss, reuse, slice_size, max_slice, min_numel, warmup, sample_iters, compress_iters, layout)
         self._states: Dict[object, _TensorState] = {}
         self._occurrence: Dict[tuple, int] = {}
         self._new_step = True
         self.stats = {"compressed": 0, "uncompressed": 0, "dense_elements": 0, "sent_elements": 0,
                       "trainings": 0}
-
-    def get_config(self) -> dict:
-        return {"loss": self.loss, "reuse": self.reuse, "slice_size": self.slice_size,
-                "max_slice": self.max_slice, "min_numel": self.min_numel, "warmup": self.schedule.warmup,
-                "sample_iters": self.schedule.sample_iters, "compress_iters": self.schedule.compress_iters,
-                "layout": self.layout}
-
-    def __repr__(self) -> str:
-        return "GradiVeQ(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
 
     # ---------------------------------------------------------------- state
     def _key(self, tensor: torch.Tensor, name: Optional[str]):
@@ -125,8 +93,7 @@ class GradiVeQ:
     def _state(self, key, shape) -> _TensorState:
         state = self._states.get(key)
         if state is None:
-            plan = gv.slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel, self.reuse)
-            state = self._states[key] = _TensorState(plan)
+            state = self._states[key] = _TensorState(self.plan(shape))
         return state
 
     def model(self, key) -> Optional[gv.Model]:

@@ -184,12 +184,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         payloads = handle.wait()
         self._times["communication_wait"] += time.perf_counter() - start
         try:
-            total = self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape))
+            self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape), out=p.grad)
         except CommunicationError as exc:
             raise CommunicationError(f"parameter {self._names[p]!r}: {exc}") from exc
         if self._op == self._hvd.Average:
-            total = total / len(payloads)
-        p.grad.copy_(total.to(device=p.grad.device, dtype=p.grad.dtype))
+            p.grad.div_(len(payloads))
 
     def synchronize(self) -> None:
         """Wait for every parameter's encode and collective and write the aggregated gradients.

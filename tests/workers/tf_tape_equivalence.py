@@ -1,15 +1,20 @@
 """2-rank worker: DistributedGradientTape steps vs one process stepping on the averaged gradient.
 
-Launched by tests/test_tensorflow_distributed.py under ``horovodrun -np 2``. Each rank holds
-different data; with lossless raw codecs a few SGD steps through the tape (eager, inside
-``tf.function`` with ``optimizer.iterations`` as the step, and through DistributedOptimizer)
-must leave the weights bit-identical on both ranks and equal to a single process that steps on
-the average of both ranks' gradients. A Top-r config must keep the ranks identical. Rank 0
-writes the results as JSON to the path given as the first argument.
+Launched by tests/test_tensorflow_distributed.py under ``horovodrun -np 2`` (one launch for
+every check: TensorFlow starts slowly). Each rank holds different data; with lossless raw
+codecs a few SGD steps through the tape (eager, inside ``tf.function`` with
+``optimizer.iterations`` as the step, the wrapper created inside the compiled step from a config
+path as Horovod's TF2 pattern does, and through DistributedOptimizer) must leave the weights
+bit-identical on both ranks and equal to a single process that steps on the average of both
+ranks' gradients; gradient accumulation must equal one step on the summed gradients. A Top-r
+config must keep the ranks identical; GradiVeQ runs through Horovod's own tape; Keras
+``model.fit`` with the broadcast callback starts from rank 0's weights. Rank 0 writes the
+results as JSON to the path given as the first argument.
 """
 import json
 import os
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -20,6 +25,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
+import deepreduce.tensorflow.keras as drk  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 LR = 0.1
@@ -62,6 +68,111 @@ def reference(size, op="average"):
             g = total * np.float32(1.0 / size) if op == "average" else total
             weights[i] = weights[i] - np.float32(LR) * g
     return weights
+
+
+def reference_accumulated(size, passes, steps):
+    """One process: SGD on the rank average of the sum of ``passes`` micro-batch gradients."""
+    weights = initial_weights()
+    for step in range(steps):
+        grads = [local_grads(weights, *data(r, passes * step + p)) for r in range(size) for p in range(passes)]
+        for i in range(len(weights)):
+            total = grads[0][i].copy()
+            for g in grads[1:]:
+                total += g[i]
+            weights[i] = weights[i] - np.float32(LR) * (total * np.float32(1.0 / size))
+    return weights
+
+
+def run_tape_inside_function(config, compiled=True):
+    """Horovod's TF2 pattern: the wrapper is created inside the step from a config path or dict,
+    with the pipeline's own step counter. Returns the weights and the deepreduce warnings."""
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = keras.optimizers.SGD(learning_rate=LR)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        tape = drtf.DistributedGradientTape(tape, compression=config)
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        return loss
+
+    fn = tf.function(step_fn) if compiled else step_fn
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            x, y = data(hvd.rank(), step)
+            fn(tf.constant(x), tf.constant(y))
+    return [v.numpy() for v in variables], [str(w.message) for w in caught if os.path.join("deepreduce", "tensorflow") in str(w.filename)]
+
+
+def run_accumulation(config, passes=2, steps=2):
+    """Keras DistributedOptimizer(backward_passes_per_step=passes) stepped passes x steps times."""
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = drtf.DistributedOptimizer(keras.optimizers.SGD(learning_rate=LR), compression=config,
+                                    backward_passes_per_step=passes)
+
+    @tf.function
+    def micro_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for i in range(passes * steps):
+        x, y = data(hvd.rank(), i)
+        micro_step(tf.constant(x), tf.constant(y))
+    return [v.numpy() for v in variables], int(opt.iterations.numpy())
+
+
+def run_gradiveq(tape_class):
+    """GradiVeQ as a summable compressor: warm-up 1, sampling 2, then 3 compressed steps of w1."""
+    gvq = drtf.GradiVeQ(warmup=1, sample_iters=2, compress_iters=3, slice_size=64, min_numel=1024)
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = keras.optimizers.SGD(learning_rate=LR)
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        tape = tape_class(tape, compression=gvq)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for step in range(6):
+        x, y = data(hvd.rank(), step)
+        step_fn(tf.constant(x), tf.constant(y))
+    return [v.numpy() for v in variables], gvq.compression_stats()
+
+
+def run_fit(config):
+    """Keras model.fit from different initial weights per rank, with the broadcast callback."""
+    keras.utils.set_random_seed(100 + hvd.rank())
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    initial = np.concatenate([w.ravel() for w in model.get_weights()])
+    rank0_initial = hvd.broadcast(tf.constant(initial), root_rank=0, name="fit_initial").numpy()
+    opt = drk.DistributedOptimizer(keras.optimizers.SGD(learning_rate=LR, momentum=0.9), compression=config)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    seen = {}
+
+    class FirstStepWeights(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.setdefault("start", np.concatenate([w.ravel() for w in self.model.get_weights()]))
+
+    batches = [data(hvd.rank(), i) for i in range(4)]
+    x, y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[drk.BroadcastGlobalVariablesCallback(0), drk.MetricAverageCallback(),
+                                       FirstStepWeights()])
+    final = np.concatenate([w.ravel() for w in model.get_weights()])
+    gathered = hvd.allgather(tf.constant(np.concatenate([final, history.history["loss"]])[None, :])).numpy()
+    return {"start_is_rank0": bool(np.array_equal(seen["start"], rank0_initial)),
+            "ranks_started_apart": bool(hvd.allreduce(tf.constant(float(np.max(np.abs(initial - rank0_initial)))),
+                                                      op=hvd.Max, name="fit_apart").numpy() > 0),
+            "ranks_identical": bool(np.array_equal(gathered[0], gathered[1])),
+            "changed": float(np.max(np.abs(final - rank0_initial))),
+            "wire_bytes": opt.compression_stats()["wire_bytes"],
+            "warnings": [str(w.message) for w in caught if os.path.join("deepreduce", "tensorflow") in str(w.filename)]}
 
 
 def run_tape(config, mode, op=None):
@@ -166,6 +277,21 @@ def main():
                               "value": {"id": "raw"}, "memory": {"id": "residual"}}, "function")
     results["bloom"] = compare(weights)
     results["bloom_backend"] = pipe.backend
+    weights, caught = run_tape_inside_function(raw)
+    results["inside_function"] = compare(weights, ref_avg)
+    results["inside_function_warnings"] = caught
+    results["inside_function_counter"] = int(drtf.shared(raw).iterations.numpy())
+    weights, caught = run_tape_inside_function({"sparsifier": {"id": "none"}, "index": {"id": "raw"},
+                                                "value": {"id": "raw"}, "memory": {"id": "none"}}, compiled=False)
+    results["inside_eager_dict"] = compare(weights, ref_avg)
+    results["inside_eager_dict_warnings"] = caught
+    weights, iterations = run_accumulation(raw)
+    results["accumulation"] = compare(weights, reference_accumulated(hvd.size(), 2, 2))
+    results["accumulation_iterations"] = iterations
+    weights, stats = run_gradiveq(hvd.DistributedGradientTape)   # Horovod's own, unmodified tape
+    results["gradiveq"] = compare(weights)
+    results["gradiveq"]["stats"] = {k: v for k, v in stats.items() if k != "dims"}
+    results["fit"] = run_fit(topk)
     if hvd.rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as handle:
             json.dump(results, handle)

@@ -1,0 +1,100 @@
+"""What the TensorFlow training jobs share: ResNet-20 in Keras, the digits in NHWC, the
+learning-rate schedule and the per-epoch record (printed with the PyTorch job's line).
+
+``examples/train_tf.py`` (custom loop with ``DistributedGradientTape``) and
+``examples/train_keras.py`` (``model.fit`` with the Keras callbacks) both build on it, so the
+three jobs report the same quantities in the same format (:data:`deepreduce.train.EPOCH_LINE`).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Tuple
+
+import numpy as np
+
+from ..train import EPOCH_LINE
+
+__all__ = ["EPOCH_LINE", "add_job_arguments", "resnet20", "digits_nhwc", "cosine_lr", "epoch_record", "epoch_line"]
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options both TF jobs take (those of the PyTorch job, plus ``--tf-backend``)."""
+    parser.add_argument("--config", default="configs/topk_raw.yaml", help="DeepReduce config (YAML)")
+    parser.add_argument("--baseline", action="store_true", help="no compression: Horovod allreduce")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (scaled by the number of ranks)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=5e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per rank")
+    parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--tf-backend", default="auto", choices=("auto", "tf-ops", "numpy_function"),
+                        help="Bloom/polyfit through the TF custom ops (auto: when built) or numpy_function")
+    parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
+    return parser
+
+
+def resnet20(keras, num_classes: int = 10):
+    """ResNet-20 (CIFAR variant, option-A shortcuts): 269,722 trainable parameters, NHWC input."""
+    layers = keras.layers
+
+    class PadShortcut(layers.Layer):
+        """Stride-2 subsampling with zero channels appended (option A, no parameters)."""
+
+        def __init__(self, pad: int, **kwargs):
+            super().__init__(**kwargs)
+            self.pad = pad
+
+        def call(self, x):
+            import tensorflow as tf
+
+            x = x[:, ::2, ::2, :]
+            return tf.pad(x, [[0, 0], [0, 0], [0, 0], [self.pad // 2, self.pad - self.pad // 2]])
+
+    def conv(planes, stride=1):
+        return layers.Conv2D(planes, 3, strides=stride, padding="same", use_bias=False,
+                             kernel_initializer=keras.initializers.VarianceScaling(2.0, "fan_out", "untruncated_normal"))
+
+    def bn():
+        return layers.BatchNormalization(momentum=0.9, epsilon=1e-5)
+
+    inputs = keras.Input((32, 32, 3))
+    x = layers.ReLU()(bn()(conv(16)(inputs)))
+    in_planes = 16
+    for planes, stride in ((16, 1), (32, 2), (64, 2)):
+        for block in range(3):
+            s = stride if block == 0 else 1
+            out = layers.ReLU()(bn()(conv(planes, s)(x)))
+            out = bn()(conv(planes)(out))
+            shortcut = x if (s == 1 and planes == in_planes) else PadShortcut(planes - in_planes)(x)
+            x = layers.ReLU()(layers.Add()([out, shortcut]))
+            in_planes = planes
+    x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(num_classes)(x)
+    return keras.Model(inputs, outputs, name="resnet20")
+
+
+def digits_nhwc() -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The PyTorch job's digits split (:func:`deepreduce.data.load_digits_32`) with NHWC images."""
+    from ..data import load_digits_32
+
+    x_train, y_train, x_test, y_test = load_digits_32()
+    x_train, x_test = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)) for x in (x_train, x_test))
+    return x_train, y_train, x_test, y_test
+
+
+def cosine_lr(base_lr: float, epoch: int, epochs: int) -> float:
+    """The learning rate of epoch ``epoch`` (0-based): cosine from ``base_lr`` over ``epochs``."""
+    return base_lr * 0.5 * (1 + math.cos(math.pi * epoch / max(1, epochs)))
+
+
+def epoch_record(epoch: int, loss: float, acc: float, volume: float, seconds: float) -> dict:
+    """One epoch's metrics (``epoch`` 1-based), as the jobs write them to ``--metrics-json``."""
+    return {"epoch": epoch, "loss": float(loss), "acc": float(acc), "volume": float(volume), "seconds": float(seconds)}
+
+
+def epoch_line(record: dict) -> str:
+    """The PyTorch job's per-epoch line for a record of :func:`epoch_record`."""
+    return EPOCH_LINE.format(acc_pct=100 * record["acc"], **record)
