@@ -290,7 +290,7 @@ class OpsEncoder:
         """Whether graph decode runs custom ops (Bloom positives/selection, polyfit values)."""
         return self.bloom or self.core.value.id in OPS_VALUE_CODECS
 
-    def _parse(self, count: int):
+    def _parse(self, count: int, shape=None):
         """numpy stage: split the containers; per container the Bloom filter with its sizes and
         seeds, and the polyfit section with its count, where the ops can decode them."""
         import struct
@@ -310,7 +310,7 @@ class OpsEncoder:
                 raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
             out = []
             for part in parts:
-                c = container.unpack(part)
+                c = container.unpack(part, shape, core.max_numel)   # bounded before the ops scan numel
                 meta = np.zeros(8, np.int64)   # routed, blocks, k, seed, draw seed, numel, n, limit
                 bits = np.zeros(0, np.uint8)
                 vmeta = np.zeros(2, np.int64)  # routed, n
@@ -377,7 +377,7 @@ class OpsEncoder:
         ops = self.ops
         core = self.core
         dtypes = [tf.uint8, tf.int64, tf.uint8, tf.int64] * count
-        parsed = numpy_op(self._parse(count), [gathered], dtypes, name="deepreduce_parse")
+        parsed = numpy_op(self._parse(count, shape), [gathered], dtypes, name="deepreduce_parse")
         results = []
         for i in range(count):
             bits, meta, vpay, vmeta = parsed[4 * i:4 * i + 4]
