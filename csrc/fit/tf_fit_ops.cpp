@@ -95,6 +95,8 @@ class FitDecodeOp : public OpKernel {
         OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(n_in.shape()), InvalidArgument("n must be a scalar"));
         const int64_t n = n_in.scalar<int64_t>()();
         OP_REQUIRES(ctx, n >= 0, InvalidArgument("n must be non-negative"));
+        const int ok = dr_polyfit_check(payload.flat<uint8_t>().data(), payload.NumElements(), n, degree_, coef_bytes_);
+        OP_REQUIRES(ctx, ok == 0, InvalidArgument("polyfit decode: ", dr_fit_error_message(ok)));
         Tensor* out = nullptr;
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
         const int rc = dr_polyfit_decode(payload.flat<uint8_t>().data(), payload.NumElements(), n, degree_,
