@@ -37,7 +37,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import varint
+from . import _native, varint
 from .errors import CommunicationError, ContainerError
 
 MAGIC = b"DPRD"
@@ -114,7 +114,11 @@ class Container:
 
 
 def pack(c: Container) -> np.ndarray:
-    """Serialise a container (format v2) to a 1-D uint8 array."""
+    """Serialise a container (format v2) to a 1-D uint8 array.
+
+    With the C++ extension ``deepreduce._container`` built (csrc/container, the code the
+    TensorFlow ops pack with) it writes the bytes; otherwise the Python below does, identically.
+    """
     if len(c.shape) > MAX_NDIM:
         raise ContainerError(f"tensor has {len(c.shape)} dimensions; at most {MAX_NDIM} are supported")
     for name, params in (("index", c.index_params), ("value", c.value_params)):
@@ -123,6 +127,10 @@ def pack(c: Container) -> np.ndarray:
     digest = bytes(DIGEST_SIZE) if c.digest is None else bytes(c.digest)
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
+    native = _native.load("container")
+    if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
+        return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),
+                           c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)
     numbers = (c.n, len(c.index_params), len(c.value_params), len(c.index_section), len(c.value_section),
                len(c.perm_section), *c.shape)
     body = b"".join((
