@@ -335,7 +335,7 @@ def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None
     """
     if c.nonfinite or not values.size:
         return
-    if not math.isfinite(float(np.add.reduce(values, dtype=np.float64))):
+    if not math.isfinite(float(np.add.reduce(values, axis=None, dtype=np.float64))):
         raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
 
 
@@ -356,7 +356,7 @@ def to_float32(arr: np.ndarray, name: str) -> np.ndarray:
         return arr
     with np.errstate(over="ignore"):
         out = arr.astype(np.float32)
-    if arr.dtype.itemsize > 4 and out.size and not math.isfinite(float(np.add.reduce(out, dtype=np.float64))):
+    if arr.dtype.itemsize > 4 and out.size and not math.isfinite(float(np.add.reduce(out, axis=None, dtype=np.float64))):
         overflow = np.isinf(out) & np.isfinite(arr)
         count = int(np.count_nonzero(overflow))
         if count:
