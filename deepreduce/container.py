@@ -33,7 +33,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import arrays, varint
+from . import _native, arrays, varint
 from .errors import ContainerError
 
 MAGIC = b"DPRD"
@@ -108,6 +108,9 @@ class Container:
 def pack(c: Container, like=None):
     """Serialise a container (format v2) to a 1-D uint8 array.
 
+    With the C++ extension ``deepreduce._container`` built (csrc/container, the code the
+    TensorFlow ops pack with) it writes the bytes; otherwise the Python below does, identically.
+
     Sections are ``bytes`` or 1-D uint8 arrays; when one is a torch tensor (the torch device
     path) the container is assembled on that tensor's device: the header is built on the host
     from the section lengths, the CRC on the host over the compact payload, and the result is a
@@ -122,6 +125,12 @@ def pack(c: Container, like=None):
     digest = bytes(DIGEST_SIZE) if c.digest is None else bytes(c.digest)
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
+    sections = (c.index_section, c.value_section, c.perm_section)
+    device = next((s for s in (like, *sections) if arrays.is_torch(s)), None)
+    native = None if device is not None else _native.load("container")
+    if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
+        return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),
+                           c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)
     numbers = (c.n, len(c.index_params), len(c.value_params), len(c.index_section), len(c.value_section),
                len(c.perm_section), *c.shape)
     head = b"".join((
@@ -129,8 +138,6 @@ def pack(c: Container, like=None):
         b"".join(varint.encode(v) for v in numbers),
         c.index_params, c.value_params,
     ))
-    sections = (c.index_section, c.value_section, c.perm_section)
-    device = next((s for s in (like, *sections) if arrays.is_torch(s)), None)
     if device is not None:
         return _pack_on_device(head, sections, device)
     body = head + b"".join(sections)
