@@ -82,6 +82,10 @@ class Adapter:
         """An array as its little-endian bytes: ``bytes`` for NumPy, a uint8 tensor for torch."""
         return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
 
+    def concat_bytes(self, parts):
+        """Sections (as :meth:`as_bytes` returns them) joined into one."""
+        return b"".join(parts)
+
     def uint_bytes(self, x, itemsize: int):
         """Non-negative integers below ``2**(8*itemsize)`` as little-endian unsigned bytes."""
         return np.asarray(x).astype(f"<u{itemsize}").tobytes()
@@ -120,7 +124,7 @@ class TorchAdapter(Adapter):
             raise RuntimeError("deepreduce's torch device path needs a little-endian host")
         self.torch = torch
         self.word_dtype = torch.int64
-        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "<i2": torch.int16,
+        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "|i1": torch.int8, "<i2": torch.int16,
                         "<u1": torch.uint8, "<i4": torch.int32, "<u8": torch.int64, "<i8": torch.int64}
 
     def words(self, x):
@@ -155,6 +159,9 @@ class TorchAdapter(Adapter):
     def as_bytes(self, x):
         return x.contiguous().reshape(-1).view(self.torch.uint8)
 
+    def concat_bytes(self, parts):
+        return self.torch.cat(parts)
+
     def uint_bytes(self, x, itemsize: int):
         return self.as_bytes(x.to(self.torch.int64)).reshape(-1, 8)[:, :itemsize].reshape(-1)
 
@@ -178,6 +185,13 @@ class TorchAdapter(Adapter):
         x = np.ascontiguousarray(x)
         t = self.torch.from_numpy(x if x.flags.writeable else x.copy())
         return t if like is None else t.to(like.device)
+
+
+def as_float32(values):
+    """Values as a float32 array of their own framework (NumPy for lists and NumPy input)."""
+    if is_torch(values):
+        return values.float()
+    return np.asarray(values, dtype=np.float32)
 
 
 def host_fallback(component: str) -> None:

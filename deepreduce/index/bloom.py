@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _native, arrays, varint
+from ..hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
@@ -49,9 +50,6 @@ MAX_K = 64
 FAMILIES = ("splitmix", "blocked")   # index = the family code in the params' high nibble
 BLOCKED = FAMILIES.index("blocked")
 
-MASK64 = (1 << 64) - 1
-GAMMA = 0x9E3779B97F4A7C15
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _LO32 = 0xFFFFFFFF
 _CHUNK = 1 << 20
 
@@ -64,24 +62,8 @@ _DRAW = struct.Struct("<Q")
 
 
 # ---------------------------------------------------------------------------------- hashing
-# Written once against an array namespace (deepreduce.arrays): the same functions hash NumPy
-# uint64 arrays and torch int64 "word" tensors on any device, bit for bit.
-def mix64_int(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (mod 2**64)."""
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def mix64(z):
-    """SplitMix64's finaliser, element-wise on 64-bit words (wrapping arithmetic, like C++)."""
-    a = arrays.adapter(z)
-    z = (z ^ a.shr(z, 30)) * a.const(_M1)
-    z = (z ^ a.shr(z, 27)) * a.const(_M2)
-    return z ^ a.shr(z, 31)
-
-
+# Written once against an array namespace (deepreduce.arrays, deepreduce.hashing): the same
+# functions hash NumPy uint64 arrays and torch int64 "word" tensors on any device, bit for bit.
 def blocked_key(seed: int) -> int:
     """The blocked family's key: ``mix64(seed + GAMMA)``."""
     return mix64_int(seed + GAMMA)

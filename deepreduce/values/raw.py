@@ -20,13 +20,6 @@ def _check_length(codec: str, payload: bytes, count: int, itemsize: int) -> None
         raise ContainerError(f"{codec} value section has {len(payload)} bytes, expected {count * itemsize}")
 
 
-def _float32(values):
-    """Values as a float32 array of their own framework (NumPy for lists and NumPy input)."""
-    if arrays.is_torch(values):
-        return values.float()
-    return np.asarray(values, dtype=np.float32)
-
-
 @register
 class RawValues(ValueCodec):
     """Values as float32 little-endian (``32 r`` bits)."""
@@ -36,7 +29,7 @@ class RawValues(ValueCodec):
     array_api = True
 
     def encode(self, values, ctx):
-        values = _float32(values)
+        values = arrays.as_float32(values)
         return ValueEncoding(b"", arrays.adapter(values).as_bytes(values), reconstructed=values)
 
     def decode(self, params, payload, count):
@@ -57,7 +50,7 @@ class Fp16Values(ValueCodec):
     array_api = True
 
     def encode(self, values, ctx):
-        values = _float32(values)
+        values = arrays.as_float32(values)
         xp = arrays.namespace(values)
         largest = float(xp.max(xp.abs(values))) if values.shape[0] else 0.0
         if largest > FP16_MAX:
