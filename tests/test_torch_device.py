@@ -77,18 +77,20 @@ def test_device_path_writes_the_core_bytes_over_steps(name, device):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(d=st.integers(1000, 30000), ratio=st.sampled_from([0.001, 0.01, 0.05, 0.2]),
        policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
-       value=st.sampled_from(["raw", "fp16"]), index=st.sampled_from(["bloom", "raw"]),
+       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle"]),
        seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
 def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
     config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},
-              "index": {"id": "bloom", "policy": policy, "hash_seed": hash_seed} if index == "bloom" else {"id": "raw"}}
+              "index": {"id": "bloom", "policy": policy, "hash_seed": hash_seed} if index == "bloom" else {"id": index}}
     core, dev = deepreduce.build(config), torch_build(deepreduce.build(config), path="device")
-    for s in (step, step + 1):
-        g = _gradient(seed + s, d)
-        expected = core.encode(g, name="t", step=s)
-        got = dev.encode(torch.from_numpy(g), name="t", step=s)
-        np.testing.assert_array_equal(got.numpy(), expected)
-    np.testing.assert_array_equal(dev.decode(got).numpy(), core.decode(expected))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # no host fallback on this path
+        for s in (step, step + 1):
+            g = _gradient(seed + s, d)
+            expected = core.encode(g, name="t", step=s)
+            got = dev.encode(torch.from_numpy(g), name="t", step=s)
+            np.testing.assert_array_equal(got.numpy(), expected)
+        np.testing.assert_array_equal(dev.decode(got).numpy(), core.decode(expected))
 
 
 @settings(max_examples=30, deadline=None)
@@ -157,6 +159,21 @@ def test_host_fallback_warns_once_naming_the_component():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         dev.encode(torch.from_numpy(_gradient(1, 4000)), name="a", step=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.integers(0, 2**56 - 1), max_size=300), width_extra=st.integers(0, 8))
+def test_bitpack_identical_on_torch(values, width_extra):
+    from deepreduce import bitpack
+
+    x = np.array(values, dtype=np.uint64)
+    width = min(56, bitpack.width_for(int(x.max()) if x.size else 0) + width_extra)
+    host = bitpack.pack(x, width)
+    dev = bitpack.pack(torch.from_numpy(x.view(np.int64)), width)
+    assert (dev if isinstance(dev, bytes) else bytes(dev.numpy())) == host
+    back = bitpack.unpack(torch.frombuffer(bytearray(host), dtype=torch.uint8) if host else torch.zeros(0, dtype=torch.uint8),
+                          width, x.size)
+    np.testing.assert_array_equal(back.numpy(), x.view(np.int64))
 
 
 def test_backends_report_where_each_component_runs():
