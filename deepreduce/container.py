@@ -302,7 +302,15 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
 
 
 def split(buffer) -> List[np.ndarray]:
-    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2)."""
+    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2).
+
+    A torch tensor on an accelerator (a collective's result on the device path) is split into
+    slices of itself on its device; the headers are read on a host copy of the compact bytes.
+    """
+    if arrays.is_torch(buffer) and buffer.device.type != "cpu":
+        parts = split(buffer.cpu().numpy())
+        offsets = np.cumsum([0] + [p.size for p in parts])
+        return [buffer[int(o):int(o) + p.size] for o, p in zip(offsets, parts)]
     buf = _as_bytes(buffer)
     out, offset = [], 0
     while offset < len(buf):
