@@ -6,7 +6,7 @@ which scripts/build_tf_ops.sh compiles against TensorFlow). The extensions are o
 time: if one fails to build, installation continues and deepreduce falls back to its NumPy path
 with a warning that says how to rebuild.
 
-Only numpy, pyyaml, scipy and bitarray are required; ``pip install "deepreduce[torch]"`` adds
+Only numpy, pyyaml, scipy, bitarray and array-api-compat are required; ``pip install "deepreduce[torch]"`` adds
 torch (an installed torch that satisfies it is left alone), and Horovod and TensorFlow are the
 extras ``horovod`` and ``tensorflow``. pyproject.toml declares the build requirements.
 """
@@ -70,7 +70,7 @@ setup(
     package_data={"deepreduce": ["data/*"]},
     ext_modules=native_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
-    install_requires=["numpy>=1.26", "pyyaml>=6", "scipy>=1.11", "bitarray>=2.8"],
+    install_requires=["numpy>=1.26", "pyyaml>=6", "scipy>=1.11", "bitarray>=2.8", "array-api-compat>=1.10"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],

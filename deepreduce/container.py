@@ -33,7 +33,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _native, varint
+from . import _native, arrays, varint
 from .errors import ContainerError
 
 MAGIC = b"DPRD"
@@ -105,11 +105,17 @@ class Container:
         return bool(self.flags & FLAG_NONFINITE)
 
 
-def pack(c: Container) -> np.ndarray:
+def pack(c: Container, like=None):
     """Serialise a container (format v2) to a 1-D uint8 array.
 
     With the C++ extension ``deepreduce._container`` built (csrc/container, the code the
     TensorFlow ops pack with) it writes the bytes; otherwise the Python below does, identically.
+
+    Sections are ``bytes`` or 1-D uint8 arrays; when one is a torch tensor (the torch device
+    path) the container is assembled on that tensor's device: the header is built on the host
+    from the section lengths, the CRC on the host over the compact payload, and the result is a
+    uint8 tensor on the device. ``like``: a torch tensor whose device receives the container even
+    when every section is ``bytes`` (codecs that ran on the host).
     """
     if len(c.shape) > MAX_NDIM:
         raise ContainerError(f"tensor has {len(c.shape)} dimensions; at most {MAX_NDIM} are supported")
@@ -119,25 +125,43 @@ def pack(c: Container) -> np.ndarray:
     digest = bytes(DIGEST_SIZE) if c.digest is None else bytes(c.digest)
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
-    native = _native.load("container")
+    sections = (c.index_section, c.value_section, c.perm_section)
+    device = next((s for s in (like, *sections) if arrays.is_torch(s)), None)
+    native = None if device is not None else _native.load("container")
     if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
         return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),
                            c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)
     numbers = (c.n, len(c.index_params), len(c.value_params), len(c.index_section), len(c.value_section),
                len(c.perm_section), *c.shape)
-    body = b"".join((
+    head = b"".join((
         _V2.pack(MAGIC, VERSION, c.flags, c.index_id, c.value_id, len(c.shape), c.perm_width, digest),
         b"".join(varint.encode(v) for v in numbers),
-        c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section,
+        c.index_params, c.value_params,
     ))
+    if device is not None:
+        return _pack_on_device(head, sections, device)
+    body = head + b"".join(sections)
     crc = struct.pack("<I", zlib.crc32(body))
     return np.frombuffer(body + crc, dtype=np.uint8).copy()
+
+
+def _pack_on_device(head: bytes, sections, like):
+    """The container as a uint8 tensor on ``like``'s device (see :func:`pack`)."""
+    import torch
+
+    a = arrays.adapter(like)
+    parts = [a.from_numpy(np.frombuffer(head, dtype=np.uint8), like)]
+    parts += [s if arrays.is_torch(s) else a.from_numpy(np.frombuffer(bytes(s), dtype=np.uint8), like)
+              for s in sections]
+    body = torch.cat(parts)
+    crc = zlib.crc32(body.cpu().numpy())   # only the compact container crosses to the host
+    return torch.cat([body, a.from_numpy(np.frombuffer(struct.pack("<I", crc), dtype=np.uint8), like)])
 
 
 def _as_bytes(payload) -> bytes:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
-    arr = np.asarray(payload)
+    arr = arrays.adapter(payload).to_numpy(payload)
     if arr.dtype != np.uint8 or arr.ndim != 1:
         raise ContainerError(f"a container is a 1-D uint8 array, got dtype {arr.dtype} and shape {arr.shape}")
     return arr.tobytes()
@@ -242,7 +266,15 @@ def unpack(payload) -> Container:
 
 
 def split(buffer) -> List[np.ndarray]:
-    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2)."""
+    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2).
+
+    A torch tensor on an accelerator (a collective's result on the device path) is split into
+    slices of itself on its device; the headers are read on a host copy of the compact bytes.
+    """
+    if arrays.is_torch(buffer) and buffer.device.type != "cpu":
+        parts = split(buffer.cpu().numpy())
+        offsets = np.cumsum([0] + [p.size for p in parts])
+        return [buffer[int(o):int(o) + p.size] for o, p in zip(offsets, parts)]
     buf = _as_bytes(buffer)
     out, offset = [], 0
     while offset < len(buf):

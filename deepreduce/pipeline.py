@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import bitpack, container, kernels, parallel, registry
+from . import arrays, bitpack, container, kernels, parallel, registry
 from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
@@ -137,14 +137,16 @@ class Pipeline:
         """
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
-        sparse = flat.size >= self.min_numel
+        numel = flat.shape[0]
+        sparse = numel >= self.min_numel
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
         fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
-        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.size) if fused else 0,
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:
             if self.nonfinite == "raise":
-                nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
+                xp = arrays.namespace(flat)
+                nan, inf = int(xp.sum(xp.isnan(flat))), int(xp.sum(xp.isinf(flat)))
                 raise NonFiniteGradientError(
                     f"gradient {name!r} at step {step} has {nan} NaN and {inf} Inf entries "
                     "(pipeline option nonfinite='raise')"
@@ -157,8 +159,8 @@ class Pipeline:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
             self.memory.settle(name, positions, received, self.threads)
         c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
-        payload = container.pack(c)
-        self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
+        payload = container.pack(c, like=flat)
+        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
     def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
@@ -174,19 +176,20 @@ class Pipeline:
         indices = self._select(comp, ctx, select)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
+        index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
         if self.index.keeps_order:
-            venc = self.value.encode(values, ctx)
+            venc = value_encode(values, ctx)
             positions = indices
             if venc.order is not None:
                 indices = indices[venc.order]
-            ienc = self.index.encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
+            ienc = index_encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
         else:
-            ienc = self.index.encode(indices, values, compensated, ctx)
-            venc = self.value.encode(ienc.values, ctx)
+            ienc = index_encode(indices, values, compensated, ctx)
+            venc = value_encode(ienc.values, ctx)
             positions = ienc.indices
             if venc.order is not None and len(ienc.indices):
                 perm_width = bitpack.width_for(len(ienc.indices) - 1)
-                perm_section = bitpack.pack(venc.order, perm_width)
+                perm_section = bitpack.pack(arrays.adapter(venc.order).to_numpy(venc.order), perm_width)
         received = self.value.reconstruct(venc, len(positions))
         c = container.Container(
             shape=shape, n=len(ienc.indices), index_id=self.index.wire_id, value_id=self.value.wire_id,
@@ -262,20 +265,23 @@ class Pipeline:
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
         """
+        a = arrays.adapter(out)
         if c.dense:
-            dense = np.frombuffer(c.value_section, dtype="<f4")
+            dense = a.from_section(c.value_section, "<f4", out)
             if accumulate:
-                np.add(out, dense, out=out)
+                out += dense
             else:
-                out[:] = dense
+                out[...] = dense
             return
-        index_codec = self._codec("index", c.index_id)
+        index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
         try:
-            indices = index_codec.decode(c.index_params, c.index_section, c.n, c.numel)
-            values = self._codec("value", c.value_id).decode(c.value_params, c.value_section, c.n)
+            indices = _decoded(index_codec, out, c.index_section,
+                               lambda section: index_codec.decode(c.index_params, section, c.n, c.numel))
+            values = _decoded(value_codec, out, c.value_section,
+                              lambda section: value_codec.decode(c.value_params, section, c.n))
         except DeepReduceError:
             raise
-        except (ValueError, IndexError, OverflowError) as exc:
+        except (ValueError, IndexError, OverflowError, RuntimeError) as exc:
             raise ContainerError(f"container sections could not be decoded: {exc}") from exc
         if len(indices) != c.n or len(values) != c.n:
             raise ContainerError(
@@ -285,12 +291,35 @@ class Pipeline:
             perm = bitpack.unpack(c.perm_section, c.perm_width, c.n).astype(np.int64)
             if c.n and (perm.max() >= c.n or np.bincount(perm, minlength=c.n).max() != 1):
                 raise ContainerError("container permutation section is not a permutation")
-            in_index_order = np.empty(c.n, dtype=np.float32)
-            in_index_order[perm] = values
+            in_index_order = arrays.namespace(values).empty_like(values)
+            in_index_order[a.from_numpy(perm, out)] = values
             values = in_index_order
         if not accumulate:
-            out.fill(0.0)
+            out[...] = 0.0
         kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
+
+    # ------------------------------------------------------------------ backends
+    def backends(self, device=None) -> dict:
+        """Where each component runs and which implementation: ``device=None`` for NumPy input
+        (the host: "c++" or "numpy"), or a torch device for the torch device path ("torch on
+        <device>", or "host: ..." for a component that falls back, see ``deepreduce.arrays``)."""
+        host_kernels = "host: c++" if kernels.native() is not None else "host: numpy"
+        if device is None:
+            parts = {"memory": host_kernels, "finiteness": host_kernels,
+                     "sparsifier": f"host: {getattr(self.sparsifier, 'backend', 'numpy')}",
+                     "index": f"host: {self.index.backend}", "value": f"host: {self.value.backend}",
+                     "container": "host: python", "decode_accumulate": host_kernels}
+            return parts
+        on_device = f"torch on {device}"
+        from .torch.sparsify import SELECTORS   # the sparsifiers with a torch version
+
+        def codec(component):
+            return on_device if component.array_api else f"host: {component.backend} (compact data copied)"
+
+        return {"memory": on_device, "finiteness": on_device,
+                "sparsifier": on_device if self.sparsifier.id in SELECTORS else "host (dense copy)",
+                "index": codec(self.index), "value": codec(self.value),
+                "container": f"{on_device} (header and CRC on the host)", "decode_accumulate": on_device}
 
     # ------------------------------------------------------------------ stats
     def _count_encode(self, c: container.Container, nbytes: int, numel: int, seconds: float) -> None:
@@ -305,8 +334,58 @@ class Pipeline:
         s.encode_seconds += seconds
 
 
+def _runner(component, like):
+    """``component.encode`` for data like ``like``: the component itself for NumPy input or when
+    it is written against the array namespace (``array_api``); otherwise, for torch tensors,
+    its host path on NumPy copies of its (compact) inputs, with results moved back to the device
+    and a one-time warning naming it. The index codec is handed the dense gradient too (Bloom
+    reads it; Bloom runs on the device)."""
+    if not arrays.is_torch(like) or component.array_api:
+        return component.encode
+    a = arrays.adapter(like)
+
+    def host(x):
+        return None if x is None else a.to_numpy(x)
+
+    def device(x):
+        return None if x is None else a.from_numpy(np.asarray(x), like)
+
+    def encode(*args):
+        arrays.host_fallback(f"{component.kind} codec {component.id!r}")
+        *data, ctx = args
+        result = component.encode(*(host(x) for x in data), ctx)
+        if component.kind == "index":
+            return result._replace(indices=device(result.indices), values=device(result.values))
+        received = component.reconstruct(result, len(data[0]))
+        return result._replace(order=device(result.order), reconstructed=device(received))
+
+    return encode
+
+
+def _decoded(codec, out, section, decode):
+    """What ``decode(section)`` returns, in ``out``'s framework: for a torch ``out`` an
+    ``array_api`` codec decodes the section uploaded to the device, any other decodes it on the
+    host (one-time warning) and its n entries move to the device."""
+    if not arrays.is_torch(out):
+        return decode(section)
+    a = arrays.adapter(out)
+    if codec.array_api:
+        return decode(a.from_section(section, "<u1", out))
+    arrays.host_fallback(f"{codec.kind} codec {codec.id!r} (decode)")
+    return a.from_numpy(np.asarray(decode(bytes(section))), out)
+
+
 def _as_float32(grad, name: str):
-    """A gradient as a flat float32 array and its shape; rejects non-float input by name."""
+    """A gradient as a flat float32 array and its shape; rejects non-float input by name.
+
+    A torch tensor stays a torch tensor on its device (the torch device path); a float32
+    contiguous one is not copied.
+    """
+    if arrays.is_torch(grad):
+        if not grad.dtype.is_floating_point:
+            raise DeepReduceError(f"gradient {name!r} has dtype {grad.dtype}; deepreduce compresses "
+                                  "floating-point tensors")
+        return grad.detach().float().contiguous().reshape(-1), tuple(int(s) for s in grad.shape)
     arr = np.asarray(grad)
     if not np.issubdtype(arr.dtype, np.floating):
         raise DeepReduceError(f"gradient {name!r} has dtype {arr.dtype}; deepreduce compresses floating-point tensors")
@@ -315,9 +394,20 @@ def _as_float32(grad, name: str):
 
 def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
     """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or fresh zeros
-    (pages the OS hands out zeroed; only those the scatter touches are ever written)."""
+    (pages the OS hands out zeroed; only those the scatter touches are ever written).
+
+    A torch ``out`` (float32, contiguous) is decoded into on its own device.
+    """
     if out is None:
         return np.zeros(c.numel, dtype=np.float32)
+    if arrays.is_torch(out):
+        import torch
+
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise DeepReduceError("decode: a torch out= must be a contiguous float32 tensor")
+        if out.numel() != c.numel:
+            raise CommunicationError(f"decode: out= has {out.numel()} elements, the container's tensor {c.numel}")
+        return out.detach().reshape(-1)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
             or not out.flags.writeable:
         raise DeepReduceError("decode: out= must be a writeable C-contiguous float32 NumPy array")
@@ -326,8 +416,8 @@ def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _dense_container(flat: np.ndarray, shape, flags: int) -> container.Container:
+def _dense_container(flat, shape, flags: int) -> container.Container:
     return container.Container(
-        shape=shape, n=flat.size, index_id=0, value_id=0, flags=flags,
-        value_section=flat.astype("<f4").tobytes(),
-    )
+        shape=shape, n=flat.shape[0], index_id=0, value_id=0, flags=flags,
+        value_section=arrays.adapter(flat).as_bytes(arrays.namespace(flat).asarray(flat, copy=True)),
+    )   # a copy: a torch section is a view, and the residual behind ``flat`` is reset after packing

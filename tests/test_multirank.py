@@ -25,6 +25,6 @@ def test_shape_mismatch_across_ranks_is_reported():
     assert out.stdout.count("OK") == 2
 
 
-def test_background_encoder_matches_synchronous_path_and_surfaces_worker_errors():
+def test_background_encoder_and_device_path_match_synchronous_path_and_surface_worker_errors():
     out = run_ranks("horovodrun", "torch_background_encode.py")
     assert out.stdout.count("OK") == 2

@@ -39,6 +39,10 @@ class IndexCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
+    #: Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded
+    #: and decoded on their own device. Others run on the host for device tensors (a one-time
+    #: warning names them).
+    array_api = False
 
     def encode(self, indices: np.ndarray, values: np.ndarray, dense: np.ndarray,
                ctx: EncodeContext) -> IndexEncoding:
