@@ -59,7 +59,7 @@ def test_tf_function_with_tensor_step_matches_core_at_every_step():
     assert len(traces) == 1                               # traced once, ran four times
     assert not np.array_equal(payloads[0], payloads[1])   # the step changed the draw
     # the residual memory advanced inside the graph exactly as in the core
-    np.testing.assert_array_equal(pipe.core.memory.residual("layer/kernel"), core.memory.residual("layer/kernel"))
+    np.testing.assert_array_equal(pipe.residual("layer/kernel"), core.memory.residual("layer/kernel"))
     assert pipe.stats.tensors_encoded == 4
 
 

@@ -77,31 +77,6 @@ std::string bytes_repr(const uint8_t* p, size_t n) {
     return s + "'";
 }
 
-// varint.decode: value at buf[pos] (the whole buffer bounds the read), or an error naming field.
-std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field, uint64_t& value) {
-    const size_t start = pos;
-    value = 0;
-    int shift = 0;
-    uint8_t byte = 0;
-    while (true) {
-        if (pos >= len)
-            return "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos);
-        byte = buf[pos++];
-        const uint64_t group = byte & 0x7F;
-        if (shift == 63 && group > 1)
-            return "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1";
-        value |= group << shift;
-        if (!(byte & 0x80)) break;
-        shift += 7;
-        if (pos - start >= static_cast<size_t>(VARINT_MAX_BYTES))
-            return "container field " + field + " at byte " + std::to_string(start) + " is longer than " +
-                   std::to_string(VARINT_MAX_BYTES) + " bytes";
-    }
-    if (byte == 0 && pos - start > 1)
-        return "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form";
-    return "";
-}
-
 unsigned __int128 total128(const Header& h) {
     unsigned __int128 t = h.size + CRC_SIZE;
     for (uint64_t l : h.lengths) t += l;
@@ -141,6 +116,30 @@ uint8_t* varint_put(uint8_t* out, uint64_t v) {
     }
     *out++ = static_cast<uint8_t>(v);
     return out;
+}
+
+std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field, uint64_t& value) {
+    const size_t start = pos;
+    value = 0;
+    int shift = 0;
+    uint8_t byte = 0;
+    while (true) {
+        if (pos >= len)
+            return "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos);
+        byte = buf[pos++];
+        const uint64_t group = byte & 0x7F;
+        if (shift == 63 && group > 1)
+            return "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1";
+        value |= group << shift;
+        if (!(byte & 0x80)) break;
+        shift += 7;
+        if (pos - start >= static_cast<size_t>(VARINT_MAX_BYTES))
+            return "container field " + field + " at byte " + std::to_string(start) + " is longer than " +
+                   std::to_string(VARINT_MAX_BYTES) + " bytes";
+    }
+    if (byte == 0 && pos - start > 1)
+        return "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form";
+    return "";
 }
 
 uint64_t Header::total() const {

@@ -42,6 +42,10 @@ uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
 size_t varint_size(uint64_t v);
 uint8_t* varint_put(uint8_t* out, uint64_t v);
 
+// varint.decode: the varint at buf[pos] (len bounds the read) into value, pos moved past it;
+// "" or the error naming `field`.
+std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field, uint64_t& value);
+
 // Index of the sections in Header::lengths (and of the params before them).
 enum Section { INDEX_PARAMS = 0, VALUE_PARAMS = 1, INDEX = 2, VALUE = 3, PERM = 4 };
 

@@ -201,11 +201,17 @@ def _keys_per_block(fpr: float):
     return best
 
 
+def filter_shape(fpr: float) -> tuple:
+    """``(lam, k)`` of :func:`filter_params` for rate ``fpr``: the TensorFlow encode op receives them
+    and computes ``blocks = ceil(r / lam)`` itself (the same float64 division)."""
+    return _keys_per_block(float(fpr))
+
+
 def filter_params(r: int, fpr: float) -> tuple:
     """``(blocks, k)`` of the blocked filter for ``r`` indices at false-positive rate ``fpr``:
     ``k`` and the keys per block ``lam`` maximise ``lam`` subject to ``blocked_fpr(lam, k) <= fpr``;
     ``blocks = ceil(r / lam)`` (``r = 0``: no blocks)."""
-    lam, k = _keys_per_block(float(fpr))
+    lam, k = filter_shape(fpr)
     if not r:
         return 0, k
     blocks = max(1, math.ceil(r / lam))
