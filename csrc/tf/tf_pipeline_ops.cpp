@@ -76,6 +76,7 @@ REGISTER_OP("DeepReduceDecode")
     .Attr("single: bool = false")
     .Attr("shape: list(int) = []")
     .Attr("check_shape: bool = false")
+    .Attr("max_numel: int >= 1 = 268435456")
     .Attr("threads: int >= 1 = 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -505,23 +506,33 @@ Failure decode_values(const ct::Header& h, const uint8_t* section, std::vector<f
     return {};
 }
 
+// pipeline._check_finite: a container without the non-finite flag must hold finite values.
+Failure check_finite(const ct::Header& h, const float* v, uint64_t n, const char* what) {
+    if (h.flags & ct::FLAG_NONFINITE) return {};
+    for (uint64_t i = 0; i < n; ++i)
+        if (!std::isfinite(v[i]))
+            return container_error(std::string("container ") + what +
+                                   " hold NaN/Inf but its header does not carry the non-finite flag");
+    return {};
+}
+
 // Pipeline._decode_into with accumulate: add the container's tensor into target.
 Failure add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target) {
     const uint8_t* params = buf + h.size;
     const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
     if (h.dense()) {
-        const float* v = reinterpret_cast<const float*>(sections);
-        for (uint64_t i = 0; i < numel; ++i) {
-            float x;
-            std::memcpy(&x, v + i, 4);
-            target[i] += x;
-        }
+        std::vector<float> dense(numel);
+        if (numel) std::memcpy(dense.data(), sections, 4 * numel);
+        Failure f = check_finite(h, dense.data(), numel, "dense section");
+        if (f.failed()) return f;
+        for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return {};
     }
     std::vector<int64_t> indices;
     std::vector<float> values;
     Failure f = decode_indices(h, params, sections, numel, threads, indices);
     if (!f.failed()) f = decode_values(h, sections + h.lengths[ct::INDEX], values);
+    if (!f.failed()) f = check_finite(h, values.data(), h.n, "values");
     if (f.failed()) return f;
     if (h.permuted())
         return container_error("permuted containers have no TensorFlow op; build the pipeline with "
@@ -553,6 +564,7 @@ class DecodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("single", &single_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("check_shape", &check_shape_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("max_numel", &max_numel_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("threads", &threads_));
         for (int64_t s : shape) expected_.push_back(static_cast<uint64_t>(s));
     }
@@ -586,6 +598,11 @@ class DecodeOp : public OpKernel {
                 return fail(ctx, "CommunicationError",
                             where + "container holds a tensor of shape " + ct::shape_string(h.shape) +
                                 ", expected " + ct::shape_string(expected) + ": ranks disagree about this tensor");
+            if (!have_shape && numel > static_cast<uint64_t>(max_numel_))   // container.check_size
+                return fail(ctx, "ContainerError",
+                            where + "container claims a tensor of shape " + ct::shape_string(h.shape) + " (" +
+                                std::to_string(numel) + " elements), above max_numel = " +
+                                std::to_string(max_numel_) + "; pass the expected shape or raise max_numel");
             if (!target) {
                 TensorShape shape;
                 for (uint64_t s : h.shape) shape.AddDim(static_cast<int64_t>(s));
@@ -611,6 +628,7 @@ class DecodeOp : public OpKernel {
  private:
     int64_t count_ = -1;
     bool single_ = false, check_shape_ = false;
+    int64_t max_numel_ = 1;
     std::vector<uint64_t> expected_;
     int threads_ = 1;
 };
