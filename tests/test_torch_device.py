@@ -133,6 +133,13 @@ def test_float_codecs_decode_compatible_on_device(name, device):
     np.testing.assert_allclose(decoded.cpu().numpy(), core.decode(host), rtol=0, atol=0)
 
 
+def test_core_pipeline_accepts_torch_tensors_directly(device):
+    core = deepreduce.build("configs/bf_p0.yaml")
+    g = _gradient(9, 7000)
+    got = core.encode(torch.from_numpy(g).to(device), name="w", step=4)
+    np.testing.assert_array_equal(got.cpu().numpy(), deepreduce.build("configs/bf_p0.yaml").encode(g, name="w", step=4))
+
+
 def test_nonfinite_and_small_tensors_are_identical(device):
     core, dev = _pipelines("topk_raw", device)
     for g in (np.array([1.0, np.nan, 3.0] * 500, dtype=np.float32), np.arange(10, dtype=np.float32)):
