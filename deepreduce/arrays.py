@@ -98,6 +98,11 @@ class Adapter:
         """A bool array as bytes (bit ``j`` at bit ``j % 8`` of byte ``j // 8``)."""
         return np.packbits(bits, bitorder="little").tobytes()
 
+    def unpackbits(self, section):
+        """A section's bits as a uint8 array of 0/1 (inverse of :meth:`packbits`)."""
+        raw = np.frombuffer(section if isinstance(section, (bytes, bytearray)) else bytes(section), np.uint8)
+        return np.unpackbits(raw, bitorder="little")
+
     def gather(self, x, indices):
         """``x[indices]`` for a 1-D ``x`` and int64 ``indices``."""
         return np.take(x, indices)
@@ -175,7 +180,15 @@ class TorchAdapter(Adapter):
     def packbits(self, bits):
         torch = self.torch
         weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-        return (bits.reshape(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+        bits = bits.reshape(-1).to(torch.uint8)
+        if bits.numel() % 8:   # the last byte zero padded, as numpy.packbits does
+            bits = torch.cat([bits, bits.new_zeros(8 - bits.numel() % 8)])
+        return (bits.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+    def unpackbits(self, section):
+        raw = self.from_section(section, "<u1")
+        weights = self.torch.tensor(_BIT_WEIGHTS, dtype=self.torch.uint8, device=raw.device)
+        return ((raw[:, None] & weights) != 0).to(self.torch.uint8).reshape(-1)
 
     def gather(self, x, indices):
         return x.index_select(0, indices)
