@@ -156,7 +156,7 @@ class Pipeline:
         numel = flat.shape[0]
         sparse = numel >= self.min_numel
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
-        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        fused = sparse and select is None and not arrays.is_torch(flat) and hasattr(type(self.sparsifier), "fused_count")
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:
@@ -184,6 +184,10 @@ class Pipeline:
             return select(comp.flat, ctx)
         if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
             return comp.selected
+        if arrays.is_torch(comp.flat):  # torch tensors: the same selection as torch ops on their device
+            from .torch.sparsify import select_torch_native
+
+            return select_torch_native(self.sparsifier, comp.flat, ctx)
         return self.sparsifier.select(comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
