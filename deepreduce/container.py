@@ -23,6 +23,10 @@ v1 (fixed u16/u64 fields, no digest) is still read, so containers written before
 
 A DENSE container carries the whole tensor as float32 in the value section (small tensors,
 and tensors with NaN/Inf when the pipeline propagates them).
+
+Bounds (docs/reliability.md): the CRC only catches line noise, so :func:`unpack` also bounds what
+a CRC-valid header may claim before any decoder allocates for it: the receiver's expected shape
+when it passes one, else at most ``max_numel`` elements (:data:`MAX_NUMEL` by default).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _native, arrays, varint
-from .errors import ContainerError
+from .errors import CommunicationError, ContainerError
 
 MAGIC = b"DPRD"
 VERSION = 2
@@ -47,6 +51,10 @@ MAX_NDIM = 32
 MAX_PARAMS = 0xFFFF
 DIGEST_SIZE = 8
 CRC_SIZE = 4
+#: Default bound on the element count a container may claim when the receiver passes no expected
+#: shape (2**28 elements: 1 GiB of float32); ``Pipeline(max_numel=...)`` / the ``max_numel`` config
+#: key change it.
+MAX_NUMEL = 1 << 28
 
 _V1 = struct.Struct("<4sBBBBBBHHHQQQQ")   # 48 bytes, then 8 per dimension
 _V2 = struct.Struct("<4sBBBBBB8s")        # 18 bytes, then varints
@@ -233,8 +241,37 @@ def _read_header(buf: bytes, offset: int) -> _Header:
                    tuple(int(s) for s in shape), pos - offset)
 
 
-def unpack(payload) -> Container:
-    """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency."""
+def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: int = MAX_NUMEL) -> None:
+    """Refuse a header whose tensor is not the one the receiver expects, or (without an expected
+    shape) claims more than ``max_numel`` elements, before anything is allocated for it."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if expected_shape is not None:
+        try:
+            expected = tuple(int(s) for s in expected_shape)
+        except (TypeError, ValueError) as exc:
+            raise CommunicationError(f"expected_shape must be a sequence of integers, got {expected_shape!r}") from exc
+        if expected != shape:
+            raise CommunicationError(
+                f"container holds a tensor of shape {shape}, expected {expected}: "
+                "ranks disagree about this tensor"
+            )
+    elif numel > max_numel:
+        raise ContainerError(
+            f"container claims a tensor of shape {shape} ({numel} elements), above max_numel = {max_numel}; "
+            "pass the expected shape or raise max_numel"
+        )
+    if n > numel:
+        raise ContainerError(f"container claims {n} values for a tensor of {numel} elements")
+
+
+def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Container:
+    """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency.
+
+    ``expected_shape``: the shape the receiver expects (CommunicationError if the header names
+    another); without one, a header claiming more than ``max_numel`` elements is refused.
+    """
     buf = _as_bytes(payload)
     h = _read_header(buf, 0)
     if h.total != len(buf):
@@ -244,6 +281,7 @@ def unpack(payload) -> Container:
         raise ContainerError("container checksum mismatch: the buffer is corrupted")
     if h.flags & ~_KNOWN_FLAGS or h.reserved:
         raise ContainerError(f"container has unknown flags 0x{h.flags:02x} or non-zero reserved bits")
+    check_size(h.shape, h.n, expected_shape, max_numel)
     pos = h.size
     sections = []
     for length in h.lengths:
@@ -256,8 +294,6 @@ def unpack(payload) -> Container:
         digest=h.digest, version=h.version, nbytes=len(buf),
     )
     li, lv, lp = h.lengths[2:]
-    if c.n > c.numel:
-        raise ContainerError(f"container claims {c.n} values for a tensor of {c.numel} elements")
     if c.permuted != (c.perm_width > 0) or (not c.permuted and lp):
         raise ContainerError("container permutation flag, width and section disagree")
     if c.dense and (c.n != c.numel or lv != 4 * c.numel or li or lp):
@@ -288,11 +324,12 @@ def split(buffer) -> List[np.ndarray]:
     return out
 
 
-def inspect(payload) -> dict:
-    """The header of a container as a dict, with codec ids resolved to names."""
+def inspect(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> dict:
+    """The header of a container as a dict, with codec ids resolved to names (bounds as
+    :func:`unpack`)."""
     from . import registry
 
-    c = unpack(payload)
+    c = unpack(payload, expected_shape, max_numel)
     info = {
         "format_version": c.version,
         "config_digest": None if c.digest is None else c.digest.hex(),

@@ -8,7 +8,10 @@ any rank's payload.
 """
 from __future__ import annotations
 
+import math
+import struct
 import time
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,6 +30,12 @@ from .values import ValueCodec
 NONFINITE_POLICIES = ("propagate", "raise")
 _STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")
 DEFAULT_MIN_NUMEL = 1000
+#: No tensor has more elements: 2**62 float32 fill a 64-bit address space. ``min_numel`` and
+#: ``max_numel`` above it are refused as absurd.
+MAX_TENSOR_NUMEL = 1 << 62
+#: What a decoder may raise on bad bytes that is not yet a DeepReduceError (re-raised as one).
+_DECODE_ERRORS = (ValueError, IndexError, OverflowError, TypeError, KeyError, ArithmeticError,
+                  RuntimeError, struct.error, zlib.error)
 
 
 class Pipeline:
@@ -41,13 +50,17 @@ class Pipeline:
         nonfinite: ``"propagate"`` sends a tensor holding NaN/Inf dense and unchanged, so the
             receiver (and an AMP loss scaler) sees it; ``"raise"`` refuses it with
             NonFiniteGradientError.
+        max_numel: the most elements a received container may claim when ``decode`` is given
+            no expected shape (the integrations always pass the parameter's shape); a receiver
+            setting, it never changes a byte (docs/reliability.md).
     """
 
     def __init__(self, sparsifier: Sparsifier, index: IndexCodec, value: ValueCodec, memory: Memory,
                  communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate",
-                 threads: parallel.ThreadsOption = parallel.AUTO) -> None:
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ConfigError(f"pipeline: 'min_numel' must be a non-negative integer, got {min_numel!r}")
+                 threads: parallel.ThreadsOption = parallel.AUTO,
+                 max_numel: int = container.MAX_NUMEL) -> None:
+        check_numel_option("pipeline", "min_numel", min_numel, 0)
+        check_numel_option("pipeline", "max_numel", max_numel, 1)
         if nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"pipeline: 'nonfinite' is {nonfinite!r}; allowed: {', '.join(NONFINITE_POLICIES)}")
         self.sparsifier = sparsifier
@@ -57,6 +70,7 @@ class Pipeline:
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
+        self.max_numel = max_numel
         self.nonfinite = nonfinite
         self.threads_option = parallel.check_threads(threads, "pipeline")
         self.threads = parallel.resolve_threads(self.threads_option)
@@ -65,7 +79,8 @@ class Pipeline:
         self.stats = CompressionStats()
         wire_config = self.get_config()
         wire_config.pop("communicator", None)
-        wire_config.pop("threads")  # threads never change a byte
+        wire_config.pop("threads")  # threads and the receiver's bound never change a byte
+        wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
 
@@ -80,6 +95,7 @@ class Pipeline:
             "min_numel": self.min_numel,
             "nonfinite": self.nonfinite,
             "threads": self.threads_option,
+            "max_numel": self.max_numel,
         }
         if self.communicator is not None:
             config["communicator"] = self.communicator.get_config()
@@ -204,8 +220,10 @@ class Pipeline:
                out: Optional[np.ndarray] = None) -> np.ndarray:
         """Reconstruct the dense float32 tensor a container describes.
 
-        ``expected_shape`` (optional) is checked against the header, so a rank that sent a
-        tensor of another shape under the same name is reported, not silently mis-summed.
+        ``expected_shape`` (optional) is checked against the header before anything is
+        allocated, so a rank that sent a tensor of another shape under the same name is reported,
+        not silently mis-summed; without it, a header claiming more than ``max_numel`` elements
+        is refused. A container without the non-finite flag whose values are NaN/Inf is refused.
         ``out`` (optional): a C-contiguous float32 array of the tensor's size to write into
         (overwritten); otherwise a fresh array is returned.
         """
@@ -242,13 +260,7 @@ class Pipeline:
         return target.reshape(expected_shape)
 
     def _unpack(self, payload, expected_shape) -> container.Container:
-        c = container.unpack(payload)
-        if expected_shape is not None and tuple(expected_shape) != c.shape:
-            raise CommunicationError(
-                f"container holds a tensor of shape {c.shape}, expected {tuple(expected_shape)}: "
-                "ranks disagree about this tensor"
-            )
-        return c
+        return container.unpack(payload, expected_shape, self.max_numel)
 
     def _codec(self, kind: str, wire_id: int):
         key = (kind, wire_id)
@@ -268,6 +280,7 @@ class Pipeline:
         a = arrays.adapter(out)
         if c.dense:
             dense = a.from_section(c.value_section, "<f4", out)
+            _check_finite(c, dense, "dense section")
             if accumulate:
                 out += dense
             else:
@@ -281,12 +294,13 @@ class Pipeline:
                               lambda section: value_codec.decode(c.value_params, section, c.n))
         except DeepReduceError:
             raise
-        except (ValueError, IndexError, OverflowError, RuntimeError) as exc:
-            raise ContainerError(f"container sections could not be decoded: {exc}") from exc
+        except _DECODE_ERRORS as exc:
+            raise ContainerError(f"container sections could not be decoded: {type(exc).__name__}: {exc}") from exc
         if len(indices) != c.n or len(values) != c.n:
             raise ContainerError(
                 f"container decoded to {len(indices)} indices and {len(values)} values, header says {c.n}"
             )
+        _check_finite(c, values, "values")
         if c.permuted:  # value j belongs to indices[perm[j]]: put the values in index order
             perm = bitpack.unpack(c.perm_section, c.perm_width, c.n).astype(np.int64)
             if c.n and (perm.max() >= c.n or np.bincount(perm, minlength=c.n).max() != 1):
@@ -332,6 +346,76 @@ class Pipeline:
         s.permutation_bytes += len(c.perm_section)
         s.header_bytes += nbytes - len(c.index_section) - len(c.value_section) - len(c.perm_section)
         s.encode_seconds += seconds
+
+
+def check_numel_option(owner: str, key: str, value, low: int) -> int:
+    """``value`` if it is an integer element count in ``[low, 2**62]``, else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_TENSOR_NUMEL:
+        raise ConfigError(f"{owner}: {key!r} must be an integer in [{low}, 2**62] (no tensor has more "
+                          f"than 2**62 elements), got {value!r}")
+    return value
+
+
+def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None:
+    """Finite in, finite out: a container without the NONFINITE flag must decode to finite values.
+
+    One float64 sum of the float32 values: it cannot overflow (n * 3.4e38 < 1.8e308) and is
+    NaN/Inf exactly when a value is, so no boolean array is allocated.
+    """
+    if c.nonfinite or not len(values) or _all_finite(values):
+        return
+    raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
+
+
+def _all_finite(x) -> bool:
+    """Whether every entry of a float array (NumPy, or torch on its device) is finite: one
+    float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it)."""
+    if arrays.is_torch(x):
+        import torch
+
+        return bool(torch.isfinite(x.sum(dtype=torch.float64)))
+    return math.isfinite(float(np.add.reduce(x, axis=None, dtype=np.float64)))
+
+
+def dtype_error(name: str, dtype) -> DeepReduceError:
+    """The one error every binding raises for a gradient that is not floating point (NumPy,
+    torch and TensorFlow dtypes are named alike: ``int64``, not ``torch.int64``)."""
+    dtype = str(getattr(dtype, "name", dtype)).replace("torch.", "")
+    return DeepReduceError(f"gradient {name!r} has dtype {dtype}; deepreduce compresses floating-point tensors")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def to_float32(arr, name: str):
+    """``arr`` (a float NumPy array or torch tensor) as float32; a wider float holding finite
+    values beyond float32's range raises NonFiniteGradientError saying they overflow (they would
+    arrive as Inf)."""
+    torch_input = arrays.is_torch(arr)
+    if torch_input:
+        import torch
+
+        if arr.dtype == torch.float32:
+            return arr
+        out, wide = arr.float(), arr.dtype.itemsize > 4
+    else:
+        if arr.dtype == np.float32:
+            return arr
+        with np.errstate(over="ignore"):
+            out = arr.astype(np.float32)
+        wide = arr.dtype.itemsize > 4
+    if wide and len(out.reshape(-1)) and not _all_finite(out):
+        xp = arrays.namespace(arr)
+        overflow = xp.isinf(out) & xp.isfinite(arr)
+        count = int(xp.sum(xp.astype(overflow, xp.int64)))
+        if count:
+            largest = float(xp.max(xp.abs(arr[overflow])))
+            raise NonFiniteGradientError(
+                f"gradient {name!r} ({str(arr.dtype).replace('torch.', '')}) has {count} finite values beyond "
+                f"float32's range (largest magnitude {largest:.4g} > {FLOAT32_MAX:.4g}): they would "
+                "overflow to Inf on the float32 wire; scale the gradient"
+            )
+    return out
 
 
 def _runner(component, like):
@@ -383,13 +467,12 @@ def _as_float32(grad, name: str):
     """
     if arrays.is_torch(grad):
         if not grad.dtype.is_floating_point:
-            raise DeepReduceError(f"gradient {name!r} has dtype {grad.dtype}; deepreduce compresses "
-                                  "floating-point tensors")
-        return grad.detach().float().contiguous().reshape(-1), tuple(int(s) for s in grad.shape)
+            raise dtype_error(name, grad.dtype)
+        return to_float32(grad.detach(), name).contiguous().reshape(-1), tuple(int(s) for s in grad.shape)
     arr = np.asarray(grad)
     if not np.issubdtype(arr.dtype, np.floating):
-        raise DeepReduceError(f"gradient {name!r} has dtype {arr.dtype}; deepreduce compresses floating-point tensors")
-    return np.ascontiguousarray(arr, dtype=np.float32).ravel(), tuple(int(s) for s in arr.shape)
+        raise dtype_error(name, arr.dtype)
+    return np.ascontiguousarray(to_float32(arr, name)).ravel(), tuple(int(s) for s in arr.shape)
 
 
 def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:

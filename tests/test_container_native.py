@@ -47,7 +47,8 @@ def parse(parser, buf):
 
 
 def python_header(buf):
-    c = container.unpack(buf)
+    # the parse alone: the receiver's size bound (max_numel, docs/reliability.md) is lifted
+    c = container.unpack(buf, max_numel=1 << 128)
     lengths = tuple(map(len, (c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)))
     return (c.version, c.flags, c.index_id, c.value_id, c.perm_width, c.digest, c.n, lengths, c.shape)
 

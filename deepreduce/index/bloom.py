@@ -47,6 +47,10 @@ POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")
 _POLICY_CODE = {name: code for code, name in enumerate(POLICIES)}
 DRAWING = ("p1", "p2")
 MAX_K = 64
+#: The lowest ``fpr`` a config may ask for: at 1e-12 a filter expects one false positive in 2**40
+#: queried positions (a tensor of 4 TiB of float32); a lower rate buys nothing on any tensor that
+#: fits in memory, only more filter bytes.
+MIN_FPR = 1e-12
 FAMILIES = ("splitmix", "blocked")   # index = the family code in the params' high nibble
 BLOCKED = FAMILIES.index("blocked")
 
@@ -424,7 +428,7 @@ class BloomIndex(IndexCodec):
     array_api = True
     PARAMS = {
         "policy": Param(str, default="p0", choices=POLICIES, doc="which positives carry values"),
-        "fpr": Param(float, default=0.001, low=0.0, high=1.0, low_open=True, high_open=True,
+        "fpr": Param(float, default=0.001, low=MIN_FPR, high=1.0, high_open=True,
                      doc="target false-positive rate; sets the block count and k"),
         "hash_seed": Param(int, default=0, low=0, high=MASK64, doc="seed of the hash family"),
     }

@@ -111,7 +111,8 @@ class DeltaHuffmanIndex(IndexCodec):
         return IndexEncoding(params, payload, indices, values)
 
     def decode(self, params, payload, count, numel):
-        if len(params) != 1 or len(payload) < _N.size or _N.unpack_from(payload)[0] != count:
+        if len(params) != 1 or len(payload) < _N.size + count or _N.unpack_from(payload)[0] != count:
+            # (every key takes at least one gap byte)
             raise ContainerError(f"delta_huffman index section ({len(payload)} bytes) does not hold {count} keys")
         lengths = np.array([(params[0] >> (2 * s)) & 3 for s in range(4)], dtype=np.int64)
         if count == 0:

@@ -39,7 +39,7 @@ import tensorflow as tf
 from .. import container
 from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, dtype_error, to_float32
 from ..stats import CompressionStats
 from .fpenv import default_floating_point
 
@@ -136,8 +136,9 @@ class TFPipeline:
         """One container for ``tensor`` as a 1-D ``tf.uint8`` tensor (a graph op under tf.function)."""
         tensor = tf.convert_to_tensor(tensor)
         if not tensor.dtype.is_floating:
-            # same message as the core's, raised at trace time
-            self.core.encode(np.zeros((0,), dtype=tensor.dtype.as_numpy_dtype), name=name, step=0)
+            raise dtype_error(name, tensor.dtype.name)   # the core's message, raised at trace time
+        if tensor.dtype == tf.float64:   # the core's checked conversion: overflow is reported as such
+            tensor = _checked_float32(tensor, name)
         tensor = tf.cast(tensor, tf.float32) if tensor.dtype != tf.float32 else tensor
         if self._ops is not None:
             out = self._ops.encode(tensor, name, tf.cast(step, tf.int64))
@@ -204,6 +205,15 @@ class TFPipeline:
 
     def __repr__(self) -> str:
         return f"TFPipeline({self.core.get_config()!r}, backend={self.backend!r})"
+
+
+def _checked_float32(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """A float64 tensor as float32 through :func:`deepreduce.pipeline.to_float32` (overflow raises)."""
+    if tf.executing_eagerly():
+        return tf.constant(to_float32(tensor.numpy(), name))
+    out = numpy_op(lambda g: to_float32(g, name), [tensor], tf.float32, "deepreduce_to_float32")
+    out.set_shape(tensor.shape)
+    return out
 
 
 def _shape_tuple(shape) -> Optional[tuple]:

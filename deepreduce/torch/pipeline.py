@@ -24,7 +24,7 @@ import torch
 from .. import container
 from ..config import ConfigLike, build as build_core
 from ..errors import ConfigError
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, dtype_error
 from .sparsify import select_torch, select_torch_native
 
 PATHS = ("auto", "device", "host")
@@ -70,9 +70,11 @@ class TorchPipeline:
         selection. On another device the sparsifier runs as torch code on the device (the same
         positions, ``deepreduce.torch.sparsify``) and the codecs run on the CPU copy (they need
         the dense values, e.g. Bloom P0); with error feedback the selection reads the
-        compensated gradient the core keeps.
+        compensated gradient the core keeps. The container keeps the tensor's shape (a 0-d
+        tensor decodes as 0-d); an integer tensor is refused with the core's message; a sparse
+        tensor is coalesced and encoded as its dense form.
         """
-        grad = tensor.detach()
+        grad = _dense_float(tensor.detach(), name)
         if self.on_device(grad.device):
             def select_on_device(compensated: torch.Tensor, ctx) -> torch.Tensor:
                 return select_torch_native(self.core.sparsifier, compensated, ctx)
@@ -87,7 +89,8 @@ class TorchPipeline:
             source = flat_device if stateless else torch.from_numpy(compensated).to(flat_device.device)
             return select_torch(self.core.sparsifier, source, ctx).cpu().numpy()
 
-        payload = self.core.encode(flat_device.cpu().numpy(), name=name, step=int(step), select=select)
+        host = grad.cpu() if grad.dtype == torch.float64 else flat_device.cpu().reshape(grad.shape)
+        payload = self.core.encode(_numpy_view(host), name=name, step=int(step), select=select)
         return torch.from_numpy(payload)
 
     def decode(self, payload, expected_shape: Optional[Sequence[int]] = None,
@@ -105,7 +108,8 @@ class TorchPipeline:
         target = out.device if out is not None else device
         if self.on_device(target) and len(payloads):
             if out is None:
-                out = torch.zeros(container.unpack(payloads[0]).shape, dtype=torch.float32, device=target)
+                shape = container.unpack(payloads[0], expected_shape, self.core.max_numel).shape   # bounded first
+                out = torch.zeros(shape, dtype=torch.float32, device=target)
             if out.dtype == torch.float32 and out.is_contiguous():
                 self.core.decode_sum(list(payloads), expected_shape, out=out)
                 return out
@@ -128,9 +132,20 @@ class TorchPipeline:
         return f"TorchPipeline({self.core.get_config()!r})"
 
 
+def _dense_float(grad: torch.Tensor, name: str) -> torch.Tensor:
+    """A floating-point gradient as a strided tensor: sparse layouts are coalesced and made dense
+    (the pipeline selects from the dense gradient); other dtypes are refused as by the core."""
+    if not grad.is_floating_point():
+        raise dtype_error(name, grad.dtype)
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().to_dense()
+    return grad.to_dense() if grad.layout != torch.strided else grad
+
+
 def _numpy_view(grad: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as float32 NumPy without a copy when it already is float32 and contiguous."""
-    if grad.dtype != torch.float32:
+    """A CPU tensor as float32 NumPy without a copy when it already is float32 and contiguous
+    (a float64 one goes through the core's checked conversion: overflow is reported)."""
+    if grad.dtype not in (torch.float32, torch.float64):
         grad = grad.float()
     return grad.contiguous().numpy()
 
