@@ -5,6 +5,9 @@
 // extensions wrap, so the bytes are deepreduce.build(config).encode's (tests check every config);
 // deepreduce/tensorflow/ops.py builds their attributes from the core pipeline.
 //
+// TF runs op kernels with denormals flushed to zero; these compute with the default floating-point
+// environment, as the core does anywhere else (tensorflow/fpenv.py does the same for py_funcs).
+//
 // Errors fail the op with InvalidArgument whose message starts with the deepreduce error class
 // ("ContainerError: ...") followed by the core's own text; ops.py raises that class eagerly.
 #include <algorithm>
@@ -21,6 +24,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/denormal.h"
 #include "wire.h"
 
 namespace bl = deepreduce::bloom;
@@ -76,6 +80,7 @@ REGISTER_OP("DeepReduceDecode")
     .Attr("single: bool = false")
     .Attr("shape: list(int) = []")
     .Attr("check_shape: bool = false")
+    .Attr("max_numel: int >= 1")
     .Attr("threads: int >= 1 = 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -154,6 +159,7 @@ class EncodeOp : public OpKernel {
     }
 
     void Compute(OpKernelContext* ctx) override {
+        tensorflow::port::ScopedDontFlushDenormal keep_denormals;
         const auto start = std::chrono::steady_clock::now();
         const Tensor& grad = ctx->input(0);
         const int64_t step = ctx->input(1).scalar<int64_t>()();
@@ -505,23 +511,33 @@ Failure decode_values(const ct::Header& h, const uint8_t* section, std::vector<f
     return {};
 }
 
+// pipeline._check_finite: a container without the NONFINITE flag must decode to finite values.
+Failure check_finite(const ct::Header& h, const float* values, uint64_t n, const char* what) {
+    if (h.flags & ct::FLAG_NONFINITE) return {};
+    for (uint64_t i = 0; i < n; ++i)
+        if (!std::isfinite(values[i]))
+            return container_error(std::string("container ") + what +
+                                   " hold NaN/Inf but its header does not carry the non-finite flag");
+    return {};
+}
+
 // Pipeline._decode_into with accumulate: add the container's tensor into target.
 Failure add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target) {
     const uint8_t* params = buf + h.size;
     const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
     if (h.dense()) {
-        const float* v = reinterpret_cast<const float*>(sections);
-        for (uint64_t i = 0; i < numel; ++i) {
-            float x;
-            std::memcpy(&x, v + i, 4);
-            target[i] += x;
-        }
+        std::vector<float> dense(numel);
+        std::memcpy(dense.data(), sections, 4 * numel);
+        Failure f = check_finite(h, dense.data(), numel, "dense section");
+        if (f.failed()) return f;
+        for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return {};
     }
     std::vector<int64_t> indices;
     std::vector<float> values;
     Failure f = decode_indices(h, params, sections, numel, threads, indices);
     if (!f.failed()) f = decode_values(h, sections + h.lengths[ct::INDEX], values);
+    if (!f.failed()) f = check_finite(h, values.data(), values.size(), "values");
     if (f.failed()) return f;
     if (h.permuted())
         return container_error("permuted containers have no TensorFlow op; build the pipeline with "
@@ -553,11 +569,13 @@ class DecodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("single", &single_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("check_shape", &check_shape_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("max_numel", &max_numel_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("threads", &threads_));
         for (int64_t s : shape) expected_.push_back(static_cast<uint64_t>(s));
     }
 
     void Compute(OpKernelContext* ctx) override {
+        tensorflow::port::ScopedDontFlushDenormal keep_denormals;
         const auto start = std::chrono::steady_clock::now();
         const Tensor& input = ctx->input(0);
         const uint8_t* buf = input.flat<uint8_t>().data();
@@ -580,12 +598,10 @@ class DecodeOp : public OpKernel {
             const std::string where = single_ ? "" : "rank " + std::to_string(rank) + ": ";
             ct::Header h;
             uint64_t numel = 0;
-            std::string err = ct::unpack(buf + parts[rank].first, parts[rank].second, h, numel);
-            if (!err.empty()) return fail(ctx, "ContainerError", where + err);
-            if (have_shape && h.shape != expected)
-                return fail(ctx, "CommunicationError",
-                            where + "container holds a tensor of shape " + ct::shape_string(h.shape) +
-                                ", expected " + ct::shape_string(expected) + ": ranks disagree about this tensor");
+            bool mismatch = false;
+            std::string err = ct::unpack(buf + parts[rank].first, parts[rank].second, h, numel,
+                                         have_shape ? &expected : nullptr, static_cast<uint64_t>(max_numel_), &mismatch);
+            if (!err.empty()) return fail(ctx, mismatch ? "CommunicationError" : "ContainerError", where + err);
             if (!target) {
                 TensorShape shape;
                 for (uint64_t s : h.shape) shape.AddDim(static_cast<int64_t>(s));
@@ -609,7 +625,7 @@ class DecodeOp : public OpKernel {
     }
 
  private:
-    int64_t count_ = -1;
+    int64_t count_ = -1, max_numel_ = 1;
     bool single_ = false, check_shape_ = false;
     std::vector<uint64_t> expected_;
     int threads_ = 1;

@@ -210,7 +210,7 @@ class PipelineOps:
         """One ``DeepReduceDecode`` op: the sum of the containers (``single``: exactly one)."""
         out, counts = self._run(self.ops.deep_reduce_decode, payload, count=-1 if count is None else count,
                                 single=single, shape=list(shape or ()), check_shape=shape is not None,
-                                threads=self.core.threads)
+                                max_numel=self.core.max_numel, threads=self.core.threads)
         self.counters.assign_add(counts)
         return out
 
