@@ -20,6 +20,17 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def sanitizer_flags():
+    """``DEEPREDUCE_SANITIZE=address,undefined`` (``make fuzz``): instrument the extensions at
+    compile time only; the sanitizer runtime is not linked in but preloaded (atheris ships one
+    with its fuzzer), so a single runtime serves the interpreter and every extension."""
+    checks = os.environ.get("DEEPREDUCE_SANITIZE", "")
+    if not checks:
+        return []
+    return [f"-fsanitize={checks}", "-fno-sanitize=vptr", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer", "-g"]
+
+
 def native_extensions():
     try:
         from pybind11.setup_helpers import Pybind11Extension
@@ -33,7 +44,7 @@ def native_extensions():
                          if not os.path.basename(s).startswith("tf_"))
         modules.append(Pybind11Extension(
             f"deepreduce._{os.path.basename(folder)}", sources,
-            include_dirs=[folder, "csrc"], cxx_std=17, extra_compile_args=["-O3"],
+            include_dirs=[folder, "csrc"], cxx_std=17, extra_compile_args=["-O3", *sanitizer_flags()],
         ))
     return modules
 

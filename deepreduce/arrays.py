@@ -18,7 +18,7 @@ What the standard lacks is in one small :class:`Adapter` per framework (:func:`a
 * **Bytes.** A section of a container is ``bytes`` on the NumPy path and a 1-D uint8 array on
   the tensor's device on the device path; :meth:`Adapter.from_section` and
   :meth:`Adapter.as_bytes` convert between typed arrays and little-endian bytes.
-* **Bit packing** (``numpy.packbits``/``unpackbits`` with ``bitorder="little"``) and
+* **Bit packing** (``numpy.packbits`` with ``bitorder="little"``), **gather** and
   **scatter-add** into a buffer.
 """
 from __future__ import annotations
@@ -63,6 +63,10 @@ class Adapter:
         """Logical right shift of words."""
         return x >> np.uint64(s)
 
+    def shl(self, x, s: int):
+        """Left shift of words (wrapping)."""
+        return x << np.uint64(s)
+
     def order_key(self, x):
         """Words whose native order is the unsigned order of ``x``."""
         return x
@@ -94,10 +98,14 @@ class Adapter:
         """A bool array as bytes (bit ``j`` at bit ``j % 8`` of byte ``j // 8``)."""
         return np.packbits(bits, bitorder="little").tobytes()
 
-    def unpackbits(self, section, count: int, like=None):
-        """The first ``count`` bits of a section, as a bool array."""
+    def unpackbits(self, section):
+        """A section's bits as a uint8 array of 0/1 (inverse of :meth:`packbits`)."""
         raw = np.frombuffer(section if isinstance(section, (bytes, bytearray)) else bytes(section), np.uint8)
-        return np.unpackbits(raw, bitorder="little", count=count).astype(bool)
+        return np.unpackbits(raw, bitorder="little")
+
+    def gather(self, x, indices):
+        """``x[indices]`` for a 1-D ``x`` and int64 ``indices``."""
+        return np.take(x, indices)
 
     # -- accumulate -----------------------------------------------------------------------
     def scatter_add(self, out, indices, values) -> None:
@@ -135,7 +143,11 @@ class TorchAdapter(Adapter):
         return c - (1 << 64) if c & _TOP else c
 
     def shr(self, x, s: int):
-        return x >> s if s == 0 else (x >> s) & ((1 << (64 - s)) - 1)
+        shifted = self.torch.bitwise_right_shift(x, s)
+        return shifted if s == 0 else shifted & ((1 << (64 - s)) - 1)
+
+    def shl(self, x, s: int):
+        return self.torch.bitwise_left_shift(x, s)
 
     def order_key(self, x):
         return x ^ self.const(_TOP)
@@ -168,12 +180,18 @@ class TorchAdapter(Adapter):
     def packbits(self, bits):
         torch = self.torch
         weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-        return (bits.reshape(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+        bits = bits.reshape(-1).to(torch.uint8)
+        if bits.numel() % 8:   # the last byte zero padded, as numpy.packbits does
+            bits = torch.cat([bits, bits.new_zeros(8 - bits.numel() % 8)])
+        return (bits.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
-    def unpackbits(self, section, count: int, like=None):
-        raw = self.from_section(section, "<i1", like).view(self.torch.uint8)
+    def unpackbits(self, section):
+        raw = self.from_section(section, "<u1")
         weights = self.torch.tensor(_BIT_WEIGHTS, dtype=self.torch.uint8, device=raw.device)
-        return ((raw[:, None] & weights) != 0).reshape(-1)[:count]
+        return ((raw[:, None] & weights) != 0).to(self.torch.uint8).reshape(-1)
+
+    def gather(self, x, indices):
+        return x.index_select(0, indices)
 
     def scatter_add(self, out, indices, values) -> None:
         out.index_add_(0, indices, values.to(out.dtype))

@@ -55,7 +55,7 @@ def pack(values, width: int):
 def _shifted(x, amount: int):
     """Words ``x`` shifted left by ``amount`` bits (logically right by ``-amount`` when negative)."""
     a = arrays.adapter(x)
-    return x << a.const(amount) if amount >= 0 else a.shr(x, -amount)
+    return a.shl(x, amount) if amount >= 0 else a.shr(x, -amount)
 
 
 def _words(a, xp, count: int, like):

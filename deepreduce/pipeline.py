@@ -156,7 +156,7 @@ class Pipeline:
         numel = flat.shape[0]
         sparse = numel >= self.min_numel
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
-        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        fused = sparse and select is None and not arrays.is_torch(flat) and hasattr(type(self.sparsifier), "fused_count")
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:
@@ -184,6 +184,10 @@ class Pipeline:
             return select(comp.flat, ctx)
         if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
             return comp.selected
+        if arrays.is_torch(comp.flat):  # torch tensors: the same selection as torch ops on their device
+            from .torch.sparsify import select_torch_native
+
+            return select_torch_native(self.sparsifier, comp.flat, ctx)
         return self.sparsifier.select(comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
@@ -252,7 +256,8 @@ class Pipeline:
                 c = self._unpack(payload, expected_shape)
                 if target is None:
                     target, expected_shape = _output(out, c), c.shape
-                self._decode_into(c, target, accumulate=rank > 0 or out is None)
+                self._decode_into(c, target, accumulate=rank > 0 or out is None,
+                                  check_sum=rank > 0 and self.nonfinite == "raise")
             except DeepReduceError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
@@ -270,9 +275,14 @@ class Pipeline:
             codec.threads = self.threads
         return codec
 
-    def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool) -> None:
+    def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool,
+                     check_sum: bool = False) -> None:
         """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``
         (adding into a fresh all-zero buffer spares a pass that would zero it again).
+
+        ``check_sum`` (decode_sum with ``nonfinite='raise'``): finite values whose sum overflows
+        float32 raise NonFiniteGradientError (checked at the n positions written); with
+        ``'propagate'`` the sum is Inf there, as a float32 allreduce would give.
 
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
@@ -285,6 +295,8 @@ class Pipeline:
                 out += dense
             else:
                 out[...] = dense
+            if check_sum and not _all_finite(out):
+                raise _sum_overflow()
             return
         index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
         try:
@@ -311,6 +323,8 @@ class Pipeline:
         if not accumulate:
             out[...] = 0.0
         kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
+        if check_sum and not _all_finite(out[indices]):
+            raise _sum_overflow()
 
     # ------------------------------------------------------------------ backends
     def backends(self, device=None) -> dict:
@@ -365,6 +379,11 @@ def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None
     if c.nonfinite or not len(values) or _all_finite(values):
         return
     raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
+
+
+def _sum_overflow() -> NonFiniteGradientError:
+    return NonFiniteGradientError("the sum of the ranks' tensors is not finite: finite float32 values "
+                                  "overflow when added (pipeline option nonfinite='raise')")
 
 
 def _all_finite(x) -> bool:

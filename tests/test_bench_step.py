@@ -59,7 +59,7 @@ def test_bench_step_tiny_set(tmp_path, capsys, order):
     (["--sets", "resnet99"], "unknown gradient set 'resnet99'"),
     (["--gradients", "missing.npz"], "no gradient file 'missing.npz'"),
     (["--ranks", "0"], "--ranks and --steps must be at least 1"),
-    (["--threads", "many"], "--threads: 'threads' must be a positive integer or 'auto', got 'many'"),
+    (["--threads", "many"], r"--threads: 'threads' must be an integer in \[1, 256\] or 'auto', got 'many'"),
 ])
 def test_bench_step_rejects_bad_arguments(argv, message):
     with pytest.raises(ConfigError, match=message):

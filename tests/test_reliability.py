@@ -181,6 +181,20 @@ def test_dense_sections_follow_the_flag():
     assert np.isnan(pipe.decode(flagged)[3])   # propagated, as the sender said
 
 
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
+def test_decode_sum_overflow_follows_the_nonfinite_policy(nonfinite):
+    """Found by the fuzzer: two finite containers whose sum overflows float32."""
+    pipe = deepreduce.build({**deepreduce.load_config(TOPK_RAW), "nonfinite": nonfinite, "min_numel": 0})
+    grad = np.zeros(NUMEL, np.float32)
+    grad[:30] = 3e38
+    payload = pipe.encode(grad, name="w")
+    if nonfinite == "raise":
+        with pytest.raises(NonFiniteGradientError, match="overflow when added"):
+            pipe.decode_sum([payload, payload], expected_shape=(NUMEL,))
+    else:   # Inf, as a float32 allreduce gives (an AMP loss scaler then skips the step)
+        assert np.isinf(pipe.decode_sum([payload, payload], expected_shape=(NUMEL,))[:30]).all()
+
+
 # ------------------------------------------------------------------ 2. configs: only ConfigError
 def _write(tmp_path, text, name="c.yaml", raw=False):
     path = tmp_path / name

@@ -4,10 +4,11 @@ Run on CPU torch in CI, and on CUDA as well when a GPU is present (the ``device`
 
 * **Byte-identical** (the device path writes the NumPy core's exact container bytes):
   ``BYTE_IDENTICAL`` below (Top-r/threshold/SIDCo/Random-r/DGC selection, raw/fp16/QSGD values,
-  raw/Bloom (every policy)/run-length indices, dense and non-finite containers, error feedback).
-* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate's container) run on
-  the host for device tensors, so their bytes are the core's too; decoding any of their
-  containers on the device gives the host's tensor (``DECODE_COMPATIBLE``).
+  raw/Bloom (every policy)/run-length/Elias-Fano indices, dense and non-finite containers, error feedback).
+* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman
+  indices run on the host for device tensors (one-time warning), so their bytes are the core's
+  too; decoding any of their containers on the device gives the host's tensor
+  (``DECODE_COMPATIBLE``).
 """
 import warnings
 
@@ -25,8 +26,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BYTE_IDENTICAL = ["topk_raw", "bf_naive", "bf_p0", "bf_p1", "bf_p2", "bfp0_qsgd", "qsgd", "threshold",
-                  "sidco_exp", "dgc", "rle", "core_topk_fp16", "core_randomk_raw"]
-DECODE_COMPATIBLE = ["polyfit", "bfp2_polyfit", "dexp", "sketchml", "deflate", "elias_fano", "huffman"]
+                  "sidco_exp", "dgc", "rle", "elias_fano", "core_topk_fp16", "core_randomk_raw"]
+DECODE_COMPATIBLE = ["polyfit", "bfp2_polyfit", "dexp", "sketchml", "deflate", "huffman"]
 EXTRA = {
     "core_topk_fp16": {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "raw"},
                        "value": {"id": "fp16"}, "memory": {"id": "residual"}},
@@ -77,7 +78,7 @@ def test_device_path_writes_the_core_bytes_over_steps(name, device):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(d=st.integers(1000, 30000), ratio=st.sampled_from([0.001, 0.01, 0.05, 0.2]),
        policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
-       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle"]),
+       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano"]),
        seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
 def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
     config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},
@@ -131,6 +132,13 @@ def test_float_codecs_decode_compatible_on_device(name, device):
         host = core.encode(g, name="w", step=2)
         decoded = dev.decode(got, device=device)
     np.testing.assert_allclose(decoded.cpu().numpy(), core.decode(host), rtol=0, atol=0)
+
+
+def test_core_pipeline_accepts_torch_tensors_directly(device):
+    core = deepreduce.build("configs/bf_p0.yaml")
+    g = _gradient(9, 7000)
+    got = core.encode(torch.from_numpy(g).to(device), name="w", step=4)
+    np.testing.assert_array_equal(got.cpu().numpy(), deepreduce.build("configs/bf_p0.yaml").encode(g, name="w", step=4))
 
 
 def test_nonfinite_and_small_tensors_are_identical(device):

@@ -255,25 +255,31 @@ def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str
     """
     a = arrays.adapter(like)
     m = size * BLOCK_BITS if family == "blocked" else size
-    bits = a.unpackbits(section, m, like)
-    xp = arrays.namespace(bits)
+    packed = a.from_section(section, "<u1", like)   # probed in place: 8x less memory than bits
+    xp = arrays.namespace(packed)
     if m == 0 or d == 0:
-        return xp.zeros(0, dtype=a.word_dtype, device=bits.device)
+        return xp.zeros(0, dtype=a.word_dtype, device=packed.device)
     keys = [a.const(hash_key(seed, i)) for i in range(k)]
+
+    def survivors(bit_positions):
+        """Positions (into the candidates) whose probed bit is set."""
+        byte = a.gather(packed, a.index(a.shr(bit_positions, 3)))
+        return xp.nonzero((a.words(byte) >> (bit_positions & a.const(7))) & a.const(1))[0]
+
     found, total = [], 0
     for base in range(0, d, _CHUNK):
-        cand = a.words(xp.arange(base, min(d, base + _CHUNK), device=bits.device))
+        cand = a.words(xp.arange(base, min(d, base + _CHUNK), device=packed.device))
         if family == "blocked":   # each probe tests only the survivors of the previous ones
             h, g = _blocked_hash(cand, seed)
             blk = _block_base(h, size)
             for _ in range(k):
-                keep = bits[a.index(blk + a.shr(g, 23))]
-                cand, blk, g = cand[keep], blk[keep], _next_probe(g[keep])
+                kept = survivors(blk + a.shr(g, 23))
+                cand, blk, g = a.gather(cand, kept), a.gather(blk, kept), _next_probe(a.gather(g, kept))
         else:
             xg = cand * a.const(GAMMA)
             for key in keys:
-                keep = bits[a.index(mulhi64(mix64(xg + key), m))]
-                cand, xg = cand[keep], xg[keep]
+                kept = survivors(mulhi64(mix64(xg + key), m))
+                cand, xg = a.gather(cand, kept), a.gather(xg, kept)
         found.append(cand)
         total += cand.shape[0]
         if total > limit:

@@ -25,7 +25,7 @@ from .. import container
 from ..config import ConfigLike, build as build_core
 from ..errors import ConfigError
 from ..pipeline import Pipeline, dtype_error
-from .sparsify import select_torch, select_torch_native
+from .sparsify import select_torch
 
 PATHS = ("auto", "device", "host")
 
@@ -75,11 +75,8 @@ class TorchPipeline:
         tensor is coalesced and encoded as its dense form.
         """
         grad = _dense_float(tensor.detach(), name)
-        if self.on_device(grad.device):
-            def select_on_device(compensated: torch.Tensor, ctx) -> torch.Tensor:
-                return select_torch_native(self.core.sparsifier, compensated, ctx)
-
-            return self.core.encode(grad, name=name, step=int(step), select=select_on_device)
+        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
+            return self.core.encode(grad, name=name, step=int(step))
         if grad.device.type == "cpu":
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
