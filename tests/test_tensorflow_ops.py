@@ -201,7 +201,7 @@ def _property_pipe(policy, value, memory):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from((None,) + bloom_codec.POLICIES), value=st.sampled_from(["raw", "fp16"]),
        memory=st.sampled_from(["none", "residual"]), size=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1),
-       step=st.integers(0, 2**40), scale=st.sampled_from([1e-30, 1e-3, 1.0]))
+       step=st.integers(0, 2**40), scale=st.sampled_from([1e-40, 1e-30, 1e-3, 1.0]))
 def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, size, seed, step, scale):
     core, encode, decode = _property_pipe(policy, value, memory)
     g = (np.random.default_rng(seed).standard_normal(size) * scale).astype(np.float32)
@@ -209,3 +209,42 @@ def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, size
     expected = core.encode(g, name=f"p{size}", step=step)
     assert np.array_equal(payload, expected)
     np.testing.assert_array_equal(decode(tf.constant(payload)).numpy(), core.decode(expected))
+
+
+@pytest.mark.parametrize("path", OPS_FILE_CONFIGS, ids=config_id)
+def test_property_hostile_containers_decode_as_in_the_core(path):
+    """The hostile-input mutations (tests/hostile.py): on containers of the ops' codecs the decode
+    op gives the core's tensor or the core's error class and text; on others a DeepReduceError."""
+    from test_hostile_containers import NUMEL, case, mutations
+
+    core, base = case(path)
+    tf_pipe = drtf.build(core, backend="tf-ops")
+
+    def outcome(call):
+        try:
+            return "ok", np.asarray(call())
+        except deepreduce.DeepReduceError as exc:
+            return type(exc).__name__, str(exc)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(payload=mutations(base))
+    def check(payload):
+        buf = np.frombuffer(payload, dtype=np.uint8)
+        try:
+            header = container.unpack(buf, max_numel=1 << 128)
+            ours = header.dense or (header.index_id in (0, 1) and header.value_id in (0, 1) and not header.permuted)
+        except deepreduce.DeepReduceError:
+            ours = True   # a header the core refuses: the op refuses it with the same text
+        for calls in (((lambda: tf_pipe.decode(buf)), (lambda: core.decode(buf))),
+                      ((lambda: tf_pipe.decode(buf, (NUMEL,))), (lambda: core.decode(buf, (NUMEL,)))),
+                      ((lambda: tf_pipe.decode_sum(np.concatenate([buf, buf]), (NUMEL,), count=2)),
+                       (lambda: core.decode_sum([buf, buf], (NUMEL,))))):
+            got, expected = outcome(calls[0]), outcome(calls[1])
+            if not ours:
+                assert got[0] != "ok"
+            elif got[0] == "ok" or expected[0] == "ok":
+                assert got[0] == expected[0] == "ok" and np.array_equal(got[1], expected[1], equal_nan=True)
+            else:
+                assert got == expected
+
+    check()

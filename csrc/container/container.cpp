@@ -51,6 +51,37 @@ std::string u128_string(unsigned __int128 v) {
     return s;
 }
 
+// The exact product of the dimensions in decimal (for messages about shapes beyond 2^64 elements).
+std::string product_string(const std::vector<uint64_t>& shape) {
+    std::vector<uint32_t> digits{1};   // base 1e9, least significant first
+    for (uint64_t s : shape) {
+        const uint64_t parts[3] = {s % 1000000000ULL, (s / 1000000000ULL) % 1000000000ULL, s / 1000000000000000000ULL};
+        std::vector<uint64_t> acc(digits.size() + 3, 0);
+        for (size_t i = 0; i < digits.size(); ++i) {
+            for (int j = 0; j < 3; ++j) {
+                const uint64_t product = static_cast<uint64_t>(digits[i]) * parts[j];   // < 1e18
+                acc[i + j] += product % 1000000000ULL;
+                acc[i + j + 1] += product / 1000000000ULL;
+            }
+        }
+        digits.assign(acc.size() + 1, 0);
+        uint64_t carry = 0;
+        for (size_t i = 0; i < acc.size(); ++i) {
+            const uint64_t v = acc[i] + carry;
+            digits[i] = static_cast<uint32_t>(v % 1000000000ULL);
+            carry = v / 1000000000ULL;
+        }
+        digits[acc.size()] = static_cast<uint32_t>(carry);
+        while (digits.size() > 1 && digits.back() == 0) digits.pop_back();
+    }
+    std::string out = std::to_string(digits.back());
+    for (size_t i = digits.size() - 1; i-- > 0;) {
+        std::string part = std::to_string(digits[i]);
+        out += std::string(9 - part.size(), '0') + part;
+    }
+    return out;
+}
+
 // Python's repr of a bytes object (b'DPRD', b'\x00\x01...').
 std::string bytes_repr(const uint8_t* p, size_t n) {
     static const char* hex = "0123456789abcdef";
@@ -237,13 +268,14 @@ std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h
     return "";
 }
 
-std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel) {
+std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel, const std::vector<uint64_t>* expected,
+                   uint64_t max_numel, bool* shape_mismatch) {
     std::string err = read_header(buf, len, 0, h);
     if (!err.empty()) return err;
     const unsigned __int128 total = total128(h);
     if (total != len)
         return "container length mismatch: header describes " + u128_string(total) + " bytes, buffer has " +
-               std::to_string(len) + "";
+               std::to_string(len);
     if (crc32(buf, len - CRC_SIZE) != static_cast<uint32_t>(le(buf + len - CRC_SIZE, 4)))
         return "container checksum mismatch: the buffer is corrupted";
     if ((h.flags & ~KNOWN_FLAGS) || h.reserved) {
@@ -251,11 +283,22 @@ std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel) {
         return std::string("container has unknown flags 0x") + hex[h.flags >> 4] + hex[h.flags & 15] +
                " or non-zero reserved bits";
     }
+    // container.check_size
+    const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 64;   // beyond it: saturate
     unsigned __int128 count = 1;
-    for (uint64_t s : h.shape) {
-        count *= s;
-        if (count > ~uint64_t(0)) return "container shape " + shape_string(h.shape) + " has more than 2**64 elements";
+    for (uint64_t s : h.shape) count = count == 0 || s == 0 ? 0 : (count * s > cap ? cap : count * s);
+    if (expected) {
+        if (h.shape != *expected) {
+            if (shape_mismatch) *shape_mismatch = true;
+            return "container holds a tensor of shape " + shape_string(h.shape) + ", expected " +
+                   shape_string(*expected) + ": ranks disagree about this tensor";
+        }
+    } else if (count > max_numel) {
+        return "container claims a tensor of shape " + shape_string(h.shape) + " (" + product_string(h.shape) +
+               " elements), above max_numel = " + std::to_string(max_numel) +
+               "; pass the expected shape or raise max_numel";
     }
+    if (count >= cap) return "container shape " + shape_string(h.shape) + " has 2**64 elements or more";
     numel = static_cast<uint64_t>(count);
     if (h.n > numel)
         return "container claims " + std::to_string(h.n) + " values for a tensor of " + std::to_string(numel) +

@@ -86,9 +86,13 @@ void pack(Header h, const uint8_t* const data[5], const uint64_t len[5], std::ve
 // The header of the container that starts at buf[offset] (either version) into h; "" or the error.
 std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h);
 
-// Parse and check one container of exactly len bytes (container.unpack's checks): "" or the error.
-// numel (the product of the shape, checked for overflow) is written on success.
-std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel);
+// Parse and check one container of exactly len bytes (container.unpack's checks, check_size
+// included): "" or the error. With `expected`, a header of another shape is refused (and
+// *shape_mismatch set: a CommunicationError in the core); without, one claiming more than
+// max_numel elements. numel (the product of the shape) is written on success.
+std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel,
+                   const std::vector<uint64_t>* expected = nullptr, uint64_t max_numel = ~uint64_t(0),
+                   bool* shape_mismatch = nullptr);
 
 // (offset, length) of every container in a concatenation (container.split): "" or the error.
 std::string split(const uint8_t* buf, size_t len, std::vector<std::pair<size_t, size_t>>& parts);

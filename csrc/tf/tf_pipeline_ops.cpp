@@ -5,6 +5,9 @@
 // extensions wrap, so the bytes are deepreduce.build(config).encode's (tests check every config);
 // deepreduce/tensorflow/ops.py builds their attributes from the core pipeline.
 //
+// TF runs op kernels with denormals flushed to zero; these compute with the default floating-point
+// environment, as the core does anywhere else (tensorflow/fpenv.py does the same for py_funcs).
+//
 // Errors fail the op with InvalidArgument whose message starts with the deepreduce error class
 // ("ContainerError: ...") followed by the core's own text; ops.py raises that class eagerly.
 #include <algorithm>
@@ -21,6 +24,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/denormal.h"
 #include "wire.h"
 
 namespace bl = deepreduce::bloom;
@@ -76,7 +80,7 @@ REGISTER_OP("DeepReduceDecode")
     .Attr("single: bool = false")
     .Attr("shape: list(int) = []")
     .Attr("check_shape: bool = false")
-    .Attr("max_numel: int >= 1 = 268435456")
+    .Attr("max_numel: int >= 1")
     .Attr("threads: int >= 1 = 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -155,6 +159,7 @@ class EncodeOp : public OpKernel {
     }
 
     void Compute(OpKernelContext* ctx) override {
+        tensorflow::port::ScopedDontFlushDenormal keep_denormals;
         const auto start = std::chrono::steady_clock::now();
         const Tensor& grad = ctx->input(0);
         const int64_t step = ctx->input(1).scalar<int64_t>()();
@@ -506,11 +511,11 @@ Failure decode_values(const ct::Header& h, const uint8_t* section, std::vector<f
     return {};
 }
 
-// pipeline._check_finite: a container without the non-finite flag must hold finite values.
-Failure check_finite(const ct::Header& h, const float* v, uint64_t n, const char* what) {
+// pipeline._check_finite: a container without the NONFINITE flag must decode to finite values.
+Failure check_finite(const ct::Header& h, const float* values, uint64_t n, const char* what) {
     if (h.flags & ct::FLAG_NONFINITE) return {};
     for (uint64_t i = 0; i < n; ++i)
-        if (!std::isfinite(v[i]))
+        if (!std::isfinite(values[i]))
             return container_error(std::string("container ") + what +
                                    " hold NaN/Inf but its header does not carry the non-finite flag");
     return {};
@@ -522,7 +527,7 @@ Failure add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, i
     const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
     if (h.dense()) {
         std::vector<float> dense(numel);
-        if (numel) std::memcpy(dense.data(), sections, 4 * numel);
+        std::memcpy(dense.data(), sections, 4 * numel);
         Failure f = check_finite(h, dense.data(), numel, "dense section");
         if (f.failed()) return f;
         for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
@@ -532,7 +537,7 @@ Failure add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, i
     std::vector<float> values;
     Failure f = decode_indices(h, params, sections, numel, threads, indices);
     if (!f.failed()) f = decode_values(h, sections + h.lengths[ct::INDEX], values);
-    if (!f.failed()) f = check_finite(h, values.data(), h.n, "values");
+    if (!f.failed()) f = check_finite(h, values.data(), values.size(), "values");
     if (f.failed()) return f;
     if (h.permuted())
         return container_error("permuted containers have no TensorFlow op; build the pipeline with "
@@ -570,6 +575,7 @@ class DecodeOp : public OpKernel {
     }
 
     void Compute(OpKernelContext* ctx) override {
+        tensorflow::port::ScopedDontFlushDenormal keep_denormals;
         const auto start = std::chrono::steady_clock::now();
         const Tensor& input = ctx->input(0);
         const uint8_t* buf = input.flat<uint8_t>().data();
@@ -592,17 +598,10 @@ class DecodeOp : public OpKernel {
             const std::string where = single_ ? "" : "rank " + std::to_string(rank) + ": ";
             ct::Header h;
             uint64_t numel = 0;
-            std::string err = ct::unpack(buf + parts[rank].first, parts[rank].second, h, numel);
-            if (!err.empty()) return fail(ctx, "ContainerError", where + err);
-            if (have_shape && h.shape != expected)
-                return fail(ctx, "CommunicationError",
-                            where + "container holds a tensor of shape " + ct::shape_string(h.shape) +
-                                ", expected " + ct::shape_string(expected) + ": ranks disagree about this tensor");
-            if (!have_shape && numel > static_cast<uint64_t>(max_numel_))   // container.check_size
-                return fail(ctx, "ContainerError",
-                            where + "container claims a tensor of shape " + ct::shape_string(h.shape) + " (" +
-                                std::to_string(numel) + " elements), above max_numel = " +
-                                std::to_string(max_numel_) + "; pass the expected shape or raise max_numel");
+            bool mismatch = false;
+            std::string err = ct::unpack(buf + parts[rank].first, parts[rank].second, h, numel,
+                                         have_shape ? &expected : nullptr, static_cast<uint64_t>(max_numel_), &mismatch);
+            if (!err.empty()) return fail(ctx, mismatch ? "CommunicationError" : "ContainerError", where + err);
             if (!target) {
                 TensorShape shape;
                 for (uint64_t s : h.shape) shape.AddDim(static_cast<int64_t>(s));
@@ -626,9 +625,8 @@ class DecodeOp : public OpKernel {
     }
 
  private:
-    int64_t count_ = -1;
+    int64_t count_ = -1, max_numel_ = 1;
     bool single_ = false, check_shape_ = false;
-    int64_t max_numel_ = 1;
     std::vector<uint64_t> expected_;
     int threads_ = 1;
 };
