@@ -305,3 +305,27 @@ def test_tensorflow_binding_refuses_integers_and_reports_overflow():
         pipe.encode(tf.range(10, dtype=tf.int64), name="w")
     with pytest.raises(NonFiniteGradientError, match="overflow"):
         pipe.encode(tf.constant([1.0, 1e300], dtype=tf.float64), name="w")
+
+
+def test_tensorflow_decode_op_has_the_same_bounds_and_finiteness_check():
+    tf = pytest.importorskip("tensorflow")
+    from deepreduce.tensorflow import ops, pipeline as tf_pipeline
+
+    try:
+        ops.load()
+    except deepreduce.BackendUnavailableError as exc:
+        pytest.skip(f"TensorFlow custom ops are not built: {exc}")
+    core = deepreduce.build({**deepreduce.load_config(TOPK_RAW), "min_numel": 0})
+    pipe = tf_pipeline.TFPipeline(core, backend="tf-ops")
+    assert pipe.backend == "tf-ops"
+    payload = container.unpack(core.encode(gradient(), name="w"))
+    big = rewrite(container.pack(payload), shape=(2**40,))
+    with pytest.raises(ContainerError, match="above max_numel = 268435456"):
+        pipe.decode(tf.constant(big))
+    with pytest.raises(CommunicationError, match="expected"):
+        pipe.decode(tf.constant(big), expected_shape=(NUMEL,))
+    values = np.frombuffer(payload.value_section, "<f4").copy()
+    values[0] = np.nan
+    nan = rewrite(container.pack(payload), value_section=values.tobytes())
+    with pytest.raises(ContainerError, match="NaN/Inf but its header does not carry the non-finite flag"):
+        pipe.decode(tf.constant(nan), expected_shape=(NUMEL,))
