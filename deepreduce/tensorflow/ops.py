@@ -171,7 +171,7 @@ class PipelineOps:
         self.encode_attrs = attrs
         self._residuals: Dict[str, tf.Variable] = {}
         self._variables_lock = threading.Lock()
-        with tf.init_scope():
+        with tf.init_scope(), tf.device("/cpu:0"):   # the ops run on the CPU: so does their state
             self.counters = ResourceVariable(tf.zeros([len(STATS)], tf.int64), trainable=False,
                                              name="deepreduce_op_counters")
 
@@ -180,7 +180,7 @@ class PipelineOps:
         with self._variables_lock:
             var = self._residuals.get(name)
             if var is None:
-                with tf.init_scope():
+                with tf.init_scope(), tf.device("/cpu:0"):
                     var = ResourceVariable(tf.zeros([0], tf.float32), shape=tf.TensorShape([None]),
                                            trainable=False, name="deepreduce_residual")
                 self._residuals[name] = var
