@@ -41,7 +41,7 @@ from ..hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")
 _POLICY_CODE = {name: code for code, name in enumerate(POLICIES)}
@@ -484,9 +484,7 @@ class BloomIndex(IndexCodec):
         native = self._kernels(dense)
         a, xp = arrays.adapter(dense), arrays.namespace(dense)
         d = int(dense.shape[0])
-        indices = xp.astype(xp.asarray(indices), xp.int64)
-        order = xp.argsort(indices, stable=True)
-        indices, values = indices[order], xp.asarray(values)[order]
+        indices, values = sorted_pairs(indices, values, dense)
         r = int(indices.shape[0])
         blocks, k = filter_params(r, self.fpr)
         draw_seed = ctx.seed_for(f"bloom-{self.policy}") if self.policy in DRAWING else 0
