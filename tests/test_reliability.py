@@ -14,12 +14,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce
 from deepreduce import container, registry
 from deepreduce.errors import CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError
 
-from hostile import NUMEL, ROOT, gradient, pack_v1, rewrite, valid_container
+from hostile import CONFIGS, NUMEL, ROOT, gradient, pack_v1, rewrite, valid_container
 
 TOPK_RAW = os.path.join(ROOT, "configs", "topk_raw.yaml")
 BF_P2 = os.path.join(ROOT, "configs", "bf_p2.yaml")
@@ -230,6 +231,42 @@ def test_bad_configs_raise_config_error_naming_the_problem(tmp_path, text, messa
         deepreduce.load_config(path)
     with pytest.raises(ConfigError, match=message):
         deepreduce.build(path)
+
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6) | st.integers(), inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(CONFIGS), data=st.data())
+def test_mutated_config_dicts_build_or_raise_config_error(path, data):
+    """Any value at any key of a valid config: a pipeline or a ConfigError, nothing else."""
+    config = deepreduce.load_config(path)
+    section = data.draw(st.sampled_from(sorted(config) + ["extra"]))
+    where = data.draw(st.sampled_from(["whole", "param", "key"]))
+    if where == "whole" or not isinstance(config.get(section), dict):
+        config[section] = data.draw(JUNK)
+    elif where == "param":
+        config[section][data.draw(st.sampled_from(sorted(config[section])))] = data.draw(JUNK)
+    else:
+        config[section][data.draw(st.text(max_size=6) | st.integers())] = data.draw(JUNK)
+    try:
+        deepreduce.build(config)
+    except ConfigError:
+        pass
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(text=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_arbitrary_config_files_raise_only_config_error(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_bytes(text)
+    try:
+        deepreduce.build(str(path))
+    except ConfigError:
+        pass
 
 
 def test_non_utf8_config_file_is_a_config_error(tmp_path):

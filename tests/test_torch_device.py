@@ -10,6 +10,9 @@ Run on CPU torch in CI, and on CUDA as well when a GPU is present (the ``device`
   too; decoding any of their containers on the device gives the host's tensor
   (``DECODE_COMPATIBLE``).
 """
+import glob
+import json
+import os
 import warnings
 
 import numpy as np
@@ -36,6 +39,10 @@ EXTRA = {
     "bf_leftmost": {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": {"id": "bloom", "policy": "middle"},
                     "value": {"id": "raw"}, "memory": {"id": "residual"}},
 }
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+FIXTURES = sorted(glob.glob(os.path.join(GOLDEN, "*.npz")) + glob.glob(os.path.join(GOLDEN, "v1", "*.npz")))
 
 
 def _config(name):
@@ -139,6 +146,23 @@ def test_core_pipeline_accepts_torch_tensors_directly(device):
     g = _gradient(9, 7000)
     got = core.encode(torch.from_numpy(g).to(device), name="w", step=4)
     np.testing.assert_array_equal(got.cpu().numpy(), deepreduce.build("configs/bf_p0.yaml").encode(g, name="w", step=4))
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: os.path.relpath(p, GOLDEN)[:-4])
+def test_golden_fixtures_on_the_device_path(path, device):
+    """Every config's v2 fixture is re-encoded to its bytes on the device; v2 and v1 fixtures
+    decode on the device to the tensors the host decoded them to."""
+    data = np.load(path)
+    dev = torch_build(json.loads(str(data["config"])), path="device")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # host fallbacks and dense-gradient notices
+        if "/v1/" not in path.replace(os.sep, "/"):
+            got = dev.encode(torch.from_numpy(data["grad"]).to(device), name=str(data["tensor_name"]),
+                             step=int(data["step"]))
+            np.testing.assert_array_equal(got.cpu().numpy(), data["payload"])
+        decoded = dev.decode(torch.from_numpy(data["payload"]).to(device), device=device)
+    assert decoded.device.type == device.type
+    np.testing.assert_array_equal(decoded.cpu().numpy(), data["decoded"])
 
 
 def test_nonfinite_and_small_tensors_are_identical(device):
