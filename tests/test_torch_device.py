@@ -4,12 +4,15 @@ Run on CPU torch in CI, and on CUDA as well when a GPU is present (the ``device`
 
 * **Byte-identical** (the device path writes the NumPy core's exact container bytes):
   ``BYTE_IDENTICAL`` below (Top-r/threshold/SIDCo/Random-r/DGC selection, raw/fp16/QSGD values,
-  raw/Bloom (every policy)/run-length/Elias-Fano indices, dense and non-finite containers, error feedback).
-* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman
-  indices run on the host for device tensors (one-time warning), so their bytes are the core's
+  raw/Bloom (every policy)/run-length/Elias-Fano/delta indices, dense and non-finite containers, error feedback).
+* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman /
+  delta-Huffman indices run on the host for device tensors (one-time warning), so their bytes are the core's
   too; decoding any of their containers on the device gives the host's tensor
   (``DECODE_COMPATIBLE``).
 """
+import glob
+import json
+import os
 import warnings
 
 import numpy as np
@@ -36,6 +39,10 @@ EXTRA = {
     "bf_leftmost": {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": {"id": "bloom", "policy": "middle"},
                     "value": {"id": "raw"}, "memory": {"id": "residual"}},
 }
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+FIXTURES = sorted(glob.glob(os.path.join(GOLDEN, "*.npz")) + glob.glob(os.path.join(GOLDEN, "v1", "*.npz")))
 
 
 def _config(name):
@@ -78,7 +85,7 @@ def test_device_path_writes_the_core_bytes_over_steps(name, device):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(d=st.integers(1000, 30000), ratio=st.sampled_from([0.001, 0.01, 0.05, 0.2]),
        policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
-       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano"]),
+       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano", "delta"]),
        seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
 def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
     config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},
@@ -139,6 +146,23 @@ def test_core_pipeline_accepts_torch_tensors_directly(device):
     g = _gradient(9, 7000)
     got = core.encode(torch.from_numpy(g).to(device), name="w", step=4)
     np.testing.assert_array_equal(got.cpu().numpy(), deepreduce.build("configs/bf_p0.yaml").encode(g, name="w", step=4))
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: os.path.relpath(p, GOLDEN)[:-4])
+def test_golden_fixtures_on_the_device_path(path, device):
+    """Every config's v2 fixture is re-encoded to its bytes on the device; v2 and v1 fixtures
+    decode on the device to the tensors the host decoded them to."""
+    data = np.load(path)
+    dev = torch_build(json.loads(str(data["config"])), path="device")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # host fallbacks and dense-gradient notices
+        if "/v1/" not in path.replace(os.sep, "/"):
+            got = dev.encode(torch.from_numpy(data["grad"]).to(device), name=str(data["tensor_name"]),
+                             step=int(data["step"]))
+            np.testing.assert_array_equal(got.cpu().numpy(), data["payload"])
+        decoded = dev.decode(torch.from_numpy(data["payload"]).to(device), device=device)
+    assert decoded.device.type == device.type
+    np.testing.assert_array_equal(decoded.cpu().numpy(), data["decoded"])
 
 
 def test_nonfinite_and_small_tensors_are_identical(device):

@@ -20,6 +20,7 @@
 
 #include "bloom.h"
 #include "container.h"
+#include "fit.h"
 #include "select.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -60,7 +61,11 @@ REGISTER_OP("DeepReduceEncode")
     .Attr("keys_per_block_bits: int = 0")
     .Attr("k: int = 1")
     .Attr("hash_seed: int = 0")
-    .Attr("value: {'raw', 'fp16'}")
+    .Attr("value: {'raw', 'fp16', 'polyfit'}")
+    .Attr("degree: int = 5")
+    .Attr("segments: int = 0")
+    .Attr("min_points: int = 6")
+    .Attr("coef_bytes: int = 4")
     .Attr("threads: int >= 1 = 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -125,6 +130,13 @@ uint16_t float_to_half(float f) { return Eigen::numext::bit_cast<uint16_t>(Eigen
 
 constexpr float FP16_MAX = 65504.0f;
 
+// bitpack.width_for: bits for integers in [0, v] (at least 1).
+int width_for(uint64_t v) {
+    int w = 0;
+    for (; v; v >>= 1) ++w;
+    return std::max(1, w);
+}
+
 void fail(OpKernelContext* ctx, const char* kind, const std::string& message) {
     ctx->CtxFailure(tensorflow::errors::InvalidArgument(std::string(kind) + ": " + message));
 }
@@ -146,12 +158,17 @@ class EncodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("hash_seed", &hash_seed));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("value", &value));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("degree", &degree_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("segments", &segments_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("min_points", &min_points_));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("coef_bytes", &coef_bytes_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("threads", &threads_));
         OP_REQUIRES(ctx, digest_.size() == 16, tensorflow::errors::InvalidArgument("digest must have 16 bytes"));
         ratio_ = bits_to_double(ratio_bits);
         keys_per_block_ = bits_to_double(lam_bits);
         bloom_ = index == "bloom";
         fp16_ = value == "fp16";
+        polyfit_ = value == "polyfit";
         policy_ = wr::bloom_policy_code(policy);
         hash_seed_ = static_cast<uint64_t>(hash_seed);
         OP_REQUIRES(ctx, !bloom_ || (k_ >= 1 && k_ <= bl::MAX_K && keys_per_block_ > 0),
@@ -228,7 +245,7 @@ class EncodeOp : public OpKernel {
         if (dense) {
             h.n = static_cast<uint64_t>(n);
             h.lengths[ct::VALUE] = 4 * static_cast<uint64_t>(n);
-            uint8_t* out = allocate(ctx, h, params);
+            uint8_t* out = allocate(ctx, h, params, "");
             if (!out) return;
             std::memcpy(out + h.size, dense, 4 * n);   // little-endian float32
             if (finite && residual) std::fill(residual, residual + n, 0.0f);   // sent exactly
@@ -299,26 +316,58 @@ class EncodeOp : public OpKernel {
             }
             h.value_id = 1;
         }
+        std::vector<uint8_t> fit;       // the polyfit payload
+        std::vector<int64_t> order;     // decoded value j belongs to sent[order[j]]
+        std::string value_params;
+        if (polyfit_) {
+            const std::string who = "tensor " + name_repr(name_);
+            const int64_t bound = dr_polyfit_payload_bound(m, degree_, segments_, coef_bytes_);
+            if (bound < 0) return fail(ctx, "DeepReduceError", "polyfit encode of " + who + " failed: " +
+                                                                   dr_fit_error_message(static_cast<int>(bound)));
+            fit.resize(static_cast<size_t>(bound));
+            order.resize(m);
+            const int64_t len = dr_polyfit_encode(sent.data(), m, degree_, segments_, min_points_, coef_bytes_,
+                                                  order.data(), fit.data(), bound);
+            if (len < 0) return fail(ctx, "DeepReduceError", "polyfit encode of " + who + " failed: " +
+                                                                 dr_fit_error_message(static_cast<int>(len)));
+            fit.resize(static_cast<size_t>(len));
+            std::vector<float> curve(m);   // the receiver's values: the fitted curves
+            const int rc = dr_polyfit_decode(fit.data(), len, m, degree_, coef_bytes_, curve.data());
+            if (rc < 0) return fail(ctx, "DeepReduceError", "polyfit: the fit of " + who +
+                                                                " does not decode: polyfit value section is invalid: " +
+                                                                dr_fit_error_message(rc));
+            for (int64_t j = 0; j < m; ++j) received[order[j]] = curve[j];
+            value_params = {static_cast<char>(degree_), static_cast<char>(coef_bytes_)};
+            h.value_id = 2;
+            if (bloom_ && m) {   // the Bloom set is ascending: the order travels as a permutation
+                h.perm_width = static_cast<uint8_t>(width_for(static_cast<uint64_t>(m - 1)));
+                h.flags |= ct::FLAG_PERMUTED;
+                h.lengths[ct::PERM] = wr::packed_size(static_cast<uint64_t>(m), h.perm_width);
+            }
+        }
         h.n = static_cast<uint64_t>(m);
-        h.lengths[ct::VALUE] = static_cast<uint64_t>(m) * (fp16_ ? 2 : 4);
-        uint8_t* out = allocate(ctx, h, params);
+        h.lengths[ct::VALUE] = polyfit_ ? fit.size() : static_cast<uint64_t>(m) * (fp16_ ? 2 : 4);
+        uint8_t* out = allocate(ctx, h, params, value_params);
         if (!out) return;
-        uint8_t* section = out + h.size + params.size();
+        uint8_t* section = out + h.size + params.size() + value_params.size();
         if (bloom_) {
             std::copy(bits.begin(), bits.end(), section);
-        } else if (h.lengths[ct::INDEX] == 4 * static_cast<uint64_t>(m)) {
+        } else {   // raw indices, in the order of the values (polyfit sorts them)
+            const bool narrow = h.lengths[ct::INDEX] == 4 * static_cast<uint64_t>(m);
             for (int64_t j = 0; j < m; ++j) {
-                const uint32_t v = static_cast<uint32_t>(chosen[j]);
-                std::memcpy(section + 4 * j, &v, 4);
+                const uint64_t v = static_cast<uint64_t>(chosen[polyfit_ ? order[j] : j]);
+                std::memcpy(section + (narrow ? 4 : 8) * j, &v, narrow ? 4 : 8);   // little-endian
             }
-        } else {
-            std::memcpy(section, chosen.data(), 8 * m);
         }
         section += h.lengths[ct::INDEX];
-        if (fp16_)
+        if (polyfit_)
+            std::copy(fit.begin(), fit.end(), section);
+        else if (fp16_)
             std::memcpy(section, halves.data(), 2 * m);
         else
             std::memcpy(section, sent.data(), 4 * m);
+        section += h.lengths[ct::VALUE];
+        if (h.lengths[ct::PERM]) wr::bit_pack(order.data(), static_cast<uint64_t>(m), h.perm_width, section);
         // Memory.settle: residual[positions] -= what the receiver reconstructs
         if (residual && m) {
             for (float& v : received) v = -v;
@@ -355,8 +404,9 @@ class EncodeOp : public OpKernel {
     }
 
     // The payload output for header h (its size set), with the header and params written.
-    uint8_t* allocate(OpKernelContext* ctx, ct::Header& h, const std::string& params) {
+    uint8_t* allocate(OpKernelContext* ctx, ct::Header& h, const std::string& params, const std::string& vparams) {
         h.lengths[ct::INDEX_PARAMS] = params.size();
+        h.lengths[ct::VALUE_PARAMS] = vparams.size();
         h.size = ct::header_size(h);
         Tensor* out = nullptr;
         const int64_t total = static_cast<int64_t>(h.total());
@@ -368,6 +418,7 @@ class EncodeOp : public OpKernel {
         uint8_t* p = out->flat<uint8_t>().data();
         ct::write_header(h, p);
         std::memcpy(p + h.size, params.data(), params.size());
+        std::memcpy(p + h.size + params.size(), vparams.data(), vparams.size());
         return p;
     }
 
@@ -394,7 +445,8 @@ class EncodeOp : public OpKernel {
 
     std::string name_, digest_;
     int64_t min_numel_ = 0, k_ = 1;
-    bool raise_nonfinite_ = false, error_feedback_ = false, bloom_ = false, fp16_ = false;
+    bool raise_nonfinite_ = false, error_feedback_ = false, bloom_ = false, fp16_ = false, polyfit_ = false;
+    int degree_ = 5, segments_ = 0, min_points_ = 6, coef_bytes_ = 4;
     double ratio_ = 0, keys_per_block_ = 0;
     int policy_ = 1;
     uint64_t hash_seed_ = 0;
@@ -486,18 +538,31 @@ Failure decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t
     return {};
 }
 
-// The values of a sparse container (the core's value codecs raw and fp16).
-Failure decode_values(const ct::Header& h, const uint8_t* section, std::vector<float>& out) {
-    const uint64_t n = h.n;
-    if (h.value_id > 1)
+// The values of a sparse container (the core's value codecs raw, fp16 and polyfit).
+Failure decode_values(const ct::Header& h, const uint8_t* params, const uint8_t* section, std::vector<float>& out) {
+    const uint64_t n = h.n, len = h.lengths[ct::VALUE];
+    if (h.value_id == 2) {   // PolyFit.decode
+        int degree, coef_bytes;
+        std::string err = wr::check_polyfit_params(params, h.lengths[ct::VALUE_PARAMS], degree, coef_bytes);
+        if (err.empty()) err = wr::check_polyfit_lengths(section, len, n, degree);
+        if (!err.empty()) return container_error(err);
+        int rc = dr_polyfit_check(section, static_cast<int64_t>(len), static_cast<int64_t>(n), degree, coef_bytes);
+        if (rc >= 0) {
+            out.resize(n);
+            rc = dr_polyfit_decode(section, static_cast<int64_t>(len), static_cast<int64_t>(n), degree, coef_bytes,
+                                   out.data());
+        }
+        if (rc < 0) return container_error(std::string("polyfit value section is invalid: ") + dr_fit_error_message(rc));
+        return {};
+    }
+    if (h.value_id > 2)
         return container_error("container value codec id " + std::to_string(h.value_id) +
-                               " has no TensorFlow op (the ops decode raw and fp16 values); build the "
+                               " has no TensorFlow op (the ops decode raw, fp16 and polyfit values); build the "
                                "pipeline with backend='numpy_function' to decode it");
     const uint64_t width = h.value_id == 0 ? 4 : 2;
-    if (h.lengths[ct::VALUE] != n * width)
+    if (len != n * width)
         return container_error(std::string(h.value_id == 0 ? "raw" : "fp16") + " value section has " +
-                               std::to_string(h.lengths[ct::VALUE]) + " bytes, expected " +
-                               std::to_string(n * width));
+                               std::to_string(len) + " bytes, expected " + std::to_string(n * width));
     out.resize(n);
     if (width == 4) {
         std::memcpy(out.data(), section, 4 * n);
@@ -508,6 +573,22 @@ Failure decode_values(const ct::Header& h, const uint8_t* section, std::vector<f
             out[j] = half_to_float(v);
         }
     }
+    return {};
+}
+
+// Value j belongs to indices[perm[j]]: the values in index order (Pipeline._decode_into).
+Failure unpermute(const ct::Header& h, const uint8_t* section, std::vector<float>& values) {
+    std::vector<uint64_t> perm;
+    std::string err = wr::bit_unpack(section, h.lengths[ct::PERM], h.perm_width, h.n, perm);
+    if (!err.empty()) return container_error(err);
+    std::vector<char> seen(h.n, 0);
+    for (uint64_t p : perm) {
+        if (p >= h.n || seen[p]) return container_error("container permutation section is not a permutation");
+        seen[p] = 1;
+    }
+    std::vector<float> ordered(h.n);
+    for (uint64_t j = 0; j < h.n; ++j) ordered[perm[j]] = values[j];
+    values.swap(ordered);
     return {};
 }
 
@@ -536,12 +617,11 @@ Failure add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, i
     std::vector<int64_t> indices;
     std::vector<float> values;
     Failure f = decode_indices(h, params, sections, numel, threads, indices);
-    if (!f.failed()) f = decode_values(h, sections + h.lengths[ct::INDEX], values);
+    if (!f.failed()) f = decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX], values);
     if (!f.failed()) f = check_finite(h, values.data(), values.size(), "values");
+    if (!f.failed() && h.permuted())
+        f = unpermute(h, sections + h.lengths[ct::INDEX] + h.lengths[ct::VALUE], values);
     if (f.failed()) return f;
-    if (h.permuted())
-        return container_error("permuted containers have no TensorFlow op; build the pipeline with "
-                               "backend='numpy_function' to decode them");
     const int64_t n = static_cast<int64_t>(h.n);
     if (h.index_id == 1) {   // Bloom: strictly ascending, checked by the kernel
         std::string err = dr_select::scatter_add_checked(target, static_cast<int64_t>(numel), indices.data(),

@@ -150,5 +150,69 @@ std::string unpack_bloom_params(const uint8_t* params, size_t len, BloomParams& 
     return "";
 }
 
+// ------------------------------------------------------------------ polyfit
+std::string check_polyfit_params(const uint8_t* params, size_t len, int& degree, int& coef_bytes) {
+    if (len != 2) return "polyfit parameters have " + std::to_string(len) + " bytes, expected 2";
+    degree = params[0];
+    coef_bytes = params[1];
+    if (degree > 15 || (coef_bytes != 4 && coef_bytes != 8))
+        return "polyfit parameters invalid: degree " + std::to_string(degree) + ", coefficient bytes " +
+               std::to_string(coef_bytes);
+    return "";
+}
+
+std::string check_polyfit_lengths(const uint8_t* payload, size_t len, uint64_t count, int degree) {
+    auto u32 = [&](size_t at) {
+        uint32_t v;
+        std::memcpy(&v, payload + at, 4);
+        return static_cast<uint64_t>(v);
+    };
+    (void)degree;   // the coefficient count it implies is checked by dr_polyfit_check
+    if (len < 4) return "polyfit value section has " + std::to_string(len) + " bytes; at least 4 expected";
+    const uint64_t l = u32(0);
+    if (l > count)
+        return "polyfit value section claims " + std::to_string(l) + " non-negative values of " +
+               std::to_string(count);
+    size_t pos = 4;
+    for (uint64_t total : {l, count - l}) {
+        uint64_t acc = 0;
+        while (acc < total) {
+            if (pos + 4 > len) return "polyfit value section ends inside its segment table";
+            const uint64_t seg = u32(pos);
+            pos += 4;
+            if (seg == 0 || seg > total - acc) return "polyfit segment lengths do not add up to the value count";
+            acc += seg;
+        }
+    }
+    return "";
+}
+
+// ------------------------------------------------------------------ bit packing
+size_t packed_size(uint64_t count, int width) { return static_cast<size_t>((count * width + 7) / 8); }
+
+void bit_pack(const int64_t* values, uint64_t count, int width, uint8_t* out) {
+    std::memset(out, 0, packed_size(count, width));
+    uint64_t bit = 0;
+    for (uint64_t i = 0; i < count; ++i)
+        for (int j = 0; j < width; ++j, ++bit)
+            if ((static_cast<uint64_t>(values[i]) >> j) & 1) out[bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
+}
+
+std::string bit_unpack(const uint8_t* data, size_t len, int width, uint64_t count, std::vector<uint64_t>& out) {
+    if (width < 1 || width > 64) return "bit width must be in [1, 64], got " + std::to_string(width);
+    const unsigned __int128 bits = static_cast<unsigned __int128>(count) * static_cast<unsigned>(width);
+    const unsigned __int128 need = (bits + 7) / 8;
+    if (need != len)
+        return "packed section has " + std::to_string(len) + " bytes, expected " +
+               std::to_string(static_cast<uint64_t>(need)) + " for " + std::to_string(count) + " entries of " +
+               std::to_string(width) + " bits";
+    out.assign(count, 0);
+    uint64_t bit = 0;
+    for (uint64_t i = 0; i < count; ++i)
+        for (int j = 0; j < width; ++j, ++bit)
+            out[i] |= static_cast<uint64_t>((data[bit / 8] >> (bit % 8)) & 1) << j;
+    return "";
+}
+
 }  // namespace wire
 }  // namespace deepreduce

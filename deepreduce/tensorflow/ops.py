@@ -5,8 +5,8 @@ of ``csrc/`` (the Top-r/compensation kernels, the Bloom kernels and the containe
 pybind11 extensions wrap) into ``deepreduce/tensorflow/_deepreduce_ops.so``; ``make setup`` runs it.
 
 * ``DeepReduceEncode`` is ``Pipeline.encode`` for one gradient: error feedback fused with the
-  Top-r selection, the raw or Bloom index codec (every policy), the raw or fp16 value codec and
-  the container, header and CRC included.
+  Top-r selection, the raw or Bloom index codec (every policy), the raw, fp16 or polyfit value
+  codec (with its permutation) and the container, header and CRC included.
 * ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
 
 They serve the configs whose every stage exists in C++ (:func:`unsupported` says why another
@@ -44,7 +44,7 @@ REBUILD_HINT = (
     "`bash scripts/build_tf_ops.sh` (or `make setup`) from the deepreduce project root"
 )
 OPS_INDEX_CODECS = ("raw", "bloom")
-OPS_VALUE_CODECS = ("raw", "fp16")
+OPS_VALUE_CODECS = ("raw", "fp16", "polyfit")
 OPS_MEMORIES = ("none", "residual")
 #: The int64 statistics vector both ops return (csrc/tf/tf_pipeline_ops.cpp, enum Stat).
 STATS = ("tensors_encoded", "tensors_decoded", "dense_bytes", "wire_bytes", "index_bytes", "value_bytes",
@@ -168,6 +168,10 @@ class PipelineOps:
             lam, k = bloom_codec.filter_shape(index.fpr)
             attrs.update(policy=index.policy, keys_per_block_bits=_int64_bits(float(lam)), k=k,
                          hash_seed=_int64_bits(index.hash_seed))
+        if core.value.id == "polyfit":
+            value = core.value
+            attrs.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
+                         coef_bytes=value.coef_bytes)
         self.encode_attrs = attrs
         self._residuals: Dict[str, tf.Variable] = {}
         self._variables_lock = threading.Lock()
