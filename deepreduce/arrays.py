@@ -205,6 +205,21 @@ class TorchAdapter(Adapter):
         return t if like is None else t.to(like.device)
 
 
+def join_sections(parts, like):
+    """Sections (``bytes`` and, for a torch ``like``, uint8 tensors) joined into one: ``bytes``
+    for NumPy, a uint8 tensor on ``like``'s device for torch."""
+    a = adapter(like)
+    if a.name == "numpy":
+        return b"".join(bytes(p) for p in parts)
+    return a.concat_bytes([p if is_torch(p) else a.from_numpy(np.frombuffer(bytes(p), dtype=np.uint8), like)
+                           for p in parts])
+
+
+def head_bytes(section, size: int) -> bytes:
+    """The first ``size`` bytes of a section (bytes or a uint8 array on any device) as ``bytes``."""
+    return bytes(adapter(section).to_numpy(section[:size])) if is_torch(section) else bytes(section[:size])
+
+
 def as_float32(values):
     """Values as a float32 array of their own framework (NumPy for lists and NumPy input)."""
     if is_torch(values):

@@ -115,6 +115,23 @@ def test_huffman_count_of_2_pow_30_is_refused_before_allocating():
     assert "refused:" in out and "cannot hold 4294967296 symbols" in out
 
 
+def test_qsgd_bucket_size_does_not_drive_allocation():
+    """Found by the fuzzer: a bucket size of 2**32 - 1 expanded one norm to 2**32 entries."""
+    out = run_bounded(f"""
+        import struct, warnings; warnings.simplefilter("ignore")
+        import numpy as np
+        import deepreduce
+        from deepreduce import registry
+        qsgd = registry.get_class("value", "qsgd")
+        payload = np.float32(2.0).tobytes() + np.array([1, -1, 0], np.int8).tobytes()
+        print("decoded:", qsgd().decode(struct.pack("<HI", 127, 2**32 - 1), payload, 3).tolist())
+        pipe = deepreduce.build({{**deepreduce.load_config({TOPK_RAW!r}), "min_numel": 0,
+                                 "value": {{"id": "qsgd", "bucket_size": 2**32 - 1}}}})
+        print("round trip:", pipe.decode(pipe.encode(np.ones(10, np.float32), name="w")).shape)
+    """)
+    assert "decoded: [0.015748031437397003, -0.015748031437397003, 0.0]" in out and "round trip: (10,)" in out
+
+
 def test_shape_of_two_2_pow_64_dimensions_is_a_container_error():
     pipe, payload = valid_container(TOPK_RAW)
     with pytest.raises(ContainerError, match="above max_numel"):

@@ -4,9 +4,9 @@ Run on CPU torch in CI, and on CUDA as well when a GPU is present (the ``device`
 
 * **Byte-identical** (the device path writes the NumPy core's exact container bytes):
   ``BYTE_IDENTICAL`` below (Top-r/threshold/SIDCo/Random-r/DGC selection, raw/fp16/QSGD values,
-  raw/Bloom (every policy)/run-length/Elias-Fano indices, dense and non-finite containers, error feedback).
-* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman
-  indices run on the host for device tensors (one-time warning), so their bytes are the core's
+  raw/Bloom (every policy)/run-length/Elias-Fano/delta indices, dense and non-finite containers, error feedback).
+* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman /
+  delta-Huffman indices run on the host for device tensors (one-time warning), so their bytes are the core's
   too; decoding any of their containers on the device gives the host's tensor
   (``DECODE_COMPATIBLE``).
 """
@@ -85,7 +85,7 @@ def test_device_path_writes_the_core_bytes_over_steps(name, device):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(d=st.integers(1000, 30000), ratio=st.sampled_from([0.001, 0.01, 0.05, 0.2]),
        policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
-       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano"]),
+       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano", "delta"]),
        seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
 def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
     config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},

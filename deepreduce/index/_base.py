@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import arrays
 from ..params import Component
 from ..seeding import EncodeContext
 
@@ -21,6 +22,15 @@ class IndexEncoding(NamedTuple):
     payload: bytes
     indices: np.ndarray
     values: np.ndarray
+
+
+def sorted_pairs(indices, values, like):
+    """(indices as int64, values) reordered by ascending index (stable), in ``like``'s framework
+    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode."""
+    xp = arrays.namespace(like)
+    indices = xp.astype(xp.asarray(indices), xp.int64)
+    order = xp.argsort(indices, stable=True)
+    return indices[order], xp.asarray(values)[order]
 
 
 class IndexCodec(Component):

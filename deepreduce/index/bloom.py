@@ -41,7 +41,7 @@ from ..hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")
 _POLICY_CODE = {name: code for code, name in enumerate(POLICIES)}
@@ -55,7 +55,8 @@ FAMILIES = ("splitmix", "blocked")   # index = the family code in the params' hi
 BLOCKED = FAMILIES.index("blocked")
 
 _LO32 = 0xFFFFFFFF
-_CHUNK = 1 << 20
+_CHUNK = 1 << 20          # positions per query pass on a CPU (cache-sized)
+_CHUNK_GPU = 1 << 26      # on a GPU: few passes, so kernel launches do not dominate
 
 BLOCK_BITS = 512
 BLOCK_BYTES = BLOCK_BITS // 8
@@ -267,8 +268,9 @@ def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str
         return xp.nonzero((a.words(byte) >> (bit_positions & a.const(7))) & a.const(1))[0]
 
     found, total = [], 0
-    for base in range(0, d, _CHUNK):
-        cand = a.words(xp.arange(base, min(d, base + _CHUNK), device=packed.device))
+    chunk = _CHUNK_GPU if str(packed.device).startswith("cuda") else _CHUNK
+    for base in range(0, d, chunk):
+        cand = a.words(xp.arange(base, min(d, base + chunk), device=packed.device))
         if family == "blocked":   # each probe tests only the survivors of the previous ones
             h, g = _blocked_hash(cand, seed)
             blk = _block_base(h, size)
@@ -484,9 +486,7 @@ class BloomIndex(IndexCodec):
         native = self._kernels(dense)
         a, xp = arrays.adapter(dense), arrays.namespace(dense)
         d = int(dense.shape[0])
-        indices = xp.astype(xp.asarray(indices), xp.int64)
-        order = xp.argsort(indices, stable=True)
-        indices, values = indices[order], xp.asarray(values)[order]
+        indices, values = sorted_pairs(indices, values, dense)
         r = int(indices.shape[0])
         blocks, k = filter_params(r, self.fpr)
         draw_seed = ctx.seed_for(f"bloom-{self.policy}") if self.policy in DRAWING else 0

@@ -20,7 +20,7 @@ import numpy as np
 from .. import arrays
 from ..errors import ContainerError
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 
 def low_bits(r: int, d: int) -> int:
@@ -52,9 +52,7 @@ class EliasFanoIndex(IndexCodec):
 
     def encode(self, indices, values, dense, ctx):
         a, xp = arrays.adapter(dense), arrays.namespace(dense)
-        indices = xp.astype(xp.asarray(indices), xp.int64)
-        order = xp.argsort(indices, stable=True)
-        indices, values = indices[order], xp.asarray(values)[order]
+        indices, values = sorted_pairs(indices, values, dense)
         r, d = int(indices.shape[0]), int(dense.shape[0])
         if r == 0:
             return IndexEncoding(b"", b"", indices, values)

@@ -18,7 +18,7 @@ import numpy as np
 from .. import arrays, bitpack
 from ..errors import ContainerError
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 _HEAD = struct.Struct("<IB")
 
@@ -72,22 +72,17 @@ class RunLengthIndex(IndexCodec):
     array_api = True
 
     def encode(self, indices, values, dense, ctx):
-        a, xp = arrays.adapter(dense), arrays.namespace(dense)
-        indices = xp.astype(xp.asarray(indices), xp.int64)
-        order = xp.argsort(indices, stable=True)
-        indices, values = indices[order], xp.asarray(values)[order]
+        xp = arrays.namespace(dense)
+        indices, values = sorted_pairs(indices, values, dense)
         runs = runs_of(indices, int(dense.shape[0]))
         width = bitpack.width_for(int(xp.max(runs)))
-        head = _HEAD.pack(runs.shape[0], width)
-        packed = bitpack.pack(runs, width)
-        payload = head + packed if isinstance(packed, bytes) else \
-            a.concat_bytes([a.from_numpy(np.frombuffer(head, dtype=np.uint8), dense), packed])
+        payload = arrays.join_sections([_HEAD.pack(runs.shape[0], width), bitpack.pack(runs, width)], dense)
         return IndexEncoding(b"", payload, indices, values)
 
     def decode(self, params, payload, count, numel):
         if params or len(payload) < _HEAD.size:
             raise ContainerError(f"RLE index section of {len(payload)} bytes is too short or has params")
-        nruns, width = _HEAD.unpack_from(bytes(arrays.adapter(payload).to_numpy(payload[:_HEAD.size])))
+        nruns, width = _HEAD.unpack_from(arrays.head_bytes(payload, _HEAD.size))
         if not 1 <= width <= 64 or nruns == 0 or nruns > 2 * count + 2:
             raise ContainerError(f"RLE header invalid: {nruns} runs of {width} bits for {count} indices")
         runs = bitpack.unpack(payload[_HEAD.size:], width, nruns)

@@ -47,9 +47,13 @@ def _pairwise_sum_rows(x):
 
 
 def bucket_norms(values, bucket_size: int):
-    """float32 L2 norm of each bucket, rounded up so that no |value| exceeds its norm."""
+    """float32 L2 norm of each bucket, rounded up so that no |value| exceeds its norm.
+
+    A bucket longer than the values is summed as one of ``n`` (the same pairwise sums: the
+    padding only adds zeros), so memory is O(n) whatever ``bucket_size`` says."""
     xp = arrays.namespace(values)
     n = values.shape[0]
+    bucket_size = min(bucket_size, max(n, 1))
     nb = -(-n // bucket_size)
     padded = xp.zeros(nb * bucket_size, dtype=xp.float64, device=values.device)
     padded[:n] = xp.astype(values, xp.float64)
@@ -68,9 +72,10 @@ def dequantise(nu, q, levels: int):
 
 
 def _per_value(norms, bucket_size: int, n: int):
-    """Each value's bucket norm as float64."""
+    """Each value's bucket norm as float64 (O(n): a bucket longer than the values repeats its
+    norm n times, never bucket_size times)."""
     xp = arrays.namespace(norms)
-    return xp.repeat(xp.astype(norms, xp.float64), bucket_size)[:n]
+    return xp.repeat(xp.astype(norms, xp.float64), min(bucket_size, n))[:n]
 
 
 @register
