@@ -6,7 +6,7 @@ which scripts/build_tf_ops.sh compiles against TensorFlow). The extensions are o
 time: if one fails to build, installation continues and deepreduce falls back to its NumPy path
 with a warning that says how to rebuild.
 
-Only numpy, pyyaml, scipy and bitarray are required; ``pip install "deepreduce[torch]"`` adds
+Only numpy, pyyaml, scipy, bitarray and array-api-compat are required; ``pip install "deepreduce[torch]"`` adds
 torch (an installed torch that satisfies it is left alone), and Horovod and TensorFlow are the
 extras ``horovod`` and ``tensorflow``. pyproject.toml declares the build requirements.
 """
@@ -18,6 +18,17 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sanitizer_flags():
+    """``DEEPREDUCE_SANITIZE=address,undefined`` (``make fuzz``): instrument the extensions at
+    compile time only; the sanitizer runtime is not linked in but preloaded (atheris ships one
+    with its fuzzer), so a single runtime serves the interpreter and every extension."""
+    checks = os.environ.get("DEEPREDUCE_SANITIZE", "")
+    if not checks:
+        return []
+    return [f"-fsanitize={checks}", "-fno-sanitize=vptr", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer", "-g"]
 
 
 def native_extensions():
@@ -33,7 +44,7 @@ def native_extensions():
                          if not os.path.basename(s).startswith("tf_"))
         modules.append(Pybind11Extension(
             f"deepreduce._{os.path.basename(folder)}", sources,
-            include_dirs=[folder, "csrc"], cxx_std=17, extra_compile_args=["-O3"],
+            include_dirs=[folder, "csrc"], cxx_std=17, extra_compile_args=["-O3", *sanitizer_flags()],
         ))
     return modules
 
@@ -70,7 +81,7 @@ setup(
     package_data={"deepreduce": ["data/*"]},
     ext_modules=native_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
-    install_requires=["numpy>=1.26", "pyyaml>=6", "scipy>=1.11", "bitarray>=2.8"],
+    install_requires=["numpy>=1.26", "pyyaml>=6", "scipy>=1.11", "bitarray>=2.8", "array-api-compat>=1.10"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],

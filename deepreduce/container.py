@@ -23,6 +23,10 @@ v1 (fixed u16/u64 fields, no digest) is still read, so containers written before
 
 A DENSE container carries the whole tensor as float32 in the value section (small tensors,
 and tensors with NaN/Inf when the pipeline propagates them).
+
+Bounds (docs/reliability.md): the CRC only catches line noise, so :func:`unpack` also bounds what
+a CRC-valid header may claim before any decoder allocates for it: the receiver's expected shape
+when it passes one, else at most ``max_numel`` elements (:data:`MAX_NUMEL` by default).
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import varint
-from .errors import ContainerError
+from . import _native, arrays, varint
+from .errors import CommunicationError, ContainerError
 
 MAGIC = b"DPRD"
 VERSION = 2
@@ -47,6 +51,10 @@ MAX_NDIM = 32
 MAX_PARAMS = 0xFFFF
 DIGEST_SIZE = 8
 CRC_SIZE = 4
+#: Default bound on the element count a container may claim when the receiver passes no expected
+#: shape (2**28 elements: 1 GiB of float32); ``Pipeline(max_numel=...)`` / the ``max_numel`` config
+#: key change it.
+MAX_NUMEL = 1 << 28
 
 _V1 = struct.Struct("<4sBBBBBBHHHQQQQ")   # 48 bytes, then 8 per dimension
 _V2 = struct.Struct("<4sBBBBBB8s")        # 18 bytes, then varints
@@ -105,8 +113,18 @@ class Container:
         return bool(self.flags & FLAG_NONFINITE)
 
 
-def pack(c: Container) -> np.ndarray:
-    """Serialise a container (format v2) to a 1-D uint8 array."""
+def pack(c: Container, like=None):
+    """Serialise a container (format v2) to a 1-D uint8 array.
+
+    With the C++ extension ``deepreduce._container`` built (csrc/container, the code the
+    TensorFlow ops pack with) it writes the bytes; otherwise the Python below does, identically.
+
+    Sections are ``bytes`` or 1-D uint8 arrays; when one is a torch tensor (the torch device
+    path) the container is assembled on that tensor's device: the header is built on the host
+    from the section lengths, the CRC on the host over the compact payload, and the result is a
+    uint8 tensor on the device. ``like``: a torch tensor whose device receives the container even
+    when every section is ``bytes`` (codecs that ran on the host).
+    """
     if len(c.shape) > MAX_NDIM:
         raise ContainerError(f"tensor has {len(c.shape)} dimensions; at most {MAX_NDIM} are supported")
     for name, params in (("index", c.index_params), ("value", c.value_params)):
@@ -115,21 +133,43 @@ def pack(c: Container) -> np.ndarray:
     digest = bytes(DIGEST_SIZE) if c.digest is None else bytes(c.digest)
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
+    sections = (c.index_section, c.value_section, c.perm_section)
+    device = next((s for s in (like, *sections) if arrays.is_torch(s)), None)
+    native = None if device is not None else _native.load("container")
+    if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
+        return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),
+                           c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)
     numbers = (c.n, len(c.index_params), len(c.value_params), len(c.index_section), len(c.value_section),
                len(c.perm_section), *c.shape)
-    body = b"".join((
+    head = b"".join((
         _V2.pack(MAGIC, VERSION, c.flags, c.index_id, c.value_id, len(c.shape), c.perm_width, digest),
         b"".join(varint.encode(v) for v in numbers),
-        c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section,
+        c.index_params, c.value_params,
     ))
+    if device is not None:
+        return _pack_on_device(head, sections, device)
+    body = head + b"".join(sections)
     crc = struct.pack("<I", zlib.crc32(body))
     return np.frombuffer(body + crc, dtype=np.uint8).copy()
+
+
+def _pack_on_device(head: bytes, sections, like):
+    """The container as a uint8 tensor on ``like``'s device (see :func:`pack`)."""
+    import torch
+
+    a = arrays.adapter(like)
+    parts = [a.from_numpy(np.frombuffer(head, dtype=np.uint8), like)]
+    parts += [s if arrays.is_torch(s) else a.from_numpy(np.frombuffer(bytes(s), dtype=np.uint8), like)
+              for s in sections]
+    body = torch.cat(parts)
+    crc = zlib.crc32(body.cpu().numpy())   # only the compact container crosses to the host
+    return torch.cat([body, a.from_numpy(np.frombuffer(struct.pack("<I", crc), dtype=np.uint8), like)])
 
 
 def _as_bytes(payload) -> bytes:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
-    arr = np.asarray(payload)
+    arr = arrays.adapter(payload).to_numpy(payload)
     if arr.dtype != np.uint8 or arr.ndim != 1:
         raise ContainerError(f"a container is a 1-D uint8 array, got dtype {arr.dtype} and shape {arr.shape}")
     return arr.tobytes()
@@ -201,8 +241,37 @@ def _read_header(buf: bytes, offset: int) -> _Header:
                    tuple(int(s) for s in shape), pos - offset)
 
 
-def unpack(payload) -> Container:
-    """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency."""
+def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: int = MAX_NUMEL) -> None:
+    """Refuse a header whose tensor is not the one the receiver expects, or (without an expected
+    shape) claims more than ``max_numel`` elements, before anything is allocated for it."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if expected_shape is not None:
+        try:
+            expected = tuple(int(s) for s in expected_shape)
+        except (TypeError, ValueError) as exc:
+            raise CommunicationError(f"expected_shape must be a sequence of integers, got {expected_shape!r}") from exc
+        if expected != shape:
+            raise CommunicationError(
+                f"container holds a tensor of shape {shape}, expected {expected}: "
+                "ranks disagree about this tensor"
+            )
+    elif numel > max_numel:
+        raise ContainerError(
+            f"container claims a tensor of shape {shape} ({numel} elements), above max_numel = {max_numel}; "
+            "pass the expected shape or raise max_numel"
+        )
+    if n > numel:
+        raise ContainerError(f"container claims {n} values for a tensor of {numel} elements")
+
+
+def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Container:
+    """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency.
+
+    ``expected_shape``: the shape the receiver expects (CommunicationError if the header names
+    another); without one, a header claiming more than ``max_numel`` elements is refused.
+    """
     buf = _as_bytes(payload)
     h = _read_header(buf, 0)
     if h.total != len(buf):
@@ -212,6 +281,7 @@ def unpack(payload) -> Container:
         raise ContainerError("container checksum mismatch: the buffer is corrupted")
     if h.flags & ~_KNOWN_FLAGS or h.reserved:
         raise ContainerError(f"container has unknown flags 0x{h.flags:02x} or non-zero reserved bits")
+    check_size(h.shape, h.n, expected_shape, max_numel)
     pos = h.size
     sections = []
     for length in h.lengths:
@@ -224,8 +294,6 @@ def unpack(payload) -> Container:
         digest=h.digest, version=h.version, nbytes=len(buf),
     )
     li, lv, lp = h.lengths[2:]
-    if c.n > c.numel:
-        raise ContainerError(f"container claims {c.n} values for a tensor of {c.numel} elements")
     if c.permuted != (c.perm_width > 0) or (not c.permuted and lp):
         raise ContainerError("container permutation flag, width and section disagree")
     if c.dense and (c.n != c.numel or lv != 4 * c.numel or li or lp):
@@ -234,7 +302,15 @@ def unpack(payload) -> Container:
 
 
 def split(buffer) -> List[np.ndarray]:
-    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2)."""
+    """Split the concatenation of several containers (an allgather result, any mix of v1 and v2).
+
+    A torch tensor on an accelerator (a collective's result on the device path) is split into
+    slices of itself on its device; the headers are read on a host copy of the compact bytes.
+    """
+    if arrays.is_torch(buffer) and buffer.device.type != "cpu":
+        parts = split(buffer.cpu().numpy())
+        offsets = np.cumsum([0] + [p.size for p in parts])
+        return [buffer[int(o):int(o) + p.size] for o, p in zip(offsets, parts)]
     buf = _as_bytes(buffer)
     out, offset = [], 0
     while offset < len(buf):
@@ -248,11 +324,12 @@ def split(buffer) -> List[np.ndarray]:
     return out
 
 
-def inspect(payload) -> dict:
-    """The header of a container as a dict, with codec ids resolved to names."""
+def inspect(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> dict:
+    """The header of a container as a dict, with codec ids resolved to names (bounds as
+    :func:`unpack`)."""
     from . import registry
 
-    c = unpack(payload)
+    c = unpack(payload, expected_shape, max_numel)
     info = {
         "format_version": c.version,
         "config_digest": None if c.digest is None else c.digest.hex(),

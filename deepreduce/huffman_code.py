@@ -141,6 +141,14 @@ def encode(symbols, lengths) -> bytes:
     return np.packbits(bits, bitorder="big").tobytes()
 
 
+def _check_count(used_lengths: np.ndarray, count: int, nbytes: int) -> None:
+    """Every symbol takes at least the shortest code length: refuse a count the bytes cannot hold
+    before anything of ``count`` entries is allocated."""
+    if count * int(used_lengths.min()) > 8 * nbytes:
+        raise ContainerError(f"Huffman stream of {nbytes} bytes cannot hold {count} symbols "
+                             f"of at least {int(used_lengths.min())} bits")
+
+
 def decode(data: bytes, lengths, count: int) -> np.ndarray:
     """Decode exactly ``count`` symbols; the stream must end in the last (zero-padded) byte."""
     from bitarray import bitarray
@@ -155,6 +163,7 @@ def decode(data: bytes, lengths, count: int) -> np.ndarray:
     used = np.flatnonzero(lengths)
     if used.size == 0:
         raise ContainerError("Huffman length table is empty but symbols are expected")
+    _check_count(lengths[used], count, len(data))
     if used.size == 1:
         stream = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="big")
         if len(data) != (count + 7) // 8 or stream.any():
@@ -219,6 +228,7 @@ def decode_prefix(data: bytes, lengths, count: int) -> Tuple[np.ndarray, int]:
     used = np.flatnonzero(lengths)
     if used.size == 0:
         raise ContainerError("Huffman length table is empty but symbols are expected")
+    _check_count(lengths[used], count, len(data))
     stream = bitarray(endian="big")
     stream.frombytes(bytes(data))
     if used.size == 1:

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import _native
+from . import _native, arrays
 from .errors import ContainerError
 
 BLOCK = 4096  # compensation blocks: a non-finite block is never added into the residual
@@ -42,17 +42,20 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
     are the Top-``topk`` of the compensated gradient (``sparsify._topk.topk_positions``),
     otherwise None.
     """
-    select = 0 < topk < flat.size
-    module = native()
+    select = 0 < topk < flat.shape[0]
+    module = None if arrays.is_torch(flat) else native()
     if module is not None:
         return module.scan(flat, residual, topk if select else 0, threads)
-    finite = bool(np.isfinite(flat).all())
+    # The array path: NumPy without the extension, or torch tensors on their device (the torch
+    # pipeline selects on the device itself, so it never asks for ``topk`` here).
+    xp = arrays.namespace(flat)
+    finite = bool(xp.all(xp.isfinite(flat)))
     if not finite:
         if residual is not None:
             _add_and_take_out_finite_blocks(flat, residual)
         return False, None
     if residual is not None:
-        np.add(residual, flat, out=residual)
+        residual += flat
     if not select:
         return True, None
     from .sparsify._topk import topk_positions
@@ -62,9 +65,10 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
 
 def _add_and_take_out_finite_blocks(flat: np.ndarray, residual: np.ndarray) -> None:
     """What the C++ scan leaves in the residual after a refused step (see ``scan``)."""
-    for start in range(0, flat.size, BLOCK):
+    xp = arrays.namespace(flat)
+    for start in range(0, flat.shape[0], BLOCK):
         block = flat[start:start + BLOCK]
-        if np.isfinite(block).all():
+        if bool(xp.all(xp.isfinite(block))):
             part = residual[start:start + BLOCK]
             part += block
             part -= block
@@ -77,16 +81,17 @@ def check_indices(indices: np.ndarray, numel: int, ascending: bool) -> None:
     neighbours checks both the promise and uniqueness; otherwise uniqueness is checked on a
     sorted copy of the ``n`` indices.
     """
-    if indices.size == 0:
+    xp, n = arrays.namespace(indices), indices.shape[0]
+    if n == 0:
         return
     if ascending:
-        if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+        if n > 1 and not bool(xp.all(indices[1:] > indices[:-1])):
             raise ContainerError("container indices are not strictly ascending although the index codec "
                                  "promises ascending order (an index is repeated or out of order)")
         low, high = int(indices[0]), int(indices[-1])
     else:
-        ordered = np.sort(indices)
-        if indices.size > 1 and not bool(np.all(ordered[1:] != ordered[:-1])):
+        ordered = xp.sort(indices)
+        if n > 1 and not bool(xp.all(ordered[1:] != ordered[:-1])):
             raise ContainerError("container repeats an index")
         low, high = int(ordered[0]), int(ordered[-1])
     if low < 0 or high >= numel:
@@ -95,7 +100,12 @@ def check_indices(indices: np.ndarray, numel: int, ascending: bool) -> None:
 
 def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascending: bool,
                 threads: int = 1) -> None:
-    """``out[indices] += values`` after :func:`check_indices` (``out`` flat float32, written in place)."""
+    """``out[indices] += values`` after :func:`check_indices` (``out`` flat float32, written in place;
+    a torch ``out`` is accumulated on its device)."""
+    if arrays.is_torch(out):
+        check_indices(indices, out.shape[0], ascending)
+        arrays.adapter(out).scatter_add(out, indices, values)
+        return
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.float32)
     module = native()
@@ -114,9 +124,9 @@ def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascend
 
 def subtract_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, threads: int = 1) -> None:
     """``target[positions] -= values`` for distinct in-range positions (``a - b == a + (-b)`` exactly)."""
-    module = native()
+    module = None if arrays.is_torch(target) else native()
     if module is None:
-        target[positions] -= values
+        arrays.adapter(target).scatter_add(target, positions, -values)
     else:
         module.scatter_add_unchecked(target, np.ascontiguousarray(positions, dtype=np.int64),
                                      np.negative(values, dtype=np.float32), threads)

@@ -10,7 +10,9 @@ The pipeline drives a memory in two calls per encoded tensor:
   as a by-product of encoding, computed from their ``n`` values; nothing decodes a container on
   the sender). A tensor sent dense is reconstructed exactly, so its residual becomes zero.
 
-The residual is float32, as in production error-feedback implementations (a float64 residual
+Residuals live where the gradient lives: a NumPy array for NumPy gradients, a torch tensor on
+the gradient's device for the torch device path (a checkpointed residual moves to the device of
+the first gradient it meets). The residual is float32, as in production error-feedback implementations (a float64 residual
 would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
 with ``c_t = fl(e_{t-1} + g_t)`` the compensated gradient and ``e_t = fl(c_t - s_t)`` the
 residual after sending ``s_t``, each step rounds once in each operation, so per element after
@@ -27,7 +29,7 @@ from typing import Dict, NamedTuple, Optional
 
 import numpy as np
 
-from . import kernels
+from . import arrays, kernels
 from .errors import CommunicationError, ConfigError
 from .params import Component
 from .registry import register
@@ -93,13 +95,19 @@ class ResidualMemory(Memory):
     def _validate(self) -> None:
         self._residuals: Dict[str, np.ndarray] = {}
 
-    def _existing(self, name: str, flat: np.ndarray) -> Optional[np.ndarray]:
+    def _existing(self, name: str, flat) -> Optional[np.ndarray]:
         residual = self._residuals.get(name)
-        if residual is not None and residual.size != flat.size:
+        if residual is None:
+            return None
+        if residual.shape[0] != flat.shape[0]:
             raise CommunicationError(
-                f"residual memory: tensor {name!r} had {residual.size} elements, now {flat.size}; "
+                f"residual memory: tensor {name!r} had {residual.shape[0]} elements, now {flat.shape[0]}; "
                 "a name must keep its size"
             )
+        if arrays.is_torch(flat) and (not arrays.is_torch(residual) or residual.device != flat.device):
+            residual = self._residuals[name] = arrays.adapter(flat).from_numpy(_host(residual), flat)
+        elif not arrays.is_torch(flat) and arrays.is_torch(residual):
+            residual = self._residuals[name] = _host(residual)
         return residual
 
     def accumulate(self, name, flat, topk=0, threads=1):
@@ -108,19 +116,19 @@ class ResidualMemory(Memory):
             finite, selected = kernels.scan(flat, None, topk, threads)
             if not finite:
                 return Compensated(flat, False)
-            residual = self._residuals[name] = np.array(flat, dtype=np.float32, copy=True)
+            residual = self._residuals[name] = _copy(flat)
             return Compensated(residual, True, selected)
         finite, selected = kernels.scan(flat, residual, topk, threads)
         return Compensated(residual if finite else flat, finite, selected)
 
     def compensate(self, name, flat):
         residual = self._existing(name, flat)
-        return np.array(flat, dtype=np.float32, copy=True) if residual is None else residual + flat
+        return _copy(flat) if residual is None else residual + flat
 
     def settle(self, name, positions, values, threads=1):
         residual = self._residuals[name]
         if positions is None:
-            residual.fill(0.0)
+            residual[...] = 0.0
         elif len(positions):
             kernels.subtract_at(residual, positions, values, threads)
 
@@ -133,7 +141,7 @@ class ResidualMemory(Memory):
 
     def snapshot(self, name):
         residual = self._residuals.get(name)
-        return None if residual is None else residual.copy()
+        return None if residual is None else _copy(residual)
 
     def restore(self, name, snapshot):
         if snapshot is None:
@@ -143,7 +151,7 @@ class ResidualMemory(Memory):
 
     def state_dict(self) -> dict:
         """``{"residuals": {name: residual}}`` (copies), for checkpoints."""
-        return {"residuals": {name: residual.copy() for name, residual in self._residuals.items()}}
+        return {"residuals": {name: _host(residual).copy() for name, residual in self._residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace every residual with the checkpoint's; errors name a malformed entry."""
@@ -159,6 +167,17 @@ class ResidualMemory(Memory):
             loaded[name] = np.array(array, dtype=np.float32, copy=True)
         self.reset()
         self._residuals.update(loaded)
+
+
+def _copy(flat):
+    """A float32 copy of a flat gradient in its own framework and device."""
+    xp = arrays.namespace(flat)
+    return xp.asarray(flat, dtype=xp.float32, copy=True)
+
+
+def _host(residual) -> np.ndarray:
+    """A residual as a float32 NumPy array (a torch residual is copied to the host)."""
+    return np.asarray(arrays.adapter(residual).to_numpy(residual), dtype=np.float32)
 
 
 def _checked_keys(component, state, keys) -> dict:

@@ -17,6 +17,7 @@ from typing import Union
 from .errors import ConfigError
 
 AUTO = "auto"
+MAX_THREADS = 256   # the C++ kernels' bound (csrc/bloom/bloom.h MAX_THREADS)
 LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE")
 
 ThreadsOption = Union[int, str]
@@ -41,10 +42,10 @@ def local_ranks() -> int:
 
 def check_threads(value: ThreadsOption, owner: str = "config") -> ThreadsOption:
     """``value`` if it is a valid ``threads`` option (a positive int or "auto"), else ConfigError."""
-    if value == AUTO:
+    if isinstance(value, str) and value == AUTO:
         return AUTO
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner}: 'threads' must be a positive integer or 'auto', got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ConfigError(f"{owner}: 'threads' must be an integer in [1, {MAX_THREADS}] or 'auto', got {value!r}")
     return value
 
 
@@ -52,5 +53,5 @@ def resolve_threads(value: ThreadsOption) -> int:
     """The thread count an option stands for on this host."""
     value = check_threads(value)
     if value == AUTO:
-        return max(1, usable_cpus() // local_ranks())
+        return min(MAX_THREADS, max(1, usable_cpus() // local_ranks()))
     return value

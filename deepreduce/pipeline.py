@@ -8,12 +8,15 @@ any rank's payload.
 """
 from __future__ import annotations
 
+import math
+import struct
 import time
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
 
-from . import bitpack, container, kernels, parallel, registry
+from . import arrays, bitpack, container, kernels, parallel, registry
 from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
@@ -27,6 +30,12 @@ from .values import ValueCodec
 NONFINITE_POLICIES = ("propagate", "raise")
 _STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")
 DEFAULT_MIN_NUMEL = 1000
+#: No tensor has more elements: 2**62 float32 fill a 64-bit address space. ``min_numel`` and
+#: ``max_numel`` above it are refused as absurd.
+MAX_TENSOR_NUMEL = 1 << 62
+#: What a decoder may raise on bad bytes that is not yet a DeepReduceError (re-raised as one).
+_DECODE_ERRORS = (ValueError, IndexError, OverflowError, TypeError, KeyError, ArithmeticError,
+                  RuntimeError, struct.error, zlib.error)
 
 
 class Pipeline:
@@ -41,13 +50,17 @@ class Pipeline:
         nonfinite: ``"propagate"`` sends a tensor holding NaN/Inf dense and unchanged, so the
             receiver (and an AMP loss scaler) sees it; ``"raise"`` refuses it with
             NonFiniteGradientError.
+        max_numel: the most elements a received container may claim when ``decode`` is given
+            no expected shape (the integrations always pass the parameter's shape); a receiver
+            setting, it never changes a byte (docs/reliability.md).
     """
 
     def __init__(self, sparsifier: Sparsifier, index: IndexCodec, value: ValueCodec, memory: Memory,
                  communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate",
-                 threads: parallel.ThreadsOption = parallel.AUTO) -> None:
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ConfigError(f"pipeline: 'min_numel' must be a non-negative integer, got {min_numel!r}")
+                 threads: parallel.ThreadsOption = parallel.AUTO,
+                 max_numel: int = container.MAX_NUMEL) -> None:
+        check_numel_option("pipeline", "min_numel", min_numel, 0)
+        check_numel_option("pipeline", "max_numel", max_numel, 1)
         if nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"pipeline: 'nonfinite' is {nonfinite!r}; allowed: {', '.join(NONFINITE_POLICIES)}")
         self.sparsifier = sparsifier
@@ -57,6 +70,7 @@ class Pipeline:
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
+        self.max_numel = max_numel
         self.nonfinite = nonfinite
         self.threads_option = parallel.check_threads(threads, "pipeline")
         self.threads = parallel.resolve_threads(self.threads_option)
@@ -65,7 +79,8 @@ class Pipeline:
         self.stats = CompressionStats()
         wire_config = self.get_config()
         wire_config.pop("communicator", None)
-        wire_config.pop("threads")  # threads never change a byte
+        wire_config.pop("threads")  # threads and the receiver's bound never change a byte
+        wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
@@ -81,6 +96,7 @@ class Pipeline:
             "min_numel": self.min_numel,
             "nonfinite": self.nonfinite,
             "threads": self.threads_option,
+            "max_numel": self.max_numel,
         }
         if self.communicator is not None:
             config["communicator"] = self.communicator.get_config()
@@ -163,16 +179,18 @@ class Pipeline:
         """
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
-        sparse = flat.size >= self.min_numel
+        numel = flat.shape[0]
+        sparse = numel >= self.min_numel
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
-        fused = sparse and select is None and hasattr(type(self.sparsifier), "fused_count")
+        fused = sparse and select is None and not arrays.is_torch(flat) and hasattr(type(self.sparsifier), "fused_count")
         if self._journal is not None:
             self._journal.save(name)
-        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.size) if fused else 0,
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:
             if self.nonfinite == "raise" and self._journal is None:
-                nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
+                xp = arrays.namespace(flat)
+                nan, inf = int(xp.sum(xp.isnan(flat))), int(xp.sum(xp.isinf(flat)))
                 raise NonFiniteGradientError(
                     f"gradient {name!r} at step {step} has {nan} NaN and {inf} Inf entries "
                     "(pipeline option nonfinite='raise')"
@@ -185,8 +203,8 @@ class Pipeline:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
             self.memory.settle(name, positions, received, self.threads)
         c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
-        payload = container.pack(c)
-        self._count_encode(c, payload.size, flat.size, time.perf_counter() - start)
+        payload = container.pack(c, like=flat)
+        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
     def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
@@ -194,6 +212,10 @@ class Pipeline:
             return select(comp.flat, ctx)
         if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
             return comp.selected
+        if arrays.is_torch(comp.flat):  # torch tensors: the same selection as torch ops on their device
+            from .torch.sparsify import select_torch_native
+
+            return select_torch_native(self.sparsifier, comp.flat, ctx)
         return self.sparsifier.select(comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
@@ -202,19 +224,20 @@ class Pipeline:
         indices = self._select(comp, ctx, select)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
+        index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
         if self.index.keeps_order:
-            venc = self.value.encode(values, ctx)
+            venc = value_encode(values, ctx)
             positions = indices
             if venc.order is not None:
                 indices = indices[venc.order]
-            ienc = self.index.encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
+            ienc = index_encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
         else:
-            ienc = self.index.encode(indices, values, compensated, ctx)
-            venc = self.value.encode(ienc.values, ctx)
+            ienc = index_encode(indices, values, compensated, ctx)
+            venc = value_encode(ienc.values, ctx)
             positions = ienc.indices
             if venc.order is not None and len(ienc.indices):
                 perm_width = bitpack.width_for(len(ienc.indices) - 1)
-                perm_section = bitpack.pack(venc.order, perm_width)
+                perm_section = bitpack.pack(arrays.adapter(venc.order).to_numpy(venc.order), perm_width)
         received = self.value.reconstruct(venc, len(positions))
         c = container.Container(
             shape=shape, n=len(ienc.indices), index_id=self.index.wire_id, value_id=self.value.wire_id,
@@ -229,8 +252,10 @@ class Pipeline:
                out: Optional[np.ndarray] = None) -> np.ndarray:
         """Reconstruct the dense float32 tensor a container describes.
 
-        ``expected_shape`` (optional) is checked against the header, so a rank that sent a
-        tensor of another shape under the same name is reported, not silently mis-summed.
+        ``expected_shape`` (optional) is checked against the header before anything is
+        allocated, so a rank that sent a tensor of another shape under the same name is reported,
+        not silently mis-summed; without it, a header claiming more than ``max_numel`` elements
+        is refused. A container without the non-finite flag whose values are NaN/Inf is refused.
         ``out`` (optional): a C-contiguous float32 array of the tensor's size to write into
         (overwritten); otherwise a fresh array is returned.
         """
@@ -259,7 +284,8 @@ class Pipeline:
                 c = self._unpack(payload, expected_shape)
                 if target is None:
                     target, expected_shape = _output(out, c), c.shape
-                self._decode_into(c, target, accumulate=rank > 0 or out is None)
+                self._decode_into(c, target, accumulate=rank > 0 or out is None,
+                                  check_sum=rank > 0 and self.nonfinite == "raise")
             except DeepReduceError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
@@ -267,13 +293,7 @@ class Pipeline:
         return target.reshape(expected_shape)
 
     def _unpack(self, payload, expected_shape) -> container.Container:
-        c = container.unpack(payload)
-        if expected_shape is not None and tuple(expected_shape) != c.shape:
-            raise CommunicationError(
-                f"container holds a tensor of shape {c.shape}, expected {tuple(expected_shape)}: "
-                "ranks disagree about this tensor"
-            )
-        return c
+        return container.unpack(payload, expected_shape, self.max_numel)
 
     def _codec(self, kind: str, wire_id: int):
         key = (kind, wire_id)
@@ -283,42 +303,79 @@ class Pipeline:
             codec.threads = self.threads
         return codec
 
-    def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool) -> None:
+    def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool,
+                     check_sum: bool = False) -> None:
         """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``
         (adding into a fresh all-zero buffer spares a pass that would zero it again).
+
+        ``check_sum`` (decode_sum with ``nonfinite='raise'``): finite values whose sum overflows
+        float32 raise NonFiniteGradientError (checked at the n positions written); with
+        ``'propagate'`` the sum is Inf there, as a float32 allreduce would give.
 
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
         """
+        a = arrays.adapter(out)
         if c.dense:
-            dense = np.frombuffer(c.value_section, dtype="<f4")
+            dense = a.from_section(c.value_section, "<f4", out)
+            _check_finite(c, dense, "dense section")
             if accumulate:
-                np.add(out, dense, out=out)
+                out += dense
             else:
-                out[:] = dense
+                out[...] = dense
+            if check_sum and not _all_finite(out):
+                raise _sum_overflow()
             return
-        index_codec = self._codec("index", c.index_id)
+        index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
         try:
-            indices = index_codec.decode(c.index_params, c.index_section, c.n, c.numel)
-            values = self._codec("value", c.value_id).decode(c.value_params, c.value_section, c.n)
+            indices = _decoded(index_codec, out, c.index_section,
+                               lambda section: index_codec.decode(c.index_params, section, c.n, c.numel))
+            values = _decoded(value_codec, out, c.value_section,
+                              lambda section: value_codec.decode(c.value_params, section, c.n))
         except DeepReduceError:
             raise
-        except (ValueError, IndexError, OverflowError) as exc:
-            raise ContainerError(f"container sections could not be decoded: {exc}") from exc
+        except _DECODE_ERRORS as exc:
+            raise ContainerError(f"container sections could not be decoded: {type(exc).__name__}: {exc}") from exc
         if len(indices) != c.n or len(values) != c.n:
             raise ContainerError(
                 f"container decoded to {len(indices)} indices and {len(values)} values, header says {c.n}"
             )
+        _check_finite(c, values, "values")
         if c.permuted:  # value j belongs to indices[perm[j]]: put the values in index order
             perm = bitpack.unpack(c.perm_section, c.perm_width, c.n).astype(np.int64)
             if c.n and (perm.max() >= c.n or np.bincount(perm, minlength=c.n).max() != 1):
                 raise ContainerError("container permutation section is not a permutation")
-            in_index_order = np.empty(c.n, dtype=np.float32)
-            in_index_order[perm] = values
+            in_index_order = arrays.namespace(values).empty_like(values)
+            in_index_order[a.from_numpy(perm, out)] = values
             values = in_index_order
         if not accumulate:
-            out.fill(0.0)
+            out[...] = 0.0
         kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
+        if check_sum and not _all_finite(out[indices]):
+            raise _sum_overflow()
+
+    # ------------------------------------------------------------------ backends
+    def backends(self, device=None) -> dict:
+        """Where each component runs and which implementation: ``device=None`` for NumPy input
+        (the host: "c++" or "numpy"), or a torch device for the torch device path ("torch on
+        <device>", or "host: ..." for a component that falls back, see ``deepreduce.arrays``)."""
+        host_kernels = "host: c++" if kernels.native() is not None else "host: numpy"
+        if device is None:
+            parts = {"memory": host_kernels, "finiteness": host_kernels,
+                     "sparsifier": f"host: {getattr(self.sparsifier, 'backend', 'numpy')}",
+                     "index": f"host: {self.index.backend}", "value": f"host: {self.value.backend}",
+                     "container": "host: python", "decode_accumulate": host_kernels}
+            return parts
+        on_device = f"torch on {device}"
+        from .torch.sparsify import SELECTORS   # the sparsifiers with a torch version
+
+        def codec(component):
+            return on_device if component.array_api else f"host: {component.backend} (compact data copied)"
+
+        return {"memory": on_device, "finiteness": on_device,
+                "sparsifier": on_device if self.sparsifier.id in SELECTORS else "host (dense copy)",
+                "index": codec(self.index), "value": codec(self.value),
+                "container": f"{on_device} (header and CRC on the host)", "decode_accumulate": on_device}
 
     # ------------------------------------------------------------------ stats
     def _count_encode(self, c: container.Container, nbytes: int, numel: int, seconds: float) -> None:
@@ -333,19 +390,154 @@ class Pipeline:
         s.encode_seconds += seconds
 
 
+def check_numel_option(owner: str, key: str, value, low: int) -> int:
+    """``value`` if it is an integer element count in ``[low, 2**62]``, else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_TENSOR_NUMEL:
+        raise ConfigError(f"{owner}: {key!r} must be an integer in [{low}, 2**62] (no tensor has more "
+                          f"than 2**62 elements), got {value!r}")
+    return value
+
+
+def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None:
+    """Finite in, finite out: a container without the NONFINITE flag must decode to finite values.
+
+    One float64 sum of the float32 values: it cannot overflow (n * 3.4e38 < 1.8e308) and is
+    NaN/Inf exactly when a value is, so no boolean array is allocated.
+    """
+    if c.nonfinite or not len(values) or _all_finite(values):
+        return
+    raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
+
+
+def _sum_overflow() -> NonFiniteGradientError:
+    return NonFiniteGradientError("the sum of the ranks' tensors is not finite: finite float32 values "
+                                  "overflow when added (pipeline option nonfinite='raise')")
+
+
+def _all_finite(x) -> bool:
+    """Whether every entry of a float array (NumPy, or torch on its device) is finite: one
+    float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it)."""
+    if arrays.is_torch(x):
+        import torch
+
+        return bool(torch.isfinite(x.sum(dtype=torch.float64)))
+    return math.isfinite(float(np.add.reduce(x, axis=None, dtype=np.float64)))
+
+
+def dtype_error(name: str, dtype) -> DeepReduceError:
+    """The one error every binding raises for a gradient that is not floating point (NumPy,
+    torch and TensorFlow dtypes are named alike: ``int64``, not ``torch.int64``)."""
+    dtype = str(getattr(dtype, "name", dtype)).replace("torch.", "")
+    return DeepReduceError(f"gradient {name!r} has dtype {dtype}; deepreduce compresses floating-point tensors")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def to_float32(arr, name: str):
+    """``arr`` (a float NumPy array or torch tensor) as float32; a wider float holding finite
+    values beyond float32's range raises NonFiniteGradientError saying they overflow (they would
+    arrive as Inf)."""
+    torch_input = arrays.is_torch(arr)
+    if torch_input:
+        import torch
+
+        if arr.dtype == torch.float32:
+            return arr
+        out, wide = arr.float(), arr.dtype.itemsize > 4
+    else:
+        if arr.dtype == np.float32:
+            return arr
+        with np.errstate(over="ignore"):
+            out = arr.astype(np.float32)
+        wide = arr.dtype.itemsize > 4
+    if wide and len(out.reshape(-1)) and not _all_finite(out):
+        xp = arrays.namespace(arr)
+        overflow = xp.isinf(out) & xp.isfinite(arr)
+        count = int(xp.sum(xp.astype(overflow, xp.int64)))
+        if count:
+            largest = float(xp.max(xp.abs(arr[overflow])))
+            raise NonFiniteGradientError(
+                f"gradient {name!r} ({str(arr.dtype).replace('torch.', '')}) has {count} finite values beyond "
+                f"float32's range (largest magnitude {largest:.4g} > {FLOAT32_MAX:.4g}): they would "
+                "overflow to Inf on the float32 wire; scale the gradient"
+            )
+    return out
+
+
+def _runner(component, like):
+    """``component.encode`` for data like ``like``: the component itself for NumPy input or when
+    it is written against the array namespace (``array_api``); otherwise, for torch tensors,
+    its host path on NumPy copies of its (compact) inputs, with results moved back to the device
+    and a one-time warning naming it. The index codec is handed the dense gradient too (Bloom
+    reads it; Bloom runs on the device)."""
+    if not arrays.is_torch(like) or component.array_api:
+        return component.encode
+    a = arrays.adapter(like)
+
+    def host(x):
+        return None if x is None else a.to_numpy(x)
+
+    def device(x):
+        return None if x is None else a.from_numpy(np.asarray(x), like)
+
+    def encode(*args):
+        arrays.host_fallback(f"{component.kind} codec {component.id!r}")
+        *data, ctx = args
+        result = component.encode(*(host(x) for x in data), ctx)
+        if component.kind == "index":
+            return result._replace(indices=device(result.indices), values=device(result.values))
+        received = component.reconstruct(result, len(data[0]))
+        return result._replace(order=device(result.order), reconstructed=device(received))
+
+    return encode
+
+
+def _decoded(codec, out, section, decode):
+    """What ``decode(section)`` returns, in ``out``'s framework: for a torch ``out`` an
+    ``array_api`` codec decodes the section uploaded to the device, any other decodes it on the
+    host (one-time warning) and its n entries move to the device."""
+    if not arrays.is_torch(out):
+        return decode(section)
+    a = arrays.adapter(out)
+    if codec.array_api:
+        return decode(a.from_section(section, "<u1", out))
+    arrays.host_fallback(f"{codec.kind} codec {codec.id!r} (decode)")
+    return a.from_numpy(np.asarray(decode(bytes(section))), out)
+
+
 def _as_float32(grad, name: str):
-    """A gradient as a flat float32 array and its shape; rejects non-float input by name."""
+    """A gradient as a flat float32 array and its shape; rejects non-float input by name.
+
+    A torch tensor stays a torch tensor on its device (the torch device path); a float32
+    contiguous one is not copied.
+    """
+    if arrays.is_torch(grad):
+        if not grad.dtype.is_floating_point:
+            raise dtype_error(name, grad.dtype)
+        return to_float32(grad.detach(), name).contiguous().reshape(-1), tuple(int(s) for s in grad.shape)
     arr = np.asarray(grad)
     if not np.issubdtype(arr.dtype, np.floating):
-        raise DeepReduceError(f"gradient {name!r} has dtype {arr.dtype}; deepreduce compresses floating-point tensors")
-    return np.ascontiguousarray(arr, dtype=np.float32).ravel(), tuple(int(s) for s in arr.shape)
+        raise dtype_error(name, arr.dtype)
+    return np.ascontiguousarray(to_float32(arr, name)).ravel(), tuple(int(s) for s in arr.shape)
 
 
 def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
     """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or fresh zeros
-    (pages the OS hands out zeroed; only those the scatter touches are ever written)."""
+    (pages the OS hands out zeroed; only those the scatter touches are ever written).
+
+    A torch ``out`` (float32, contiguous) is decoded into on its own device.
+    """
     if out is None:
         return np.zeros(c.numel, dtype=np.float32)
+    if arrays.is_torch(out):
+        import torch
+
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise DeepReduceError("decode: a torch out= must be a contiguous float32 tensor")
+        if out.numel() != c.numel:
+            raise CommunicationError(f"decode: out= has {out.numel()} elements, the container's tensor {c.numel}")
+        return out.detach().reshape(-1)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
             or not out.flags.writeable:
         raise DeepReduceError("decode: out= must be a writeable C-contiguous float32 NumPy array")
@@ -354,8 +546,8 @@ def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _dense_container(flat: np.ndarray, shape, flags: int) -> container.Container:
+def _dense_container(flat, shape, flags: int) -> container.Container:
     return container.Container(
-        shape=shape, n=flat.size, index_id=0, value_id=0, flags=flags,
-        value_section=flat.astype("<f4").tobytes(),
-    )
+        shape=shape, n=flat.shape[0], index_id=0, value_id=0, flags=flags,
+        value_section=arrays.adapter(flat).as_bytes(arrays.namespace(flat).asarray(flat, copy=True)),
+    )   # a copy: a torch section is a view, and the residual behind ``flat`` is reset after packing

@@ -92,5 +92,10 @@ def create(kind: str, config) -> object:
         raise ConfigError(f"{kind}: expected a mapping with an 'id' key, got {config!r}")
     if "id" not in config:
         raise ConfigError(f"{kind}: missing 'id'; allowed ids: {', '.join(ids(kind))}")
+    if not isinstance(config["id"], str):
+        raise ConfigError(f"{kind}: 'id' must be a string, got {config['id']!r}; allowed ids: {', '.join(ids(kind))}")
+    bad = [key for key in config if not isinstance(key, str)]
+    if bad:
+        raise ConfigError(f"{kind} {config['id']!r}: parameter names must be strings, got {bad[0]!r}")
     params = {k: v for k, v in config.items() if k != "id"}
     return get_class(kind, config["id"])(**params)

@@ -44,10 +44,27 @@ PHASES = ("forward", "backward", "step")
 TORCH_HOOKS = ("fp16", "powersgd")
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_common_arguments(parser: argparse.ArgumentParser, baseline_help: str, threads_help: str
+                         ) -> argparse.ArgumentParser:
+    """The options every training job takes (this one, examples/train_tf.py, examples/train_keras.py)."""
     parser.add_argument("--config", default="configs/topk_raw.yaml", help="DeepReduce config (YAML)")
-    parser.add_argument("--baseline", action="store_true", help="no compression: Horovod allreduce (DDP under torchrun)")
+    parser.add_argument("--baseline", action="store_true", help=baseline_help)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (scaled by the number of ranks)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=5e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help=threads_help)
+    parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = add_common_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+                                  "no compression: Horovod allreduce (DDP under torchrun)",
+                                  "torch intra-op threads per rank")
     parser.add_argument("--ab", action="store_true",
                         help="alternate dense allreduce and deepreduce every step and print their step-time ratio")
     parser.add_argument("--profile", action="store_true", help="print median forward/backward/step ms per epoch")
@@ -56,15 +73,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of --hook powersgd")
     parser.add_argument("--sync-encode", action="store_true",
                         help="encode inside the backward hook instead of on the background worker")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (scaled by the number of ranks)")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=5e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
-    parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
     args = parser.parse_args(argv)
     if args.ab and args.baseline:
         parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")

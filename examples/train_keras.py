@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -27,11 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from deepreduce.tensorflow.job import add_job_arguments, cosine_lr, digits_nhwc, epoch_line, epoch_record, resnet20  # noqa: E402,E501
-
-
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    return add_job_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
+from deepreduce.tensorflow.job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
 
 
 def shard_batches(x, y, rank: int, size: int, batch_size: int, steps: int, seed: int):
@@ -47,21 +42,12 @@ def shard_batches(x, y, rank: int, size: int, batch_size: int, steps: int, seed:
 
 def train(args: argparse.Namespace) -> List[dict]:
     """Run the job on the current Horovod world; returns rank 0's per-epoch metrics."""
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(1, args.threads))
-    import horovod.tensorflow as hvd
-    import keras
-
+    job = start_job(args)
+    tf, hvd, keras, model, base_lr = job.tf, job.hvd, job.keras, job.model, job.base_lr
+    x_train, y_train, x_test, y_test = job.x_train, job.y_train, job.x_test, job.y_test
     import deepreduce.tensorflow as drtf
     import deepreduce.tensorflow.keras as drk
 
-    hvd.init()
-    keras.utils.set_random_seed(args.seed)
-    x_train, y_train, x_test, y_test = digits_nhwc()
-    model = resnet20(keras)
-    base_lr = args.lr * hvd.size()
     # weight decay inside the optimizer, after the reduction (as torch's SGD): it is not communicated
     # the config path itself (the optimizer builds its pipeline once); a built pipeline for another backend
     compression = None if args.baseline else \
@@ -102,16 +88,12 @@ def train(args: argparse.Namespace) -> List[dict]:
                  EpochLine()]
     model.fit(shard_batches(x_train, y_train, hvd.rank(), hvd.size(), args.batch_size, steps, args.seed),
               steps_per_epoch=steps, epochs=args.epochs, callbacks=callbacks, shuffle=False, verbose=0)
-    if hvd.rank() == 0 and args.metrics_json:
-        with open(args.metrics_json, "w", encoding="utf-8") as handle:
-            json.dump({"framework": "keras", "config": None if args.baseline else args.config,
-                       "ranks": hvd.size(), "epochs": history}, handle, indent=2)
+    save_metrics(args, job, "keras", history)
     return history
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    train(parse_args(argv))
-    return 0
+    return run_job(train, __doc__, argv)
 
 
 if __name__ == "__main__":

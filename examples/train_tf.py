@@ -15,7 +15,6 @@ over dense float32 bytes, averaged over ranks) and wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,32 +25,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from deepreduce.tensorflow.job import add_job_arguments, cosine_lr, digits_nhwc, epoch_line, epoch_record, resnet20  # noqa: E402,E501
-
-
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    return add_job_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
+from deepreduce.tensorflow.job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
 
 
 def train(args: argparse.Namespace) -> List[dict]:
     """Run the job on the current Horovod world; returns rank 0's per-epoch metrics."""
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(1, args.threads))
-    import horovod.tensorflow as hvd
-    import keras
-
+    job = start_job(args)
+    tf, hvd, keras, model, base_lr = job.tf, job.hvd, job.keras, job.model, job.base_lr
+    x_train, y_train, x_test, y_test = job.x_train, job.y_train, job.x_test, job.y_test
     import deepreduce.tensorflow as drtf
     from deepreduce.data import shard
     from deepreduce.tensorflow.keras import broadcast_variables
 
-    hvd.init()
-    keras.utils.set_random_seed(args.seed)
-    x_train, y_train, x_test, y_test = digits_nhwc()
-    model = resnet20(keras)
     broadcast_variables(model.variables, root_rank=0)   # start every rank from rank 0's weights
-    base_lr = args.lr * hvd.size()
     # weight decay inside the optimizer, after the reduction (as torch's SGD): it is not communicated
     optimizer = keras.optimizers.SGD(learning_rate=base_lr, momentum=args.momentum, weight_decay=args.weight_decay)
     # built once here: the tape created inside train_step would also accept the config path itself
@@ -97,16 +83,12 @@ def train(args: argparse.Namespace) -> List[dict]:
         history.append(record)
         if hvd.rank() == 0:
             print(epoch_line(record), flush=True)
-    if hvd.rank() == 0 and args.metrics_json:
-        with open(args.metrics_json, "w", encoding="utf-8") as handle:
-            json.dump({"framework": "tensorflow", "config": None if args.baseline else args.config,
-                       "ranks": hvd.size(), "epochs": history}, handle, indent=2)
+    save_metrics(args, job, "tensorflow", history)
     return history
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    train(parse_args(argv))
-    return 0
+    return run_job(train, __doc__, argv)
 
 
 if __name__ == "__main__":

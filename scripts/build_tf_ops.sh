@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the TensorFlow custom ops of deepreduce into deepreduce/tensorflow/_deepreduce_ops.so.
 #
-# Compiles every csrc/*/tf_*.cpp (REGISTER_OP + OpKernel) together with the pure C++ sources of
-# the same folders (every .cpp except the pybind11 module py_module.cpp), against the installed
-# TensorFlow with its tf.sysconfig compile and link flags, at -O3. Skips the build when the
+# Compiles every csrc/*/tf_*.cpp (REGISTER_OP + OpKernel; csrc/tf/tf_pipeline_ops.cpp) together
+# with every pure C++ source of csrc/ (each .cpp except the pybind11 modules py_module.cpp: the
+# same kernels and container code the extensions wrap), against the installed TensorFlow with
+# its tf.sysconfig compile and link flags, at -O3. Skips the build when the
 # library is newer than every source and header and was built for the same TensorFlow version.
 #
 #   PYTHON=...                 interpreter with TensorFlow (default: .venv/bin/python, else python3)
@@ -28,7 +29,8 @@ if [ ${#OP_SOURCES[@]} -eq 0 ]; then
     exit 0
 fi
 SOURCES=() INCLUDES=(-Icsrc) DEPS=()
-for folder in $(printf '%s\n' "${OP_SOURCES[@]}" | xargs -n1 dirname | sort -u); do
+for folder in csrc/*/; do
+    folder="${folder%/}"
     INCLUDES+=("-I$folder")
     for src in "$folder"/*.cpp; do
         [ "$(basename "$src")" = "py_module.cpp" ] && continue

@@ -27,7 +27,7 @@ def _table(text: str) -> dict:
     return rows
 
 
-@pytest.mark.parametrize("order", [[], ["--interleave"]])
+@pytest.mark.parametrize("order", [[], ["--interleave"], ["--device", "cpu"]])
 def test_bench_step_tiny_set(tmp_path, capsys, order):
     rng = np.random.default_rng(0)
     path = tmp_path / "tiny.npz"
@@ -35,7 +35,8 @@ def test_bench_step_tiny_set(tmp_path, capsys, order):
     config = f"{default_configs_dir()}/topk_raw.yaml"
     assert main(["bench-step", "--gradients", str(path), "--steps", "2", "--warmup", "0", *order, config]) == 0
     rows = _table(capsys.readouterr().out)
-    assert set(rows) == {"dense (no compression)", "fp16", "PowerSGD rank 1", "PowerSGD rank 4", "topk_raw"}
+    assert set(rows) == {"dense (no compression)", "fp16", "PowerSGD rank 1", "PowerSGD rank 4", "topk_raw",
+                         "torch.topk (1%)"}
     ref_total, ref_bytes = rows["PowerSGD rank 4"][2], rows["PowerSGD rank 4"][3]
     for name, (encode, decode, total, nbytes, volume, time_ratio, volume_ratio) in rows.items():
         assert min(encode, decode, total) >= 0 and nbytes > 0, name
@@ -50,13 +51,15 @@ def test_bench_step_tiny_set(tmp_path, capsys, order):
     # all-reduced as is: 4 bytes x (16*4 + 144*4 + 64*4 + 32*4 + 10).
     assert rows["PowerSGD rank 4"][3] == 4 * (16 * 4 + 144 * 4 + 64 * 4 + 32 * 4 + 10)
     assert 0 < rows["topk_raw"][4] < 1
+    # the selection alone: int64 positions of 1% of each tensor (at least one)
+    assert rows["torch.topk (1%)"][3] == 8 * sum(max(1, int(0.01 * np.prod(s))) for s in SHAPES.values())
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--sets", "resnet99"], "unknown gradient set 'resnet99'"),
     (["--gradients", "missing.npz"], "no gradient file 'missing.npz'"),
     (["--ranks", "0"], "--ranks and --steps must be at least 1"),
-    (["--threads", "many"], "--threads: 'threads' must be a positive integer or 'auto', got 'many'"),
+    (["--threads", "many"], r"--threads: 'threads' must be an integer in \[1, 256\] or 'auto', got 'many'"),
 ])
 def test_bench_step_rejects_bad_arguments(argv, message):
     with pytest.raises(ConfigError, match=message):

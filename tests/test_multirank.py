@@ -36,6 +36,6 @@ def test_nonfinite_step_is_skipped_on_every_rank_and_training_goes_on(agreement_
     assert agreement_run.count(" nonfinite_skip ") == 2
 
 
-def test_background_encoder_matches_synchronous_path_and_surfaces_worker_errors():
+def test_background_encoder_and_device_path_match_synchronous_path_and_surface_worker_errors():
     out = run_ranks("horovodrun", "torch_background_encode.py")
     assert out.stdout.count("OK") == 2

@@ -59,7 +59,7 @@ def test_tf_function_with_tensor_step_matches_core_at_every_step():
     assert len(traces) == 1                               # traced once, ran four times
     assert not np.array_equal(payloads[0], payloads[1])   # the step changed the draw
     # the residual memory advanced inside the graph exactly as in the core
-    np.testing.assert_array_equal(pipe.core.memory.residual("layer/kernel"), core.memory.residual("layer/kernel"))
+    np.testing.assert_array_equal(pipe.residual("layer/kernel"), core.memory.residual("layer/kernel"))
     assert pipe.stats.tensors_encoded == 4
 
 
@@ -188,6 +188,21 @@ def test_tf_resnet20_matches_the_torch_model_size():
 
     record = job.epoch_record(3, 0.25, 0.9, 0.03, 1.5)
     assert job.epoch_line(record) == torch_job.EPOCH_LINE.format(acc_pct=90.0, **record)   # the PyTorch job's line
+
+
+def test_tf_jobs_take_the_torch_jobs_options():
+    """One definition of the common job options: the TF jobs parse them as the torch job does."""
+    import argparse
+
+    from deepreduce import train as torch_job
+    from deepreduce.tensorflow import job
+
+    argv = ["--config", "configs/bf_p2.yaml", "--epochs", "3", "--lr", "0.1", "--max-steps", "5", "--seed", "4",
+            "--threads", "2", "--metrics-json", "m.json", "--baseline"]
+    tf_args = vars(job.add_job_arguments(argparse.ArgumentParser()).parse_args(argv + ["--tf-backend", "tf-ops"]))
+    torch_args = vars(torch_job.parse_args(argv))
+    assert tf_args.pop("tf_backend") == "tf-ops"
+    assert tf_args == {key: torch_args[key] for key in tf_args}
 
 
 def test_shared_pipeline_one_per_config_and_per_core_pipeline():

@@ -73,6 +73,13 @@ def test_topk_bytes_on_the_wire_are_the_documented_container_sizes(ranks):
         assert result["wire_bytes"] == 3 * per_step
 
 
+def test_device_path_gives_the_host_paths_containers_and_parameters(ranks):
+    r0, r1 = both(ranks, "scenario_device_path")
+    for result in (r0, r1):
+        assert result["params_equal"] and result["containers_equal"]
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
 def test_resumed_state_sends_identical_containers(ranks):
     for result in both(ranks, "scenario_checkpoint"):
         assert len(result["names"]) == 6

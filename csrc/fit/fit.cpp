@@ -307,14 +307,20 @@ int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_se
   return static_cast<int64_t>(w - out);
 }
 
-int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree,
-                      int coef_bytes, float* out) {
-  if (n < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
+}  // extern "C"
+
+namespace {
+
+// The segment table of a payload: its lengths must add up to l and n, and the coefficients
+// after it must take exactly the remaining bytes. Reads only the payload (never n entries), so
+// a count the payload cannot back is refused before anything of n values is allocated.
+int parse_table(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes,
+                std::vector<int64_t>* lengths, int64_t* coef_pos) {
+  if (n < 0 || len < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
   if (len < 4) return DR_FIT_E_LENGTH;
   const int64_t l = get_u32(payload);
   if (l > n) return DR_FIT_E_SEGMENTS;
   int64_t pos = 4;
-  std::vector<int64_t> lengths;
   int64_t coef_count = 0;
   for (int part = 0; part < 2; ++part) {
     const int64_t total = part == 0 ? l : n - l;
@@ -325,11 +331,29 @@ int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree
       pos += 4;
       if (s == 0 || s > total - sum) return DR_FIT_E_SEGMENTS;
       sum += s;
-      lengths.push_back(s);
+      if (lengths) lengths->push_back(s);
       coef_count += seg_degree(s, degree) + 1;
     }
   }
   if (len - pos != coef_count * coef_bytes) return DR_FIT_E_LENGTH;
+  if (coef_pos) *coef_pos = pos;
+  return DR_FIT_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int dr_polyfit_check(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes) {
+  return parse_table(payload, len, n, degree, coef_bytes, nullptr, nullptr);
+}
+
+int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree,
+                      int coef_bytes, float* out) {
+  std::vector<int64_t> lengths;
+  int64_t pos = 0;
+  const int rc = parse_table(payload, len, n, degree, coef_bytes, &lengths, &pos);
+  if (rc != DR_FIT_OK) return rc;
   const uint8_t* c = payload + pos;
   int64_t start = 0;
   double coef[kMaxDegree + 1];

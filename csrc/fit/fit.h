@@ -51,6 +51,10 @@ int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_se
                           int min_points, int coef_bytes, int64_t* perm, uint8_t* out,
                           int64_t out_capacity);
 
+// Check that a payload of len bytes can hold n values (its segment table adds up to n, its
+// coefficients fill the rest) without writing anything: 0 or a negative code. Call it before
+// allocating the n outputs of dr_polyfit_decode, which repeats the check.
+int dr_polyfit_check(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes);
 // Decode a payload of len bytes into n float32 values (in sorted order). 0 or a negative code.
 int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree,
                       int coef_bytes, float* out);

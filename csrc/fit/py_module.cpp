@@ -51,6 +51,8 @@ py::tuple encode(FloatArray values, int degree, int max_segments, int min_points
 py::array_t<float> decode(py::bytes payload, int64_t n, int degree, int coef_bytes) {
   if (n < 0) throw std::invalid_argument("polyfit decode: negative value count");
   std::string buf = payload;
+  check(dr_polyfit_check(reinterpret_cast<const uint8_t*>(buf.data()), static_cast<int64_t>(buf.size()), n,
+                         degree, coef_bytes));   // before n outputs are allocated
   py::array_t<float> out(n);
   int rc;
   {

@@ -1,6 +1,8 @@
 // pybind11 binding of the hot-path kernels: deepreduce._select. Arrays in, arrays out; the GIL
 // is released around every kernel. In-place arguments (residual, out) must already be
 // writeable C-contiguous float32 arrays: they are never converted (a copy would lose the write).
+// Index arrays must have an integer dtype (a float array raises TypeError instead of being
+// truncated); threads must be in [1, 256]; bad arguments raise, they never reach a kernel.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -17,9 +19,26 @@ using FloatIn = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using FloatInPlace = py::array_t<float, py::array::c_style>;
 using IndexIn = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
+constexpr int kMaxThreads = 256;
+
 int checked_threads(int threads) {
-  if (threads < 1) throw std::invalid_argument("threads must be at least 1");
+  if (threads < 1 || threads > kMaxThreads) throw std::invalid_argument("threads must be in [1, 256]");
   return threads;
+}
+
+// An index argument as int64: integer dtypes only (no silent truncation of floats).
+IndexIn index_arg(const py::array& arr, const char* name) {
+  const char kind = arr.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error(std::string(name) + " must be an integer array, got dtype " + std::string(py::str(arr.dtype())));
+  return IndexIn::ensure(arr);
+}
+
+// An in-place float32 argument, checked rather than converted (TypeError names it).
+FloatInPlace in_place_arg(const py::object& obj, const char* name) {
+  if (!FloatInPlace::check_(obj) || !py::cast<py::array>(obj).writeable())
+    throw py::type_error(std::string(name) + " must be a writeable C-contiguous float32 array");
+  return py::reinterpret_borrow<FloatInPlace>(obj);
 }
 
 // (finite, Top-r positions or None): see dr_select::scan.
@@ -29,7 +48,7 @@ py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
   float* r = nullptr;
   FloatInPlace res;
   if (!residual.is_none()) {
-    res = residual.cast<FloatInPlace>();
+    res = in_place_arg(residual, "residual");
     if (res.size() != n) throw std::invalid_argument("scan: residual and gradient differ in size");
     r = res.mutable_data();
   }
@@ -74,8 +93,10 @@ void check_scatter(const FloatInPlace& out, const IndexIn& idx, const FloatIn& v
   if (idx.size() != val.size()) throw std::invalid_argument("scatter_add: indices and values differ in length");
 }
 
-void scatter_add(FloatInPlace out, IndexIn idx, FloatIn val, int threads) {
+void scatter_add(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
   threads = checked_threads(threads);
+  FloatInPlace out = in_place_arg(out_obj, "out");
+  IndexIn idx = index_arg(idx_obj, "indices");
   check_scatter(out, idx, val);
   float* o = out.mutable_data();
   std::string error;
@@ -86,8 +107,10 @@ void scatter_add(FloatInPlace out, IndexIn idx, FloatIn val, int threads) {
   if (!error.empty()) throw py::value_error(error);
 }
 
-void scatter_add_unchecked(FloatInPlace out, IndexIn idx, FloatIn val, int threads) {
+void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
   threads = checked_threads(threads);
+  FloatInPlace out = in_place_arg(out_obj, "out");
+  IndexIn idx = index_arg(idx_obj, "indices");
   check_scatter(out, idx, val);
   float* o = out.mutable_data();
   py::gil_scoped_release release;

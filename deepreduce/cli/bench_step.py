@@ -15,6 +15,15 @@ does, and the bytes one rank sends.
   reference), on a ``DistributedDataParallel`` module whose gradients are the set's, in a
   one-process gloo group; decode includes the reduction of ``--ranks`` contributions.
 
+* ``torch.topk``: the Top-1% selection alone (``torch.topk`` of the magnitudes of every tensor),
+  the floor any Top-r codec builds on.
+
+``--device cpu|cuda`` runs the deepreduce configs on the torch device path
+(``deepreduce.torch.build(config, path="device")``: codecs on torch tensors on that device,
+decode-accumulate into a tensor there) and puts every method's tensors on that device (the
+hooks' group is nccl on CUDA); without it, CPU tensors take the host path (the C++ kernels), as
+the optimizer does by default. CUDA times are taken after ``torch.cuda.synchronize()``.
+
 Every method runs ``--warmup`` steps (PowerSGD also its uncompressed and first compressed
 iterations), then ``--steps`` timed steps with the step number advancing, so residuals are live;
 the table shows per-step medians and the time and volume of each row over PowerSGD rank 4's.
@@ -33,7 +42,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
 
-SETS = ("resnet20", "resnet50")
+SETS = ("resnet20", "resnet50", "resnet50_flat")
+TOPK_RATIO = 0.01
 
 
 def register(subparsers) -> None:
@@ -43,7 +53,8 @@ def register(subparsers) -> None:
                         help="config files (default: every configs/*.yaml with a sparsifier, as shipped)")
     parser.add_argument("--sets", default=",".join(SETS),
                         help="comma-separated gradient sets: resnet20 (the shipped real gradients), "
-                             "resnet50 (ResNet-50's shapes, synthetic values)")
+                             "resnet50 (ResNet-50's shapes, synthetic values), resnet50_flat (the same "
+                             "25,557,032 values as one tensor)")
     parser.add_argument("--gradients", default=None, metavar="NPZ",
                         help="an .npz of named gradients to use instead of --sets")
     parser.add_argument("--ranks", type=int, default=2, help="ranks whose containers a receiver decodes")
@@ -54,6 +65,9 @@ def register(subparsers) -> None:
                         help="threads of deepreduce's kernels and PyTorch's ops alike (a positive integer; "
                              "default auto: usable CPUs // --ranks, what threads: auto gives each rank "
                              "when the ranks share this host)")
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                        help="run the deepreduce configs on the torch device path on this device, and "
+                             "every method's tensors there (default: CPU tensors, host path)")
     parser.add_argument("--interleave", action="store_true",
                         help="step all methods in turn (steadier ratios on a busy machine; holds every "
                              "method's state at once: several GB for resnet50)")
@@ -80,6 +94,12 @@ def resnet50_gradients(seed: int) -> Dict[str, np.ndarray]:
     return {name: flat[end - size:end].reshape(shape) for (name, shape), size, end in zip(shapes, sizes, ends)}
 
 
+def resnet50_flat(seed: int) -> Dict[str, np.ndarray]:
+    """The ResNet-50 set's values as one tensor (d = 25,557,032)."""
+    grads = resnet50_gradients(seed)
+    return {"resnet50.flat": np.concatenate([g.reshape(-1) for g in grads.values()])}
+
+
 def gradient_sets(args) -> List[Tuple[str, Callable[[], Dict[str, np.ndarray]]]]:
     """(title, loader of the gradients by name) for each requested set, checked before any runs."""
     from ..errors import ConfigError
@@ -94,7 +114,9 @@ def gradient_sets(args) -> List[Tuple[str, Callable[[], Dict[str, np.ndarray]]]]
         return [(os.path.basename(args.gradients), from_file)]
     known = {"resnet20": ("ResNet-20 gradients (shipped, real)", resnet20_gradients),
              "resnet50": (f"ResNet-50 shapes, synthetic Laplace gradient (seed {args.seed})",
-                          functools.partial(resnet50_gradients, args.seed))}
+                          functools.partial(resnet50_gradients, args.seed)),
+             "resnet50_flat": (f"ResNet-50's parameters as one tensor, synthetic Laplace gradient (seed {args.seed})",
+                               functools.partial(resnet50_flat, args.seed))}
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [name for name in names if name not in known]
     if unknown or not names:
@@ -117,27 +139,57 @@ class ConfigRunner:
 
     extra_warmup = 0
 
-    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int) -> None:
+    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None) -> None:
         from ..config import load_config
         from ..torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
-        self.pipe = build(dict(load_config(path), threads=threads))
-        self.grads, self.ranks, self.step_number = grads, ranks, 0
+        self.pipe = build(dict(load_config(path), threads=threads), path="auto" if device is None else "device")
+        self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
 
     def step(self) -> Tuple[float, float, int]:
         """Encode every gradient, then decode-and-sum ``ranks`` containers of each: (s, s, bytes)."""
         import torch
 
-        tensors = [(name, torch.from_numpy(grad.copy())) for name, grad in self.grads.items()]  # fresh p.grad
-        t0 = time.perf_counter()
+        tensors = [(name, torch.from_numpy(grad.copy()).to(self.device)) for name, grad in self.grads.items()]
+        t0 = _now(self.device)                                                                # fresh p.grad
         payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in tensors]
-        t1 = time.perf_counter()
+        t1 = _now(self.device)
         for (_, tensor), payload in zip(tensors, payloads):
-            self.pipe.decode_sum([payload] * self.ranks, expected_shape=tuple(tensor.shape))
-        t2 = time.perf_counter()
+            self.pipe.decode_sum([payload] * self.ranks, expected_shape=tuple(tensor.shape), device=tensor.device)
+        t2 = _now(self.device)
         self.step_number += 1
         return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads)
+
+
+class TopkRunner:
+    """``torch.topk`` of every tensor's magnitudes at the Top-r configs' 1%: the selection alone."""
+
+    extra_warmup = 0
+    method = "torch.topk (1%)"
+
+    def __init__(self, grads: Dict[str, np.ndarray], device=None) -> None:
+        import torch
+
+        self.device = device or "cpu"
+        self.tensors = [torch.from_numpy(grad).to(self.device).reshape(-1) for grad in grads.values()]
+
+    def step(self) -> Tuple[float, float, int]:
+        import torch
+
+        t0 = _now(self.device)
+        chosen = [torch.topk(t.abs(), max(1, int(TOPK_RATIO * t.numel())), sorted=False) for t in self.tensors]
+        t1 = _now(self.device)
+        return t1 - t0, 0.0, sum(8 * int(c.indices.numel()) for c in chosen)
+
+
+def _now(device) -> float:
+    """``time.perf_counter()`` after the device's queued work is done."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 class HookRunner:
@@ -182,8 +234,8 @@ def gradient_module(shapes):
 
 
 @contextlib.contextmanager
-def one_process_group():
-    """A one-process gloo group for PyTorch's hooks, destroyed afterwards."""
+def one_process_group(backend: str = "gloo"):
+    """A one-process group (gloo; nccl for CUDA tensors) for PyTorch's hooks, destroyed afterwards."""
     import torch.distributed as dist
 
     from ..errors import DeepReduceError
@@ -191,7 +243,7 @@ def one_process_group():
     if dist.is_initialized():
         raise DeepReduceError("bench-step runs PyTorch's hooks in its own one-process group; "
                               "run it outside torch.distributed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
@@ -274,15 +326,19 @@ def run(args) -> int:
     paths = args.configs or default_configs()
     hooks = [torch_hooks.spec("powersgd", 4), torch_hooks.spec("powersgd", 1), torch_hooks.spec("fp16"),
              torch_hooks.spec("allreduce")]          # the reference first: later rows print ratios to it
+    where = "host path (C++ kernels on CPU tensors)" if args.device is None else \
+        f"torch device path on {args.device} (path='device')"
     print(f"torch {torch.__version__}; {threads} thread(s) for deepreduce's kernels and PyTorch's ops; "
           f"deepreduce configs as shipped (memory included) through deepreduce.torch.build(config)"
-          f".encode/decode_sum")
+          f".encode/decode_sum, {where}")
     for title, load in gradient_sets(args):
         grads = load()
-        targets = [torch.from_numpy(grad) for grad in grads.values()]
-        with one_process_group():
+        targets = [torch.from_numpy(grad).to(args.device or "cpu") for grad in grads.values()]
+        with one_process_group("nccl" if args.device == "cuda" else "gloo"):
             factories = [functools.partial(HookRunner, method, targets, args.ranks) for method in hooks]
-            factories += [functools.partial(ConfigRunner, path, grads, args.ranks, threads) for path in paths]
+            factories.append(functools.partial(TopkRunner, grads, args.device))
+            factories += [functools.partial(ConfigRunner, path, grads, args.ranks, threads, args.device)
+                          for path in paths]
             print_table(title, grads, measure(factories, args.steps, args.warmup, args.interleave), args)
     return 0
 

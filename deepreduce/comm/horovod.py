@@ -57,8 +57,9 @@ class HorovodCommunicator(Communicator):
         if self.framework == "torch":
             import torch
 
-            handle = hvd.allgather_async(torch.from_numpy(np.ascontiguousarray(payload)), name=name, **kwargs)
-            return Handle(lambda: self._check_count(container.split(hvd.synchronize(handle).numpy()), name))
+            local = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(payload))
+            handle = hvd.allgather_async(local, name=name, **kwargs)   # a device tensor stays on its device
+            return Handle(lambda: self._check_count(container.split(hvd.synchronize(handle)), name))
         import tensorflow as tf
 
         gathered = hvd.allgather(tf.constant(payload), name=name, **kwargs).numpy()

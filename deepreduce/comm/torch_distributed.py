@@ -41,7 +41,8 @@ class TorchDistributedCommunicator(Communicator):
         dist = self._dist()
         nccl = dist.get_backend(self.group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        local = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8)).to(device)
+        local = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8))
+        local = local.to(device)   # a uint8 device tensor (the torch device path) is gathered where it is
         size = torch.tensor([local.numel()], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(sizes, size, group=self.group)
@@ -54,7 +55,8 @@ class TorchDistributedCommunicator(Communicator):
         def wait():
             work.wait()
             return self._check_count(
-                [g[: int(s.item())].cpu().numpy() for g, s in zip(gathered, sizes)], name
+                [g[: int(s.item())] if device.type != "cpu" else g[: int(s.item())].numpy()
+                 for g, s in zip(gathered, sizes)], name
             )
 
         return Handle(wait)

@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import arrays
 from ..params import Component
 from ..seeding import EncodeContext
 
@@ -23,6 +24,15 @@ class IndexEncoding(NamedTuple):
     values: np.ndarray
 
 
+def sorted_pairs(indices, values, like):
+    """(indices as int64, values) reordered by ascending index (stable), in ``like``'s framework
+    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode."""
+    xp = arrays.namespace(like)
+    indices = xp.astype(xp.asarray(indices), xp.int64)
+    order = xp.argsort(indices, stable=True)
+    return indices[order], xp.asarray(values)[order]
+
+
 class IndexCodec(Component):
     """Encodes a set of int64 positions in ``[0, numel)``.
 
@@ -39,6 +49,10 @@ class IndexCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
+    #: Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded
+    #: and decoded on their own device. Others run on the host for device tensors (a one-time
+    #: warning names them).
+    array_api = False
 
     def encode(self, indices: np.ndarray, values: np.ndarray, dense: np.ndarray,
                ctx: EncodeContext) -> IndexEncoding:

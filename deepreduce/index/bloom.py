@@ -36,91 +36,84 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _native, varint
+from .. import _native, arrays, varint
+from ..hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")
 _POLICY_CODE = {name: code for code, name in enumerate(POLICIES)}
 DRAWING = ("p1", "p2")
 MAX_K = 64
+#: The lowest ``fpr`` a config may ask for: at 1e-12 a filter expects one false positive in 2**40
+#: queried positions (a tensor of 4 TiB of float32); a lower rate buys nothing on any tensor that
+#: fits in memory, only more filter bytes.
+MIN_FPR = 1e-12
 FAMILIES = ("splitmix", "blocked")   # index = the family code in the params' high nibble
 BLOCKED = FAMILIES.index("blocked")
 
-MASK64 = (1 << 64) - 1
-GAMMA = 0x9E3779B97F4A7C15
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_GAMMA = np.uint64(GAMMA)
-_LO32 = np.uint64(0xFFFFFFFF)
-_S32 = np.uint64(32)
-_CHUNK = 1 << 20
+_LO32 = 0xFFFFFFFF
+_CHUNK = 1 << 20          # positions per query pass on a CPU (cache-sized)
+_CHUNK_GPU = 1 << 26      # on a GPU: few passes, so kernel launches do not dominate
 
 BLOCK_BITS = 512
 BLOCK_BYTES = BLOCK_BITS // 8
 PROBE_MUL = 0x5BD1E995
 MAX_BLOCKS = (1 << 31) - 1
-_PROBE_MUL = np.uint64(PROBE_MUL)
-_S23 = np.uint64(23)
 _SPLITMIX_PARAMS = struct.Struct("<BBQQQ")
 _DRAW = struct.Struct("<Q")
 
 
 # ---------------------------------------------------------------------------------- hashing
-def mix64_int(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (mod 2**64)."""
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser, element-wise on uint64 (wrapping arithmetic, like C++)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
+# Written once against an array namespace (deepreduce.arrays, deepreduce.hashing): the same
+# functions hash NumPy uint64 arrays and torch int64 "word" tensors on any device, bit for bit.
 def blocked_key(seed: int) -> int:
     """The blocked family's key: ``mix64(seed + GAMMA)``."""
     return mix64_int(seed + GAMMA)
 
 
-def _blocked_hash(x: np.ndarray, seed: int):
-    """``(block * 512, g_0)`` of uint64 indices: ``h = mix64(key + x*GAMMA)``."""
-    h = mix64(np.uint64(blocked_key(seed)) + x * _GAMMA)
-    return h, h & _LO32
+def _blocked_hash(x, seed: int):
+    """``(h, g_0)`` of words ``x``: ``h = mix64(key + x*GAMMA)``, ``g_0`` its low 32 bits."""
+    a = arrays.adapter(x)
+    h = mix64(x * a.const(GAMMA) + a.const(blocked_key(seed)))
+    return h, h & a.const(_LO32)
 
 
-def _block_base(h: np.ndarray, blocks: int) -> np.ndarray:
-    return (((h >> _S32) * np.uint64(blocks)) >> _S32) * np.uint64(BLOCK_BITS)
+def _block_base(h, blocks: int):
+    a = arrays.adapter(h)
+    return a.shr(a.shr(h, 32) * a.const(blocks), 32) * a.const(BLOCK_BITS)
 
 
-def _next_probe(g: np.ndarray) -> np.ndarray:
-    return (g * _PROBE_MUL) & _LO32
+def _next_probe(g):
+    a = arrays.adapter(g)
+    return (g * a.const(PROBE_MUL)) & a.const(_LO32)
 
 
-def blocked_positions(x: np.ndarray, blocks: int, k: int, seed: int) -> np.ndarray:
-    """Global bit positions ``512*block(x) + (g_i >> 23)`` as an (n, k) uint64 array."""
-    x = np.asarray(x, dtype=np.uint64)
+def blocked_positions(x, blocks: int, k: int, seed: int):
+    """Global bit positions ``512*block(x) + (g_i >> 23)`` as an (n, k) array of words (uint64
+    for NumPy input; any integer array or tensor is accepted)."""
+    a = arrays.adapter(x)
+    x = a.words(x)
     h, g = _blocked_hash(x, seed)
     base = _block_base(h, blocks)
-    out = np.empty((x.size, k), dtype=np.uint64)
-    for i in range(k):
-        out[:, i] = base + (g >> _S23)
+    columns = []
+    for _ in range(k):
+        columns.append(base + a.shr(g, 23))
         g = _next_probe(g)
-    return out
+    return arrays.namespace(x).stack(columns, axis=1)
 
 
-def mulhi64(a: np.ndarray, b: int) -> np.ndarray:
-    """floor(a * b / 2**64) for uint64 ``a`` and an integer ``0 <= b < 2**64`` (exact)."""
-    bh, bl = np.uint64(b >> 32), np.uint64(b & 0xFFFFFFFF)
-    ah, al = a >> _S32, a & _LO32
+def mulhi64(a, b: int):
+    """floor(a * b / 2**64) for 64-bit words ``a`` and an integer ``0 <= b < 2**64`` (exact)."""
+    ad = arrays.adapter(a)
+    lo = ad.const(_LO32)
+    bh, bl = ad.const(b >> 32), ad.const(b & _LO32)
+    ah, al = ad.shr(a, 32), a & lo
     ll, lh, hl, hh = al * bl, al * bh, ah * bl, ah * bh
-    mid = (ll >> _S32) + (lh & _LO32) + (hl & _LO32)
-    return hh + (lh >> _S32) + (hl >> _S32) + (mid >> _S32)
+    mid = ad.shr(ll, 32) + (lh & lo) + (hl & lo)
+    return hh + ad.shr(lh, 32) + ad.shr(hl, 32) + ad.shr(mid, 32)
 
 
 def hash_key(seed: int, i: int) -> int:
@@ -128,17 +121,15 @@ def hash_key(seed: int, i: int) -> int:
     return mix64_int(seed + (i + 1) * GAMMA)
 
 
-def splitmix_positions(x: np.ndarray, m: int, k: int, seed: int) -> np.ndarray:
-    """SplitMix64 family: ``h_i(x) = floor(mix64(key_i + x*GAMMA) * m / 2**64)``, (n, k) uint64."""
-    x = np.asarray(x, dtype=np.uint64)
-    out = np.empty((x.size, k), dtype=np.uint64)
-    xg = x * _GAMMA
-    for i in range(k):
-        out[:, i] = mulhi64(mix64(xg + np.uint64(hash_key(seed, i))), m)
-    return out
+def splitmix_positions(x, m: int, k: int, seed: int):
+    """SplitMix64 family: ``h_i(x) = floor(mix64(key_i + x*GAMMA) * m / 2**64)``, (n, k) words."""
+    a = arrays.adapter(x)
+    xg = a.words(x) * a.const(GAMMA)
+    columns = [mulhi64(mix64(xg + a.const(hash_key(seed, i))), m) for i in range(k)]
+    return arrays.namespace(xg).stack(columns, axis=1)
 
 
-def positions(x: np.ndarray, size: int, k: int, seed: int, family: str = "blocked") -> np.ndarray:
+def positions(x, size: int, k: int, seed: int, family: str = "blocked"):
     """Bit positions of every ``x`` in a filter of ``size`` blocks (blocked) or ``size`` bits (splitmix)."""
     return (blocked_positions if family == "blocked" else splitmix_positions)(x, size, k, seed)
 
@@ -215,11 +206,17 @@ def _keys_per_block(fpr: float):
     return best
 
 
+def filter_shape(fpr: float) -> tuple:
+    """``(lam, k)`` of :func:`filter_params` for rate ``fpr``: the TensorFlow encode op receives them
+    and computes ``blocks = ceil(r / lam)`` itself (the same float64 division)."""
+    return _keys_per_block(float(fpr))
+
+
 def filter_params(r: int, fpr: float) -> tuple:
     """``(blocks, k)`` of the blocked filter for ``r`` indices at false-positive rate ``fpr``:
     ``k`` and the keys per block ``lam`` maximise ``lam`` subject to ``blocked_fpr(lam, k) <= fpr``;
     ``blocks = ceil(r / lam)`` (``r = 0``: no blocks)."""
-    lam, k = _keys_per_block(float(fpr))
+    lam, k = filter_shape(fpr)
     if not r:
         return 0, k
     blocks = max(1, math.ceil(r / lam))
@@ -233,50 +230,83 @@ def theoretical_fpr(blocks: int, k: int, r: int) -> float:
     return blocked_fpr(r / blocks, k) if blocks else 1.0
 
 
-# ---------------------------------------------------------------------------------- NumPy path
+# ---------------------------------------------------------------------------------- array path
+# Build, query and P1 against the array namespace: NumPy arrays (the path without C++ kernels)
+# or torch tensors on their device (the torch device path); the same bytes and choices.
+def build(indices, blocks: int, k: int, seed: int):
+    """The blocked filter (``64 * blocks`` bytes) holding ``indices``: ``bytes`` for NumPy input,
+    a uint8 tensor on the indices' device for torch input."""
+    a, xp = arrays.adapter(indices), arrays.namespace(indices)
+    bits = xp.zeros(blocks * BLOCK_BITS, dtype=xp.bool, device=indices.device)
+    if indices.shape[0]:
+        bits[a.index(xp.reshape(blocked_positions(indices, blocks, k, seed), (-1,)))] = True
+    return a.packbits(bits)
+
+
 def np_build(indices: np.ndarray, blocks: int, k: int, seed: int) -> bytes:
-    """The blocked filter (``64 * blocks`` bytes) holding ``indices``."""
-    bits = np.zeros(blocks * BLOCK_BITS, dtype=bool)
-    if len(indices):
-        bits[blocked_positions(indices, blocks, k, seed).ravel().astype(np.int64)] = True
-    return np.packbits(bits, bitorder="little").tobytes()
+    """:func:`build` for NumPy indices (bytes)."""
+    return build(np.asarray(indices, dtype=np.uint64), blocks, k, seed)
 
 
-def np_query(payload: bytes, size: int, k: int, seed: int, d: int, limit: int, family: str = "blocked") -> np.ndarray:
-    """The first ``min(|P|, limit + 1)`` positives ``P`` in [0, d), ascending."""
+def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str = "blocked", like=None):
+    """The first ``min(|P|, limit + 1)`` positives ``P`` in [0, d), ascending.
+
+    ``section``: the filter as bytes or a uint8 array; the positives are uint64 for NumPy
+    (``like`` None or a NumPy array) or int64 on ``like``'s device for a torch ``like``.
+    """
+    a = arrays.adapter(like)
     m = size * BLOCK_BITS if family == "blocked" else size
+    packed = a.from_section(section, "<u1", like)   # probed in place: 8x less memory than bits
+    xp = arrays.namespace(packed)
     if m == 0 or d == 0:
-        return np.zeros(0, dtype=np.uint64)
-    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little", count=m).astype(bool)
-    keys = [np.uint64(hash_key(seed, i)) for i in range(k)]
+        return xp.zeros(0, dtype=a.word_dtype, device=packed.device)
+    keys = [a.const(hash_key(seed, i)) for i in range(k)]
+
+    def survivors(bit_positions):
+        """Positions (into the candidates) whose probed bit is set."""
+        byte = a.gather(packed, a.index(a.shr(bit_positions, 3)))
+        return xp.nonzero((a.words(byte) >> (bit_positions & a.const(7))) & a.const(1))[0]
+
     found, total = [], 0
-    for base in range(0, d, _CHUNK):
-        cand = np.arange(base, min(d, base + _CHUNK), dtype=np.uint64)
+    chunk = _CHUNK_GPU if str(packed.device).startswith("cuda") else _CHUNK
+    for base in range(0, d, chunk):
+        cand = a.words(xp.arange(base, min(d, base + chunk), device=packed.device))
         if family == "blocked":   # each probe tests only the survivors of the previous ones
             h, g = _blocked_hash(cand, seed)
             blk = _block_base(h, size)
             for _ in range(k):
-                keep = bits[(blk + (g >> _S23)).astype(np.int64)]
-                cand, blk, g = cand[keep], blk[keep], _next_probe(g[keep])
+                kept = survivors(blk + a.shr(g, 23))
+                cand, blk, g = a.gather(cand, kept), a.gather(blk, kept), _next_probe(a.gather(g, kept))
         else:
-            xg = cand * _GAMMA
+            xg = cand * a.const(GAMMA)
             for key in keys:
-                keep = bits[mulhi64(mix64(xg + key), m).astype(np.int64)]
-                cand, xg = cand[keep], xg[keep]
+                kept = survivors(mulhi64(mix64(xg + key), m))
+                cand, xg = a.gather(cand, kept), a.gather(xg, kept)
         found.append(cand)
-        total += cand.size
+        total += cand.shape[0]
         if total > limit:
             break
-    out = np.concatenate(found) if found else np.zeros(0, dtype=np.uint64)
-    return out[:limit + 1] if out.size > limit else out
+    out = xp.concat(found) if len(found) > 1 else found[0]
+    return out[:limit + 1] if out.shape[0] > limit else out
+
+
+def np_query(payload: bytes, size: int, k: int, seed: int, d: int, limit: int, family: str = "blocked") -> np.ndarray:
+    """:func:`query` on the host (uint64 positives)."""
+    return query(payload, size, k, seed, d, limit, family)
+
+
+def select_random(P, r: int, draw_seed: int):
+    """P1: the ``r`` positives of smallest priority ``mix64(draw_seed + (x+1)*GAMMA)`` (ties by x),
+    ascending; ``P`` ascending words."""
+    a, xp = arrays.adapter(P), arrays.namespace(P)
+    prio = mix64(a.const(draw_seed) + (P + a.const(1)) * a.const(GAMMA))
+    order = xp.argsort(a.order_key(prio), stable=True)[:r]   # P ascending: a stable sort breaks ties by x
+    return xp.sort(P[order])
 
 
 def np_select_random(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
-    """P1: the ``r`` positives of smallest priority ``mix64(draw_seed + (x+1)*GAMMA)`` (ties by x)."""
-    P = np.asarray(P, dtype=np.uint64)
-    prio = mix64(np.uint64(draw_seed) + (P + np.uint64(1)) * _GAMMA)
-    order = np.lexsort((P, prio))[:r]
-    return np.sort(P[order])
+    """:func:`select_random` on the host."""
+    return select_random(np.asarray(P, dtype=np.uint64), r, draw_seed)
 
 
 def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw_seed: int,
@@ -403,38 +433,47 @@ class BloomIndex(IndexCodec):
     id = "bloom"
     wire_id = 1
     keeps_order = False
+    array_api = True
     PARAMS = {
         "policy": Param(str, default="p0", choices=POLICIES, doc="which positives carry values"),
-        "fpr": Param(float, default=0.001, low=0.0, high=1.0, low_open=True, high_open=True,
+        "fpr": Param(float, default=0.001, low=MIN_FPR, high=1.0, high_open=True,
                      doc="target false-positive rate; sets the block count and k"),
         "hash_seed": Param(int, default=0, low=0, high=MASK64, doc="seed of the hash family"),
     }
 
     # -- backend dispatch ---------------------------------------------------------------
-    def _kernels(self):
+    def _kernels(self, like):
+        """The C++ module for NumPy input (None: the array path, for NumPy without the
+        extension or for torch tensors on their device)."""
+        if arrays.is_torch(like):
+            return None
         native = _native.load("bloom")
         self.backend = "c++" if native is not None else "numpy"
         return native
 
-    def _query(self, native, p: BloomParams, payload: bytes, d: int, limit: int) -> np.ndarray:
+    def _query(self, native, p: BloomParams, payload, d: int, limit: int, like):
         if native is not None:
             return native.query(payload, p.size, p.k, p.seed, d, limit, self.threads, p.family)
-        return np_query(payload, p.size, p.k, p.seed, d, limit, p.family)
+        return query(payload, p.size, p.k, p.seed, d, limit, p.family, like)
 
-    def _select(self, native, p: BloomParams, P: np.ndarray, r: int) -> np.ndarray:
-        policy = p.policy
+    def _select(self, native, p: BloomParams, P, r: int):
+        policy, npos = p.policy, P.shape[0]
         if policy in ("naive", "leftmost"):
             return P[:r]
         if policy == "rightmost":
-            return P[P.size - r:]
+            return P[npos - r:]
         if policy == "middle":
-            o = (P.size - r) // 2
+            o = (npos - r) // 2
             return P[o:o + r]
         if policy == "p1":
             if native is not None:
                 return native.select_random(P, r, p.draw_seed)
-            return np_select_random(P, r, p.draw_seed)
+            return select_random(P, r, p.draw_seed)
         if policy == "p2":
+            if arrays.is_torch(P):   # Algorithm 1 is sequential: the positives (compact) go to the host
+                arrays.host_fallback("Bloom P2 conflict selection")
+                host = self._select(_native.load("bloom"), p, arrays.adapter(P).to_numpy(P).view(np.uint64), r)
+                return arrays.adapter(P).from_numpy(host.view(np.int64), P)
             if native is not None:
                 return native.select_conflict(P, r, p.size, p.k, p.seed, p.draw_seed, p.family)
             return np_select_conflict(P, r, p.size, p.k, p.seed, p.draw_seed, p.family)
@@ -442,45 +481,49 @@ class BloomIndex(IndexCodec):
 
     # -- encode / decode ----------------------------------------------------------------
     def encode(self, indices, values, dense, ctx):
-        native = self._kernels()
-        d = int(dense.size)
-        indices = np.asarray(indices, dtype=np.int64)
-        order = np.argsort(indices, kind="stable")
-        indices, values = indices[order], np.asarray(values)[order]
-        r = int(indices.size)
+        """Written against the array namespace: NumPy input runs the C++ kernels (or NumPy),
+        torch input runs on the tensors' device (only P2's conflict selection visits the host)."""
+        native = self._kernels(dense)
+        a, xp = arrays.adapter(dense), arrays.namespace(dense)
+        d = int(dense.shape[0])
+        indices, values = sorted_pairs(indices, values, dense)
+        r = int(indices.shape[0])
         blocks, k = filter_params(r, self.fpr)
         draw_seed = ctx.seed_for(f"bloom-{self.policy}") if self.policy in DRAWING else 0
         p = BloomParams("blocked", self.policy, k, blocks, self.hash_seed, draw_seed)
-        idx64 = indices.astype(np.uint64)
+        idx64 = a.words(indices)
         with _errors(DeepReduceError, "Bloom encode"):
             if native is not None:
                 payload = native.build(idx64, blocks, k, p.seed, self.threads)
             else:
-                payload = np_build(idx64, blocks, k, p.seed)
+                payload = build(idx64, blocks, k, p.seed)
             limit = r if self.policy in ("naive", "leftmost") else d
-            P = self._query(native, p, payload, d, limit)
-            chosen = self._select(native, p, P, r).astype(np.int64)
+            P = self._query(native, p, payload, d, limit, dense)
+            chosen = a.index(self._select(native, p, P, r))
         sent = values if self.policy == "naive" else dense[chosen]
         params = pack_params(self.policy, k, blocks, p.seed, draw_seed)
-        return IndexEncoding(params, payload, chosen, np.asarray(sent, dtype=np.float32))
+        return IndexEncoding(params, payload, chosen, xp.astype(sent, xp.float32))
 
     def decode(self, params, payload, count, numel):
-        native = self._kernels()
+        """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a
+        uint8 tensor."""
+        native = self._kernels(payload)
+        a = arrays.adapter(payload)
         p = unpack_params(params)
         if len(payload) != p.filter_bytes:
             unit = f"{p.size} blocks" if p.family == "blocked" else f"m = {p.size}"
             raise ContainerError(f"Bloom section has {len(payload)} bytes, expected {p.filter_bytes} for {unit}")
-        if p.family == "splitmix" and p.size % 8 and payload[-1] >> (p.size % 8):
+        if p.family == "splitmix" and p.size % 8 and int(payload[-1]) >> (p.size % 8):
             raise ContainerError("Bloom section has bits set beyond m")
         if p.size == 0:
             if count:
                 raise ContainerError(f"empty Bloom filter cannot carry {count} indices")
-            return np.zeros(0, dtype=np.int64)
+            return a.from_numpy(np.zeros(0, dtype=np.int64), payload)
         limit = count if p.policy in ("naive", "leftmost", "p0") else numel
         with _errors(ContainerError, "Bloom decode"):
-            P = self._query(native, p, payload, numel, limit)
-            check_positives(p.policy, P.size, count)
-            return self._select(native, p, P, count).astype(np.int64)
+            P = self._query(native, p, payload, numel, limit, payload)
+            check_positives(p.policy, P.shape[0], count)
+            return a.index(self._select(native, p, P, count))
 
     @classmethod
     def describe_params(cls, params: bytes) -> dict:

@@ -7,6 +7,9 @@ parts ``x_i >> L`` as a unary bitmap of ``U = r + ((d-1) >> L)`` bits in which b
 ``i + (x_i >> L)`` is set. Both parts form one LSB-first bit stream (low bits first), padded to a
 byte: ``ceil((r L + U) / 8)`` bytes. ``L`` follows from ``(r, d)``, so nothing else travels.
 The information limit is ``log2 C(d, r)`` bits (:func:`information_bits`).
+
+Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded and
+decoded on their device with the NumPy bytes.
 """
 from __future__ import annotations
 
@@ -14,10 +17,10 @@ import math
 
 import numpy as np
 
-from .. import bitpack
+from .. import arrays
 from ..errors import ContainerError
 from ..registry import register
-from ._base import IndexCodec, IndexEncoding
+from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 
 def low_bits(r: int, d: int) -> int:
@@ -45,22 +48,23 @@ class EliasFanoIndex(IndexCodec):
     id = "elias_fano"
     wire_id = 6
     keeps_order = False
+    array_api = True
 
     def encode(self, indices, values, dense, ctx):
-        order = np.argsort(indices, kind="stable")
-        indices, values = np.asarray(indices, dtype=np.int64)[order], np.asarray(values)[order]
-        r, d = int(indices.size), int(dense.size)
+        a, xp = arrays.adapter(dense), arrays.namespace(dense)
+        indices, values = sorted_pairs(indices, values, dense)
+        r, d = int(indices.shape[0]), int(dense.shape[0])
         if r == 0:
             return IndexEncoding(b"", b"", indices, values)
         L = low_bits(r, d)
-        x = indices.astype(np.uint64)
-        upper = np.zeros(r + ((d - 1) >> L), dtype=np.uint8)
-        upper[np.arange(r, dtype=np.int64) + (x >> np.uint64(L)).astype(np.int64)] = 1
-        if L:
-            low = np.unpackbits(np.frombuffer(bitpack.pack(x & np.uint64((1 << L) - 1), L), np.uint8),
-                                bitorder="little", count=r * L)
-            upper = np.concatenate((low, upper))
-        return IndexEncoding(b"", np.packbits(upper, bitorder="little").tobytes(), indices, values)
+        x = a.words(indices)
+        upper = xp.zeros(r + ((d - 1) >> L), dtype=xp.uint8, device=dense.device)
+        upper[xp.arange(r, dtype=xp.int64, device=dense.device) + a.index(a.shr(x, L))] = 1
+        if L:   # entry i's low bits, LSB first: stream bits [i L, (i+1) L)
+            shifts = a.words(xp.arange(L, device=dense.device))
+            low = (x[:, None] >> shifts) & a.const(1)
+            upper = xp.concat((xp.astype(xp.reshape(low, (-1,)), xp.uint8), upper))
+        return IndexEncoding(b"", a.packbits(upper), indices, values)
 
     def decode(self, params, payload, count, numel):
         r, d = count, numel
@@ -68,20 +72,23 @@ class EliasFanoIndex(IndexCodec):
         if params or len(payload) != (total + 7) // 8:
             raise ContainerError(f"Elias-Fano section has {len(payload)} bytes, expected {(total + 7) // 8} "
                                  f"for {r} of {d} indices")
+        a = arrays.adapter(payload)
+        bits = a.unpackbits(payload)
+        xp = arrays.namespace(bits)
         if r == 0:
-            return np.zeros(0, dtype=np.int64)
+            return xp.zeros(0, dtype=xp.int64, device=bits.device)
         L = low_bits(r, d)
-        bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
-        if bits[total:].any():
+        if bool(xp.any(bits[total:] != 0)):
             raise ContainerError("Elias-Fano section has non-zero padding")
-        ones = np.flatnonzero(bits[r * L:total])
-        if ones.size != r:
-            raise ContainerError(f"Elias-Fano upper bits hold {ones.size} entries, expected {r}")
-        high = (ones - np.arange(r)).astype(np.uint64)
-        x = high << np.uint64(L)
+        ones = xp.nonzero(bits[r * L:total])[0]
+        if ones.shape[0] != r:
+            raise ContainerError(f"Elias-Fano upper bits hold {ones.shape[0]} entries, expected {r}")
+        x = a.shl(a.words(ones - xp.arange(r, dtype=xp.int64, device=bits.device)), L)
         if L:
-            x |= bitpack.unpack(np.packbits(bits[:r * L], bitorder="little").tobytes(), L, r)
-        out = x.astype(np.int64)
-        if (x >= np.uint64(d)).any() or (r > 1 and (np.diff(out) <= 0).any()):
+            shifts = a.words(xp.arange(L, device=bits.device))
+            low = a.words(xp.reshape(bits[:r * L], (r, L))) << shifts
+            x = x | xp.sum(low, axis=1, dtype=low.dtype)
+        out = xp.astype(x, xp.int64)
+        if bool(xp.any(out >= d)) or bool(xp.any(out < 0)) or (r > 1 and bool(xp.any(out[1:] <= out[:-1]))):
             raise ContainerError("Elias-Fano section decodes to indices out of range or not increasing")
         return out

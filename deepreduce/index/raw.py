@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import arrays
 from ..errors import ContainerError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding
@@ -19,9 +20,10 @@ class RawIndex(IndexCodec):
 
     id = "raw"
     wire_id = 0
+    array_api = True
 
     def encode(self, indices, values, dense, ctx):
-        payload = np.asarray(indices).astype(index_dtype(dense.size)).tobytes()
+        payload = arrays.adapter(dense).uint_bytes(indices, index_dtype(dense.shape[0]).itemsize)
         return IndexEncoding(b"", payload, indices, values)
 
     def decode(self, params, payload, count, numel):
@@ -30,4 +32,6 @@ class RawIndex(IndexCodec):
             raise ContainerError(
                 f"raw index section has {len(payload)} bytes, expected {count * dtype.itemsize}"
             )
-        return np.frombuffer(payload, dtype=dtype).astype(np.int64)
+        decoded = arrays.adapter(payload).from_section(payload, dtype.str)
+        xp = arrays.namespace(decoded)
+        return xp.astype(decoded, xp.int64)

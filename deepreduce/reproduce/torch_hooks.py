@@ -72,6 +72,15 @@ def register(model, method: dict, timer: "HookTimer"):
     return state
 
 
+def _clock() -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done (CUDA in use), else at once."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class HookTimer:
     """Times DDP communication hooks: encode, collective waits, decode, and bytes all-reduced.
 
@@ -99,10 +108,10 @@ class HookTimer:
         """``hook`` with its wall time split into encode, communication and decode."""
         def timed_hook(state, bucket):
             self._collectives = []
-            start = time.perf_counter()
+            start = _clock()
             future = hook(state, bucket)
             future.wait()
-            end = time.perf_counter()
+            end = _clock()
             self._account(start, end)
             return future
         timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
@@ -119,16 +128,16 @@ class HookTimer:
 
     def _all_reduce(self, tensor, *args, **kwargs):
         wanted_async = kwargs.pop("async_op", False)
-        issued = time.perf_counter()
+        issued = _clock()
         work = self._saved(tensor, *args, async_op=True, **kwargs)
         work.wait()
-        done = time.perf_counter()
+        done = _clock()
         if self.emulated_ranks > 1:
             total = tensor.clone()        # the collective reduces into a buffer already in use
-            done = time.perf_counter()
+            done = _clock()
             for _ in range(self.emulated_ranks - 1):
                 total.add_(tensor)
-        self._collectives.append((issued, done, time.perf_counter()))
+        self._collectives.append((issued, done, _clock()))
         self.bytes += tensor.numel() * tensor.element_size()
         return work if wanted_async else None
 

@@ -46,7 +46,7 @@ class DGC(Sparsifier):
         "ratio": RATIO,
         "sample_ratio": Param(float, default=0.01, low=0.0, high=1.0, low_open=True,
                               doc="fraction of the entries sampled to estimate the threshold"),
-        "min_samples": Param(int, default=1000, low=1, doc="lower bound on the sample size"),
+        "min_samples": Param(int, default=1000, low=1, high=2**62, doc="lower bound on the sample size"),
     }
 
     def select(self, flat, ctx):

@@ -261,7 +261,7 @@ class SIDCo(Sparsifier):
         "first_ratio": Param(float, default=0.25, low=0.0, high=1.0, low_open=True, high_open=True,
                              doc="ratio of the first stage when there are several"),
         "adapt": Param(str, default="paper", choices=_fits.ADAPT_MODES, doc="stage adaptation rule"),
-        "period": Param(int, default=5, low=1, doc="adaptation period Q in steps"),
+        "period": Param(int, default=5, low=1, high=2**62, doc="adaptation period Q in steps"),
         "tolerance": Param(float, default=0.2, low=0.0, high=1.0, low_open=True, high_open=True,
                            doc="allowed relative deviation of the mean count from the target"),
         "gamma_inverse": Param(str, default="exact", choices=("exact", "approx"),

@@ -1,10 +1,14 @@
 """Fixed-threshold sparsification: keep every entry whose magnitude reaches a constant."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier
 from ._topk import threshold_positions
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @register
@@ -16,8 +20,9 @@ class ThresholdSparsifier(Sparsifier):
     """
 
     id = "threshold"
-    PARAMS = {"threshold": Param(float, default=1e-3, low=0.0, low_open=True,
-                                 doc="magnitude an entry must reach to be sent")}
+    PARAMS = {"threshold": Param(float, default=1e-3, low=0.0, high=FLOAT32_MAX, low_open=True,
+                                 doc="magnitude an entry must reach to be sent (no float32 exceeds "
+                                     "3.4028235e38)")}
 
     def select(self, flat, ctx):
         return threshold_positions(flat, self.threshold, self.threads)

@@ -1,5 +1,6 @@
-"""What the TensorFlow training jobs share: ResNet-20 in Keras, the digits in NHWC, the
-learning-rate schedule and the per-epoch record (printed with the PyTorch job's line).
+"""What the TensorFlow training jobs share: their options, their start (Horovod, seed, data,
+model), ResNet-20 in Keras, the digits in NHWC, the learning-rate schedule and the per-epoch
+record (printed with the PyTorch job's line) and metrics file.
 
 ``examples/train_tf.py`` (custom loop with ``DistributedGradientTape``) and
 ``examples/train_keras.py`` (``model.fit`` with the Keras callbacks) both build on it, so the
@@ -8,32 +9,69 @@ three jobs report the same quantities in the same format (:data:`deepreduce.trai
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from typing import Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ..train import EPOCH_LINE
+from ..train import EPOCH_LINE, add_common_arguments
 
-__all__ = ["EPOCH_LINE", "add_job_arguments", "resnet20", "digits_nhwc", "cosine_lr", "epoch_record", "epoch_line"]
+__all__ = ["EPOCH_LINE", "Job", "add_job_arguments", "run_job", "start", "save_metrics", "resnet20", "digits_nhwc",
+           "cosine_lr", "epoch_record", "epoch_line"]
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options both TF jobs take (those of the PyTorch job, plus ``--tf-backend``)."""
-    parser.add_argument("--config", default="configs/topk_raw.yaml", help="DeepReduce config (YAML)")
-    parser.add_argument("--baseline", action="store_true", help="no compression: Horovod allreduce")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (scaled by the number of ranks)")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=5e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per rank")
-    parser.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    """The options both TF jobs take: the PyTorch job's common ones plus ``--tf-backend``."""
+    add_common_arguments(parser, "no compression: Horovod allreduce", "TensorFlow intra-op threads per rank")
     parser.add_argument("--tf-backend", default="auto", choices=("auto", "tf-ops", "numpy_function"),
-                        help="Bloom/polyfit through the TF custom ops (auto: when built) or numpy_function")
-    parser.add_argument("--metrics-json", default=None, help="rank 0 writes per-epoch metrics here")
+                        help="encode/decode as the TF custom ops (auto: when built and the config qualifies) "
+                             "or as numpy_function stages")
     return parser
+
+
+def run_job(train: Callable[[argparse.Namespace], Any], doc: str, argv: Optional[List[str]] = None) -> int:
+    """A TF job's ``main``: parse its options (described by the first line of ``doc``) and train."""
+    train(add_job_arguments(argparse.ArgumentParser(description=doc.split("\n")[0])).parse_args(argv))
+    return 0
+
+
+class Job(NamedTuple):
+    """What :func:`start` set up: the modules, the rank's data, the model and the scaled lr."""
+
+    tf: Any
+    hvd: Any
+    keras: Any
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    model: Any
+    base_lr: float
+
+
+def start(args: argparse.Namespace) -> Job:
+    """The start both TF jobs share: TF threads, ``hvd.init()``, the seed, the digits, ResNet-20
+    and the learning rate scaled by the number of ranks."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(1, args.threads))
+    import horovod.tensorflow as hvd
+    import keras
+
+    hvd.init()
+    keras.utils.set_random_seed(args.seed)
+    x_train, y_train, x_test, y_test = digits_nhwc()
+    return Job(tf, hvd, keras, x_train, y_train, x_test, y_test, resnet20(keras), args.lr * hvd.size())
+
+
+def save_metrics(args: argparse.Namespace, job: Job, framework: str, history: List[dict]) -> None:
+    """Rank 0 writes the per-epoch records to ``--metrics-json`` (when given)."""
+    if job.hvd.rank() == 0 and args.metrics_json:
+        with open(args.metrics_json, "w", encoding="utf-8") as handle:
+            json.dump({"framework": framework, "config": None if args.baseline else args.config,
+                       "ranks": job.hvd.size(), "epochs": history}, handle, indent=2)
 
 
 def resnet20(keras, num_classes: int = 10):

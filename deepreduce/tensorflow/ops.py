@@ -1,29 +1,41 @@
-"""The TensorFlow custom-op library: loaded once, with an error that says how to rebuild it.
+"""The TensorFlow custom ops: one op encodes a tensor, one op decodes (and sums) containers.
 
-``scripts/build_tf_ops.sh`` compiles every ``csrc/*/tf_*.cpp`` (``REGISTER_OP`` + ``OpKernel``)
-together with the pure C++ sources of the same folders (the functions the pybind11 extension
-wraps too) into ``deepreduce/tensorflow/_deepreduce_ops.so``, against the installed TensorFlow
-with ``tf.sysconfig`` flags. ``make setup`` runs it.
+``scripts/build_tf_ops.sh`` compiles ``csrc/tf/tf_pipeline_ops.cpp`` with every pure C++ source
+of ``csrc/`` (the Top-r/compensation kernels, the Bloom kernels and the container code the
+pybind11 extensions wrap) into ``deepreduce/tensorflow/_deepreduce_ops.so``; ``make setup`` runs it.
 
-:func:`load` returns the op module (cached); :func:`available` tells whether it loads.
-If the library is missing or was built against another TensorFlow (an upgrade changes the
-ABI), :func:`load` raises :class:`~deepreduce.BackendUnavailableError` naming the rebuild
-command. The TF pipeline itself never needs the ops: without them it runs every codec through
-``tf.numpy_function`` over the NumPy core (same bytes, see :mod:`.pipeline`).
+* ``DeepReduceEncode`` is ``Pipeline.encode`` for one gradient: error feedback fused with the
+  Top-r selection, the raw or Bloom index codec (every policy), the raw, fp16 or polyfit value
+  codec (with its permutation) and the container, header and CRC included.
+* ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
+
+They serve the configs whose every stage exists in C++ (:func:`unsupported` says why another
+config does not qualify); every other config runs its encode and its decode as one
+``tf.numpy_function`` stage each over the core (see :mod:`.pipeline`). Nothing here restates a
+codec: the attributes of the ops come from the core pipeline's components.
+
+:func:`load` returns the op module (cached); if the library is missing or was built against
+another TensorFlow, it raises :class:`~deepreduce.BackendUnavailableError` naming the rebuild
+command.
 """
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import warnings
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
+from .. import errors
 from .._native import forced_numpy
-from ..errors import BackendUnavailableError, CommunicationError
-from .pipeline import numpy_op
+from ..errors import BackendUnavailableError
+from ..index import bloom as bloom_codec
+from ..memory import ResidualMemory
+from ..sparsify.basic import TopK
 
 LIBRARY_NAME = "_deepreduce_ops.so"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
@@ -31,6 +43,12 @@ REBUILD_HINT = (
     "rebuild the TensorFlow custom ops against the installed TensorFlow with "
     "`bash scripts/build_tf_ops.sh` (or `make setup`) from the deepreduce project root"
 )
+OPS_INDEX_CODECS = ("raw", "bloom")
+OPS_VALUE_CODECS = ("raw", "fp16", "polyfit")
+OPS_MEMORIES = ("none", "residual")
+#: The int64 statistics vector both ops return (csrc/tf/tf_pipeline_ops.cpp, enum Stat).
+STATS = ("tensors_encoded", "tensors_decoded", "dense_bytes", "wire_bytes", "index_bytes", "value_bytes",
+         "permutation_bytes", "header_bytes", "encode_ns", "decode_ns")
 
 _lock = threading.Lock()
 _state = {"module": None, "error": None, "warned": False}
@@ -69,378 +87,150 @@ def available() -> bool:
     return True
 
 
-def _warn_once(message: str) -> None:
-    if not _state["warned"]:
-        _state["warned"] = True
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def unsupported(core) -> Optional[str]:
+    """Why ``core``'s config cannot run as the two ops (None when it can)."""
+    if type(core.sparsifier) is not TopK:
+        return f"sparsifier {core.sparsifier.id!r} (the ops select Top-r)"
+    if core.index.id not in OPS_INDEX_CODECS:
+        return f"index codec {core.index.id!r} (the ops have {', '.join(OPS_INDEX_CODECS)})"
+    if core.value.id not in OPS_VALUE_CODECS:
+        return f"value codec {core.value.id!r} (the ops have {', '.join(OPS_VALUE_CODECS)})"
+    if core.memory.id not in OPS_MEMORIES:
+        return f"memory {core.memory.id!r} (the ops have {', '.join(OPS_MEMORIES)})"
+    return None
 
 
-def accelerator_for(core, lock=None) -> Optional["OpsEncoder"]:
-    """The custom-op encoder for ``core``'s codecs, or None when the numpy_function path is used.
+def accelerator_for(core) -> Optional["PipelineOps"]:
+    """The ops for ``core`` under ``backend="auto"``, or None (numpy_function path).
 
-    None when no codec of the config has a TF op (only the Bloom index codec and the polyfit
-    value codec do), when ``DEEPREDUCE_BACKEND=numpy``, or when the library does not load
-    (then one warning says how to rebuild it; the numpy_function path gives the same bytes).
+    None when the config does not qualify, when ``DEEPREDUCE_BACKEND=numpy``, or when the library
+    does not load (then one warning says how to rebuild it; the numpy_function path writes the
+    same bytes).
     """
-    if not OpsEncoder.routes(core):
-        return None
-    if forced_numpy():
+    if unsupported(core) is not None or forced_numpy():
         return None
     try:
         module = load()
     except BackendUnavailableError as exc:
-        _warn_once(f"{exc}; using tf.numpy_function over the NumPy core instead (same bytes, slower)")
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(f"{exc}; using tf.numpy_function over the NumPy core instead (same bytes, slower)",
+                          RuntimeWarning, stacklevel=3)
         return None
-    return OpsEncoder(core, module, lock)
+    return PipelineOps(core, module)
 
 
-OPS_INDEX_CODECS = ("bloom",)
-OPS_VALUE_CODECS = ("polyfit",)
-
-
-class _Given:
-    """A stand-in component that returns an encoding the custom ops already computed.
-
-    The core pipeline then assembles the container from it exactly as from the real codec
-    (same params, sections, permutation, error-feedback update and statistics).
-    """
-
-    def __init__(self, real, result) -> None:
-        self._real = real
-        self._result = result
-
-    def __getattr__(self, attr):
-        return getattr(self._real, attr)
-
-    def select(self, flat, ctx):
-        return self._result
-
-    def encode(self, *args):
-        return self._result
-
-
-def _int64(value: int) -> int:
-    """A uint64 as the int64 with the same bits (TF ops carry seeds in int64 tensors)."""
+def _int64_bits(value) -> int:
+    """A float64 or uint64 as the int64 with the same bits (TF int attributes are int64)."""
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
-class OpsEncoder:
-    """Encodes with the Bloom build/query/select and polyfit kernels running as TF custom ops.
+_ERROR_CLASSES = {cls.__name__: cls for cls in (errors.DeepReduceError, errors.ContainerError,
+                                                errors.CommunicationError, errors.NonFiniteGradientError)}
 
-    Graph, per tensor (all ops, so it runs at every step inside ``tf.function``)::
 
-        numpy_function prepare  error feedback + sparsifier (NumPy core), Bloom sizes and seeds
-        DeepReduceBloomBuild    filter bytes of the selected indices        (custom op, bloom.h)
-        DeepReduceBloomQuery    positives of the filter                     (custom op, bloom.h)
-        DeepReduceBloomSelect   the policy's positives                      (custom op, bloom.h)
-        tf.gather               their values from the compensated gradient
-        DeepReduceFitEncode     polyfit permutation + payload               (custom op, fit.h)
-        numpy_function finish   the core pipeline packs the container from these encodings,
-                                updates the residual and the statistics
+def as_deepreduce_error(exc: tf.errors.OpError) -> Exception:
+    """The deepreduce error an op failure stands for (its message starts with the class name)."""
+    text = exc.message
+    for name, cls in _ERROR_CLASSES.items():
+        head = f"{name}: "
+        if head in text:
+            message = text[text.index(head) + len(head):]
+            return cls(message.split("\n")[0].split(" [Op:")[0].strip())
+    return exc
 
-    Tensors the core sends dense (below ``min_numel``, or holding NaN/Inf) take a
-    ``tf.cond`` branch that calls the core's encode directly. The container bytes are the
-    core's: the custom ops wrap the same C++ functions as the Python extension.
 
-    :meth:`decode_sum` is the receiving side: a parse stage, ``DeepReduceBloomQuery`` +
-    ``DeepReduceBloomSelect`` and ``DeepReduceFitDecode`` per container, and an assemble
-    stage in which the core finishes the decode with every check of its decoders.
+class PipelineOps:
+    """Runs one core pipeline's encode and decode as the two custom ops.
+
+    State stays in TensorFlow: one float32 residual variable per tensor name (empty until the
+    tensor's first finite step, as the core's residual is absent until then) and one int64
+    counter vector of what the ops encoded and decoded, which
+    :meth:`TFPipeline.compression_stats` adds to the core's statistics. The variables are created
+    outside any ``tf.function`` being traced (``tf.init_scope``), once per name, as
+    ``ResourceVariable`` objects: ``tf.Variable`` would refuse a name first met in a later trace
+    ("only supports singleton tf.Variables created on the first call").
     """
 
-    def __init__(self, core, module, lock=None) -> None:
+    def __init__(self, core, module) -> None:
         self.core = core
         self.ops = module
-        self.lock = lock if lock is not None else threading.RLock()
-        self.bloom, self.fit = self.routed_codecs(core)
+        self.error_feedback = isinstance(core.memory, ResidualMemory)
+        index = core.index
+        attrs = dict(
+            digest=core.config_digest, min_numel=core.min_numel, raise_nonfinite=core.nonfinite == "raise",
+            ratio_bits=_int64_bits(float(core.sparsifier.ratio)), error_feedback=self.error_feedback,
+            index=index.id, value=core.value.id, threads=core.threads,
+        )
+        if index.id == "bloom":
+            lam, k = bloom_codec.filter_shape(index.fpr)
+            attrs.update(policy=index.policy, keys_per_block_bits=_int64_bits(float(lam)), k=k,
+                         hash_seed=_int64_bits(index.hash_seed))
+        if core.value.id == "polyfit":
+            value = core.value
+            attrs.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
+                         coef_bytes=value.coef_bytes)
+        self.encode_attrs = attrs
+        self._residuals: Dict[str, tf.Variable] = {}
+        self._variables_lock = threading.Lock()
+        with tf.init_scope(), tf.device("/cpu:0"):   # the ops run on the CPU: so does their state
+            self.counters = ResourceVariable(tf.zeros([len(STATS)], tf.int64), trainable=False,
+                                             name="deepreduce_op_counters")
+
+    @tf.autograph.experimental.do_not_convert
+    def _residual(self, name: str) -> tf.Variable:
+        with self._variables_lock:
+            var = self._residuals.get(name)
+            if var is None:
+                with tf.init_scope(), tf.device("/cpu:0"):
+                    var = ResourceVariable(tf.zeros([0], tf.float32), shape=tf.TensorShape([None]),
+                                           trainable=False, name="deepreduce_residual")
+                self._residuals[name] = var
+            return var
+
+    def residual(self, name: str) -> Optional[np.ndarray]:
+        """The residual held for ``name`` (float32, flat); None before its first finite step."""
+        var = self._residuals.get(name)
+        if var is None or int(tf.size(var)) == 0:
+            return None
+        return var.numpy()
+
+    @tf.autograph.experimental.do_not_convert
+    def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
+        """One ``DeepReduceEncode`` op (plus the assignment of its new residual and counters)."""
+        residual = self._residual(name) if self.error_feedback else None
+        current = residual.read_value() if residual is not None else tf.zeros([0], tf.float32)
+        payload, new_residual, counts = self._run(self.ops.deep_reduce_encode, tensor, step, current,
+                                                  tensor_name=name, **self.encode_attrs)
+        if residual is not None:
+            residual.assign(new_residual)
+        self.counters.assign_add(counts)
+        return payload
+
+    @tf.autograph.experimental.do_not_convert
+    def decode(self, payload: tf.Tensor, shape, count: Optional[int], single: bool) -> tf.Tensor:
+        """One ``DeepReduceDecode`` op: the sum of the containers (``single``: exactly one)."""
+        out, counts = self._run(self.ops.deep_reduce_decode, payload, count=-1 if count is None else count,
+                                single=single, shape=list(shape or ()), check_shape=shape is not None,
+                                max_numel=self.core.max_numel, threads=self.core.threads)
+        self.counters.assign_add(counts)
+        return out
 
     @staticmethod
-    def routed_codecs(core):
-        """(bloom index via ops, polyfit values via ops) for a core pipeline.
+    def _run(op, *args, **attrs):
+        if not tf.executing_eagerly():
+            return op(*args, **attrs)
+        try:
+            return op(*args, **attrs)
+        except tf.errors.OpError as exc:   # eagerly, the deepreduce error class the op named
+            raise as_deepreduce_error(exc) from None
 
-        The fit op sees the values the value codec would see: the Bloom policy's values, or the
-        sparsifier's when the index codec keeps their order; any other index codec (one that
-        may change the values it passes on) keeps the fit in the numpy_function stage.
-        """
-        bloom = core.index.id in OPS_INDEX_CODECS
-        fit = core.value.id in OPS_VALUE_CODECS and (bloom or core.index.keeps_order)
-        return bloom, fit
-
-    @classmethod
-    def routes(cls, core) -> bool:
-        return any(cls.routed_codecs(core))
-
-    # ---------------------------------------------------------------- numpy stages
-    def _prepare(self, name: str):
-        from ..index import bloom as bloom_codec
-        from ..pipeline import _as_float32
-
-        core = self.core
-
-        def prepare(grad, step):
-            with self.lock:
-                return _prepare(grad, step)
-
-        def _prepare(grad, step):
-            flat, _ = _as_float32(grad, name)
-            empty = (np.int64(0), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
-                     np.zeros(6, np.int64))
-            if flat.size < core.min_numel or not np.isfinite(flat).all():
-                return empty
-            compensated = np.ascontiguousarray(core.memory.compensate(name, flat), dtype=np.float32)
-            ctx = core.context(name, int(step))
-            indices = np.asarray(core.sparsifier.select(compensated, ctx), dtype=np.int64)
-            values = compensated[indices]
-            meta = np.zeros(6, np.int64)
-            if self.bloom:
-                index = core.index
-                order = np.argsort(indices, kind="stable")
-                indices, values = indices[order], values[order]
-                blocks, k = bloom_codec.filter_params(int(indices.size), index.fpr)
-                draw_seed = ctx.seed_for(f"bloom-{index.policy}") if index.policy in bloom_codec.DRAWING else 0
-                d = int(flat.size)
-                limit = indices.size if index.policy in ("naive", "leftmost") else d
-                meta[:] = [blocks, k, _int64(index.hash_seed), _int64(draw_seed), d, limit]
-            return np.int64(1), compensated, indices, values.astype(np.float32), meta
-
-        return prepare
-
-    def _finish(self, name: str):
-        import copy
-        import struct
-
-        from ..index import bloom as bloom_codec
-        from ..index._base import IndexEncoding
-        from ..values._base import ValueEncoding
-
-        core = self.core
-
-        def finish(grad, indices, chosen, sent, bits, meta, perm, vpayload, step):
-            view = copy.copy(core)   # shares memory, statistics and decoders with the core
-            view.sparsifier = _Given(core.sparsifier, indices)
-            if self.bloom:
-                index = core.index
-                blocks, k, seed, draw_seed = (int(v) & ((1 << 64) - 1) for v in meta[:4])
-                params = bloom_codec.pack_params(index.policy, k, blocks, seed, draw_seed)
-                view.index = _Given(index, IndexEncoding(params, bits.tobytes(), chosen.astype(np.int64),
-                                                         sent.astype(np.float32)))
-            if self.fit:
-                value = core.value
-                view.value = _Given(value, ValueEncoding(struct.pack("<BB", value.degree, value.coef_bytes),
-                                                         vpayload.tobytes(), perm.astype(np.int64)))
-            with self.lock:
-                return view.encode(grad, name=name, step=int(step))
-
-        return finish
-
-    # ---------------------------------------------------------------- graph
-    def _encode_graph(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
-        core = self.core
-        ops = self.ops
-        flag, compensated, indices, values, meta = numpy_op(
-            self._prepare(name), [tensor, step], (tf.int64, tf.float32, tf.int64, tf.float32, tf.int64),
-            name="deepreduce_prepare")
-
-        def sparse():
-            chosen, sent, bits = indices, values, tf.zeros([0], tf.uint8)
-            if self.bloom:
-                blocks, k, seed, draw_seed, d, limit = (meta[i] for i in range(6))
-                bits = ops.deep_reduce_bloom_build(indices, blocks, k, seed)
-                positives = ops.deep_reduce_bloom_query(bits, blocks, k, seed, d, limit)
-                chosen = ops.deep_reduce_bloom_select(positives, tf.size(indices, out_type=tf.int64), blocks, k, seed,
-                                                      draw_seed, policy=core.index.policy)
-                if core.index.policy != "naive":
-                    sent = tf.gather(compensated, chosen)
-            perm, vpayload = tf.zeros([0], tf.int64), tf.zeros([0], tf.uint8)
-            if self.fit:
-                v = core.value
-                perm, vpayload = ops.deep_reduce_fit_encode(sent, degree=v.degree, max_segments=v.segments,
-                                                            min_points=v.min_points, coef_bytes=v.coef_bytes)
-            return numpy_op(self._finish(name), [tensor, indices, chosen, sent, bits, meta, perm, vpayload, step],
-                            tf.uint8, name="deepreduce_finish")
-
-        def dense():
-            def encode_dense(g, s):
-                with self.lock:
-                    return core.encode(g, name=name, step=int(s))
-
-            return numpy_op(encode_dense, [tensor, step], tf.uint8, name="deepreduce_encode")
-
-        out = tf.cond(tf.equal(flag, 1), sparse, dense)
-        out.set_shape([None])
+    def counts(self) -> dict:
+        """What the ops encoded and decoded so far, in :class:`~deepreduce.CompressionStats` terms."""
+        values = dict(zip(STATS, (int(v) for v in self.counters.numpy())))
+        out = {key: values[key] for key in STATS[:8]}
+        out["encode_seconds"] = values["encode_ns"] / 1e9
+        out["decode_seconds"] = values["decode_ns"] / 1e9
         return out
-
-    def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
-        """Encode one tensor; a tensor whose static size is below ``min_numel`` goes dense at once."""
-        numel = tensor.shape.num_elements()
-        if numel is not None and numel < self.core.min_numel:
-            core = self.core
-
-            def encode_dense(g, s):
-                with self.lock:
-                    return core.encode(g, name=name, step=int(s))
-
-            out = numpy_op(encode_dense, [tensor, step], tf.uint8, name="deepreduce_encode")
-            out.set_shape([None])
-            return out
-        return self._encode_graph(tensor, name, step)
-
-    # ---------------------------------------------------------------- decode
-    @property
-    def routes_decode(self) -> bool:
-        """Whether graph decode runs custom ops (Bloom positives/selection, polyfit values)."""
-        return self.bloom or self.core.value.id in OPS_VALUE_CODECS
-
-    def _parse(self, count: int):
-        """numpy stage: split the containers; per container the Bloom filter with its sizes and
-        seeds, and the polyfit section with its count, where the ops can decode them."""
-        import struct
-
-        from .. import container
-        from ..index import bloom as bloom_codec
-        from ..values import polyfit as polyfit_codec
-
-        core = self.core
-        policy = core.index.policy if self.bloom else None
-        fit = core.value.id in OPS_VALUE_CODECS
-        fit_params = struct.pack("<BB", core.value.degree, core.value.coef_bytes) if fit else None
-
-        def parse(buf):
-            parts = container.split(buf)
-            if len(parts) != count:
-                raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
-            out = []
-            for part in parts:
-                c = container.unpack(part)
-                meta = np.zeros(8, np.int64)   # routed, blocks, k, seed, draw seed, numel, n, limit
-                bits = np.zeros(0, np.uint8)
-                vmeta = np.zeros(2, np.int64)  # routed, n
-                vpay = np.zeros(0, np.uint8)
-                if not c.dense and policy is not None and c.index_id == bloom_codec.BloomIndex.wire_id:
-                    p = bloom_codec.unpack_params(c.index_params)
-                    # a container of another policy or hash family (foreign config, format v1)
-                    # is decoded by the core itself
-                    if (p.family == "blocked" and p.policy == policy and len(c.index_section) == p.filter_bytes
-                            and p.size > 0):
-                        limit = c.n if p.policy in ("naive", "leftmost", "p0") else c.numel
-                        meta[:] = [1, p.size, p.k, _int64(p.seed), _int64(p.draw_seed), c.numel, c.n, limit]
-                        bits = np.frombuffer(c.index_section, dtype=np.uint8)
-                if (not c.dense and fit and c.value_id == polyfit_codec.PolyFit.wire_id
-                        and c.value_params == fit_params):
-                    vmeta[:] = [1, c.n]
-                    vpay = np.frombuffer(c.value_section, dtype=np.uint8)
-                out += [bits, meta, vpay, vmeta]
-            return out
-
-        return parse
-
-    def _assemble(self, shape, count: int, summed: bool):
-        """numpy stage: the core decodes (and sums) the containers with what the ops produced."""
-        import copy
-
-        from .. import container
-        from ..index import bloom as bloom_codec
-        from ..values import polyfit as polyfit_codec
-
-        core = self.core
-        policy = core.index.policy if self.bloom else None
-        bloom_key = ("index", bloom_codec.BloomIndex.wire_id)
-        fit_key = ("value", polyfit_codec.PolyFit.wire_id)
-
-        def assemble(buf, *results):
-            parts = container.split(buf)
-            # per codec, one entry per container whose section the core will decode (sparse,
-            # that codec's wire id), in order; None where the ops did not handle it
-            bloom_queue, fit_queue = [], []
-            for i, part in enumerate(parts[:count]):
-                chosen, npos, meta, values, vmeta = results[5 * i:5 * i + 5]
-                if part.size <= 7 or part[5] & container.FLAG_DENSE:
-                    continue
-                if part[6] == bloom_key[1]:
-                    bloom_queue.append((chosen, int(npos)) if meta[0] == 1 else (None, 0))
-                if part[7] == fit_key[1]:
-                    fit_queue.append(values if vmeta[0] == 1 else None)
-            view = copy.copy(core)
-            view._decoders = dict(core._decoders)
-            if policy is not None:
-                view._decoders[bloom_key] = _GivenBloomDecode(core._codec(*bloom_key), bloom_queue, policy)
-            view._decoders[fit_key] = _GivenValues(core._codec(*fit_key), fit_queue)
-            with self.lock:
-                if summed:
-                    return np.ascontiguousarray(view.decode_sum(parts, shape), dtype=np.float32)
-                return np.ascontiguousarray(view.decode(parts[0], shape), dtype=np.float32)
-
-        return assemble
-
-    def decode_sum(self, gathered: tf.Tensor, shape, count: int, summed: bool = True) -> tf.Tensor:
-        """Split, decode and sum ``count`` containers; Bloom query + policy selection and
-        polyfit decode run as custom ops, the core assembles (with all its checks)."""
-        ops = self.ops
-        core = self.core
-        dtypes = [tf.uint8, tf.int64, tf.uint8, tf.int64] * count
-        parsed = numpy_op(self._parse(count), [gathered], dtypes, name="deepreduce_parse")
-        results = []
-        for i in range(count):
-            bits, meta, vpay, vmeta = parsed[4 * i:4 * i + 4]
-            chosen, npos = tf.zeros([0], tf.int64), tf.constant(0, tf.int64)
-            if self.bloom:
-                blocks, k, seed, draw_seed, numel, n, limit = (meta[j] for j in range(1, 8))
-                k = tf.maximum(k, 1)   # unrouted containers carry blocks = 0: the ops then return nothing
-                positives = ops.deep_reduce_bloom_query(bits, blocks, k, seed, numel, limit)
-                npos = tf.size(positives, out_type=tf.int64)
-                chosen = ops.deep_reduce_bloom_select(positives, tf.minimum(n, npos), blocks, k, seed, draw_seed,
-                                                      policy=core.index.policy)
-            values = tf.zeros([0], tf.float32)
-            if core.value.id in OPS_VALUE_CODECS:
-                v = core.value
-                values = tf.cond(
-                    tf.equal(vmeta[0], 1),
-                    lambda vpay=vpay, vmeta=vmeta: ops.deep_reduce_fit_decode(
-                        vpay, vmeta[1], degree=v.degree, coef_bytes=v.coef_bytes),
-                    lambda: tf.zeros([0], tf.float32))
-            results += [chosen, npos, meta, values, vmeta]
-        out = numpy_op(self._assemble(shape, count, summed), [gathered] + results, tf.float32,
-                       name="deepreduce_decode_sum" if summed else "deepreduce_decode")
-        if shape is not None:
-            out.set_shape(shape)
-        return out
-
-
-class _GivenValues:
-    """A value codec's decode with the values already decoded by a custom op (None: the codec runs)."""
-
-    def __init__(self, real, queue) -> None:
-        self._real = real
-        self._queue = list(queue)
-
-    def __getattr__(self, attr):
-        return getattr(self._real, attr)
-
-    def decode(self, params, payload, count):
-        values = self._queue.pop(0) if self._queue else None
-        if values is None:
-            return self._real.decode(params, payload, count)
-        return np.asarray(values, dtype=np.float32)
-
-
-class _GivenBloomDecode:
-    """The Bloom codec's decode, with the positives' query and policy selection already done by
-    the custom ops; keeps every check of the core's decoder (counts, foreign policies)."""
-
-    def __init__(self, real, queue, policy: str) -> None:
-        self._real = real
-        self._queue = list(queue)
-        self._policy = policy
-
-    def __getattr__(self, attr):
-        return getattr(self._real, attr)
-
-    def decode(self, params, payload, count, numel):
-        from ..index import bloom as bloom_codec
-
-        chosen, npos = self._queue.pop(0) if self._queue else (None, 0)
-        p = bloom_codec.unpack_params(params)
-        if (chosen is None or p.family != "blocked" or p.policy != self._policy or p.size == 0
-                or len(payload) != p.filter_bytes):
-            return self._real.decode(params, payload, count, numel)
-        bloom_codec.check_positives(p.policy, int(npos), count)
-        return np.asarray(chosen, dtype=np.int64)

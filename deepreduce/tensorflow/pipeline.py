@@ -2,25 +2,26 @@
 
 Horovod calls a TensorFlow compressor (and a tape's reduction code) once, while ``tf.function``
 traces the graph, so every stage of compression has to be a graph op that runs at each step.
-The encode and decode stages are therefore ops:
+Encode and decode are therefore one op each:
 
-* the framework-neutral stages (error feedback, sparsifier, codecs, container packing) run in
-  ``tf.numpy_function`` ops over the NumPy core. The container is byte-identical to
-  ``deepreduce.build(config).encode`` for the same input, name and step *by construction*,
-  since it is the core that writes it;
-* where the config uses the Bloom-filter index codec or a curve-fitting value codec and the
-  custom-op library (``deepreduce/tensorflow/_deepreduce_ops.so``, see :mod:`.ops`) is loaded,
-  the hot kernels of those codecs run as TensorFlow C++ ops (``REGISTER_OP``) wrapping the
-  same C++ functions as the Python extension; see :mod:`.ops` for what is routed.
+* for the configs whose every stage exists in C++ (Top-r with or without error feedback, raw or
+  Bloom indices, raw, fp16 or polyfit values) and when the custom-op library
+  (``deepreduce/tensorflow/_deepreduce_ops.so``, see :mod:`.ops`) loads, a TensorFlow C++ op
+  (``DeepReduceEncode`` / ``DeepReduceDecode``) over the same C++ kernels and container code
+  as the Python extensions;
+* for every other config, one ``tf.numpy_function`` op calling the NumPy core's
+  ``encode`` / ``decode_sum``.
+
+Either way the container is byte-identical to ``deepreduce.build(config).encode`` for the same
+input, name and step (tests/test_tensorflow_ops.py checks every config).
 
 Cost of the ``numpy_function`` path (measured figures in docs/tensorflow.md): each call holds
 the Python GIL, copies the gradient out of the TF buffer once (``.numpy()`` is zero-copy for a
 CPU tensor, the float32 cast and ravel usually are too) and the payload back once, and adds the
 fixed price of a Python call from the TF runtime (tens of microseconds). The op is marked
 ``stateful`` so TF never constant-folds or deduplicates it (error-feedback residuals and step
-counters change between calls); it cannot be placed on a GPU, so on a GPU machine the gradient
-is copied to host memory before compression -- which the allgather of a byte payload needs
-anyway.
+counters change between calls). Neither path runs on a GPU: on a GPU machine the gradient is
+copied to host memory before compression -- which the allgather of a byte payload needs anyway.
 
 The step may be a Python int or an integer tensor (``optimizer.iterations``); the tensor name
 is a Python string fixed at trace time, as Horovod's own tensor names are.
@@ -38,7 +39,8 @@ import tensorflow as tf
 from .. import container
 from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, dtype_error, to_float32
+from ..stats import CompressionStats
 from .fpenv import default_floating_point
 
 
@@ -59,23 +61,13 @@ def numpy_op(func, inputs, dtypes, name: str):
                              stateful=True, name=name)
 
 
-def _static_shape(shape) -> Optional[tuple]:
-    """A fully known shape as a tuple of ints, or None."""
-    if shape is None:
-        return None
-    shape = tf.TensorShape(shape)
-    if not shape.is_fully_defined():
-        return None
-    return tuple(int(s) for s in shape.as_list())
-
-
 class TFPipeline:
     """Wraps a core :class:`~deepreduce.Pipeline` for TensorFlow tensors, eager or in ``tf.function``.
 
     ``encode(tensor, name=, step=)`` returns a 1-D ``tf.uint8`` tensor holding one container;
     ``decode(payload)`` returns a float32 tensor of the original shape. Per-tensor state (error
-    feedback residuals) and statistics live in the wrapped core pipeline, so build one
-    ``TFPipeline`` per training run and keep it (see :func:`build`).
+    feedback residuals) and statistics live in the pipeline (in the core, or in TF variables on
+    the ops path), so build one ``TFPipeline`` per training run and keep it (see :func:`build`).
 
     ``iterations`` is a step counter owned by the pipeline (an int64 ``tf.Variable`` created
     with the pipeline, lifted out of any ``tf.function`` being traced), used by
@@ -93,69 +85,75 @@ class TFPipeline:
         # TF may run the py_func ops of several gradients at once; the core's statistics and
         # residual dict are updated under this lock so concurrent calls never interleave.
         self.lock = threading.RLock()
-        from . import ops  # noqa: WPS433 (late import: ops imports this module's siblings)
+        from . import ops  # noqa: WPS433 (late import: ops imports the core's components)
 
         if backend == "numpy_function":
-            self._accel = None
+            self._ops = None
         elif backend == "tf-ops":
-            if not ops.OpsEncoder.routes(core):
-                raise ConfigError(
-                    f"TFPipeline: backend 'tf-ops' needs a codec with TF custom ops (index "
-                    f"{'/'.join(ops.OPS_INDEX_CODECS)} or value {'/'.join(ops.OPS_VALUE_CODECS)}); "
-                    f"this config uses index {core.index.id!r} and value {core.value.id!r}"
-                )
-            self._accel = ops.OpsEncoder(core, ops.load(), self.lock)   # raises with the rebuild command
+            reason = ops.unsupported(core)
+            if reason is not None:
+                raise ConfigError(f"TFPipeline: backend 'tf-ops' runs Top-r with raw/bloom indices and raw/fp16/"
+                                  f"polyfit values as custom ops; this config has {reason}")
+            self._ops = ops.PipelineOps(core, ops.load())   # raises with the rebuild command
         else:
-            self._accel = ops.accelerator_for(core, self.lock)
+            self._ops = ops.accelerator_for(core)
 
     # ------------------------------------------------------------------ properties
     @property
-    def stats(self):
-        """The core's running :class:`~deepreduce.CompressionStats`."""
-        return self.core.stats
+    def stats(self) -> CompressionStats:
+        """Running :class:`~deepreduce.CompressionStats`: the core's plus what the ops did."""
+        merged = CompressionStats(**{k: v for k, v in self.core.stats.as_dict().items() if k != "relative_volume"})
+        if self._ops is not None:
+            for key, value in self._ops.counts().items():
+                setattr(merged, key, getattr(merged, key) + value)
+        return merged
 
     def compression_stats(self) -> dict:
-        return self.core.stats.as_dict()
+        return self.stats.as_dict()
 
     def get_config(self) -> dict:
         return self.core.get_config()
 
     @property
     def backend(self) -> str:
-        """``"tf-ops"`` when custom ops run the Bloom/fit kernels, else ``"numpy_function"``."""
-        return "numpy_function" if self._accel is None else "tf-ops"
+        """``"tf-ops"`` when the custom ops encode and decode, else ``"numpy_function"``."""
+        return "numpy_function" if self._ops is None else "tf-ops"
 
     @property
     def iterations(self) -> tf.Variable:
         """This pipeline's own step counter."""
         return self._iterations
 
+    def residual(self, name: str) -> Optional[np.ndarray]:
+        """The error-feedback residual held for tensor ``name`` (flat float32), or None."""
+        if self._ops is not None:
+            return self._ops.residual(name)
+        residual = getattr(self.core.memory, "residual", None)
+        return residual(name) if residual is not None else None
+
     # ------------------------------------------------------------------ encode
     def encode(self, tensor, name: str = "", step=0) -> tf.Tensor:
         """One container for ``tensor`` as a 1-D ``tf.uint8`` tensor (a graph op under tf.function)."""
         tensor = tf.convert_to_tensor(tensor)
         if not tensor.dtype.is_floating:
-            # same message as the core's, raised at trace time
-            self.core.encode(np.zeros((0,), dtype=tensor.dtype.as_numpy_dtype), name=name, step=0)
+            raise dtype_error(name, tensor.dtype.name)   # the core's message, raised at trace time
+        if tensor.dtype == tf.float64:   # the core's checked conversion: overflow is reported as such
+            tensor = _checked_float32(tensor, name)
         tensor = tf.cast(tensor, tf.float32) if tensor.dtype != tf.float32 else tensor
-        if self._accel is not None:
-            step = tf.cast(tf.convert_to_tensor(step), tf.int64)
-            out = self._accel.encode(tensor, name, step)
+        if self._ops is not None:
+            out = self._ops.encode(tensor, name, tf.cast(step, tf.int64))
         elif tf.executing_eagerly():
             # eager: call the core directly (no py_func round trip; deepreduce errors keep their type)
             with self.lock:
                 out = tf.constant(self.core.encode(tensor.numpy(), name=name, step=_int_step(step)))
         else:
-            core = self.core
-            step = tf.cast(tf.convert_to_tensor(step), tf.int64)
-
-            lock = self.lock
+            core, lock = self.core, self.lock
 
             def _encode(grad: np.ndarray, step_value) -> np.ndarray:
                 with lock:
                     return core.encode(grad, name=name, step=int(step_value))
 
-            out = numpy_op(_encode, [tensor, step], tf.uint8, "deepreduce_encode")
+            out = numpy_op(_encode, [tensor, tf.cast(step, tf.int64)], tf.uint8, "deepreduce_encode")
         out.set_shape([None])
         return out
 
@@ -166,23 +164,14 @@ class TFPipeline:
         ``expected_shape`` (optional) is checked against the header at run time and also gives
         the result its static shape inside ``tf.function``.
         """
-        core = self.core
-        shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
-
-        lock = self.lock
+        shape = _shape_tuple(expected_shape)
+        core, lock = self.core, self.lock
 
         def _decode(buf: np.ndarray) -> np.ndarray:
             with lock:
                 return np.ascontiguousarray(core.decode(buf, shape), dtype=np.float32)
 
-        if tf.executing_eagerly():
-            return tf.constant(_decode(_eager_bytes(payload)))
-        if self._accel is not None and self._accel.routes_decode:
-            return self._accel.decode_sum(tf.convert_to_tensor(payload, dtype=tf.uint8), shape, 1, summed=False)
-        out = numpy_op(_decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32, "deepreduce_decode")
-        if shape is not None:
-            out.set_shape(shape)
-        return out
+        return self._decode_op(payload, shape, None, True, _decode, "deepreduce_decode")
 
     def decode_sum(self, gathered, expected_shape: Optional[Sequence[int]] = None,
                    count: Optional[int] = None) -> tf.Tensor:
@@ -191,10 +180,8 @@ class TFPipeline:
         ``count`` (optional) is the number of containers expected (the number of ranks); a
         different number raises :class:`~deepreduce.CommunicationError`.
         """
-        core = self.core
-        shape = None if expected_shape is None else tuple(int(s) for s in expected_shape)
-
-        lock = self.lock
+        shape = _shape_tuple(expected_shape)
+        core, lock = self.core, self.lock
 
         def _decode_sum(buf: np.ndarray) -> np.ndarray:
             parts = container.split(buf)
@@ -203,18 +190,34 @@ class TFPipeline:
             with lock:
                 return np.ascontiguousarray(core.decode_sum(parts, shape), dtype=np.float32)
 
+        return self._decode_op(gathered, shape, count, False, _decode_sum, "deepreduce_decode_sum")
+
+    def _decode_op(self, payload, shape, count, single: bool, decode, name: str) -> tf.Tensor:
+        """The decode op: the custom op, the core called eagerly, or one numpy_function op."""
+        if self._ops is not None:
+            return self._ops.decode(tf.convert_to_tensor(payload, dtype=tf.uint8), shape, count, single)
         if tf.executing_eagerly():
-            return tf.constant(_decode_sum(_eager_bytes(gathered)))
-        if self._accel is not None and self._accel.routes_decode and count is not None:
-            return self._accel.decode_sum(tf.convert_to_tensor(gathered, dtype=tf.uint8), shape, count)
-        out = numpy_op(_decode_sum, [tf.convert_to_tensor(gathered, dtype=tf.uint8)], tf.float32,
-                       "deepreduce_decode_sum")
+            return tf.constant(decode(_eager_bytes(payload)))
+        out = numpy_op(decode, [tf.convert_to_tensor(payload, dtype=tf.uint8)], tf.float32, name)
         if shape is not None:
             out.set_shape(shape)
         return out
 
     def __repr__(self) -> str:
         return f"TFPipeline({self.core.get_config()!r}, backend={self.backend!r})"
+
+
+def _checked_float32(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """A float64 tensor as float32 through :func:`deepreduce.pipeline.to_float32` (overflow raises)."""
+    if tf.executing_eagerly():
+        return tf.constant(to_float32(tensor.numpy(), name))
+    out = numpy_op(lambda g: to_float32(g, name), [tensor], tf.float32, "deepreduce_to_float32")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def _shape_tuple(shape) -> Optional[tuple]:
+    return None if shape is None else tuple(int(s) for s in shape)
 
 
 def _int_step(step) -> int:
@@ -235,8 +238,9 @@ def build(config: ConfigLike, backend: str = "auto") -> TFPipeline:
     Build it once per training run (outside ``tf.function``) and pass the same object to every
     ``DistributedGradientTape``/``DistributedOptimizer``: it holds the residuals and counters.
 
-    ``backend``: ``"auto"`` routes Bloom/polyfit work through the TF custom ops when they load
-    (else ``tf.numpy_function``); ``"tf-ops"`` requires them (error with the rebuild command);
+    ``backend``: ``"auto"`` encodes and decodes with the TF custom ops when the config qualifies
+    (:func:`deepreduce.tensorflow.ops.unsupported`) and they load, else with ``tf.numpy_function``;
+    ``"tf-ops"`` requires them (error naming the reason or the rebuild command);
     ``"numpy_function"`` never uses them. All three write the same bytes; docs/tensorflow.md
     compares their cost.
     """

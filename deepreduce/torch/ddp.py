@@ -123,12 +123,14 @@ class DeepReduceState:
             residuals and seeds (the same names as the Horovod optimizer gives byte-identical
             containers). Without it parameters are named ``param.<k>`` in the order DDP first
             hands them over, which is the same on every rank.
+        path: where the codecs run ("auto", "device", "host"; ``deepreduce.torch.pipeline``):
+            "auto" compresses CUDA buckets on their device and decodes into them there.
 
     State: ``step`` (iterations communicated), the pipeline's residuals and learned state.
     Statistics: ``compression_stats()``.
     """
 
-    def __init__(self, process_group=None, compression=None, named_parameters=None) -> None:
+    def __init__(self, process_group=None, compression=None, named_parameters=None, path: str = "auto") -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise CommunicationError("DeepReduceState: call torch.distributed.init_process_group first")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -141,7 +143,7 @@ class DeepReduceState:
         if compression is not None and _is_summable(compression):
             self.pipeline, self.compressor = None, compression
         else:
-            self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
+            self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
             self.pipeline.core.collective_steps()
             self.compressor = None
         self._compressor_id = agreement.compressor_identity(self.compressor or self.pipeline)
@@ -288,7 +290,7 @@ class DeepReduceState:
         start = time.perf_counter()
         per_rank = []
         for rank, (data, size) in enumerate(zip(gathered, sizes)):
-            parts = container.split(data[:int(size)].cpu().numpy())
+            parts = container.split(data[:int(size)])   # a device tensor is split into device slices
             if len(parts) != len(job.names):
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
                                          f"{len(job.names)} parameters ({_describe(job.names)})")
@@ -300,11 +302,11 @@ class DeepReduceState:
                 self._skipped.setdefault(job.step, []).extend(skipped)
                 return
         for i, (name, view) in enumerate(zip(job.names, job.views)):
-            try:
-                total = self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(view.shape))
+            try:   # decoded straight into the bucket (on its device on the device path)
+                self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(view.shape), out=view)
             except DeepReduceError as exc:
                 raise type(exc)(f"parameter {name!r}: {exc}") from exc
-            view.copy_(total.div_(self.world_size))
+            view.div_(self.world_size)
         self.stats["decode_seconds"] += time.perf_counter() - start
 
     def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
@@ -389,10 +391,10 @@ def deepreduce_hook(state: DeepReduceState, bucket: dist.GradBucket) -> torch.fu
     return state.submit(bucket)
 
 
-def register(model: torch.nn.Module, compression=None, process_group=None) -> DeepReduceState:
+def register(model: torch.nn.Module, compression=None, process_group=None, path: str = "auto") -> DeepReduceState:
     """Build a :class:`DeepReduceState` for a DDP ``model`` and register the hook; return the state.
 
-    ``compression`` as for DeepReduceState; ``process_group`` defaults to the model's.
+    ``compression`` and ``path`` as for DeepReduceState; ``process_group`` defaults to the model's.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -404,6 +406,6 @@ def register(model: torch.nn.Module, compression=None, process_group=None) -> De
         raise ConfigError(f"this DDP model already has a communication hook ({existing[0][0].__qualname__}); "
                           "DDP accepts one per model")
     state = DeepReduceState(model.process_group if process_group is None else process_group, compression,
-                            model.module.named_parameters())
+                            model.module.named_parameters(), path)
     model.register_comm_hook(state, deepreduce_hook)
     return state

@@ -60,7 +60,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, communicator, background):
+                 gradient_predivide_factor, process_set, communicator, background, path="auto"):
         super(self.__class__, self).__init__(params)
         hvd = _horovod()
         self._hvd = hvd
@@ -73,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compressor, self._pipeline = compression, None
         else:
             self._compressor = None
-            self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression)
+            self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
             self._pipeline.core.collective_steps()
         self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
         self._communicator = communicator or self._default_communicator()
@@ -189,7 +189,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         payload = self._pipeline.encode(grad, name=name, step=step)
         interval = (start, time.perf_counter())
-        return self._communicator.allgather_async(payload.numpy(), f"deepreduce.{name}"), None, interval
+        on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
+        return self._communicator.allgather_async(on_host, f"deepreduce.{name}"), None, interval
 
     def _finish(self, p: torch.Tensor, handle, ctx):
         """Wait for one collective and write the aggregated gradient into ``p.grad``.
@@ -382,7 +383,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                          compression=None, backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, communicator: Optional[Communicator] = None,
-                         background: bool = True):
+                         background: bool = True, path: str = "auto"):
     """Wrap ``optimizer`` so its gradients travel as DeepReduce containers.
 
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
@@ -392,7 +393,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     its own container; ``sparse_as_dense`` is accepted and has no effect, since gradients are
     always compressed from their dense form. ``communicator`` overrides the config's (default: Horovod allgather).
     ``background`` (default True) encodes on a worker thread while backward goes on; False encodes
-    inside the backward hook (identical bytes; simpler to debug).
+    inside the backward hook (identical bytes; simpler to debug). ``path`` ("auto", "device",
+    "host"; see ``deepreduce.torch.pipeline``): where the codecs run; "auto" compresses CUDA
+    gradients on their device (only the compressed bytes leave it) and CPU ones with the C++
+    kernels; every path sends the same bytes and gives the same parameters.
     """
     hvd = _horovod()
     op = hvd.Average if op is None else op
@@ -407,4 +411,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, communicator, background)
+               gradient_predivide_factor, process_set, communicator, background, path)

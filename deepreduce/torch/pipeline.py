@@ -1,7 +1,18 @@
 """The PyTorch face of a pipeline: torch tensors in, the core's exact bytes out.
 
-Encoding hands the gradient to the framework-neutral core, so the container is byte-identical
-to ``deepreduce.build(config).encode`` for the same input, name and step.
+Two paths give the same container bytes as ``deepreduce.build(config).encode`` for the same
+input, name and step:
+
+* **host**: the gradient goes to the core as NumPy (a zero-copy view of a CPU tensor), whose
+  C++ kernels compress it; the fast path on the CPU.
+* **device**: the core runs on the torch tensor itself (its codecs are written against the
+  array namespace, ``deepreduce.arrays``): residual, finiteness check, selection, index and
+  value codecs and the container assembly stay on the tensor's device, and only the compact
+  container crosses to the host (for its CRC). Decoding uploads the compact sections and
+  accumulates into a tensor on the device. Components without a device implementation run on
+  the host with a one-time warning (``backends()`` lists them).
+
+``path="auto"`` (default) takes the host path for CPU tensors and the device path for others.
 """
 from __future__ import annotations
 
@@ -10,9 +21,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .. import container
 from ..config import ConfigLike, build as build_core
-from ..pipeline import Pipeline
+from ..errors import ConfigError
+from ..pipeline import Pipeline, dtype_error
 from .sparsify import select_torch
+
+PATHS = ("auto", "device", "host")
 
 
 class TorchPipeline:
@@ -23,8 +38,22 @@ class TorchPipeline:
     ``decode_sum(payloads, out=)`` sums every rank's container into one tensor.
     """
 
-    def __init__(self, core: Pipeline) -> None:
+    def __init__(self, core: Pipeline, path: str = "auto") -> None:
+        if path not in PATHS:
+            raise ConfigError(f"torch pipeline: path is {path!r}; allowed: {', '.join(PATHS)}")
         self.core = core
+        self.path = path
+
+    def on_device(self, device: Optional[torch.device]) -> bool:
+        """Whether tensors on ``device`` take the device path."""
+        if self.path != "auto":
+            return self.path == "device"
+        return device is not None and torch.device(device).type != "cpu"
+
+    def backends(self, device="cpu") -> dict:
+        """Which implementation runs each component for tensors on ``device`` (see
+        :func:`deepreduce.pipeline.backends`)."""
+        return self.core.backends(device=device if self.on_device(device) else None)
 
     @property
     def stats(self):
@@ -41,9 +70,13 @@ class TorchPipeline:
         selection. On another device the sparsifier runs as torch code on the device (the same
         positions, ``deepreduce.torch.sparsify``) and the codecs run on the CPU copy (they need
         the dense values, e.g. Bloom P0); with error feedback the selection reads the
-        compensated gradient the core keeps.
+        compensated gradient the core keeps. The container keeps the tensor's shape (a 0-d
+        tensor decodes as 0-d); an integer tensor is refused with the core's message; a sparse
+        tensor is coalesced and encoded as its dense form.
         """
-        grad = tensor.detach()
+        grad = _dense_float(tensor.detach(), name)
+        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
+            return self.core.encode(grad, name=name, step=int(step))
         if grad.device.type == "cpu":
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
@@ -53,13 +86,14 @@ class TorchPipeline:
             source = flat_device if stateless else torch.from_numpy(compensated).to(flat_device.device)
             return select_torch(self.core.sparsifier, source, ctx).cpu().numpy()
 
-        payload = self.core.encode(flat_device.cpu().numpy(), name=name, step=int(step), select=select)
+        host = grad.cpu() if grad.dtype == torch.float64 else flat_device.cpu().reshape(grad.shape)
+        payload = self.core.encode(_numpy_view(host), name=name, step=int(step), select=select)
         return torch.from_numpy(payload)
 
     def decode(self, payload, expected_shape: Optional[Sequence[int]] = None,
                device: Optional[torch.device] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor a container describes: in ``out`` (written in place) or a new tensor on ``device``."""
-        return self._into(out, device, lambda buf: self.core.decode(_as_numpy(payload), expected_shape, out=buf))
+        return self.decode_sum([payload], expected_shape, device, out)
 
     def decode_sum(self, payloads, expected_shape: Optional[Sequence[int]] = None,
                    device: Optional[torch.device] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -68,6 +102,14 @@ class TorchPipeline:
         ``out`` (e.g. a parameter's ``.grad``) is overwritten with the sum; a float32 contiguous
         CPU tensor is written in place through its NumPy view, any other is filled by one copy.
         """
+        target = out.device if out is not None else device
+        if self.on_device(target) and len(payloads):
+            if out is None:
+                shape = container.unpack(payloads[0], expected_shape, self.core.max_numel).shape   # bounded first
+                out = torch.zeros(shape, dtype=torch.float32, device=target)
+            if out.dtype == torch.float32 and out.is_contiguous():
+                self.core.decode_sum(list(payloads), expected_shape, out=out)
+                return out
         arrays = [_as_numpy(p) for p in payloads]
         return self._into(out, device, lambda buf: self.core.decode_sum(arrays, expected_shape, out=buf))
 
@@ -87,9 +129,20 @@ class TorchPipeline:
         return f"TorchPipeline({self.core.get_config()!r})"
 
 
+def _dense_float(grad: torch.Tensor, name: str) -> torch.Tensor:
+    """A floating-point gradient as a strided tensor: sparse layouts are coalesced and made dense
+    (the pipeline selects from the dense gradient); other dtypes are refused as by the core."""
+    if not grad.is_floating_point():
+        raise dtype_error(name, grad.dtype)
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().to_dense()
+    return grad.to_dense() if grad.layout != torch.strided else grad
+
+
 def _numpy_view(grad: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as float32 NumPy without a copy when it already is float32 and contiguous."""
-    if grad.dtype != torch.float32:
+    """A CPU tensor as float32 NumPy without a copy when it already is float32 and contiguous
+    (a float64 one goes through the core's checked conversion: overflow is reported)."""
+    if grad.dtype not in (torch.float32, torch.float64):
         grad = grad.float()
     return grad.contiguous().numpy()
 
@@ -100,8 +153,9 @@ def _as_numpy(payload) -> np.ndarray:
     return np.asarray(payload)
 
 
-def build(config: ConfigLike) -> TorchPipeline:
-    """Build a torch pipeline from a config path, dict, core Pipeline or TorchPipeline."""
+def build(config: ConfigLike, path: str = "auto") -> TorchPipeline:
+    """Build a torch pipeline from a config path, dict, core Pipeline or TorchPipeline
+    (``path``: "auto", "device" or "host", see the module docstring)."""
     if isinstance(config, TorchPipeline):
-        return config
-    return TorchPipeline(config if isinstance(config, Pipeline) else build_core(config))
+        return config if path == "auto" else TorchPipeline(config.core, path)
+    return TorchPipeline(config if isinstance(config, Pipeline) else build_core(config), path)

@@ -29,6 +29,7 @@ from typing import Callable, Dict
 import numpy as np
 import torch
 
+from ..arrays import host_fallback
 from ..errors import DeepReduceError
 from ..seeding import EncodeContext
 from ..sparsify import _fits
@@ -182,13 +183,15 @@ def select_torch_native(sparsifier: Sparsifier, flat: torch.Tensor, ctx: EncodeC
     """The selection as torch operations on ``flat``'s device: the same positions as the core.
 
     Sparsifiers without a torch version (third-party components) fall back to their NumPy
-    ``select`` on a CPU copy; the positions are moved back to the tensor's device.
+    ``select`` on a CPU copy, with a one-time warning naming them; the positions are moved back
+    to the tensor's device.
     """
     _check_flat(flat)
     if flat.dtype != torch.float32:
         flat = flat.float()
     fn = SELECTORS.get(sparsifier.id)
     if fn is None or type(sparsifier).select is not _core_select(sparsifier.id):
+        host_fallback(f"sparsifier {sparsifier.id!r} (a dense copy goes to the host)")
         chosen = sparsifier.select(flat.detach().cpu().numpy(), ctx)
         return torch.from_numpy(np.ascontiguousarray(chosen, dtype=np.int64)).to(flat.device)
     return fn(sparsifier, flat, ctx)

@@ -44,6 +44,10 @@ class ValueCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
+    #: Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded
+    #: and decoded on their own device. Others run on the host for device tensors (a one-time
+    #: warning names them).
+    array_api = False
     #: Set by the pipeline: True when its index codec keeps the value order, so a reordering
     #: (``ValueEncoding.order``) only permutes the indices and costs no permutation section.
     reorder_is_free = False

@@ -27,6 +27,8 @@ from ..registry import register
 from ._base import ValueCodec, ValueEncoding
 from ._sorting import sort_descending
 
+MAX_RATIO = 1032   # DEFLATE's largest expansion: a 258-byte match costs at least 2 bits
+
 
 def sorted_order(values: np.ndarray) -> np.ndarray:
     """The signed descending order of float32 ``values`` (the C++ radix sort when built)."""
@@ -65,6 +67,9 @@ class DeflateValues(ValueCodec):
         if params:
             raise ContainerError(f"deflate takes no parameters, container has {len(params)} bytes")
         expected = 4 * count
+        if expected > MAX_RATIO * len(payload):
+            raise ContainerError(f"deflate value section of {len(payload)} bytes cannot inflate to the "
+                                 f"{expected} bytes of {count} values (zlib expands at most {MAX_RATIO}:1)")
         inflater = zlib.decompressobj()
         try:
             raw = inflater.decompress(bytes(payload), expected + 1)

@@ -261,7 +261,9 @@ class PolyFit(ValueCodec):
         "segments": Param(int, default=0, low=0, high=65535,
                           doc="most segments per sign; 0: automatic (auto_segments: 4 + ceil(log2(n / 1000)), "
                               "at most n // 64)"),
-        "min_points": Param(int, default=6, low=1, doc="fewest points per segment (at least degree+1)"),
+        "min_points": Param(int, default=6, low=1, high=2**31 - 1,
+                            doc="fewest points per segment (at least degree+1; a segment length is at most "
+                                "2**31 - 1 in the C++ kernel)"),
         "coef_dtype": Param(str, default="float32", choices=tuple(COEF_DTYPES), doc="coefficient precision"),
     }
 
@@ -308,6 +310,7 @@ class PolyFit(ValueCodec):
     def decode(self, params, payload, count):
         degree, coef_bytes = self._params(params)
         native = self._native
+        parse_lengths(payload, count, degree)   # the segment table backs the count before n values are allocated
         if native is not None:
             try:
                 return native.decode(bytes(payload), count, degree, coef_bytes)

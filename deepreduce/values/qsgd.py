@@ -6,7 +6,12 @@ never exceed ``s``), ``z_i = s |u_i| / nu``, ``level_i = floor(z_i) + Bernoulli(
 floor(z_i))``, ``q_i = sign(u_i) level_i``. Decode: ``u_hat_i = nu q_i / s`` with the same
 float32 ``nu`` the encoder used, so ``E[u_hat] = u`` exactly (up to float rounding of the
 product), and ``E||u_hat - u||^2 <= min(n/s^2, sqrt(n)/s) ||u||^2`` per bucket of ``n``.
-The Bernoulli draws come from ``ctx.rng("qsgd")``: seeded from (config, tensor name, step).
+The Bernoulli draws come from a counter-based generator (``deepreduce.hashing.counter_uniform``:
+draw ``i`` is a hash of ``(ctx.seed_for("qsgd"), i)``, the seed itself a hash of config, tensor
+name and step), never a framework RNG, so NumPy and torch on any device draw the same noise.
+The codec is written against the array namespace (``deepreduce.arrays``): torch tensors are
+encoded and decoded on their device with the same bytes. Bucket norms sum the squares in a
+fixed pairwise order (:func:`bucket_norms`) so every framework rounds them alike.
 
 Wire: params ``u16 levels | u32 bucket_size``; payload ``ceil(n / bucket_size)`` float32 norms,
 then ``n`` signed integers, int8 when ``levels <= 127`` (spec: ``8 n + 32 ceil(n/512)`` bits)
@@ -18,7 +23,9 @@ import struct
 
 import numpy as np
 
+from .. import arrays
 from ..errors import ContainerError, DeepReduceError
+from ..hashing import counter_uniform
 from ..params import Param
 from ..registry import register
 from ._base import ValueCodec, ValueEncoding
@@ -28,23 +35,47 @@ def level_dtype(levels: int) -> np.dtype:
     return np.dtype("<i1") if levels <= 127 else np.dtype("<i2")
 
 
-def bucket_norms(values: np.ndarray, bucket_size: int) -> np.ndarray:
-    """float32 L2 norm of each bucket, rounded up so that no |value| exceeds its norm."""
-    n = values.size
+def _pairwise_sum_rows(x):
+    """Row sums of a 2-D float64 array, adding neighbouring columns level by level (a fixed
+    order, so NumPy and torch round identically)."""
+    xp = arrays.namespace(x)
+    while x.shape[1] > 1:
+        if x.shape[1] % 2:
+            x = xp.concat([x, xp.zeros((x.shape[0], 1), dtype=x.dtype, device=x.device)], axis=1)
+        x = x[:, 0::2] + x[:, 1::2]
+    return x[:, 0]
+
+
+def bucket_norms(values, bucket_size: int):
+    """float32 L2 norm of each bucket, rounded up so that no |value| exceeds its norm.
+
+    A bucket longer than the values is summed as one of ``n`` (the same pairwise sums: the
+    padding only adds zeros), so memory is O(n) whatever ``bucket_size`` says."""
+    xp = arrays.namespace(values)
+    n = values.shape[0]
+    bucket_size = min(bucket_size, max(n, 1))
     nb = -(-n // bucket_size)
-    padded = np.zeros(nb * bucket_size, dtype=np.float64)
-    padded[:n] = values
-    exact = np.sqrt(np.einsum("ij,ij->i", padded.reshape(nb, bucket_size), padded.reshape(nb, bucket_size)))
+    padded = xp.zeros(nb * bucket_size, dtype=xp.float64, device=values.device)
+    padded[:n] = xp.astype(values, xp.float64)
+    rows = xp.reshape(padded, (nb, bucket_size))
+    exact = xp.sqrt(_pairwise_sum_rows(rows * rows))   # squares of float32 values are exact
     with np.errstate(over="ignore"):
-        norms = exact.astype(np.float32)
-    low = norms.astype(np.float64) < exact
-    norms[low] = np.nextafter(norms[low], np.float32(np.inf))
-    return norms
+        norms = xp.astype(exact, xp.float32)
+    low = xp.astype(norms, xp.float64) < exact
+    return xp.where(low, xp.nextafter(norms, xp.full_like(norms, float("inf"))), norms)
 
 
-def dequantise(nu: np.ndarray, q: np.ndarray, levels: int) -> np.ndarray:
+def dequantise(nu, q, levels: int):
     """``nu q / s`` in float64, rounded to float32: the receiver's values (encode and decode)."""
-    return (nu * q.astype(np.float64) / levels).astype(np.float32)
+    xp = arrays.namespace(q)
+    return xp.astype(nu * xp.astype(q, xp.float64) / levels, xp.float32)
+
+
+def _per_value(norms, bucket_size: int, n: int):
+    """Each value's bucket norm as float64 (O(n): a bucket longer than the values repeats its
+    norm n times, never bucket_size times)."""
+    xp = arrays.namespace(norms)
+    return xp.repeat(xp.astype(norms, xp.float64), min(bucket_size, n))[:n]
 
 
 @register
@@ -53,30 +84,32 @@ class QSGD(ValueCodec):
 
     id = "qsgd"
     wire_id = 5
+    array_api = True
     PARAMS = {
         "levels": Param(int, default=127, low=1, high=32767, doc="quantisation levels s"),
         "bucket_size": Param(int, default=512, low=1, high=2**32 - 1, doc="values per norm"),
     }
 
     def encode(self, values, ctx):
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        n, s = values.size, self.levels
+        values = arrays.as_float32(values)
+        a, xp = arrays.adapter(values), arrays.namespace(values)
+        n, s = values.shape[0], self.levels
         norms = bucket_norms(values, self.bucket_size)
-        if not np.isfinite(norms).all():
+        if not bool(xp.all(xp.isfinite(norms))):
             raise DeepReduceError(
                 f"qsgd: a bucket norm of tensor {ctx.name!r} overflows float32; scale the gradient"
             )
-        nu = np.repeat(norms.astype(np.float64), self.bucket_size)[:n]
-        mag = np.abs(values.astype(np.float64))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(nu > 0, s * mag / np.where(nu > 0, nu, 1.0), 0.0)
-        floor = np.floor(z)
-        level = floor + (ctx.rng("qsgd").random(n) < (z - floor))
-        level = np.minimum(level, s)
-        q = (np.sign(values) * level).astype(level_dtype(s))
+        nu = _per_value(norms, self.bucket_size, n)
+        mag = xp.abs(xp.astype(values, xp.float64))
+        positive = nu > 0
+        z = xp.where(positive, s * mag / xp.where(positive, nu, xp.ones_like(nu)), xp.zeros_like(nu))
+        floor = xp.floor(z)
+        noise = counter_uniform(ctx.seed_for("qsgd"), n, values)
+        level = xp.minimum(floor + xp.astype(noise < (z - floor), xp.float64), xp.full_like(floor, float(s)))
+        q = xp.astype(xp.astype(xp.sign(values), xp.float64) * level, xp.int8 if s <= 127 else xp.int16)
         params = struct.pack("<HI", s, self.bucket_size)
-        return ValueEncoding(params, norms.astype("<f4").tobytes() + q.tobytes(),
-                             reconstructed=dequantise(nu, q, s))
+        payload = a.concat_bytes([a.as_bytes(norms), a.as_bytes(q)])
+        return ValueEncoding(params, payload, reconstructed=dequantise(nu, q, s))
 
     @staticmethod
     def _params(params: bytes):
@@ -94,13 +127,15 @@ class QSGD(ValueCodec):
         expected = 4 * nb + dtype.itemsize * count
         if len(payload) != expected:
             raise ContainerError(f"qsgd value section has {len(payload)} bytes, expected {expected}")
-        norms = np.frombuffer(payload, dtype="<f4", count=nb).astype(np.float64)
-        q = np.frombuffer(payload, dtype=dtype, offset=4 * nb, count=count)
-        if not (np.isfinite(norms).all() and (norms >= 0).all()):
+        a = arrays.adapter(payload)
+        norms = a.from_section(payload[:4 * nb], "<f4")
+        q = a.from_section(payload[4 * nb:], dtype.str)
+        xp = arrays.namespace(norms)
+        if not (bool(xp.all(xp.isfinite(norms))) and bool(xp.all(norms >= 0))):
             raise ContainerError("qsgd value section holds a negative or non-finite norm")
-        if count and (int(q.max()) > s or int(q.min()) < -s):
+        if count and (int(xp.max(q)) > s or int(xp.min(q)) < -s):
             raise ContainerError(f"qsgd value section holds a level beyond +-{s}")
-        return dequantise(np.repeat(norms, bucket)[:count], q, s)
+        return dequantise(_per_value(norms, bucket, count), q, s)
 
     @classmethod
     def describe_params(cls, params):

@@ -1,8 +1,13 @@
-"""Uncompressed float32 values, and IEEE half precision."""
+"""Uncompressed float32 values, and IEEE half precision.
+
+Both are written against the array namespace (``deepreduce.arrays``): NumPy values give
+``bytes`` sections, torch tensors give uint8 tensors on their own device, with the same bytes.
+"""
 from __future__ import annotations
 
 import numpy as np
 
+from .. import arrays
 from ..errors import ContainerError, DeepReduceError
 from ..registry import register
 from ._base import ValueCodec, ValueEncoding
@@ -21,14 +26,15 @@ class RawValues(ValueCodec):
 
     id = "raw"
     wire_id = 0
+    array_api = True
 
     def encode(self, values, ctx):
-        values = np.asarray(values, dtype=np.float32)
-        return ValueEncoding(b"", values.astype("<f4", copy=False).tobytes(), reconstructed=values)
+        values = arrays.as_float32(values)
+        return ValueEncoding(b"", arrays.adapter(values).as_bytes(values), reconstructed=values)
 
     def decode(self, params, payload, count):
         _check_length("raw", payload, count, 4)
-        return np.frombuffer(payload, dtype="<f4").astype(np.float32)
+        return arrays.adapter(payload).from_section(payload, "<f4")
 
 
 @register
@@ -41,17 +47,22 @@ class Fp16Values(ValueCodec):
 
     id = "fp16"
     wire_id = 1
+    array_api = True
 
     def encode(self, values, ctx):
-        values = np.asarray(values, dtype=np.float32)
-        if values.size and float(np.max(np.abs(values))) > FP16_MAX:
+        values = arrays.as_float32(values)
+        xp = arrays.namespace(values)
+        largest = float(xp.max(xp.abs(values))) if values.shape[0] else 0.0
+        if largest > FP16_MAX:
             raise DeepReduceError(
                 f"fp16 value codec: tensor {ctx.name!r} has a value of magnitude "
-                f"{float(np.max(np.abs(values))):.4g} beyond float16's {FP16_MAX}; use 'raw' or scale the loss"
+                f"{largest:.4g} beyond float16's {FP16_MAX}; use 'raw' or scale the loss"
             )
-        half = values.astype("<f2")
-        return ValueEncoding(b"", half.tobytes(), reconstructed=half.astype(np.float32))
+        half = xp.astype(values, xp.float16)
+        return ValueEncoding(b"", arrays.adapter(values).as_bytes(half), reconstructed=xp.astype(half, xp.float32))
 
     def decode(self, params, payload, count):
         _check_length("fp16", payload, count, 2)
-        return np.frombuffer(payload, dtype="<f2").astype(np.float32)
+        half = arrays.adapter(payload).from_section(payload, "<f2")
+        xp = arrays.namespace(half)
+        return xp.astype(half, xp.float32)

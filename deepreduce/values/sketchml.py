@@ -222,6 +222,10 @@ class SketchML(ValueCodec):
 
     def decode(self, params, payload, count):
         separate, sketch, rows, groups, seed = self._params(params)
+        # at least: the sign bits, one part's bucket count and value, one bit per value without sketch
+        least = (bitpack.packed_size(count, 1) if separate else 0) + (0 if sketch else bitpack.packed_size(count, 1))
+        if count and len(payload) < least + 6:
+            raise ContainerError(f"sketchml value section of {len(payload)} bytes cannot hold {count} values")
         r = _Reader(bytes(payload))
         if separate:
             negative = bitpack.unpack(r.take(bitpack.packed_size(count, 1)), 1, count).astype(bool)

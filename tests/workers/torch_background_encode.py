@@ -6,6 +6,10 @@ optimizer encoding on the worker thread and one inside the backward hook, take t
 every container each rank sends (recorded per tensor and step) and the parameters after every
 step must be identical, and the parameters must agree across ranks.
 
+The same check runs a third copy whose codecs take the torch device path (``path="device"``:
+the core on torch tensors, decode-accumulate into ``p.grad`` as a tensor): identical containers
+and parameters to the host path.
+
 Part 2: with ``nonfinite: raise``, a NaN gradient injected on every rank at one step makes
 step() raise NonFiniteGradientError naming the parameter (decided by every rank together); zero_grad() and the next steps work
 and the ranks still agree. Prints "OK <rank>" on success.
@@ -70,21 +74,23 @@ def assert_ranks_agree(model, tag):
 
 def check_background_matches_synchronous(label, config):
     runs = {}
-    for background in (True, False):
+    for background, path in ((True, "auto"), (False, "auto"), ("device", "device")):
         model = make_model()
         comm = RecordingCommunicator()
         opt = drt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=config,
-                                       communicator=comm, background=background)
+                                       communicator=comm, background=bool(background), path=path)
         runs[background] = (model, opt, comm)
     for step in range(STEPS):
-        for background in (True, False):          # one full step each, so collective names never overlap
-            model, opt, _ = runs[background]
-            train_step(model, opt, step)
-        assert torch.equal(flat_params(runs[True][0]), flat_params(runs[False][0])), f"{label}: step {step} differs"
+        for run in runs.values():                 # one full step each, so collective names never overlap
+            train_step(run[0], run[1], step)
+        for other in (False, "device"):
+            assert torch.equal(flat_params(runs[True][0]), flat_params(runs[other][0])), \
+                f"{label}: step {step} differs ({other})"
     (model, opt, comm), (_, sync_opt, sync_comm) = runs[True], runs[False]
     assert len(comm.sent) == STEPS * len(list(model.parameters()))
     assert sorted(comm.sent) == sorted(sync_comm.sent), f"{label}: containers differ"
+    assert sorted(comm.sent) == sorted(runs["device"][2].sent), f"{label}: device-path containers differ"
     assert_ranks_agree(model, label)
     stats, sync_stats = opt.compression_stats(), sync_opt.compression_stats()
     assert stats["background"] and not sync_stats["background"]

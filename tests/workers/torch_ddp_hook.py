@@ -43,12 +43,12 @@ def batch(rank: int, step: int):
     return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
-def make(compression="default", seed=0, branch=False, **ddp_kwargs):
+def make(compression="default", seed=0, branch=False, path="auto", **ddp_kwargs):
     """(ddp model, optimizer, hook state or None) from one seed, bucket cap small enough for 2+ buckets."""
     torch.manual_seed(seed)
     net = Net(branch)
     model = DDP(net, bucket_cap_mb=0.02, **ddp_kwargs)
-    state = None if compression == "default" else ddp.register(model, compression)
+    state = None if compression == "default" else ddp.register(model, compression, path=path)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
 
@@ -113,6 +113,18 @@ def scenario_topk_bytes(rank):
     stats = state.compression_stats()
     shapes = [tuple(p.shape) for p in model.module.parameters()]
     return {"wire_bytes": stats["wire_bytes"], "steps": stats["steps"], "shapes": shapes}
+
+
+def scenario_device_path(rank):
+    """The torch device path (codecs on torch tensors, decode into the bucket) against the host path."""
+    runs = {}
+    for path in ("host", "device"):
+        model, opt, state = make(STATEFUL, path=path)
+        sent = record_containers(state.pipeline)
+        train(model, opt, rank, 3)
+        runs[path] = (flat_params(model), dict(sent))
+    return {"params_equal": bool(np.array_equal(runs["host"][0], runs["device"][0])),
+            "containers_equal": runs["host"][1] == runs["device"][1], "params": runs["device"][0]}
 
 
 def scenario_checkpoint(rank):
@@ -205,7 +217,7 @@ def scenario_bad_input(rank):
     }
 
 
-SCENARIOS = [scenario_lossless, scenario_gradiveq, scenario_topk_bytes, scenario_checkpoint, scenario_unused, scenario_bad_input,
+SCENARIOS = [scenario_lossless, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
              scenario_nonfinite, scenario_disagreement]
 
 

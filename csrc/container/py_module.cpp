@@ -1,0 +1,96 @@
+// pybind11 binding of the container header code (container.h): deepreduce._container.
+// deepreduce/container.py packs through it when it is built (the TF ops use the same functions);
+// parse errors come back as ValueError carrying container.py's ContainerError text.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "container.h"
+
+namespace py = pybind11;
+namespace ct = deepreduce::container;
+
+namespace {
+
+struct Bytes {
+    const uint8_t* data;
+    uint64_t size;
+};
+
+Bytes view(const py::buffer& b, py::buffer_info& info) {
+    info = b.request();
+    if (info.ndim > 1 || (info.ndim == 1 && info.strides[0] != info.itemsize))
+        throw py::value_error("container sections must be bytes or contiguous 1-D arrays");
+    return {static_cast<const uint8_t*>(info.ptr), static_cast<uint64_t>(info.size * info.itemsize)};
+}
+
+py::array_t<uint8_t> pack(int flags, int index_id, int value_id, int perm_width, const py::bytes& digest, uint64_t n,
+                          const py::tuple& shape, const py::buffer& index_params, const py::buffer& value_params,
+                          const py::buffer& index_section, const py::buffer& value_section,
+                          const py::buffer& perm_section) {
+    ct::Header h;
+    h.flags = static_cast<uint8_t>(flags);
+    h.index_id = static_cast<uint8_t>(index_id);
+    h.value_id = static_cast<uint8_t>(value_id);
+    h.perm_width = static_cast<uint8_t>(perm_width);
+    const std::string d = digest;
+    if (d.size() != ct::DIGEST_SIZE) throw py::value_error("digest must have 8 bytes");
+    std::copy(d.begin(), d.end(), h.digest);
+    h.n = n;
+    if (shape.size() > ct::MAX_NDIM) throw py::value_error("too many dimensions");
+    for (const auto& s : shape) h.shape.push_back(s.cast<uint64_t>());
+    py::buffer_info infos[5];
+    const py::buffer* buffers[5] = {&index_params, &value_params, &index_section, &value_section, &perm_section};
+    const uint8_t* data[5];
+    uint64_t len[5];
+    for (int s = 0; s < 5; ++s) {
+        const Bytes b = view(*buffers[s], infos[s]);
+        data[s] = b.data;
+        len[s] = b.size;
+    }
+    std::vector<uint8_t> out;
+    {
+        py::gil_scoped_release release;
+        ct::pack(h, data, len, out);
+    }
+    py::array_t<uint8_t> arr(static_cast<py::ssize_t>(out.size()));
+    std::copy(out.begin(), out.end(), arr.mutable_data());
+    return arr;
+}
+
+// (version, flags, index id, value id, perm width, digest or None, n, (Pi, Pv, Li, Lv, Lp), shape)
+py::tuple unpack_header(const py::buffer& buf) {
+    py::buffer_info info;
+    const Bytes b = view(buf, info);
+    ct::Header h;
+    uint64_t numel = 0;
+    const std::string err = ct::unpack(b.data, static_cast<size_t>(b.size), h, numel);
+    if (!err.empty()) throw py::value_error(err);
+    py::tuple lengths(5);
+    for (int s = 0; s < 5; ++s) lengths[s] = py::int_(h.lengths[s]);
+    py::tuple shape(h.shape.size());
+    for (size_t a = 0; a < h.shape.size(); ++a) shape[a] = py::int_(h.shape[a]);
+    py::object digest = h.has_digest ? py::object(py::bytes(reinterpret_cast<const char*>(h.digest), ct::DIGEST_SIZE))
+                                     : py::object(py::none());
+    return py::make_tuple(h.version, h.flags, h.index_id, h.value_id, h.perm_width, digest, h.n, lengths, shape);
+}
+
+uint32_t crc32(const py::buffer& buf) {
+    py::buffer_info info;
+    const Bytes b = view(buf, info);
+    return ct::crc32(b.data, static_cast<size_t>(b.size));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_container, m) {
+    m.doc() = "Container format v2 header packing and v1/v2 parsing in C++ (the code the TF ops use)";
+    m.def("pack", &pack, py::arg("flags"), py::arg("index_id"), py::arg("value_id"), py::arg("perm_width"),
+          py::arg("digest"), py::arg("n"), py::arg("shape"), py::arg("index_params"), py::arg("value_params"),
+          py::arg("index_section"), py::arg("value_section"), py::arg("perm_section"),
+          "one v2 container (1-D uint8 array) from its header fields and sections");
+    m.def("unpack_header", &unpack_header, py::arg("buffer"),
+          "the checked header of one container (ValueError with container.unpack's message otherwise)");
+    m.def("crc32", &crc32, py::arg("data"), "zlib's CRC-32");
+}

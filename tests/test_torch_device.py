@@ -1,0 +1,228 @@
+"""The torch device path: the core's codecs run on torch tensors on their own device.
+
+Run on CPU torch in CI, and on CUDA as well when a GPU is present (the ``device`` fixture).
+
+* **Byte-identical** (the device path writes the NumPy core's exact container bytes):
+  ``BYTE_IDENTICAL`` below (Top-r/threshold/SIDCo/Random-r/DGC selection, raw/fp16/QSGD values,
+  raw/Bloom (every policy)/run-length/Elias-Fano/delta indices, dense and non-finite containers, error feedback).
+* **Decode-compatible**: the float codecs (polyfit, dexp, sketchml, deflate) and Huffman /
+  delta-Huffman indices run on the host for device tensors (one-time warning), so their bytes are the core's
+  too; decoding any of their containers on the device gives the host's tensor
+  (``DECODE_COMPATIBLE``).
+"""
+import glob
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import deepreduce
+from deepreduce import arrays
+from deepreduce.index import bloom as bl
+from deepreduce.torch.pipeline import build as torch_build
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BYTE_IDENTICAL = ["topk_raw", "bf_naive", "bf_p0", "bf_p1", "bf_p2", "bfp0_qsgd", "qsgd", "threshold",
+                  "sidco_exp", "dgc", "rle", "elias_fano", "core_topk_fp16", "core_randomk_raw"]
+DECODE_COMPATIBLE = ["polyfit", "bfp2_polyfit", "dexp", "sketchml", "deflate", "huffman"]
+EXTRA = {
+    "core_topk_fp16": {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "raw"},
+                       "value": {"id": "fp16"}, "memory": {"id": "residual"}},
+    "core_randomk_raw": {"sparsifier": {"id": "randomk", "ratio": 0.02}, "index": {"id": "raw"},
+                         "value": {"id": "raw"}, "memory": {"id": "none"}},
+    "bf_leftmost": {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": {"id": "bloom", "policy": "middle"},
+                    "value": {"id": "raw"}, "memory": {"id": "residual"}},
+}
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+FIXTURES = sorted(glob.glob(os.path.join(GOLDEN, "*.npz")) + glob.glob(os.path.join(GOLDEN, "v1", "*.npz")))
+
+
+def _config(name):
+    return EXTRA.get(name, f"configs/{name}.yaml")
+
+
+def _pipelines(name, device):
+    return deepreduce.build(_config(name)), torch_build(deepreduce.build(_config(name)), path="device")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def _gradient(seed, d, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_t(3, d) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", BYTE_IDENTICAL + ["bf_leftmost"])
+def test_device_path_writes_the_core_bytes_over_steps(name, device):
+    core, dev = _pipelines(name, device)
+    for step in range(3):
+        g = _gradient(step, 6000)
+        expected = core.encode(g, name="w", step=step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # P2's host fallback warns once
+            got = dev.encode(torch.from_numpy(g).to(device), name="w", step=step)
+        assert got.dtype == torch.uint8 and got.device.type == device.type
+        np.testing.assert_array_equal(got.cpu().numpy(), expected)
+        decoded = dev.decode(got, device=device)
+        assert decoded.device.type == device.type
+        np.testing.assert_array_equal(decoded.cpu().numpy(), core.decode(expected))
+    residual = core.memory.residual("w") if core.memory.stateful else None
+    if residual is not None:
+        np.testing.assert_array_equal(dev.core.memory.residual("w").cpu().numpy(), residual)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(d=st.integers(1000, 30000), ratio=st.sampled_from([0.001, 0.01, 0.05, 0.2]),
+       policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
+       value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano", "delta"]),
+       seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
+def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
+    config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},
+              "index": {"id": "bloom", "policy": policy, "hash_seed": hash_seed} if index == "bloom" else {"id": index}}
+    core, dev = deepreduce.build(config), torch_build(deepreduce.build(config), path="device")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # no host fallback on this path
+        for s in (step, step + 1):
+            g = _gradient(seed + s, d)
+            expected = core.encode(g, name="t", step=s)
+            got = dev.encode(torch.from_numpy(g), name="t", step=s)
+            np.testing.assert_array_equal(got.numpy(), expected)
+        np.testing.assert_array_equal(dev.decode(got).numpy(), core.decode(expected))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 3000), blocks=st.integers(1, 40), k=st.integers(1, 12), seed=st.integers(0, 2**64 - 1),
+       draw=st.integers(0, 2**64 - 1))
+def test_bloom_hash_build_query_p1_identical_on_torch(n, blocks, k, seed, draw):
+    d = 5000
+    idx = np.sort(np.random.default_rng(seed % 2**32).choice(d, min(n, d), replace=False)).astype(np.uint64)
+    host = bl.np_build(idx, blocks, k, seed)
+    dev = bl.build(torch.from_numpy(idx.astype(np.int64)), blocks, k, seed)
+    assert bytes(dev.numpy()) == host
+    P = bl.np_query(host, blocks, k, seed, d, d)
+    P_dev = bl.query(dev, blocks, k, seed, d, d, like=dev)
+    np.testing.assert_array_equal(P_dev.numpy(), P.astype(np.int64))
+    r = min(idx.size, P.size)
+    np.testing.assert_array_equal(bl.select_random(P_dev, r, draw).numpy(),
+                                  bl.np_select_random(P, r, draw).astype(np.int64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(words=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=50), m=st.integers(1, 2**64 - 1))
+def test_uint64_word_arithmetic_matches_numpy(words, m):
+    x = np.array(words, dtype=np.uint64)
+    t = torch.from_numpy(x.view(np.int64))
+    np.testing.assert_array_equal(bl.mix64(t).numpy(), bl.mix64(x).view(np.int64))
+    np.testing.assert_array_equal(bl.mulhi64(t, m).numpy(), bl.mulhi64(x, m).view(np.int64))
+    a = arrays.adapter(t)
+    assert torch.equal(torch.argsort(a.order_key(t), stable=True), torch.from_numpy(np.argsort(x, kind="stable")))
+
+
+@pytest.mark.parametrize("name", DECODE_COMPATIBLE)
+def test_float_codecs_decode_compatible_on_device(name, device):
+    core, dev = _pipelines(name, device)
+    g = _gradient(5, 8000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = dev.encode(torch.from_numpy(g).to(device), name="w", step=2)
+        host = core.encode(g, name="w", step=2)
+        decoded = dev.decode(got, device=device)
+    np.testing.assert_allclose(decoded.cpu().numpy(), core.decode(host), rtol=0, atol=0)
+
+
+def test_core_pipeline_accepts_torch_tensors_directly(device):
+    core = deepreduce.build("configs/bf_p0.yaml")
+    g = _gradient(9, 7000)
+    got = core.encode(torch.from_numpy(g).to(device), name="w", step=4)
+    np.testing.assert_array_equal(got.cpu().numpy(), deepreduce.build("configs/bf_p0.yaml").encode(g, name="w", step=4))
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: os.path.relpath(p, GOLDEN)[:-4])
+def test_golden_fixtures_on_the_device_path(path, device):
+    """Every config's v2 fixture is re-encoded to its bytes on the device; v2 and v1 fixtures
+    decode on the device to the tensors the host decoded them to."""
+    data = np.load(path)
+    dev = torch_build(json.loads(str(data["config"])), path="device")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # host fallbacks and dense-gradient notices
+        if "/v1/" not in path.replace(os.sep, "/"):
+            got = dev.encode(torch.from_numpy(data["grad"]).to(device), name=str(data["tensor_name"]),
+                             step=int(data["step"]))
+            np.testing.assert_array_equal(got.cpu().numpy(), data["payload"])
+        decoded = dev.decode(torch.from_numpy(data["payload"]).to(device), device=device)
+    assert decoded.device.type == device.type
+    np.testing.assert_array_equal(decoded.cpu().numpy(), data["decoded"])
+
+
+def test_nonfinite_and_small_tensors_are_identical(device):
+    core, dev = _pipelines("topk_raw", device)
+    for g in (np.array([1.0, np.nan, 3.0] * 500, dtype=np.float32), np.arange(10, dtype=np.float32)):
+        expected = core.encode(g, name="x", step=0)
+        got = dev.encode(torch.from_numpy(g).to(device), name="x", step=0)
+        np.testing.assert_array_equal(got.cpu().numpy(), expected)
+
+
+def test_decode_sum_accumulates_into_a_device_buffer(device):
+    core, dev = _pipelines("bf_p0", device)
+    grads = [_gradient(r, 5000).reshape(50, 100) for r in range(3)]
+    payloads = [dev.encode(torch.from_numpy(g).to(device), name=f"r{r}", step=1) for r, g in enumerate(grads)]
+    out = torch.full((50, 100), 7.0, device=device)
+    dev.decode_sum(payloads, out=out)
+    expected = core.decode_sum([p.cpu().numpy() for p in payloads])
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+
+
+def test_host_fallback_warns_once_naming_the_component():
+    arrays._fallbacks.discard("value codec 'dexp'")
+    dev = torch_build("configs/dexp.yaml", path="device")
+    with pytest.warns(RuntimeWarning, match="value codec 'dexp'"):
+        dev.encode(torch.from_numpy(_gradient(0, 4000)), name="a", step=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        dev.encode(torch.from_numpy(_gradient(1, 4000)), name="a", step=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.integers(0, 2**56 - 1), max_size=300), width_extra=st.integers(0, 8))
+def test_bitpack_identical_on_torch(values, width_extra):
+    from deepreduce import bitpack
+
+    x = np.array(values, dtype=np.uint64)
+    width = min(56, bitpack.width_for(int(x.max()) if x.size else 0) + width_extra)
+    host = bitpack.pack(x, width)
+    dev = bitpack.pack(torch.from_numpy(x.view(np.int64)), width)
+    assert (dev if isinstance(dev, bytes) else bytes(dev.numpy())) == host
+    back = bitpack.unpack(torch.frombuffer(bytearray(host), dtype=torch.uint8) if host else torch.zeros(0, dtype=torch.uint8),
+                          width, x.size)
+    np.testing.assert_array_equal(back.numpy(), x.view(np.int64))
+
+
+def test_backends_report_where_each_component_runs():
+    dev = torch_build("configs/bfp2_polyfit.yaml", path="device")
+    report = dev.backends("cpu")
+    assert report["index"] == "torch on cpu" and report["memory"] == "torch on cpu"
+    assert report["value"].startswith("host")
+    host = torch_build("configs/bf_p0.yaml").backends("cpu")
+    assert all(v.startswith("host") for v in host.values())
+
+
+@CUDA
+def test_cuda_container_never_leaves_the_device_but_for_its_crc():
+    dev = torch_build("configs/bf_p0.yaml")   # auto: CUDA tensors take the device path
+    g = torch.randn(20000, device="cuda")
+    payload = dev.encode(g, name="w", step=0)
+    assert payload.device.type == "cuda"
+    out = torch.zeros_like(g)
+    dev.decode_sum([payload], out=out)
+    assert out.device.type == "cuda"
