@@ -41,7 +41,10 @@ def namespace(*arrays):
 
 
 def is_torch(x) -> bool:
-    return array_api_compat.is_torch_array(x)
+    """Whether ``x`` is a torch tensor (without importing torch: a process that never imported it
+    holds none). Called on every section of every container, so it is one isinstance check."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 class Adapter:
@@ -132,7 +135,8 @@ class TorchAdapter(Adapter):
             raise RuntimeError("deepreduce's torch device path needs a little-endian host")
         self.torch = torch
         self.word_dtype = torch.int64
-        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "|i1": torch.int8, "<i2": torch.int16,
+        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "|i1": torch.int8,
+                        "<i2": torch.int16,
                         "<u1": torch.uint8, "<i4": torch.int32, "<u8": torch.int64, "<i8": torch.int64}
 
     def words(self, x):

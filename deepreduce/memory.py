@@ -12,8 +12,8 @@ The pipeline drives a memory in two calls per encoded tensor:
 
 Residuals live where the gradient lives: a NumPy array for NumPy gradients, a torch tensor on
 the gradient's device for the torch device path (a checkpointed residual moves to the device of
-the first gradient it meets). The residual is float32, as in production error-feedback implementations (a float64 residual
-would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
+the first gradient it meets). The residual is float32, as in production error-feedback
+implementations (a float64 residual would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
 with ``c_t = fl(e_{t-1} + g_t)`` the compensated gradient and ``e_t = fl(c_t - s_t)`` the
 residual after sending ``s_t``, each step rounds once in each operation, so per element after
 ``T`` steps::
@@ -69,6 +69,13 @@ class Memory(Component):
 
     def reset(self) -> None:
         """Forget every residual."""
+
+    def snapshot(self, name: str):
+        """A copy of what this memory holds for ``name``, for :meth:`restore` (a skipped step)."""
+        return None
+
+    def restore(self, name: str, snapshot) -> None:
+        """Put back what :meth:`snapshot` returned."""
 
 
 @register
@@ -131,6 +138,16 @@ class ResidualMemory(Memory):
 
     def reset(self):
         self._residuals.clear()
+
+    def snapshot(self, name):
+        residual = self._residuals.get(name)
+        return None if residual is None else _copy(residual)
+
+    def restore(self, name, snapshot):
+        if snapshot is None:
+            self._residuals.pop(name, None)     # the tensor had no residual before the step
+        else:
+            self._residuals[name] = snapshot
 
     def state_dict(self) -> dict:
         """``{"residuals": {name: residual}}`` (copies), for checkpoints."""

@@ -7,7 +7,8 @@ configs the custom ops serve, ``backend="tf-ops"`` (one ``DeepReduceEncode`` /
 ``DeepReduceDecode`` op per tensor). One ``tf.function`` call handles ``--tensors`` gradients,
 so the fixed price of calling a ``tf.function`` is shared as in a training step; the figures are
 median microseconds per tensor. Decode reads two containers per tensor (``decode_sum`` of a
-2-rank allgather). The ``ops/np_fn`` columns are the ratios of the two TF paths in this run.
+2-rank allgather). The three paths run in turn in every round, and the ``ops/np_fn`` columns are
+the medians of the per-round ratios of the two TF paths, so load on a shared machine hits both.
 
     python examples/bench_tf_pipeline.py [--repeat 100] [--tensors 16] [configs/...yaml ...]
 """
@@ -34,20 +35,28 @@ DEFAULT_CONFIGS = ["configs/topk_raw.yaml", "configs/bf_naive.yaml", "configs/bf
 SHAPE = (64, 64, 3, 3)
 
 
-def median_us(fn, repeat: int, per: int) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` runs (after two warm-ups), in us per item."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def interleaved_us(fns, repeat: int, per: int):
+    """Median us per item of each function, and the median of the per-round ratios fns[2] / fns[1].
+
+    Every round runs each function once, in turn, so a load change on a shared machine hits all
+    of them alike; the paired ratio is the figure to compare across machines."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times) / per
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    medians = [1e6 * statistics.median(t) / per for t in times]
+    ratio = statistics.median(b / a for a, b in zip(times[1], times[2])) if len(fns) == 3 else float("nan")
+    return medians + [float("nan")] * (3 - len(fns)), ratio
 
 
 def bench_config(path: str, grads, repeat: int) -> list:
-    """[core enc, np_fn enc, ops enc, core dec, np_fn dec, ops dec] in us per tensor (nan: no ops)."""
+    """Encode and decode: ([core, numpy_function, ops] us per tensor, ops/numpy_function paired
+    ratio) each; nan where the ops do not serve the config."""
     count = len(grads)
     names = [f"w{i}" for i in range(count)]
     core, peer = deepreduce.build(path), deepreduce.build(path)
@@ -56,20 +65,16 @@ def bench_config(path: str, grads, repeat: int) -> list:
     xs = [tf.constant(g) for g in grads]
     bufs = [tf.constant(p) for p in payloads]
     step = tf.Variable(0, dtype=tf.int64)
-    row = [median_us(lambda: [core.encode(g, name=n, step=0) for g, n in zip(grads, names)], repeat, count)]
-    dec_row = [median_us(lambda: [core.decode_sum(deepreduce.container.split(p), SHAPE) for p in payloads],
-                         repeat, count)]
-    for backend in ("numpy_function", "tf-ops"):
-        if backend == "tf-ops" and ops.unsupported(core) is not None:
-            row.append(float("nan"))
-            dec_row.append(float("nan"))
-            continue
+    encoders = [lambda: [core.encode(g, name=n, step=0) for g, n in zip(grads, names)]]
+    decoders = [lambda: [core.decode_sum(deepreduce.container.split(p), SHAPE) for p in payloads]]
+    backends = ["numpy_function"] + (["tf-ops"] if ops.unsupported(core) is None else [])
+    for backend in backends:
         pipe = drtf.build(path, backend=backend)
-        encode = tf.function(lambda *t: [pipe.encode(x, name=n, step=step) for x, n in zip(t, names)])
-        decode = tf.function(lambda *b: [pipe.decode_sum(p, SHAPE, count=2) for p in b])
-        row.append(median_us(lambda: encode(*xs), repeat, count))
-        dec_row.append(median_us(lambda: decode(*bufs), repeat, count))
-    return row + dec_row
+        encode = tf.function(lambda *t, pipe=pipe: [pipe.encode(x, name=n, step=step) for x, n in zip(t, names)])
+        decode = tf.function(lambda *b, pipe=pipe: [pipe.decode_sum(p, SHAPE, count=2) for p in b])
+        encoders.append(lambda encode=encode: encode(*xs))
+        decoders.append(lambda decode=decode: decode(*bufs))
+    return [interleaved_us(encoders, repeat, count), interleaved_us(decoders, repeat, count)]
 
 
 def main(argv=None) -> int:
@@ -87,9 +92,9 @@ def main(argv=None) -> int:
     print(f"{'config':20s} {'enc core':>9s} {'np_fn':>7s} {'ops':>7s} {'ops/np_fn':>9s}   "
           f"{'dec core':>9s} {'np_fn':>7s} {'ops':>7s} {'ops/np_fn':>9s}")
     for path in args.configs:
-        r = bench_config(path, grads, args.repeat)
-        print(f"{os.path.basename(path):20s} {r[0]:9.0f} {r[1]:7.0f} {r[2]:7.0f} {r[2] / r[1]:9.2f}   "
-              f"{r[3]:9.0f} {r[4]:7.0f} {r[5]:7.0f} {r[5] / r[4]:9.2f}", flush=True)
+        (enc, enc_ratio), (dec, dec_ratio) = bench_config(path, grads, args.repeat)
+        print(f"{os.path.basename(path):20s} {enc[0]:9.0f} {enc[1]:7.0f} {enc[2]:7.0f} {enc_ratio:9.2f}   "
+              f"{dec[0]:9.0f} {dec[1]:7.0f} {dec[2]:7.0f} {dec_ratio:9.2f}", flush=True)
     return 0
 
 

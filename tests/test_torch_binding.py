@@ -49,7 +49,11 @@ def _torch_distributed_worker(rank, world, port, queue):
         pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.01 * (rank + 1)}, "index": "raw",
                                  "value": "raw", "memory": "none", "min_numel": 0})
         parts = comm.allgather(pipe.encode(np.full(500, rank + 1, np.float32), name="x", step=0), "x")
-        queue.put((rank, [deepreduce.inspect(p)["n"] for p in parts], float(pipe.decode_sum(parts).sum())))
+        # the torch device path hands the communicator a uint8 tensor: the same containers arrive
+        device_pipe = drt.build(pipe, path="device")
+        tensor_parts = comm.allgather(device_pipe.encode(torch.full((500,), rank + 1.0), name="x", step=0), "x")
+        same = [bytes(p) for p in parts] == [bytes(p) for p in tensor_parts]
+        queue.put((rank, [deepreduce.inspect(p)["n"] for p in parts], float(pipe.decode_sum(parts).sum()), same))
     finally:
         dist.destroy_process_group()
 
@@ -65,6 +69,7 @@ def test_torch_distributed_communicator_with_two_spawned_ranks():
         p.join(120)
         assert p.exitcode == 0
     results = sorted(queue.get() for _ in range(2))
-    for rank, counts, total in results:
+    for rank, counts, total, same in results:
         assert counts == [5, 10]
         assert total == 1 * 5 + 2 * 10
+        assert same

@@ -58,6 +58,8 @@ class HorovodCommunicator(Communicator):
             import torch
 
             local = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(payload))
+            if local.device.type != "cpu" and not (hvd.cuda_built() or hvd.rocm_built()):
+                local = local.cpu()   # a Horovod without GPU support gathers host tensors
             handle = hvd.allgather_async(local, name=name, **kwargs)   # a device tensor stays on its device
             return Handle(lambda: self._check_count(container.split(hvd.synchronize(handle)), name))
         import tensorflow as tf
