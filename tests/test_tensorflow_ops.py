@@ -42,6 +42,8 @@ def config(index="raw", policy="p0", value="raw", memory="residual", ratio=0.02,
 VALUES = ("raw", "fp16", "polyfit")
 OPS_CONFIGS = OPS_FILE_CONFIGS + [config("raw", value=v, memory=m) for v in VALUES for m in ("none", "residual")] \
     + [config("bloom", p, v, m) for p in bloom_codec.POLICIES for v in VALUES for m in ("none", "residual")] \
+    + [dict(config(i, "p1", v), sparsifier={"id": "threshold", "threshold": 0.02})
+       for i in ("raw", "bloom") for v in ("raw", "polyfit")] \
     + [dict(config("bloom", "p2", memory="none"), value={"id": "polyfit", "degree": 3, "segments": 2,
                                                          "min_points": 40, "coef_dtype": "float64"})]
 
@@ -63,7 +65,8 @@ def op_types(concrete):
 
 def test_every_config_with_topk_raw_or_bloom_and_raw_fp16_or_polyfit_qualifies():
     names = {os.path.basename(c) for c in OPS_FILE_CONFIGS}
-    assert {"topk_raw.yaml", "bf_p0.yaml", "bf_p1.yaml", "bf_p2.yaml", "bf_naive.yaml", "polyfit.yaml"} <= names
+    assert {"topk_raw.yaml", "bf_p0.yaml", "bf_p1.yaml", "bf_p2.yaml", "bf_naive.yaml", "polyfit.yaml",
+            "threshold.yaml"} <= names
     assert "qsgd" in ops.unsupported(deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")))
 
 
@@ -189,10 +192,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 _PROPERTY_PIPES = {}
 
 
-def _property_pipe(policy, value, memory):
-    key = (policy, value, memory)
+def _property_pipe(policy, value, memory, sparsifier):
+    key = (policy, value, memory, sparsifier)
     if key not in _PROPERTY_PIPES:
         cfg = config("bloom" if policy else "raw", policy or "p0", value, memory, ratio=0.03, min_numel=100)
+        if sparsifier == "threshold":   # empty selections at the small scales
+            cfg["sparsifier"] = {"id": "threshold", "threshold": 1e-3}
         tf_pipe = drtf.build(cfg, backend="tf-ops")
         # one tensor name per size (a residual keeps its size); the name is a Python string
         encode = tf.function(lambda x, s, name: tf_pipe.encode(x, name=name, step=s), reduce_retracing=True)
@@ -201,12 +206,13 @@ def _property_pipe(policy, value, memory):
     return _PROPERTY_PIPES[key]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from((None,) + bloom_codec.POLICIES), value=st.sampled_from(VALUES),
-       memory=st.sampled_from(["none", "residual"]), size=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1),
+       memory=st.sampled_from(["none", "residual"]), sparsifier=st.sampled_from(["topk", "threshold"]),
+       size=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1),
        step=st.integers(0, 2**40), scale=st.sampled_from([1e-40, 1e-30, 1e-3, 1.0]))
-def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, size, seed, step, scale):
-    core, encode, decode = _property_pipe(policy, value, memory)
+def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, sparsifier, size, seed, step, scale):
+    core, encode, decode = _property_pipe(policy, value, memory, sparsifier)
     g = (np.random.default_rng(seed).standard_normal(size) * scale).astype(np.float32)
     payload = encode(tf.constant(g), tf.constant(step, tf.int64), name=f"p{size}").numpy()
     expected = core.encode(g, name=f"p{size}", step=step)
