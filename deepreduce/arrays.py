@@ -132,7 +132,8 @@ class TorchAdapter(Adapter):
             raise RuntimeError("deepreduce's torch device path needs a little-endian host")
         self.torch = torch
         self.word_dtype = torch.int64
-        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "|i1": torch.int8, "<i2": torch.int16,
+        self._dtypes = {"<f4": torch.float32, "<f2": torch.float16, "<i1": torch.int8, "|i1": torch.int8,
+                        "<i2": torch.int16,
                         "<u1": torch.uint8, "<i4": torch.int32, "<u8": torch.int64, "<i8": torch.int64}
 
     def words(self, x):

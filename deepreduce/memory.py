@@ -12,8 +12,8 @@ The pipeline drives a memory in two calls per encoded tensor:
 
 Residuals live where the gradient lives: a NumPy array for NumPy gradients, a torch tensor on
 the gradient's device for the torch device path (a checkpointed residual moves to the device of
-the first gradient it meets). The residual is float32, as in production error-feedback implementations (a float64 residual
-would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
+the first gradient it meets). The residual is float32, as in production error-feedback
+implementations (a float64 residual would double the optimizer's footprint). Conservation therefore holds to float32 rounding:
 with ``c_t = fl(e_{t-1} + g_t)`` the compensated gradient and ``e_t = fl(c_t - s_t)`` the
 residual after sending ``s_t``, each step rounds once in each operation, so per element after
 ``T`` steps::

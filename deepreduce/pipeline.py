@@ -156,7 +156,8 @@ class Pipeline:
         numel = flat.shape[0]
         sparse = numel >= self.min_numel
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
-        fused = sparse and select is None and not arrays.is_torch(flat) and hasattr(type(self.sparsifier), "fused_count")
+        fused = (sparse and select is None and not arrays.is_torch(flat)
+                 and hasattr(type(self.sparsifier), "fused_count"))
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:

@@ -87,7 +87,7 @@ def test_device_path_writes_the_core_bytes_over_steps(name, device):
        policy=st.sampled_from(["naive", "p0", "p1", "leftmost", "middle", "rightmost"]),
        value=st.sampled_from(["raw", "fp16", "qsgd"]), index=st.sampled_from(["bloom", "raw", "rle", "elias_fano", "delta"]),
        seed=st.integers(0, 2**32 - 1), step=st.integers(0, 10**6), hash_seed=st.integers(0, 2**64 - 1))
-def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, hash_seed):
+def test_hypothesis_byte_identity(device, d, ratio, policy, value, index, seed, step, hash_seed):
     config = {"sparsifier": {"id": "topk", "ratio": ratio}, "value": {"id": value}, "memory": {"id": "residual"},
               "index": {"id": "bloom", "policy": policy, "hash_seed": hash_seed} if index == "bloom" else {"id": index}}
     core, dev = deepreduce.build(config), torch_build(deepreduce.build(config), path="device")
@@ -96,9 +96,9 @@ def test_hypothesis_byte_identity(d, ratio, policy, value, index, seed, step, ha
         for s in (step, step + 1):
             g = _gradient(seed + s, d)
             expected = core.encode(g, name="t", step=s)
-            got = dev.encode(torch.from_numpy(g), name="t", step=s)
-            np.testing.assert_array_equal(got.numpy(), expected)
-        np.testing.assert_array_equal(dev.decode(got).numpy(), core.decode(expected))
+            got = dev.encode(torch.from_numpy(g).to(device), name="t", step=s)
+            np.testing.assert_array_equal(got.cpu().numpy(), expected)
+        np.testing.assert_array_equal(dev.decode(got, device=device).cpu().numpy(), core.decode(expected))
 
 
 @settings(max_examples=30, deadline=None)

@@ -36,8 +36,9 @@ class TorchDistributedCommunicator(Communicator):
 
         dist = self._dist()
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        local = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8))
-        local = local.to(device)   # a uint8 device tensor (the torch device path) is gathered where it is
+        if not isinstance(payload, torch.Tensor):
+            payload = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8))
+        local = payload.to(device)   # a uint8 device tensor (the torch device path) is gathered where it is
         size = torch.tensor([local.numel()], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
         dist.all_gather(sizes, size)
