@@ -70,6 +70,13 @@ class Memory(Component):
     def reset(self) -> None:
         """Forget every residual."""
 
+    def snapshot(self, name: str):
+        """A copy of what this memory holds for ``name``, for :meth:`restore` (a skipped step)."""
+        return None
+
+    def restore(self, name: str, snapshot) -> None:
+        """Put back what :meth:`snapshot` returned."""
+
 
 @register
 class NoMemory(Memory):
@@ -131,6 +138,16 @@ class ResidualMemory(Memory):
 
     def reset(self):
         self._residuals.clear()
+
+    def snapshot(self, name):
+        residual = self._residuals.get(name)
+        return None if residual is None else _copy(residual)
+
+    def restore(self, name, snapshot):
+        if snapshot is None:
+            self._residuals.pop(name, None)     # the tensor had no residual before the step
+        else:
+            self._residuals[name] = snapshot
 
     def state_dict(self) -> dict:
         """``{"residuals": {name: residual}}`` (copies), for checkpoints."""

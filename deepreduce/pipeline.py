@@ -83,6 +83,7 @@ class Pipeline:
         wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
+        self._journal = None     # a StepJournal once collective_steps() is on
 
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -139,6 +140,31 @@ class Pipeline:
         """The seeding context for one (tensor, step): the same on every rank."""
         return EncodeContext(self._digest, name, step)
 
+    # ------------------------------------------------------------------ steps decided by every rank
+    def collective_steps(self) -> None:
+        """Let the ranks decide together whether a step is applied (the distributed integrations
+        turn this on; see :mod:`deepreduce.agreement`).
+
+        Under ``nonfinite: raise``, :meth:`encode` then packs a non-finite gradient in the
+        flagged dense container instead of raising, so it reaches every rank and every rank
+        raises the same error; and each step's changes to the residuals and learned state are
+        kept until :meth:`commit_step` (the step was applied) or :meth:`undo_step` (skipped).
+        """
+        if self._journal is None and self.nonfinite == "raise":
+            from .agreement import StepJournal
+
+            self._journal = StepJournal(self)
+
+    def commit_step(self) -> None:
+        """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`)."""
+        if self._journal is not None:
+            self._journal.commit()
+
+    def undo_step(self) -> None:
+        """Every rank skipped the step: restore the residuals and learned state from before it."""
+        if self._journal is not None:
+            self._journal.undo()
+
     # ------------------------------------------------------------------ encode
     def encode(self, grad, name: str = "", step: int = 0, select=None) -> np.ndarray:
         """Compress one gradient into a container (1-D uint8 array).
@@ -158,10 +184,12 @@ class Pipeline:
         # a sparsifier class that defines fused_count has its selection done by the compensation pass
         fused = (sparse and select is None and not arrays.is_torch(flat)
                  and hasattr(type(self.sparsifier), "fused_count"))
+        if self._journal is not None:
+            self._journal.save(name)
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
         if not comp.finite:
-            if self.nonfinite == "raise":
+            if self.nonfinite == "raise" and self._journal is None:
                 xp = arrays.namespace(flat)
                 nan, inf = int(xp.sum(xp.isnan(flat))), int(xp.sum(xp.isinf(flat)))
                 raise NonFiniteGradientError(

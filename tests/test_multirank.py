@@ -20,9 +20,20 @@ def test_mpi4py_communicator_gathers_variable_sizes():
     assert out.stdout.count("OK") == 2
 
 
-def test_shape_mismatch_across_ranks_is_reported():
-    out = run_ranks("horovodrun", "shape_mismatch.py")
-    assert out.stdout.count("OK") == 2
+@pytest.fixture(scope="module")
+def agreement_run():
+    """One launch of workers/rank_agreement.py (every scenario); a hang fails at the timeout."""
+    return run_ranks("horovodrun", "rank_agreement.py", timeout=240).stdout
+
+
+@pytest.mark.parametrize("scenario", ["wider_layer", "extra_layer", "mixed_compressors"])
+def test_ranks_that_disagree_fail_together_within_seconds(agreement_run, scenario):
+    # the worker checks the message (the first difference), the time and that both ranks raised it
+    assert agreement_run.count(f" {scenario} ") == 2
+
+
+def test_nonfinite_step_is_skipped_on_every_rank_and_training_goes_on(agreement_run):
+    assert agreement_run.count(" nonfinite_skip ") == 2
 
 
 def test_background_encoder_and_device_path_match_synchronous_path_and_surface_worker_errors():

@@ -10,9 +10,13 @@ from ._base import Communicator, Handle
 
 @register
 class TorchDistributedCommunicator(Communicator):
-    """``torch.distributed.all_gather`` over the default process group (gloo or nccl)."""
+    """``torch.distributed.all_gather`` over the default process group (gloo or nccl), or over
+    ``group`` when set (the DDP hook's state sets its private group)."""
 
     id = "torch_distributed"
+
+    def _validate(self):
+        self.group = None
 
     def _dist(self):
         try:
@@ -25,28 +29,29 @@ class TorchDistributedCommunicator(Communicator):
 
     @property
     def rank(self):
-        return self._dist().get_rank()
+        return self._dist().get_rank(self.group)
 
     @property
     def size(self):
-        return self._dist().get_world_size()
+        return self._dist().get_world_size(self.group)
 
     def allgather_async(self, payload, name):
         import torch
 
         dist = self._dist()
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         if not isinstance(payload, torch.Tensor):
             payload = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8))
         local = payload.to(device)   # a uint8 device tensor (the torch device path) is gathered where it is
         size = torch.tensor([local.numel()], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-        dist.all_gather(sizes, size)
+        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(sizes, size, group=self.group)
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: local.numel()] = local
         gathered = [torch.empty_like(padded) for _ in sizes]
-        work = dist.all_gather(gathered, padded, async_op=True)
+        work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
 
         def wait():
             work.wait()

@@ -6,16 +6,30 @@ allreduce cannot carry them), and every rank splits the gathered bytes, decodes 
 container, sums, and divides by the number of ranks for ``op=Average``. Every stage is a graph
 op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
 reduction code run only while the graph is traced). Horovod itself is never patched.
+
+Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
+first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
+one small eager allgather (:func:`deepreduce.agreement.agree`), so ranks running different
+models or configs fail with the same CommunicationError instead of stalling. Under
+``nonfinite: raise`` a NaN/Inf gradient travels as a flagged container; one op that runs after
+every collective of the step raises the same NonFiniteGradientError on every rank (inside
+``tf.function`` TensorFlow re-raises it as ``tf.errors.UnknownError`` carrying its text) and
+restores the residuals, so nothing is applied and the next step starts clean.
 """
 from __future__ import annotations
 
 import re
 from typing import List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
+from .. import agreement, container
+from ..comm.horovod import HorovodCommunicator
 from ..errors import BackendUnavailableError, ConfigError
-from .pipeline import TFPipeline, build
+from .pipeline import TFPipeline, build, numpy_op
+
+_AGREED = set()    # (process set, layout digest) pairs every rank has already compared
 
 
 def import_horovod():
@@ -89,6 +103,12 @@ class Reducer:
             raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
+        self._collective_nonfinite = self.pipeline is not None and self.pipeline.core.nonfinite == "raise"
+        if self.pipeline is not None:
+            self.pipeline.core.collective_steps()
+        self._communicator = HorovodCommunicator(framework="tensorflow")
+        if self.process_set is not self.hvd.global_process_set:
+            self._communicator.process_set = self.process_set
 
     def compression_stats(self) -> dict:
         """The pipeline's running statistics (bytes, encode/decode time), or the summable
@@ -107,8 +127,12 @@ class Reducer:
             return {}
         return {"process_set": self.process_set}
 
-    def reduce_one(self, grad, name: str, step) -> tf.Tensor:
-        """The average (or sum) over ranks of one gradient tensor."""
+    def reduce_one(self, grad, name: str, step, reports: Optional[list] = None) -> tf.Tensor:
+        """The average (or sum) over ranks of one gradient tensor.
+
+        ``reports`` (a list, under ``nonfinite: raise``): gets this tensor's non-finite report
+        (rank, NaN count, Inf count; rank -1 when every rank's gradient is finite).
+        """
         if isinstance(grad, tf.IndexedSlices):
             # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds
             # the non-zeros again
@@ -125,6 +149,8 @@ class Reducer:
             grad = grad * tf.cast(1.0 / self.predivide, dtype)
         payload = self.pipeline.encode(grad, name=name, step=step)
         gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+        if reports is not None:
+            reports.append(_graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite"))
         shape = grad.shape if grad.shape.is_fully_defined() else None
         total = self.pipeline.decode_sum(gathered, shape, count=size)
         if shape is None:
@@ -145,9 +171,67 @@ class Reducer:
             step = tf.identity(counter.read_value())
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
-        out = [None if g is None else self.reduce_one(g, n, step) for g, n in zip(grads, names)]
+        self._agree(grads, names)
+        reports = [] if self._collective_nonfinite else None
+        out = [None if g is None else self.reduce_one(g, n, step, reports) for g, n in zip(grads, names)]
+        if reports:
+            out = self._finish_step(out, reports, [n for g, n in zip(grads, names) if g is not None], step)
         if own_counter:
             done = [g for g in out if g is not None]
             with tf.control_dependencies(done):
                 counter.assign_add(1)
         return out
+
+    def _agree(self, grads: Sequence, names: Sequence[str]) -> None:
+        """Compare every rank's gradients and compressor once per layout (at trace time or the
+        first eager step; an eager allgather, lifted out of any ``tf.function`` being traced)."""
+        tensors = []
+        for g, n in zip(grads, names):
+            if g is not None:
+                shape = tf.TensorShape(g.shape)
+                tensors.append((n, [] if shape.rank is None else shape.as_list(), g.dtype.name))
+        compressor = self.pipeline if self.pipeline is not None else self.hvd_compression
+        layout = agreement.Layout(agreement.compressor_identity(compressor), tensors, "gradient")
+        key = (id(self.process_set), layout.digest)
+        if key in _AGREED:
+            return
+        with tf.init_scope():
+            if not tf.executing_eagerly():
+                return   # a TF1 graph being built: no collective can run now
+            agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "DeepReduce_agreement"),
+                            "deepreduce.tensorflow")
+        _AGREED.add(key)
+
+    def _finish_step(self, reduced: list, reports: list, names: List[str], step) -> list:
+        """The gradients, once one op that waits for every report has kept the step's residuals
+        or, where any rank sent a non-finite container, restored them and raised on every rank."""
+        core, lock = self.pipeline.core, self.pipeline.lock
+
+        def finish(step_value, *found):
+            with lock:
+                bad = [(name, f) for name, f in zip(names, found) if int(f[0]) >= 0]
+                if bad:
+                    core.undo_step()
+                    name, (rank, nan, inf) = bad[0]
+                    raise agreement.nonfinite_error(name, int(step_value), int(rank), int(nan), int(inf),
+                                                    more=len(bad) - 1)
+                core.commit_step()
+            return np.int64(0)
+
+        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
+        done = _graph_or_eager(finish, [step] + reports, tf.int64, "deepreduce_finish_step")
+        with tf.control_dependencies([done]):
+            return [None if g is None else tf.identity(g) for g in reduced]
+
+
+def _nonfinite_report(gathered: np.ndarray) -> np.ndarray:
+    """(rank, NaN count, Inf count) of the first rank that sent a non-finite container, or (-1, 0, 0)."""
+    found = agreement.first_nonfinite(container.split(gathered))
+    return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+
+
+def _graph_or_eager(func, inputs: list, dtype, name: str):
+    """``func`` on the inputs' values now (eager: its exceptions keep their type) or as a graph op."""
+    if tf.executing_eagerly():
+        return tf.constant(func(*[np.asarray(t) for t in inputs]))
+    return numpy_op(func, inputs, dtype, name)

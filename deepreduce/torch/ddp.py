@@ -19,14 +19,20 @@ seeds and error-feedback residuals mean exactly what they mean in
 rebuild after the first iteration: it is keyed by name, not by bucket). Then, per bucket:
 
 1. every rank all-gathers a 4-entry int64 header: its payload size (or -1 if encoding failed),
-   the config digest, a digest of the bucket's parameter names and shapes, and its step;
+   the digest of its compressor, the digest of the bucket's layout (:class:`deepreduce.agreement.Layout`:
+   parameter names, shapes and dtypes, and the compressor), and its step;
 2. every rank checks the headers; any disagreement (another config, another model, a rank whose
    encoder raised) raises the same error on every rank, naming the bucket's parameters, before
-   any payload moves, so a mistake is an error and never a hang;
+   any payload moves, so a mistake is an error and never a hang; where the digests differ, every
+   rank gathers the others' layouts and names the first difference;
 3. containers: the concatenation of the bucket's containers, padded to the longest rank's, goes
    through one ``all_gather`` (uint8 tensors on the bucket's device, so NCCL works); every rank
    splits each rank's bytes into containers, decodes and sums them per parameter and divides by
-   the world size (DDP averages). Summable compressors (``FP16Compressor``,
+   the world size (DDP averages). Under ``nonfinite: raise`` a rank's NaN/Inf gradient travels
+   as a flagged container; every rank sees the flag, skips decoding, and the step's last bucket
+   raises the same NonFiniteGradientError on every rank after all its collectives, with the
+   residuals restored (DDP re-raises it from ``backward()`` as a RuntimeError carrying its text;
+   catch it and skip the step, docs/ddp.md). Summable compressors (``FP16Compressor``,
    ``deepreduce.torch.GradiVeQ``) instead concatenate their codes into one ``all_reduce``.
 
 The hook itself only queues the bucket and returns a ``torch.futures.Future``; a per-state
@@ -42,7 +48,6 @@ optimizer state and ``load_state_dict`` it after building the state on resume. A
 sends byte-identical containers to one that never stopped.
 """
 
-import hashlib
 import queue
 import threading
 import time
@@ -53,7 +58,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import container
+from .. import agreement, container
+from ..comm.torch_distributed import TorchDistributedCommunicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
@@ -90,15 +96,12 @@ class _Job:
     views: List[torch.Tensor]
     names: List[str]
     step: int
+    last: bool                 # the step's last bucket (DDP's GradBucket.is_last)
     future: torch.futures.Future
 
 
 def _is_summable(obj) -> bool:
     return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
-
-
-def _digest64(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _describe(names: List[str]) -> str:
@@ -139,12 +142,11 @@ class DeepReduceState:
         self.world_size = dist.get_world_size(group)
         if compression is not None and _is_summable(compression):
             self.pipeline, self.compressor = None, compression
-            config = getattr(compression, "get_config", lambda: {})()
-            self._config_digest = _digest64(f"{type(compression).__qualname__}:{config!r}".encode())
         else:
             self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
+            self.pipeline.core.collective_steps()
             self.compressor = None
-            self._config_digest = int.from_bytes(self.pipeline.core.config_digest[:8], "little", signed=True)
+        self._compressor_id = agreement.compressor_identity(self.compressor or self.pipeline)
         self._names = None if named_parameters is None else named_parameter_map(named_parameters)
         self._auto_names: Dict[torch.Tensor, str] = {}
         # state
@@ -154,6 +156,9 @@ class DeepReduceState:
                       "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
         # the private group and the worker that alone issues collectives on it
         self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+        self._communicator = TorchDistributedCommunicator()    # gathers layouts when ranks disagree
+        self._communicator.group = self._group
+        self._skipped: Dict[int, list] = {}    # step -> [(parameter, (rank, NaN, Inf))] of non-finite containers
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
 
@@ -183,7 +188,7 @@ class DeepReduceState:
         if offset != buffer.numel():
             raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                      f"{offset}: cannot cut it into per-parameter gradients")
-        job = _Job(buffer, views, [self._name(p) for p in params], self.step,
+        job = _Job(buffer, views, [self._name(p) for p in params], self.step, bucket.is_last(),
                    torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future())
         if bucket.is_last():
             self.step += 1
@@ -200,7 +205,10 @@ class DeepReduceState:
         while True:
             job = self._jobs.get()
             try:
-                job.future.set_result(self._reduce(job))
+                result = self._reduce(job)
+                if job.last:
+                    self._end_step(job)
+                job.future.set_result(result)
             except Exception as exc:  # every failure reaches DDP's wait on this rank
                 job.future.set_exception(exc)
             finally:
@@ -222,8 +230,10 @@ class DeepReduceState:
         self.stats["encode_seconds"] += time.perf_counter() - start
         sent = payload if codes is None else codes[0]
         nbytes = _FAILED if failure is not None else sent.numel() * sent.element_size()
-        headers = self._exchange_headers(job, nbytes, device)
-        self._check_agreement(job, headers, failure, equal_sizes=codes is not None)
+        layout = agreement.Layout(self._compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
+                                                        for n, v in zip(job.names, job.views)], "parameter")
+        headers = self._exchange_headers(job, nbytes, layout, device)
+        self._check_agreement(job, headers, layout, failure, equal_sizes=codes is not None)
         self.stats["buckets"] += 1
         self.stats["dense_bytes"] += 4 * sum(v.numel() for v in job.views)
         self.stats["wire_bytes"] += nbytes
@@ -233,30 +243,31 @@ class DeepReduceState:
             self._reduce_codes(job, *codes)
         return job.buffer
 
-    def _exchange_headers(self, job: _Job, nbytes: int, device) -> np.ndarray:
-        layout = _digest64(repr([(n, tuple(v.shape)) for n, v in zip(job.names, job.views)]).encode())
-        header = torch.tensor([nbytes, self._config_digest, layout, job.step], dtype=torch.int64, device=device)
+    def _exchange_headers(self, job: _Job, nbytes: int, layout: agreement.Layout, device) -> np.ndarray:
+        header = torch.tensor([nbytes, layout.compressor_digest, layout.digest, job.step], dtype=torch.int64,
+                              device=device)
         headers = [torch.empty_like(header) for _ in range(self.world_size)]
         start = time.perf_counter()
         dist.all_gather(headers, header, group=self._group)
         self.stats["communication_seconds"] += time.perf_counter() - start
         return torch.stack(headers).cpu().numpy()
 
-    def _check_agreement(self, job: _Job, headers: np.ndarray, failure: Optional[Exception],
-                         equal_sizes: bool) -> None:
+    def _check_agreement(self, job: _Job, headers: np.ndarray, layout: agreement.Layout,
+                         failure: Optional[Exception], equal_sizes: bool) -> None:
         where = f"DDP bucket with parameters {_describe(job.names)}"
+        if len(set(headers[:, 1].tolist())) > 1 or len(set(headers[:, 2].tolist())) > 1:
+            # every rank saw it: every rank gathers the layouts and names the same first difference
+            raise CommunicationError(f"{where}: {agreement.explain(layout, self._allgather)}; every rank must run "
+                                     "the same model with the same deepreduce config")
         if failure is not None:
             raise failure
         failed = [r for r in range(self.world_size) if headers[r, 0] == _FAILED]
         if failed:
             raise CommunicationError(f"{where}: rank(s) {failed} could not encode their gradients "
                                      "(their own error says why)")
-        for column, what in ((1, "compression config"), (2, "parameter names or shapes"), (3, "step counter")):
-            if len(set(headers[:, column].tolist())) > 1:
-                raise CommunicationError(
-                    f"{where}: ranks disagree about the {what} "
-                    f"({', '.join(f'rank {r}: {int(v) & (2**64 - 1):x}' for r, v in enumerate(headers[:, column]))}); "
-                    "every rank must run the same model with the same deepreduce config and checkpoint")
+        if len(set(headers[:, 3].tolist())) > 1:
+            raise CommunicationError(f"{where}: ranks disagree about the step counter ({headers[:, 3].tolist()}); "
+                                     "every rank must resume from the same checkpoint")
         if equal_sizes and len(set(headers[:, 0].tolist())) > 1:
             raise CommunicationError(f"{where}: ranks produced codes of different sizes "
                                      f"({headers[:, 0].tolist()} bytes) for an all_reduce; their "
@@ -284,6 +295,12 @@ class DeepReduceState:
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
                                          f"{len(job.names)} parameters ({_describe(job.names)})")
             per_rank.append(parts)
+        if self.pipeline.core.nonfinite == "raise":
+            skipped = [(name, found) for i, name in enumerate(job.names)
+                       if (found := agreement.first_nonfinite([parts[i] for parts in per_rank])) is not None]
+            if skipped:       # every rank skips the step; the last bucket raises (_end_step)
+                self._skipped.setdefault(job.step, []).extend(skipped)
+                return
         for i, (name, view) in enumerate(zip(job.names, job.views)):
             try:   # decoded straight into the bucket (on its device on the device path)
                 self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(view.shape), out=view)
@@ -291,6 +308,22 @@ class DeepReduceState:
                 raise type(exc)(f"parameter {name!r}: {exc}") from exc
             view.div_(self.world_size)
         self.stats["decode_seconds"] += time.perf_counter() - start
+
+    def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
+        return self._communicator.allgather(payload, "deepreduce.agreement")
+
+    def _end_step(self, job: _Job) -> None:
+        """After the step's last bucket: keep its residuals, or, if any rank sent a non-finite
+        container under ``nonfinite: raise``, undo them and raise the same error on every rank."""
+        skipped = self._skipped.pop(job.step, [])
+        self._skipped.clear()          # a step that failed before its last bucket left its entry
+        if self.pipeline is None:
+            return
+        if skipped:
+            self.pipeline.core.undo_step()
+            name, found = skipped[0]
+            raise agreement.nonfinite_error(name, job.step, *found, more=len(skipped) - 1)
+        self.pipeline.core.commit_step()
 
     # summable codes -----------------------------------------------------------
     def _compress(self, job: _Job):

@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from .. import agreement
 from ..comm import Communicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
@@ -73,6 +74,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._compressor = None
             self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
+            self._pipeline.core.collective_steps()
+        self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
         self._communicator = communicator or self._default_communicator()
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
@@ -125,7 +128,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._submit(p)
         return hook
 
+    def add_param_group(self, param_group) -> None:
+        super(self.__class__, self).add_param_group(param_group)
+        self._agreed = False         # the ranks compare their parameters again before the next step
+
     # ----------------------------------------------------------------- communication
+    def _agree(self) -> None:
+        """Compare every rank's parameters and compression (one small allgather, see
+        :mod:`deepreduce.agreement`) before this step's first per-tensor collective."""
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        layout = agreement.Layout(
+            agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
+            [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params], "parameter")
+        agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.agreement"),
+                        "DistributedOptimizer")
+        self._agreed = True
+
     def _submit(self, p: torch.Tensor) -> None:
         """Hand ``p``'s finished gradient to the worker, which encodes it and starts its collective.
 
@@ -134,6 +152,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         accumulates), and until ``step()``/``synchronize()`` nothing else may write it (as with
         Horovod, whose collectives work on ``p.grad`` in place).
         """
+        if not self._agreed:
+            self._agree()
         name, grad, step = self._names[p], p.grad, self._step_count
 
         def start():
@@ -172,8 +192,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
         return self._communicator.allgather_async(on_host, f"deepreduce.{name}"), None, interval
 
-    def _finish(self, p: torch.Tensor, handle, ctx) -> None:
-        """Wait for one collective and write the aggregated gradient into ``p.grad``."""
+    def _finish(self, p: torch.Tensor, handle, ctx):
+        """Wait for one collective and write the aggregated gradient into ``p.grad``.
+
+        Returns (rank, NaN count, Inf count) instead, writing nothing, when a rank sent a
+        non-finite container under ``nonfinite: raise`` (every rank then skips the step)."""
         start = time.perf_counter()
         if self._summable:
             output = self._hvd.synchronize(handle)
@@ -184,6 +207,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         payloads = handle.wait()
         self._times["communication_wait"] += time.perf_counter() - start
+        if self._pipeline.core.nonfinite == "raise":
+            nonfinite = agreement.first_nonfinite(payloads)
+            if nonfinite is not None:
+                return nonfinite
         try:
             self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape), out=p.grad)
         except CommunicationError as exc:
@@ -196,9 +223,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         An error of any parameter (raised on the worker, by the collective or by decoding) is
         re-raised here, with its type and message, after every other pending collective has
-        been waited for; the optimizer is then ready for the next step.
+        been waited for; the optimizer is then ready for the next step. Under ``nonfinite:
+        raise`` a NaN/Inf gradient on any rank makes every rank raise the same
+        NonFiniteGradientError here: nothing is written to the optimizer's step, and the
+        residuals are restored, so catching it and going on skips the step (see README).
         """
         wait_start = time.perf_counter()
+        step = self._step_count
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p not in self._pending:
@@ -206,20 +237,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = torch.zeros_like(p)
                     self._submit(p)
         errors: List[BaseException] = []
+        nonfinite = {}
         try:
             started = self._wait_for_encodes(wait_start, errors)
             for p, handle, ctx in started:
                 try:
-                    self._finish(p, handle, ctx)
+                    found = self._finish(p, handle, ctx)
                 except Exception as exc:  # keep draining the other collectives first
                     errors.append(exc)
+                else:
+                    if found is not None:
+                        nonfinite[p] = found
         finally:
             self._pending.clear()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._step_count += 1
+        if self._pipeline is not None:
+            if errors or nonfinite:
+                self._pipeline.core.undo_step()
+            else:
+                self._pipeline.core.commit_step()
         if errors:
             raise errors[0]
+        if nonfinite:
+            first = next(p for group in self.param_groups for p in group["params"] if p in nonfinite)
+            raise agreement.nonfinite_error(self._names[first], step, *nonfinite[first], more=len(nonfinite) - 1)
         self._steps_communicated += 1
         self._synchronized = True
 

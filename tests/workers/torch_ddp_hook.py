@@ -162,6 +162,10 @@ def scenario_unused(rank):
     return {"params": flat_params(model), "steps": state.step}
 
 
+def residuals(state):
+    return {k: v.copy() for k, v in state.pipeline.core.memory.state_dict()["residuals"].items()}
+
+
 def scenario_nonfinite(rank):
     model, opt, _ = make(TOPK)
     x, y = batch(rank, 0)
@@ -169,16 +173,36 @@ def scenario_nonfinite(rank):
         x[0, 0, 0, 0] = float("nan")
     nn.functional.cross_entropy(model(x), y).backward()
     all_nan = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
-    raising, _, _ = make(dict(TOPK, nonfinite="raise"))
-    return {"propagated": all_nan,
-            "raise": error_of(lambda: nn.functional.cross_entropy(raising(x), y).backward())}
+    # nonfinite: raise, rank 1's gradient is NaN at step 1: the skip-the-step loop of docs/ddp.md
+    model, opt, state = make(dict(TOPK, nonfinite="raise"))
+    skipped, unchanged = [], []
+    for step in range(3):
+        x, y = batch(rank, step)
+        if step == 1 and rank == 1:
+            x[0, 0, 0, 0] = float("nan")
+        weights, kept = flat_params(model), residuals(state)
+        opt.zero_grad()
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except RuntimeError as exc:
+            if "NonFiniteGradientError" not in str(exc):
+                raise
+            now = residuals(state)
+            unchanged.append(bool(np.array_equal(flat_params(model), weights)) and sorted(now) == sorted(kept)
+                             and all(np.array_equal(now[k], kept[k]) for k in kept))
+            skipped.append((step, str(exc)))
+            continue
+        opt.step()
+    return {"propagated": all_nan, "skipped": skipped, "unchanged": unchanged, "params": flat_params(model)}
 
 
 def scenario_disagreement(rank):
     config = dict(TOPK, sparsifier={"id": "topk", "ratio": 0.01 * (rank + 1)})
     model, _, _ = make(config)
     x, y = batch(rank, 0)
-    return {"error": error_of(lambda: nn.functional.cross_entropy(model(x), y).backward())}
+    mixed, _, _ = make(GradiVeQ() if rank else TOPK)
+    return {"error": error_of(lambda: nn.functional.cross_entropy(model(x), y).backward()),
+            "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x), y).backward())}
 
 
 def scenario_bad_input(rank):
