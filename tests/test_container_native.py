@@ -1,7 +1,9 @@
 """The C++ container code (csrc/container, module deepreduce._container, also compiled into the
 TensorFlow ops) against deepreduce/container.py: the same bytes packed, the same fields parsed,
 the same error text for every bad buffer."""
+import os
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -47,8 +49,10 @@ def parse(parser, buf):
 
 
 def python_header(buf):
-    # the parse alone: the receiver's size bound (max_numel, docs/reliability.md) is lifted
-    c = container.unpack(buf, max_numel=1 << 128)
+    # the parse alone, by the Python path (container.unpack uses the twin when it is built); the
+    # receiver's size bound (max_numel, docs/reliability.md) is lifted
+    with mock.patch.dict(os.environ, {"DEEPREDUCE_BACKEND": "numpy"}):
+        c = container.unpack(buf, max_numel=1 << 128)
     lengths = tuple(map(len, (c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)))
     return (c.version, c.flags, c.index_id, c.value_id, c.perm_width, c.digest, c.n, lengths, c.shape)
 
