@@ -54,7 +54,6 @@ REGISTER_OP("DeepReduceEncode")
     .Attr("tensor_name: string")
     .Attr("digest: string")
     .Attr("min_numel: int >= 0")
-    .Attr("raise_nonfinite: bool")
     .Attr("sparsifier: {'topk', 'threshold'} = 'topk'")
     .Attr("ratio_bits: int = 0")
     .Attr("threshold: float = 0")
@@ -152,7 +151,6 @@ class EncodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &name_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("digest", &digest_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("min_numel", &min_numel_));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("raise_nonfinite", &raise_nonfinite_));
         std::string sparsifier;
         OP_REQUIRES_OK(ctx, ctx->GetAttr("sparsifier", &sparsifier));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("ratio_bits", &ratio_bits));
@@ -232,17 +230,6 @@ class EncodeOp : public OpKernel {
         std::vector<uint64_t> found;
         const float* dense = nullptr;
         if (!finite) {
-            if (raise_nonfinite_) {
-                int64_t nan = 0, inf = 0;
-                for (int64_t i = 0; i < n; ++i) {
-                    nan += std::isnan(g[i]);
-                    inf += std::isinf(g[i]);
-                }
-                return fail(ctx, "NonFiniteGradientError",
-                            "gradient " + name_repr(name_) + " at step " + std::to_string(step) + " has " +
-                                std::to_string(nan) + " NaN and " + std::to_string(inf) +
-                                " Inf entries (pipeline option nonfinite='raise')");
-            }
             h.flags = ct::FLAG_DENSE | ct::FLAG_NONFINITE;
             dense = g;
         } else if (!sparse) {
@@ -455,7 +442,7 @@ class EncodeOp : public OpKernel {
 
     std::string name_, digest_;
     int64_t min_numel_ = 0, k_ = 1;
-    bool raise_nonfinite_ = false, error_feedback_ = false, topk_ = true, bloom_ = false, fp16_ = false,
+    bool error_feedback_ = false, topk_ = true, bloom_ = false, fp16_ = false,
          polyfit_ = false;
     float threshold_ = 0;
     int degree_ = 5, segments_ = 0, min_points_ = 6, coef_bytes_ = 4;

@@ -98,6 +98,10 @@ def unsupported(core) -> Optional[str]:
         return f"value codec {core.value.id!r} (the ops have {', '.join(OPS_VALUE_CODECS)})"
     if core.memory.id not in OPS_MEMORIES:
         return f"memory {core.memory.id!r} (the ops have {', '.join(OPS_MEMORIES)})"
+    if core.nonfinite != "propagate":
+        # the ranks then decide each step together and undo it through the core's journal
+        # (deepreduce.agreement), which holds the core's residuals, not the ops' variables
+        return f"nonfinite: {core.nonfinite!r} (the ops propagate non-finite gradients)"
     return None
 
 
@@ -129,7 +133,7 @@ def _int64_bits(value) -> int:
 
 
 _ERROR_CLASSES = {cls.__name__: cls for cls in (errors.DeepReduceError, errors.ContainerError,
-                                                errors.CommunicationError, errors.NonFiniteGradientError)}
+                                                errors.CommunicationError)}
 
 
 def as_deepreduce_error(exc: tf.errors.OpError) -> Exception:
@@ -161,8 +165,7 @@ class PipelineOps:
         self.error_feedback = isinstance(core.memory, ResidualMemory)
         index = core.index
         attrs = dict(
-            digest=core.config_digest, min_numel=core.min_numel, raise_nonfinite=core.nonfinite == "raise",
-            sparsifier=core.sparsifier.id, error_feedback=self.error_feedback,
+            digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id, error_feedback=self.error_feedback,
             index=index.id, value=core.value.id, threads=core.threads,
         )
         if core.sparsifier.id == "topk":
