@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import arrays, bitpack, container, kernels, parallel, registry
+from .own_containers import OwnContainers
 from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
@@ -84,6 +85,7 @@ class Pipeline:
         self._digest = config_digest(wire_config)
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
+        self._own = OwnContainers()   # this rank's last containers, added to sums without decoding
 
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -223,6 +225,8 @@ class Pipeline:
             self.memory.settle(name, positions, received, self.threads)
         c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c, like=flat)
+        if sparse and comp.finite and not arrays.is_torch(payload):
+            self._own.remember(name, payload, shape, positions, received)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
@@ -280,7 +284,7 @@ class Pipeline:
         """
         start = time.perf_counter()
         c = self._unpack(payload, expected_shape)
-        target = _output(out, c)
+        target = _output(out, c.numel)
         self._decode_into(c, target, accumulate=out is None)  # a fresh buffer is all zeros
         self.stats.tensors_decoded += 1
         self.stats.decode_seconds += time.perf_counter() - start
@@ -300,11 +304,19 @@ class Pipeline:
         for rank, payload in enumerate(payloads):
             start = time.perf_counter()
             try:
-                c = self._unpack(payload, expected_shape)
-                if target is None:
-                    target, expected_shape = _output(out, c), c.shape
-                self._decode_into(c, target, accumulate=rank > 0 or out is None,
+                own = None if arrays.is_torch(out) else self._own.match(payload)
+                if own is not None:   # this rank's container: what it decodes to is known
+                    container.check_size(own.shape, own.positions.shape[0], expected_shape, self.max_numel)
+                    if target is None:
+                        target, expected_shape = _output(out, math.prod(own.shape)), own.shape
+                    self._add_own(own, target, accumulate=rank > 0 or out is None,
                                   check_sum=rank > 0 and self.nonfinite == "raise")
+                else:
+                    c = self._unpack(payload, expected_shape)
+                    if target is None:
+                        target, expected_shape = _output(out, c.numel), c.shape
+                    self._decode_into(c, target, accumulate=rank > 0 or out is None,
+                                      check_sum=rank > 0 and self.nonfinite == "raise")
             except DeepReduceError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
@@ -371,6 +383,14 @@ class Pipeline:
             out[...] = 0.0
         kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
         if check_sum and not _all_finite(out[indices]):
+            raise _sum_overflow()
+
+    def _add_own(self, own, out: np.ndarray, accumulate: bool, check_sum: bool) -> None:
+        """:meth:`_decode_into` for this rank's own container (see :mod:`deepreduce.own_containers`)."""
+        if not accumulate:
+            out[...] = 0.0
+        kernels.scatter_add(out, own.positions, own.values, own.ascending, self.threads)
+        if check_sum and not _all_finite(out[own.positions]):
             raise _sum_overflow()
 
     # ------------------------------------------------------------------ backends
@@ -541,27 +561,27 @@ def _as_float32(grad, name: str):
     return np.ascontiguousarray(to_float32(arr, name)).ravel(), tuple(int(s) for s in arr.shape)
 
 
-def _output(out: Optional[np.ndarray], c: container.Container) -> np.ndarray:
+def _output(out: Optional[np.ndarray], numel: int) -> np.ndarray:
     """The flat float32 buffer a decode writes: ``out`` (checked, used in place) or fresh zeros
     (pages the OS hands out zeroed; only those the scatter touches are ever written).
 
     A torch ``out`` (float32, contiguous) is decoded into on its own device.
     """
     if out is None:
-        return np.zeros(c.numel, dtype=np.float32)
+        return np.zeros(numel, dtype=np.float32)
     if arrays.is_torch(out):
         import torch
 
         if out.dtype != torch.float32 or not out.is_contiguous():
             raise DeepReduceError("decode: a torch out= must be a contiguous float32 tensor")
-        if out.numel() != c.numel:
-            raise CommunicationError(f"decode: out= has {out.numel()} elements, the container's tensor {c.numel}")
+        if out.numel() != numel:
+            raise CommunicationError(f"decode: out= has {out.numel()} elements, the container's tensor {numel}")
         return out.detach().reshape(-1)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
             or not out.flags.writeable:
         raise DeepReduceError("decode: out= must be a writeable C-contiguous float32 NumPy array")
-    if out.size != c.numel:
-        raise CommunicationError(f"decode: out= has {out.size} elements, the container's tensor {c.numel}")
+    if out.size != numel:
+        raise CommunicationError(f"decode: out= has {out.size} elements, the container's tensor {numel}")
     return out.reshape(-1)
 
 

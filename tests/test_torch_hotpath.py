@@ -24,8 +24,10 @@ def test_float32_cpu_gradient_is_encoded_without_a_copy(monkeypatch):
     payload = pipe.encode(g, name="w", step=0)
     assert np.shares_memory(seen[0], g.numpy())
     assert np.array_equal(payload.numpy(), deepreduce.build(CONFIG).encode(g.numpy(), name="w", step=0))
-    pipe.encode(g.double(), name="w", step=1)  # other dtypes are converted once
-    assert seen[1].dtype == np.float32
+    pipe.encode(g.double(), name="w", step=1)  # float64 reaches the core as is: it reports values
+    assert seen[1].dtype == np.float64         # beyond float32's range as overflow, then converts once
+    pipe.encode(g.half(), name="w", step=2)    # other dtypes are converted once
+    assert seen[2].dtype == np.float32
 
 
 def test_decode_sum_writes_into_a_given_tensor():
