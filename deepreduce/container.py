@@ -241,12 +241,19 @@ def _read_header(buf: bytes, offset: int) -> _Header:
                    tuple(int(s) for s in shape), pos - offset)
 
 
-def _native_header(native, buf: bytes) -> _Header:
-    """:func:`_checked_header` without the receiver's bounds, by the C++ twin (csrc/container: same
-    checks, same messages): one call instead of a Python loop over varints, paid by every tensor
-    of every step."""
+def _native_header(native, buf: bytes, expected_shape=None, max_numel: int = MAX_NUMEL) -> _Header:
+    """:func:`_checked_header` by the C++ twin (csrc/container: same checks in the same order, same
+    messages): one call instead of a Python loop over varints, paid by every tensor of every
+    step. A header of another shape comes back for :func:`check_size` to report."""
     try:
-        version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(buf)
+        expected = None if expected_shape is None else [int(s) for s in expected_shape]
+    except (TypeError, ValueError):
+        expected = None   # check_size names the bad argument
+    if expected is not None and not all(0 <= s < 1 << 64 for s in expected):
+        expected = None   # no header has such a shape: check_size reports the mismatch
+    try:
+        version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(
+            buf, expected, min(int(max_numel), (1 << 64) - 1))
     except ValueError as exc:
         raise ContainerError(str(exc)) from None
     size = len(buf) - sum(lengths) - CRC_SIZE
@@ -288,8 +295,8 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
     native = _native.load("container")
     if native is None:
         h = _checked_header(buf, expected_shape, max_numel)
-    else:   # the twin checks the receiver's bounds after its own, as the Python path does
-        h = _native_header(native, buf)
+    else:   # the twin checks the receiver's bounds where the Python path does
+        h = _native_header(native, buf, expected_shape, max_numel)
         check_size(h.shape, h.n, expected_shape, max_numel)
     pos = h.size
     sections = []

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from deepreduce import container
-from deepreduce.errors import ContainerError
+from deepreduce.errors import ContainerError, DeepReduceError
 
 native = pytest.importorskip("deepreduce._container", reason="needs the C++ extensions (make setup)")
 
@@ -91,3 +91,25 @@ def test_version_1_containers_parse_alike():
     buf = body + struct.pack("<I", zlib.crc32(body))
     assert parse(native.unpack_header, buf) == parse(python_header, buf)
     assert native.unpack_header(buf)[-1] == shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(c=containers(), flip=st.integers(0, 10_000), byte=st.integers(0, 255),
+       expected=st.one_of(st.none(), st.lists(st.integers(0, 40), max_size=3).map(tuple)),
+       max_numel=st.sampled_from([1, 1000, 1 << 40]))
+def test_unpack_with_receiver_bounds_names_the_same_first_problem(c, flip, byte, expected, max_numel):
+    """container.unpack through the twin and through Python: same class and text (or header)."""
+    buf = bytearray(python_pack(c).tobytes())
+    buf[flip % len(buf)] = byte
+    buf[-4:] = zlib.crc32(bytes(buf[:-4])).to_bytes(4, "little")
+
+    def outcome():
+        try:
+            got = container.unpack(bytes(buf), expected, max_numel)
+            return "ok", (got.shape, got.n, got.flags)
+        except DeepReduceError as exc:
+            return type(exc).__name__, str(exc)
+
+    twin = outcome()
+    with mock.patch.dict(os.environ, {"DEEPREDUCE_BACKEND": "numpy"}):
+        assert outcome() == twin
