@@ -241,6 +241,25 @@ def _read_header(buf: bytes, offset: int) -> _Header:
                    tuple(int(s) for s in shape), pos - offset)
 
 
+def _native_header(native, buf: bytes, expected_shape=None, max_numel: int = MAX_NUMEL) -> _Header:
+    """:func:`_checked_header` by the C++ twin (csrc/container: same checks in the same order, same
+    messages): one call instead of a Python loop over varints, paid by every tensor of every
+    step. A header of another shape comes back for :func:`check_size` to report."""
+    try:
+        expected = None if expected_shape is None else [int(s) for s in expected_shape]
+    except (TypeError, ValueError):
+        expected = None   # check_size names the bad argument
+    if expected is not None and not all(0 <= s < 1 << 64 for s in expected):
+        expected = None   # no header has such a shape: check_size reports the mismatch
+    try:
+        version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(
+            buf, expected, min(int(max_numel), (1 << 64) - 1))
+    except ValueError as exc:
+        raise ContainerError(str(exc)) from None
+    size = len(buf) - sum(lengths) - CRC_SIZE
+    return _Header(version, flags, iid, vid, width, digest, 0, n, lengths, shape, size)
+
+
 def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: int = MAX_NUMEL) -> None:
     """Refuse a header whose tensor is not the one the receiver expects, or (without an expected
     shape) claims more than ``max_numel`` elements, before anything is allocated for it."""
@@ -273,15 +292,12 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
     another); without one, a header claiming more than ``max_numel`` elements is refused.
     """
     buf = _as_bytes(payload)
-    h = _read_header(buf, 0)
-    if h.total != len(buf):
-        raise ContainerError(f"container length mismatch: header describes {h.total} bytes, buffer has {len(buf)}")
-    body, (crc,) = buf[:-CRC_SIZE], struct.unpack_from("<I", buf, len(buf) - CRC_SIZE)
-    if zlib.crc32(body) != crc:
-        raise ContainerError("container checksum mismatch: the buffer is corrupted")
-    if h.flags & ~_KNOWN_FLAGS or h.reserved:
-        raise ContainerError(f"container has unknown flags 0x{h.flags:02x} or non-zero reserved bits")
-    check_size(h.shape, h.n, expected_shape, max_numel)
+    native = _native.load("container")
+    if native is None:
+        h = _checked_header(buf, expected_shape, max_numel)
+    else:   # the twin checks the receiver's bounds where the Python path does
+        h = _native_header(native, buf, expected_shape, max_numel)
+        check_size(h.shape, h.n, expected_shape, max_numel)
     pos = h.size
     sections = []
     for length in h.lengths:
@@ -293,12 +309,31 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
         index_section=sections[2], value_section=sections[3], perm_section=sections[4],
         digest=h.digest, version=h.version, nbytes=len(buf),
     )
-    li, lv, lp = h.lengths[2:]
-    if c.permuted != (c.perm_width > 0) or (not c.permuted and lp):
-        raise ContainerError("container permutation flag, width and section disagree")
-    if c.dense and (c.n != c.numel or lv != 4 * c.numel or li or lp):
-        raise ContainerError("dense container sections do not match its shape")
     return c
+
+
+def _checked_header(buf: bytes, expected_shape, max_numel: int) -> _Header:
+    """The header of the one container ``buf`` holds, after every check of :func:`unpack`, in the
+    order the C++ twin makes them (so both name the same first problem)."""
+    h = _read_header(buf, 0)
+    if h.total != len(buf):
+        raise ContainerError(f"container length mismatch: header describes {h.total} bytes, buffer has {len(buf)}")
+    (crc,) = struct.unpack_from("<I", buf, len(buf) - CRC_SIZE)
+    if zlib.crc32(memoryview(buf)[:-CRC_SIZE]) != crc:
+        raise ContainerError("container checksum mismatch: the buffer is corrupted")
+    if h.flags & ~_KNOWN_FLAGS or h.reserved:
+        raise ContainerError(f"container has unknown flags 0x{h.flags:02x} or non-zero reserved bits")
+    check_size(h.shape, h.n, expected_shape, max_numel)
+    permuted, dense = bool(h.flags & FLAG_PERMUTED), bool(h.flags & FLAG_DENSE)
+    li, lv, lp = h.lengths[2:]
+    if permuted != (h.perm_width > 0) or (not permuted and lp):
+        raise ContainerError("container permutation flag, width and section disagree")
+    numel = 1
+    for s in h.shape:
+        numel *= s
+    if dense and (h.n != numel or lv != 4 * numel or li or lp):
+        raise ContainerError("dense container sections do not match its shape")
+    return h
 
 
 def split(buffer) -> List[np.ndarray]:

@@ -1,14 +1,16 @@
 """The C++ container code (csrc/container, module deepreduce._container, also compiled into the
 TensorFlow ops) against deepreduce/container.py: the same bytes packed, the same fields parsed,
 the same error text for every bad buffer."""
+import os
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from deepreduce import container
-from deepreduce.errors import ContainerError
+from deepreduce.errors import ContainerError, DeepReduceError
 
 native = pytest.importorskip("deepreduce._container", reason="needs the C++ extensions (make setup)")
 
@@ -47,8 +49,10 @@ def parse(parser, buf):
 
 
 def python_header(buf):
-    # the parse alone: the receiver's size bound (max_numel, docs/reliability.md) is lifted
-    c = container.unpack(buf, max_numel=1 << 128)
+    # the parse alone, by the Python path (container.unpack uses the twin when it is built); the
+    # receiver's size bound (max_numel, docs/reliability.md) is lifted
+    with mock.patch.dict(os.environ, {"DEEPREDUCE_BACKEND": "numpy"}):
+        c = container.unpack(buf, max_numel=1 << 128)
     lengths = tuple(map(len, (c.index_params, c.value_params, c.index_section, c.value_section, c.perm_section)))
     return (c.version, c.flags, c.index_id, c.value_id, c.perm_width, c.digest, c.n, lengths, c.shape)
 
@@ -87,3 +91,25 @@ def test_version_1_containers_parse_alike():
     buf = body + struct.pack("<I", zlib.crc32(body))
     assert parse(native.unpack_header, buf) == parse(python_header, buf)
     assert native.unpack_header(buf)[-1] == shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(c=containers(), flip=st.integers(0, 10_000), byte=st.integers(0, 255),
+       expected=st.one_of(st.none(), st.lists(st.integers(0, 40), max_size=3).map(tuple)),
+       max_numel=st.sampled_from([1, 1000, 1 << 40]))
+def test_unpack_with_receiver_bounds_names_the_same_first_problem(c, flip, byte, expected, max_numel):
+    """container.unpack through the twin and through Python: same class and text (or header)."""
+    buf = bytearray(python_pack(c).tobytes())
+    buf[flip % len(buf)] = byte
+    buf[-4:] = zlib.crc32(bytes(buf[:-4])).to_bytes(4, "little")
+
+    def outcome():
+        try:
+            got = container.unpack(bytes(buf), expected, max_numel)
+            return "ok", (got.shape, got.n, got.flags)
+        except DeepReduceError as exc:
+            return type(exc).__name__, str(exc)
+
+    twin = outcome()
+    with mock.patch.dict(os.environ, {"DEEPREDUCE_BACKEND": "numpy"}):
+        assert outcome() == twin

@@ -42,6 +42,8 @@ def config(index="raw", policy="p0", value="raw", memory="residual", ratio=0.02,
 VALUES = ("raw", "fp16", "polyfit")
 OPS_CONFIGS = OPS_FILE_CONFIGS + [config("raw", value=v, memory=m) for v in VALUES for m in ("none", "residual")] \
     + [config("bloom", p, v, m) for p in bloom_codec.POLICIES for v in VALUES for m in ("none", "residual")] \
+    + [dict(config(i, "p1", v), sparsifier={"id": "threshold", "threshold": 0.02})
+       for i in ("raw", "bloom") for v in ("raw", "polyfit")] \
     + [dict(config("bloom", "p2", memory="none"), value={"id": "polyfit", "degree": 3, "segments": 2,
                                                          "min_points": 40, "coef_dtype": "float64"})]
 
@@ -63,7 +65,8 @@ def op_types(concrete):
 
 def test_every_config_with_topk_raw_or_bloom_and_raw_fp16_or_polyfit_qualifies():
     names = {os.path.basename(c) for c in OPS_FILE_CONFIGS}
-    assert {"topk_raw.yaml", "bf_p0.yaml", "bf_p1.yaml", "bf_p2.yaml", "bf_naive.yaml", "polyfit.yaml"} <= names
+    assert {"topk_raw.yaml", "bf_p0.yaml", "bf_p1.yaml", "bf_p2.yaml", "bf_naive.yaml", "polyfit.yaml",
+            "threshold.yaml"} <= names
     assert "qsgd" in ops.unsupported(deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")))
 
 
@@ -169,19 +172,19 @@ def test_decode_checks_fail_with_the_cores_messages():
 
 
 def test_encode_errors_keep_their_class():
-    cfg = config("raw", value="fp16", memory="none", nonfinite="raise")
-    tf_pipe = drtf.build(cfg, backend="tf-ops")
+    tf_pipe = drtf.build(config("raw", value="fp16", memory="none"), backend="tf-ops")
     g = np.ones(5000, np.float32)
     g[3] = 1e6
     with pytest.raises(deepreduce.DeepReduceError, match="beyond float16"):
         tf_pipe.encode(g, name="big", step=0)
-    g[3] = np.inf
-    with pytest.raises(deepreduce.NonFiniteGradientError, match="0 NaN and 1 Inf"):
-        tf_pipe.encode(g, name="inf", step=0)
     with pytest.raises(deepreduce.CommunicationError, match="keep its size"):
         pipe = drtf.build(config("raw"), backend="tf-ops")
         pipe.encode(np.ones(5000, np.float32), name="x")
         pipe.encode(np.ones(6000, np.float32), name="x")
+    # nonfinite: raise lets the ranks decide each step together through the core's journal
+    strict = config("raw", nonfinite="raise")
+    assert "nonfinite" in ops.unsupported(deepreduce.build(strict))
+    assert drtf.build(strict).backend == "numpy_function"
 
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
@@ -189,10 +192,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 _PROPERTY_PIPES = {}
 
 
-def _property_pipe(policy, value, memory):
-    key = (policy, value, memory)
+def _property_pipe(policy, value, memory, sparsifier):
+    key = (policy, value, memory, sparsifier)
     if key not in _PROPERTY_PIPES:
         cfg = config("bloom" if policy else "raw", policy or "p0", value, memory, ratio=0.03, min_numel=100)
+        if sparsifier == "threshold":   # empty selections at the small scales
+            cfg["sparsifier"] = {"id": "threshold", "threshold": 1e-3}
         tf_pipe = drtf.build(cfg, backend="tf-ops")
         # one tensor name per size (a residual keeps its size); the name is a Python string
         encode = tf.function(lambda x, s, name: tf_pipe.encode(x, name=name, step=s), reduce_retracing=True)
@@ -201,12 +206,13 @@ def _property_pipe(policy, value, memory):
     return _PROPERTY_PIPES[key]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from((None,) + bloom_codec.POLICIES), value=st.sampled_from(VALUES),
-       memory=st.sampled_from(["none", "residual"]), size=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1),
+       memory=st.sampled_from(["none", "residual"]), sparsifier=st.sampled_from(["topk", "threshold"]),
+       size=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1),
        step=st.integers(0, 2**40), scale=st.sampled_from([1e-40, 1e-30, 1e-3, 1.0]))
-def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, size, seed, step, scale):
-    core, encode, decode = _property_pipe(policy, value, memory)
+def test_property_ops_write_and_read_the_cores_bytes(policy, value, memory, sparsifier, size, seed, step, scale):
+    core, encode, decode = _property_pipe(policy, value, memory, sparsifier)
     g = (np.random.default_rng(seed).standard_normal(size) * scale).astype(np.float32)
     payload = encode(tf.constant(g), tf.constant(step, tf.int64), name=f"p{size}").numpy()
     expected = core.encode(g, name=f"p{size}", step=step)

@@ -154,13 +154,13 @@ std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::s
     value = 0;
     int shift = 0;
     uint8_t byte = 0;
+    bool overflow = false;
     while (true) {
         if (pos >= len)
             return "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos);
         byte = buf[pos++];
         const uint64_t group = byte & 0x7F;
-        if (shift == 63 && group > 1)
-            return "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1";
+        if (shift == 63 && group > 1) overflow = true;   // reported once the varint ends, as varint.py does
         value |= group << shift;
         if (!(byte & 0x80)) break;
         shift += 7;
@@ -168,6 +168,7 @@ std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::s
             return "container field " + field + " at byte " + std::to_string(start) + " is longer than " +
                    std::to_string(VARINT_MAX_BYTES) + " bytes";
     }
+    if (overflow) return "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1";
     if (byte == 0 && pos - start > 1)
         return "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form";
     return "";

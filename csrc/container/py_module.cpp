@@ -59,14 +59,23 @@ py::array_t<uint8_t> pack(int flags, int index_id, int value_id, int perm_width,
     return arr;
 }
 
-// (version, flags, index id, value id, perm width, digest or None, n, (Pi, Pv, Li, Lv, Lp), shape)
-py::tuple unpack_header(const py::buffer& buf) {
+// (version, flags, index id, value id, perm width, digest or None, n, (Pi, Pv, Li, Lv, Lp), shape),
+// checked in container.unpack's order, the receiver's bounds (expected shape or max_numel)
+// included. A header of another shape than `expected_shape` is returned, unchecked beyond that
+// point: container.check_size then raises the CommunicationError.
+py::tuple unpack_header(const py::buffer& buf, const py::object& expected_shape, uint64_t max_numel) {
     py::buffer_info info;
     const Bytes b = view(buf, info);
+    std::vector<uint64_t> expected;
+    const bool check_shape = !expected_shape.is_none();
+    if (check_shape)
+        for (const auto& s : expected_shape) expected.push_back(s.cast<uint64_t>());
     ct::Header h;
     uint64_t numel = 0;
-    const std::string err = ct::unpack(b.data, static_cast<size_t>(b.size), h, numel);
-    if (!err.empty()) throw py::value_error(err);
+    bool mismatch = false;
+    const std::string err = ct::unpack(b.data, static_cast<size_t>(b.size), h, numel, check_shape ? &expected : nullptr,
+                                       max_numel, &mismatch);
+    if (!err.empty() && !mismatch) throw py::value_error(err);
     py::tuple lengths(5);
     for (int s = 0; s < 5; ++s) lengths[s] = py::int_(h.lengths[s]);
     py::tuple shape(h.shape.size());
@@ -90,7 +99,8 @@ PYBIND11_MODULE(_container, m) {
           py::arg("digest"), py::arg("n"), py::arg("shape"), py::arg("index_params"), py::arg("value_params"),
           py::arg("index_section"), py::arg("value_section"), py::arg("perm_section"),
           "one v2 container (1-D uint8 array) from its header fields and sections");
-    m.def("unpack_header", &unpack_header, py::arg("buffer"),
+    m.def("unpack_header", &unpack_header, py::arg("buffer"), py::arg("expected_shape") = py::none(),
+          py::arg("max_numel") = ~uint64_t(0),
           "the checked header of one container (ValueError with container.unpack's message otherwise)");
     m.def("crc32", &crc32, py::arg("data"), "zlib's CRC-32");
 }

@@ -1,7 +1,8 @@
 // The TensorFlow pipeline ops: one op encodes a gradient into a container, one op decodes (and
-// sums) containers, for the configs whose every stage exists in C++: Top-r selection fused with
-// error feedback (csrc/select), raw or Bloom indices with every policy (csrc/bloom), raw or fp16
-// values, and the container itself (csrc/container). They call the functions the pybind11
+// sums) containers, for the configs whose every stage exists in C++: error feedback with Top-r
+// (fused) or threshold selection (csrc/select), raw or Bloom indices with every policy
+// (csrc/bloom), raw, fp16 or polyfit values (csrc/fit), and the container itself
+// (csrc/container). They call the functions the pybind11
 // extensions wrap, so the bytes are deepreduce.build(config).encode's (tests check every config);
 // deepreduce/tensorflow/ops.py builds their attributes from the core pipeline.
 //
@@ -53,8 +54,9 @@ REGISTER_OP("DeepReduceEncode")
     .Attr("tensor_name: string")
     .Attr("digest: string")
     .Attr("min_numel: int >= 0")
-    .Attr("raise_nonfinite: bool")
-    .Attr("ratio_bits: int")
+    .Attr("sparsifier: {'topk', 'threshold'} = 'topk'")
+    .Attr("ratio_bits: int = 0")
+    .Attr("threshold: float = 0")
     .Attr("error_feedback: bool")
     .Attr("index: {'raw', 'bloom'}")
     .Attr("policy: {'naive', 'p0', 'p1', 'p2', 'leftmost', 'middle', 'rightmost'} = 'p0'")
@@ -149,8 +151,11 @@ class EncodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &name_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("digest", &digest_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("min_numel", &min_numel_));
-        OP_REQUIRES_OK(ctx, ctx->GetAttr("raise_nonfinite", &raise_nonfinite_));
+        std::string sparsifier;
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("sparsifier", &sparsifier));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("ratio_bits", &ratio_bits));
+        OP_REQUIRES_OK(ctx, ctx->GetAttr("threshold", &threshold_));
+        topk_ = sparsifier == "topk";
         OP_REQUIRES_OK(ctx, ctx->GetAttr("error_feedback", &error_feedback_));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("index", &index));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("policy", &policy));
@@ -189,7 +194,7 @@ class EncodeOp : public OpKernel {
                         "residual memory: tensor " + name_repr(name_) + " had " + std::to_string(res_in.NumElements()) +
                             " elements, now " + std::to_string(n) + "; a name must keep its size");
         const bool sparse = n >= min_numel_;
-        const int64_t r = sparse ? count_for(ratio_, n) : 0;
+        const int64_t r = sparse && topk_ ? count_for(ratio_, n) : 0;
         const bool select = r > 0 && r < n;
         std::vector<int64_t> positions(select ? r : 0);
 
@@ -225,17 +230,6 @@ class EncodeOp : public OpKernel {
         std::vector<uint64_t> found;
         const float* dense = nullptr;
         if (!finite) {
-            if (raise_nonfinite_) {
-                int64_t nan = 0, inf = 0;
-                for (int64_t i = 0; i < n; ++i) {
-                    nan += std::isnan(g[i]);
-                    inf += std::isinf(g[i]);
-                }
-                return fail(ctx, "NonFiniteGradientError",
-                            "gradient " + name_repr(name_) + " at step " + std::to_string(step) + " has " +
-                                std::to_string(nan) + " NaN and " + std::to_string(inf) +
-                                " Inf entries (pipeline option nonfinite='raise')");
-            }
             h.flags = ct::FLAG_DENSE | ct::FLAG_NONFINITE;
             dense = g;
         } else if (!sparse) {
@@ -252,20 +246,23 @@ class EncodeOp : public OpKernel {
             return done(ctx, h, n, start);
         }
 
-        // selection (sparsify: Top-r, fused into the compensation pass when it could be)
-        if (!select) {
+        // selection: Top-r (fused into the compensation pass when it could be) or a threshold
+        if (!topk_) {
+            positions = dr_select::threshold(comp, n, threshold_, threads_);
+        } else if (!select) {
             positions.resize(r);
             for (int64_t i = 0; i < r; ++i) positions[i] = i;
         } else if (scan != dr_select::Scan::kSelected) {
             dr_select::topk(comp, n, r, threads_, positions.data());
         }
+        const int64_t count = static_cast<int64_t>(positions.size());
         std::vector<float> sent;
         std::vector<uint8_t> bits;   // the Bloom filter
         uint64_t blocks = 0;
         if (bloom_) {
-            if (r > 0) blocks = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(r / keys_per_block_)));
+            if (count > 0) blocks = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(count / keys_per_block_)));
             if (blocks > bl::blocked::MAX_BLOCKS)
-                return fail(ctx, "DeepReduceError", "Bloom filter for " + std::to_string(r) + " indices needs " +
+                return fail(ctx, "DeepReduceError", "Bloom filter for " + std::to_string(count) + " indices needs " +
                                                         std::to_string(blocks) + " blocks; at most " +
                                                         std::to_string(bl::blocked::MAX_BLOCKS));
             wr::BloomParams p;
@@ -282,12 +279,12 @@ class EncodeOp : public OpKernel {
             bits.assign(h.lengths[ct::INDEX], 0);
             const uint64_t* idx = reinterpret_cast<const uint64_t*>(positions.data());
             const bool prefix = policy_ == 0 || policy_ == 4;   // naive, leftmost
-            if (r > 0) {
-                bl::blocked::build(idx, static_cast<size_t>(r), blocks, p.k, p.seed, bits.data(), threads_);
+            if (count > 0) {
+                bl::blocked::build(idx, static_cast<size_t>(count), blocks, p.k, p.seed, bits.data(), threads_);
                 bl::blocked::query(bits.data(), blocks, p.k, p.seed, static_cast<uint64_t>(n),
-                                   prefix ? static_cast<uint64_t>(r) : static_cast<uint64_t>(n), threads_, found);
+                                   prefix ? static_cast<uint64_t>(count) : static_cast<uint64_t>(n), threads_, found);
             }
-            select_policy(p, found, static_cast<size_t>(r), chosen);
+            select_policy(p, found, static_cast<size_t>(count), chosen);
             sent.resize(chosen.size());
             for (size_t j = 0; j < chosen.size(); ++j) sent[j] = policy_ == 0 ? comp[positions[j]] : comp[chosen[j]];
         } else {
@@ -445,7 +442,9 @@ class EncodeOp : public OpKernel {
 
     std::string name_, digest_;
     int64_t min_numel_ = 0, k_ = 1;
-    bool raise_nonfinite_ = false, error_feedback_ = false, bloom_ = false, fp16_ = false, polyfit_ = false;
+    bool error_feedback_ = false, topk_ = true, bloom_ = false, fp16_ = false,
+         polyfit_ = false;
+    float threshold_ = 0;
     int degree_ = 5, segments_ = 0, min_points_ = 6, coef_bytes_ = 4;
     double ratio_ = 0, keys_per_block_ = 0;
     int policy_ = 1;

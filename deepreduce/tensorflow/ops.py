@@ -5,7 +5,7 @@ of ``csrc/`` (the Top-r/compensation kernels, the Bloom kernels and the containe
 pybind11 extensions wrap) into ``deepreduce/tensorflow/_deepreduce_ops.so``; ``make setup`` runs it.
 
 * ``DeepReduceEncode`` is ``Pipeline.encode`` for one gradient: error feedback fused with the
-  Top-r selection, the raw or Bloom index codec (every policy), the raw, fp16 or polyfit value
+  Top-r selection (or followed by threshold selection), the raw or Bloom index codec (every policy), the raw, fp16 or polyfit value
   codec (with its permutation) and the container, header and CRC included.
 * ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
 
@@ -36,6 +36,7 @@ from ..errors import BackendUnavailableError
 from ..index import bloom as bloom_codec
 from ..memory import ResidualMemory
 from ..sparsify.basic import TopK
+from ..sparsify.threshold import ThresholdSparsifier
 
 LIBRARY_NAME = "_deepreduce_ops.so"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
@@ -89,14 +90,18 @@ def available() -> bool:
 
 def unsupported(core) -> Optional[str]:
     """Why ``core``'s config cannot run as the two ops (None when it can)."""
-    if type(core.sparsifier) is not TopK:
-        return f"sparsifier {core.sparsifier.id!r} (the ops select Top-r)"
+    if type(core.sparsifier) not in (TopK, ThresholdSparsifier):
+        return f"sparsifier {core.sparsifier.id!r} (the ops select Top-r or by threshold)"
     if core.index.id not in OPS_INDEX_CODECS:
         return f"index codec {core.index.id!r} (the ops have {', '.join(OPS_INDEX_CODECS)})"
     if core.value.id not in OPS_VALUE_CODECS:
         return f"value codec {core.value.id!r} (the ops have {', '.join(OPS_VALUE_CODECS)})"
     if core.memory.id not in OPS_MEMORIES:
         return f"memory {core.memory.id!r} (the ops have {', '.join(OPS_MEMORIES)})"
+    if core.nonfinite != "propagate":
+        # the ranks then decide each step together and undo it through the core's journal
+        # (deepreduce.agreement), which holds the core's residuals, not the ops' variables
+        return f"nonfinite: {core.nonfinite!r} (the ops propagate non-finite gradients)"
     return None
 
 
@@ -128,7 +133,7 @@ def _int64_bits(value) -> int:
 
 
 _ERROR_CLASSES = {cls.__name__: cls for cls in (errors.DeepReduceError, errors.ContainerError,
-                                                errors.CommunicationError, errors.NonFiniteGradientError)}
+                                                errors.CommunicationError)}
 
 
 def as_deepreduce_error(exc: tf.errors.OpError) -> Exception:
@@ -160,10 +165,13 @@ class PipelineOps:
         self.error_feedback = isinstance(core.memory, ResidualMemory)
         index = core.index
         attrs = dict(
-            digest=core.config_digest, min_numel=core.min_numel, raise_nonfinite=core.nonfinite == "raise",
-            ratio_bits=_int64_bits(float(core.sparsifier.ratio)), error_feedback=self.error_feedback,
+            digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id, error_feedback=self.error_feedback,
             index=index.id, value=core.value.id, threads=core.threads,
         )
+        if core.sparsifier.id == "topk":
+            attrs.update(ratio_bits=_int64_bits(float(core.sparsifier.ratio)))
+        else:   # compared in float32, as threshold_positions does
+            attrs.update(threshold=float(np.float32(core.sparsifier.threshold)))
         if index.id == "bloom":
             lam, k = bloom_codec.filter_shape(index.fpr)
             attrs.update(policy=index.policy, keys_per_block_bits=_int64_bits(float(lam)), k=k,

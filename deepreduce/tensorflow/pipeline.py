@@ -4,8 +4,8 @@ Horovod calls a TensorFlow compressor (and a tape's reduction code) once, while 
 traces the graph, so every stage of compression has to be a graph op that runs at each step.
 Encode and decode are therefore one op each:
 
-* for the configs whose every stage exists in C++ (Top-r with or without error feedback, raw or
-  Bloom indices, raw, fp16 or polyfit values) and when the custom-op library
+* for the configs whose every stage exists in C++ (Top-r or threshold selection with or without
+  error feedback, raw or Bloom indices, raw, fp16 or polyfit values) and when the custom-op library
   (``deepreduce/tensorflow/_deepreduce_ops.so``, see :mod:`.ops`) loads, a TensorFlow C++ op
   (``DeepReduceEncode`` / ``DeepReduceDecode``) over the same C++ kernels and container code
   as the Python extensions;
@@ -92,8 +92,8 @@ class TFPipeline:
         elif backend == "tf-ops":
             reason = ops.unsupported(core)
             if reason is not None:
-                raise ConfigError(f"TFPipeline: backend 'tf-ops' runs Top-r with raw/bloom indices and raw/fp16/"
-                                  f"polyfit values as custom ops; this config has {reason}")
+                raise ConfigError(f"TFPipeline: backend 'tf-ops' runs Top-r or threshold selection with raw/bloom "
+                                  f"indices and raw/fp16/polyfit values as custom ops; this config has {reason}")
             self._ops = ops.PipelineOps(core, ops.load())   # raises with the rebuild command
         else:
             self._ops = ops.accelerator_for(core)
