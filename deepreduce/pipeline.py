@@ -136,6 +136,24 @@ class Pipeline:
         for kind in _STATEFUL_PARTS:
             getattr(self, kind).load_state_dict(state[kind])
 
+    def summed_dense(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements may skip the container and be summed by a plain
+        all-reduce: it travels dense anyway (below ``min_numel``), so the sum is the same, and
+        under ``nonfinite: propagate`` a NaN/Inf reaches every rank in it just as in a container.
+        The integrations then hand such tensors to the framework's all-reduce, whose tensor fusion
+        sends the many small tensors of a model (biases, norms) in one message instead of one
+        container (header, checksum, parse) each. Under ``nonfinite: raise`` they keep their
+        containers, which name the rank that sent a NaN.
+        """
+        return numel < self.min_numel and self.nonfinite == "propagate"
+
+    def count_summed_dense(self, numel: int) -> None:
+        """Count a tensor :meth:`summed_dense` sent by all-reduce in :attr:`stats` (its bytes as sent)."""
+        self.stats.tensors_encoded += 1
+        self.stats.dense_bytes += 4 * numel
+        self.stats.wire_bytes += 4 * numel
+        self.stats.value_bytes += 4 * numel
+
     def context(self, name: str, step: int) -> EncodeContext:
         """The seeding context for one (tensor, step): the same on every rank."""
         return EncodeContext(self._digest, name, step)

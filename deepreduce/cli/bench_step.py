@@ -9,7 +9,9 @@ does, and the bytes one rank sends.
 * deepreduce configs run as shipped (error-feedback memory included) through the code the
   PyTorch optimizer runs: ``deepreduce.torch.build(config)``, ``encode(grad, name=, step=)`` of
   every tensor, then per tensor ``decode_sum`` of ``--ranks`` containers (this rank's container
-  stands in for every rank's: same sizes, same work).
+  stands in for every rank's: same sizes, same work); tensors below the config's ``min_numel``
+  are summed dense without a container, as the optimizer hands them to Horovod's fused
+  all-reduce (``Pipeline.summed_dense``).
 * PyTorch's alternatives run as PyTorch ships them (:mod:`deepreduce.reproduce.torch_hooks`):
   the DDP communication hooks for PowerSGD rank 1 and 4, fp16 and plain all-reduce (the dense
   reference), on a ``DistributedDataParallel`` module whose gradients are the set's, in a
@@ -148,18 +150,28 @@ class ConfigRunner:
         self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
 
     def step(self) -> Tuple[float, float, int]:
-        """Encode every gradient, then decode-and-sum ``ranks`` containers of each: (s, s, bytes)."""
+        """Encode every gradient, then decode-and-sum ``ranks`` containers of each: (s, s, bytes).
+
+        As in the optimizer, a small CPU tensor that ``Pipeline.summed_dense`` lets skip the
+        container is summed by the all-reduce instead: no encode, its "decode" is the sum of
+        ``ranks`` contributions, its bytes the dense ones."""
         import torch
 
         tensors = [(name, torch.from_numpy(grad.copy()).to(self.device)) for name, grad in self.grads.items()]
+        summed = [t for _, t in tensors if t.device.type == "cpu" and self.pipe.core.summed_dense(t.numel())]
+        coded = [(name, t) for name, t in tensors if not any(t is s for s in summed)]
         t0 = _now(self.device)                                                                # fresh p.grad
-        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in tensors]
+        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in coded]
         t1 = _now(self.device)
-        for (_, tensor), payload in zip(tensors, payloads):
+        for (_, tensor), payload in zip(coded, payloads):
             self.pipe.decode_sum([payload] * self.ranks, expected_shape=tuple(tensor.shape), device=tensor.device)
+        for tensor in summed:
+            total = tensor.clone()
+            for _ in range(self.ranks - 1):
+                total += tensor
         t2 = _now(self.device)
         self.step_number += 1
-        return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads)
+        return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads) + sum(4 * t.numel() for t in summed)
 
 
 class TopkRunner:

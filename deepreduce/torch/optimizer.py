@@ -160,6 +160,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             try:
                 if self._summable:
                     return self._start_allreduce(name, grad)
+                if self._summed_dense(grad):
+                    return self._start_dense_allreduce(name, grad)
                 return self._start_allgather(name, grad, step)
             except Exception as exc:
                 exc.add_note(f"deepreduce: raised while encoding parameter {name!r} at step {step}")
@@ -184,6 +186,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
         return handle, ctx, interval
 
+    def _summed_dense(self, grad: torch.Tensor) -> bool:
+        """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
+        Horovod is the communicator."""
+        from ..comm.horovod import HorovodCommunicator
+
+        return (isinstance(self._communicator, HorovodCommunicator) and grad.device.type == "cpu"
+                and grad.dtype == torch.float32 and self._pipeline.core.summed_dense(grad.numel()))
+
+    def _start_dense_allreduce(self, name: str, grad: torch.Tensor):
+        """Start the in-place sum of a small gradient (Horovod fuses it with the others); ctx
+        ``"dense"`` tells :meth:`_finish` there is nothing to decode."""
+        now = time.perf_counter()
+        kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+        self._pipeline.core.count_summed_dense(grad.numel())
+        handle = self._hvd.allreduce_async_(grad, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs)
+        return handle, "dense", (now, now)
+
     def _start_allgather(self, name: str, grad: torch.Tensor, step: int):
         """Encode and start the allgather; return (handle, None, (encode start, encode end))."""
         start = time.perf_counter()
@@ -204,6 +223,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._times["communication_wait"] += decode_start - start
             p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
             self._times["summable_decode"] += time.perf_counter() - decode_start
+            return
+        if ctx == "dense":   # summed in place in p.grad by Horovod
+            self._hvd.synchronize(handle)
+            self._times["communication_wait"] += time.perf_counter() - start
+            if self._op == self._hvd.Average:
+                p.grad.div_(self._communicator.size)
             return
         payloads = handle.wait()
         self._times["communication_wait"] += time.perf_counter() - start
