@@ -50,7 +50,8 @@ class Pipeline:
             divided by its ranks; see ``deepreduce.parallel``); never changes a byte.
         nonfinite: ``"propagate"`` sends a tensor holding NaN/Inf dense and unchanged, so the
             receiver (and an AMP loss scaler) sees it; ``"raise"`` refuses it with
-            NonFiniteGradientError.
+            NonFiniteGradientError (in the distributed integrations on every rank together,
+            see :meth:`collective_steps`).
         max_numel: the most elements a received container may claim when ``decode`` is given
             no expected shape (the integrations always pass the parameter's shape); a receiver
             setting, it never changes a byte (docs/reliability.md).

@@ -133,3 +133,20 @@ def test_without_collective_steps_raise_mode_still_raises_locally():
     pipe = deepreduce.build(dict(TOPK, nonfinite="raise"))
     with pytest.raises(deepreduce.NonFiniteGradientError):
         pipe.encode(np.full(100, np.nan, np.float32), name="w")
+
+
+def test_the_torch_device_path_flags_and_undoes_too():
+    """Torch tensors go through the core's array-namespace path (on their device): the same flag
+    and the same exact undo of a torch residual."""
+    torch = pytest.importorskip("torch")
+    pipe = raising_pipeline()
+    ok = pipe.encode(torch.ones(100), name="w", step=0)
+    pipe.commit_step()
+    before = pipe.memory.residual("w").clone()
+    pipe.encode(torch.full((100,), 2.0), name="w", step=1)
+    bad = torch.ones(100)
+    bad[3] = float("nan")
+    flagged = pipe.encode(bad, name="v", step=1)
+    assert agreement.first_nonfinite([ok, flagged]) == (1, 1, 0)
+    pipe.undo_step()
+    assert torch.equal(pipe.memory.residual("w"), before) and pipe.memory.residual("v") is None

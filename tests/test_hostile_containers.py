@@ -133,3 +133,29 @@ def test_mutated_containers_raise_only_deepreduce_errors(path):
         _check_bounded(lambda: pipe.decode_sum([buf, buf], expected_shape=(NUMEL,)), NUMEL, 2 * len(payload))
 
     check()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=config_name)
+def test_mutated_containers_on_the_torch_device_path(path):
+    """The same mutations decoded by the torch device path (array-namespace codecs on torch
+    tensors, here on the CPU device): only DeepReduceError, finite output without the flag."""
+    torch = pytest.importorskip("torch")
+    from deepreduce.torch.pipeline import TorchPipeline
+
+    pipe, base = case(path)
+    device_pipe = TorchPipeline(pipe, path="device")
+
+    @settings(max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True)
+    @given(payload=mutations(base))
+    def check(payload):
+        buf = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        nonfinite = bool(buf.numel() > 5 and int(buf[5]) & container.FLAG_NONFINITE)
+        for expected in (None, (NUMEL,)):
+            try:
+                out = device_pipe.decode(buf, expected_shape=expected, device="cpu")
+            except DeepReduceError:
+                continue
+            assert nonfinite or bool(torch.isfinite(out).all()), "decoded NaN/Inf without the non-finite flag"
+
+    check()

@@ -117,3 +117,21 @@ def test_keras_fit_starts_from_rank0_weights_and_ends_identical(result):
     assert r["start_is_rank0"]               # ... and the first step started from rank 0's
     assert r["ranks_identical"] and r["changed"] > 1e-3   # weights and averaged losses agree at the end
     assert r["wire_bytes"] > 0 and r["warnings"] == []
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("extra_variable", "rank 1 has gradient 'disagree_4' (3, 3) float32 that rank 0 lacks"),
+    ("mixed", "rank 1 uses GradiVeQ(")])
+def test_ranks_that_disagree_fail_together_within_seconds(result, case, expected):
+    r = result[case]
+    assert "deepreduce.tensorflow: " in r["message"] and expected in r["message"], r["message"]
+    assert r["same_on_every_rank"] and r["seconds"] < 20
+
+
+@pytest.mark.parametrize("mode, kind", [("function", "UnknownError"), ("eager", "NonFiniteGradientError")])
+def test_nonfinite_step_is_skipped_on_every_rank(result, mode, kind):
+    r = result[f"nonfinite_{mode}"]
+    assert [s for s, _ in r["skipped"]] == [1] and r["same_message"] and r["kinds"] == [kind]
+    assert "at step 1 has" in r["skipped"][0][1] and "on rank 1" in r["skipped"][0][1]
+    assert r["unchanged"] == [True]            # nothing applied, residuals as before the step
+    assert r["ranks_identical"] and r["changed"] > 1e-3     # the other steps ran, ranks agree

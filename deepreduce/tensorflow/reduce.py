@@ -14,7 +14,9 @@ models or configs fail with the same CommunicationError instead of stalling. Und
 ``nonfinite: raise`` a NaN/Inf gradient travels as a flagged container; one op that runs after
 every collective of the step raises the same NonFiniteGradientError on every rank (inside
 ``tf.function`` TensorFlow re-raises it as ``tf.errors.UnknownError`` carrying its text) and
-restores the residuals, so nothing is applied and the next step starts clean.
+restores the residuals; the gradients depend on that op, so nothing is applied to the weights
+and the next step starts clean (Keras's ``iterations`` increment does not wait for them, so in a
+compiled step it may still count the skipped step).
 """
 from __future__ import annotations
 
@@ -149,10 +151,22 @@ class Reducer:
             grad = grad * tf.cast(1.0 / self.predivide, dtype)
         payload = self.pipeline.encode(grad, name=name, step=step)
         gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
-        if reports is not None:
-            reports.append(_graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite"))
         shape = grad.shape if grad.shape.is_fully_defined() else None
-        total = self.pipeline.decode_sum(gathered, shape, count=size)
+
+        def decode():
+            return self.pipeline.decode_sum(gathered, shape, count=size)
+
+        if reports is None:
+            total = decode()
+        else:   # a step every rank skips decodes nothing (the decision is _finish_step's)
+            report = _graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
+            reports.append(report)
+            skip = report[0] >= 0
+
+            def nothing():
+                return tf.zeros(tf.shape(grad), tf.float32)
+
+            total = (nothing() if bool(skip) else decode()) if tf.executing_eagerly() else tf.cond(skip, nothing, decode)
         if shape is None:
             total = tf.reshape(total, tf.shape(grad))
         if self.op == "average":

@@ -16,6 +16,12 @@ mutex (``HandleManager``), its tensor queue is mutex-protected, and the Python-s
 dict updated under the GIL. Horovod matches tensors across ranks by name, so the ranks need
 not enqueue in the same order.
 
+Before the first step's first collective (and after ``add_param_group``) the ranks compare their
+parameters and compressor (:mod:`deepreduce.agreement`): a mismatch is the same
+CommunicationError on every rank, raised from ``backward()``, never a stall. Under ``nonfinite:
+raise`` a NaN/Inf gradient on any rank makes ``step()`` raise the same NonFiniteGradientError on
+every rank with nothing applied and the residuals restored, so the step can be skipped.
+
 A Horovod-style summable compressor (an object with ``compress``/``decompress``, such as
 ``deepreduce.torch.GradiVeQ`` or ``horovod.torch.Compression.fp16``) is also accepted; its output
 is summed by allreduce instead (compressed and enqueued by the same worker).

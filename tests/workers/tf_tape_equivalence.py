@@ -8,12 +8,16 @@ path as Horovod's TF2 pattern does, and through DistributedOptimizer) must leave
 bit-identical on both ranks and equal to a single process that steps on the average of both
 ranks' gradients; gradient accumulation must equal one step on the summed gradients. A Top-r
 config must keep the ranks identical; GradiVeQ runs through Horovod's own tape; Keras
-``model.fit`` with the broadcast callback starts from rank 0's weights. Rank 0 writes the
-results as JSON to the path given as the first argument.
+``model.fit`` with the broadcast callback starts from rank 0's weights. Ranks that disagree
+(an extra variable, GradiVeQ against a config) fail together with the same CommunicationError;
+under ``nonfinite: raise`` a NaN on one rank makes both ranks skip the step (issue 13 part 5).
+Rank 0 writes the results as JSON to the path given as the first argument.
 """
 import json
 import os
+import re
 import sys
+import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,6 +30,7 @@ import keras  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
 import deepreduce.tensorflow.keras as drk  # noqa: E402
+from deepreduce import CommunicationError, NonFiniteGradientError  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 LR = 0.1
@@ -240,6 +245,68 @@ def local_source_check(config):
             "local_max_abs_diff": float(np.max(np.abs(grads[3] - mine[3] / hvd.size())))}
 
 
+def same_on_every_rank(text, tag):
+    data = np.frombuffer(text.encode().ljust(600)[:600], dtype=np.uint8)
+    gathered = hvd.allgather(tf.constant(data[None, :]), name=f"same_{tag}").numpy()
+    return bool(all(np.array_equal(gathered[0], row) for row in gathered))
+
+
+def disagreement(compression, extra):
+    """The CommunicationError text (and seconds) of a compiled tape step whose ranks disagree."""
+    variables = [tf.Variable(w) for w in initial_weights()] + ([tf.Variable(tf.zeros((3, 3)))] if extra else [])
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables[:4], x, y) + sum(tf.reduce_sum(v) for v in variables[4:])
+        tape = drtf.DistributedGradientTape(tape, compression=compression, name_prefix="disagree")
+        return tape.gradient(loss, variables)
+
+    start = time.perf_counter()
+    try:
+        step_fn(*(tf.constant(a) for a in data(hvd.rank(), 0)))
+    except CommunicationError as exc:
+        return {"message": str(exc), "seconds": time.perf_counter() - start}
+    return {"message": "no error", "seconds": time.perf_counter() - start}
+
+
+def nonfinite_skip(config, compiled):
+    """nonfinite: raise; rank 1's gradient is NaN at step 1: every rank skips it (the docs' loop)."""
+    pipe = drtf.build(config)
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = keras.optimizers.SGD(learning_rate=LR)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        tape = drtf.DistributedGradientTape(tape, compression=pipe, step=opt.iterations)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    step_fn = tf.function(step_fn) if compiled else step_fn
+    skipped, unchanged, kinds = [], [], []
+    for step in range(4):
+        x, y = data(hvd.rank(), step)
+        if step == 1 and hvd.rank() == 1:
+            x[0, 0] = np.nan
+        weights = [v.numpy() for v in variables]
+        kept = pipe.core.state_dict()["memory"]["residuals"]
+        try:
+            step_fn(tf.constant(x), tf.constant(y))
+        except (NonFiniteGradientError, tf.errors.OpError) as exc:   # tf.function re-raises it as UnknownError
+            if "NonFiniteGradientError" not in f"{type(exc).__name__}: {exc}":
+                raise
+            now = pipe.core.state_dict()["memory"]["residuals"]
+            unchanged.append(all(np.array_equal(a, v.numpy()) for a, v in zip(weights, variables))
+                             and sorted(now) == sorted(kept) and all(np.array_equal(now[k], kept[k]) for k in kept))
+            found = re.search(r"gradient '[^']*' at step \d+ has \d+ NaN and \d+ Inf entries on rank \d+", str(exc))
+            skipped.append([step, found.group(0) if found else str(exc)])
+            kinds.append(type(exc).__name__)
+    out = compare([v.numpy() for v in variables])
+    out.update(skipped=skipped, unchanged=unchanged, kinds=kinds,
+               same_message=same_on_every_rank(skipped[0][1] if skipped else "", f"nonfinite_{compiled}"))
+    return out
+
+
 def compare(weights, expected=None):
     """Bit-identity across ranks (allgather) and the largest deviation from ``expected``."""
     flat = np.concatenate([w.ravel() for w in weights])
@@ -292,6 +359,15 @@ def main():
     results["gradiveq"] = compare(weights)
     results["gradiveq"]["stats"] = {k: v for k, v in stats.items() if k != "dims"}
     results["fit"] = run_fit(topk)
+    for case, compression, extra in (("extra_variable", raw, True),
+                                     ("mixed", drtf.GradiVeQ() if hvd.rank() else raw, False)):
+        results[case] = disagreement(compression, extra and hvd.rank() == 1)
+        results[case]["same_on_every_rank"] = same_on_every_rank(results[case]["message"], case)
+    for mode, compiled in (("function", True), ("eager", False)):
+        results[f"nonfinite_{mode}"] = nonfinite_skip({"sparsifier": {"id": "topk", "ratio": 0.1},
+                                                       "index": {"id": "raw"}, "value": {"id": "raw"},
+                                                       "memory": {"id": "residual"}, "min_numel": 10,
+                                                       "nonfinite": "raise"}, compiled)
     if hvd.rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as handle:
             json.dump(results, handle)
