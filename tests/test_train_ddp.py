@@ -19,10 +19,11 @@ def test_ddp_job_matches_the_horovod_job(tmp_path):
     assert proc.stdout.count("| rel volume ") == EPOCHS          # the Horovod job's epoch line, once per epoch
     ddp = json.loads(metrics.read_text())["epochs"]
     horovod = fig7.launch("Top-r", CONFIG, str(tmp_path), EPOCHS, STEPS, timeout=600)["epochs"]
-    # The same containers per parameter and step as the Horovod optimizer: the same bytes on the
-    # wire and, up to the order of float sums, the same training.
+    # The same containers per parameter and step as the Horovod optimizer, except that Horovod sums
+    # parameters below min_numel by its fused all-reduce (4 bytes an element, no container header):
+    # its volume is a few percent lower; up to the order of float sums, the same training.
     for d, h in zip(ddp, horovod):
-        assert abs(d["volume"] - h["volume"]) < 1e-9
+        assert h["volume"] <= d["volume"] < 1.1 * h["volume"]
         assert abs(d["loss"] - h["loss"]) < 0.05
     assert ddp[-1]["loss"] < ddp[0]["loss"]
     assert ddp[-1]["acc"] >= horovod[-1]["acc"] - 0.05
