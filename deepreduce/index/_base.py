@@ -26,11 +26,15 @@ class IndexEncoding(NamedTuple):
 
 def sorted_pairs(indices, values, like):
     """(indices as int64, values) reordered by ascending index (stable), in ``like``'s framework
-    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode."""
+    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode. Pairs already in
+    ascending order (what every sparsifier's selection hands over) are returned as they are."""
     xp = arrays.namespace(like)
-    indices = xp.astype(xp.asarray(indices), xp.int64)
+    indices = xp.astype(xp.asarray(indices), xp.int64, copy=False)
+    values = xp.asarray(values)
+    if indices.shape[0] < 2 or bool(xp.all(indices[1:] >= indices[:-1])):
+        return indices, values
     order = xp.argsort(indices, stable=True)
-    return indices[order], xp.asarray(values)[order]
+    return indices[order], values[order]
 
 
 class IndexCodec(Component):

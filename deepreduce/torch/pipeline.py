@@ -48,7 +48,9 @@ class TorchPipeline:
         """Whether tensors on ``device`` take the device path."""
         if self.path != "auto":
             return self.path == "device"
-        return device is not None and torch.device(device).type != "cpu"
+        if device is None:
+            return False
+        return (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu"
 
     def backends(self, device="cpu") -> dict:
         """Which implementation runs each component for tensors on ``device`` (see
@@ -149,7 +151,7 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
 
 def _as_numpy(payload) -> np.ndarray:
     if isinstance(payload, torch.Tensor):
-        return payload.detach().cpu().numpy()
+        return (payload if payload.device.type == "cpu" else payload.cpu()).detach().numpy()
     return np.asarray(payload)
 
 
