@@ -36,7 +36,7 @@ _TOP = 1 << 63
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-_NUMPY_NAMESPACE = array_api_compat.array_namespace(np.empty(0))
+NUMPY_NAMESPACE = array_api_compat.array_namespace(np.empty(0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +49,7 @@ def namespace(*arrays):
     """The array-API namespace of ``arrays`` (NumPy's or torch's, via array_api_compat); NumPy
     arrays, the host path of every tensor of every step, are answered without the look-up."""
     if all(type(a) is np.ndarray for a in arrays):
-        return _NUMPY_NAMESPACE
+        return NUMPY_NAMESPACE
     return array_api_compat.array_namespace(*arrays)
 
 

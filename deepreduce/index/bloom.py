@@ -211,6 +211,7 @@ def filter_shape(fpr: float) -> tuple:
     return _keys_per_block(float(fpr))
 
 
+@functools.lru_cache(maxsize=1024)   # asked for every tensor of every step, with few distinct r
 def filter_params(r: int, fpr: float) -> tuple:
     """``(blocks, k)`` of the blocked filter for ``r`` indices at false-positive rate ``fpr``:
     ``k`` and the keys per block ``lam`` maximise ``lam`` subject to ``blocked_fpr(lam, k) <= fpr``;

@@ -77,9 +77,10 @@ class TorchPipeline:
         tensor is coalesced and encoded as its dense form.
         """
         grad = _dense_float(tensor.detach(), name)
-        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
+        device = grad.device
+        if self.on_device(device):   # the core on the tensor itself (it selects with torch ops)
             return self.core.encode(grad, name=name, step=int(step))
-        if grad.device.type == "cpu":
+        if device.type == "cpu":
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
         stateless = not self.core.memory.stateful
