@@ -130,6 +130,17 @@ size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t
             c += ok;
         }
     }
+    if (2 * c > n && k > 2) {   // dense filter: most survive, so test the other probes at once
+        size_t c2 = 0;
+        for (size_t a = 0; a < c; ++a) {
+            const uint8_t* block = bits + static_cast<uint64_t>(blk[a]) * blocked::BLOCK_BYTES;
+            uint32_t ok = 1, ga = g[a];
+            for (int j = 2; j < k; ++j, ga = blocked::next_probe(ga)) ok &= probe_bit(block, ga);
+            cand[c2] = cand[a];
+            c2 += ok;
+        }
+        return c2;
+    }
     for (int j = 2; j < k && c; ++j) {
         size_t c2 = 0;
         for (size_t a = 0; a < c; ++a) {
