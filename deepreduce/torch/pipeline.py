@@ -48,7 +48,9 @@ class TorchPipeline:
         """Whether tensors on ``device`` take the device path."""
         if self.path != "auto":
             return self.path == "device"
-        return device is not None and torch.device(device).type != "cpu"
+        if device is None:
+            return False
+        return (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu"
 
     def backends(self, device="cpu") -> dict:
         """Which implementation runs each component for tensors on ``device`` (see
@@ -75,9 +77,10 @@ class TorchPipeline:
         tensor is coalesced and encoded as its dense form.
         """
         grad = _dense_float(tensor.detach(), name)
-        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
+        device = grad.device
+        if self.on_device(device):   # the core on the tensor itself (it selects with torch ops)
             return self.core.encode(grad, name=name, step=int(step))
-        if grad.device.type == "cpu":
+        if device.type == "cpu":
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
         stateless = not self.core.memory.stateful
@@ -149,7 +152,7 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
 
 def _as_numpy(payload) -> np.ndarray:
     if isinstance(payload, torch.Tensor):
-        return payload.detach().cpu().numpy()
+        return (payload if payload.device.type == "cpu" else payload.cpu()).detach().numpy()
     return np.asarray(payload)
 
 
