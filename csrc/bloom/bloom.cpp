@@ -130,6 +130,17 @@ size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t
             c += ok;
         }
     }
+    if (2 * c > n && k > 2) {   // dense filter: most survive, so test the other probes at once
+        size_t c2 = 0;
+        for (size_t a = 0; a < c; ++a) {
+            const uint8_t* block = bits + static_cast<uint64_t>(blk[a]) * blocked::BLOCK_BYTES;
+            uint32_t ok = 1, ga = g[a];
+            for (int j = 2; j < k; ++j, ga = blocked::next_probe(ga)) ok &= probe_bit(block, ga);
+            cand[c2] = cand[a];
+            c2 += ok;
+        }
+        return c2;
+    }
     for (int j = 2; j < k && c; ++j) {
         size_t c2 = 0;
         for (size_t a = 0; a < c; ++a) {
@@ -151,8 +162,30 @@ void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t k
         const size_t n = static_cast<size_t>(std::min<uint64_t>(BATCH, hi - base));
         hash_batch(key + base * GAMMA, n, blocks, blk, g);
         const size_t c = probe_batch(bits, k, n, blk, g, cand);
-        for (size_t a = 0; a < c; ++a) out.push_back(base + cand[a]);
+        const size_t at = out.size();
+        out.resize(at + c);
+        for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
         if (out.size() > limit) return;
+    }
+}
+
+// Insert idx[lo, hi) into the blocked filter `bits`; ATOMIC when other threads insert at once.
+// The arguments are plain locals, so the byte stores cannot make the compiler reload them.
+template <bool ATOMIC>
+void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks, int k, uint64_t key,
+                  uint8_t* bits) {
+    for (uint64_t a = lo; a < hi; ++a) {
+        const uint64_t h = blocked::hash(idx[a], key);
+        uint8_t* blk = bits + blocked::block(h, blocks) * blocked::BLOCK_BYTES;
+        uint32_t g = static_cast<uint32_t>(h);
+        for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
+            const uint32_t p = g >> 23;
+            const uint8_t mask = static_cast<uint8_t>(1u << (p & 7));
+            if (ATOMIC)
+                __atomic_fetch_or(&blk[p >> 3], mask, __ATOMIC_RELAXED);
+            else
+                blk[p >> 3] |= mask;
+        }
     }
 }
 
@@ -419,19 +452,10 @@ void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed,
     const uint64_t kk = key(seed);
     const int parts = parts_for(n, threads);
     run_parts(n, parts, [&](int, uint64_t lo, uint64_t hi) {
-        for (uint64_t a = lo; a < hi; ++a) {
-            const uint64_t h = hash(idx[a], kk);
-            uint8_t* blk = bits + block(h, blocks) * BLOCK_BYTES;
-            uint32_t g = static_cast<uint32_t>(h);
-            for (int i = 0; i < k; ++i, g = next_probe(g)) {
-                const uint32_t p = g >> 23;
-                const uint8_t mask = static_cast<uint8_t>(1u << (p & 7));
-                if (parts > 1)
-                    __atomic_fetch_or(&blk[p >> 3], mask, __ATOMIC_RELAXED);
-                else
-                    blk[p >> 3] |= mask;
-            }
-        }
+        if (parts > 1)
+            insert_range<true>(idx, lo, hi, blocks, k, kk, bits);
+        else
+            insert_range<false>(idx, lo, hi, blocks, k, kk, bits);
     });
 }
 
