@@ -77,10 +77,9 @@ class TorchPipeline:
         tensor is coalesced and encoded as its dense form.
         """
         grad = _dense_float(tensor.detach(), name)
-        device = grad.device
-        if self.on_device(device):   # the core on the tensor itself (it selects with torch ops)
+        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
             return self.core.encode(grad, name=name, step=int(step))
-        if device.type == "cpu":
+        if grad.is_cpu:
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
         stateless = not self.core.memory.stateful
@@ -151,8 +150,9 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
 
 
 def _as_numpy(payload) -> np.ndarray:
+    """A container (a uint8 tensor, which never requires grad, or array-like) as NumPy."""
     if isinstance(payload, torch.Tensor):
-        return (payload if payload.device.type == "cpu" else payload.cpu()).detach().numpy()
+        return (payload if payload.is_cpu else payload.cpu()).numpy()
     return np.asarray(payload)
 
 
