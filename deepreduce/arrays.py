@@ -23,6 +23,7 @@ What the standard lacks is in one small :class:`Adapter` per framework (:func:`a
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Union
@@ -35,14 +36,20 @@ _TOP = 1 << 63
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-_NUMPY_NAMESPACE = array_api_compat.array_namespace(np.empty(0))
+NUMPY_NAMESPACE = array_api_compat.array_namespace(np.empty(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _native_order(dtype: str) -> np.dtype:
+    """NumPy ``dtype`` (e.g. ``"<f4"``) in this host's byte order (a handful of dtypes, asked per section)."""
+    return np.dtype(dtype).newbyteorder("=")
 
 
 def namespace(*arrays):
     """The array-API namespace of ``arrays`` (NumPy's or torch's, via array_api_compat); NumPy
     arrays, the host path of every tensor of every step, are answered without the look-up."""
     if all(type(a) is np.ndarray for a in arrays):
-        return _NUMPY_NAMESPACE
+        return NUMPY_NAMESPACE
     return array_api_compat.array_namespace(*arrays)
 
 
@@ -81,15 +88,15 @@ class Adapter:
         return x
 
     def index(self, x):
-        """Words (below 2**63) as int64 positions."""
-        return x.astype(np.int64)
+        """Words (below 2**63) as int64 positions (uint64 words are reinterpreted, not copied)."""
+        return x.view(np.int64) if x.dtype == np.uint64 else x.astype(np.int64)
 
     # -- bytes --------------------------------------------------------------------------
     def from_section(self, section, dtype: str, like=None):
         """A little-endian section (bytes, or a uint8 array) as an array of NumPy ``dtype``
         (e.g. ``"<f4"``) in this framework (on ``like``'s device)."""
         return np.frombuffer(section if isinstance(section, (bytes, bytearray)) else bytes(section),
-                             dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
+                             dtype=dtype).astype(_native_order(dtype))
 
     def as_bytes(self, x) -> Union[bytes, "object"]:
         """An array as its little-endian bytes: ``bytes`` for NumPy, a uint8 tensor for torch."""

@@ -134,7 +134,8 @@ def pack(c: Container, like=None):
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
     sections = (c.index_section, c.value_section, c.perm_section)
-    device = next((s for s in (like, *sections) if arrays.is_torch(s)), None)
+    device = like if arrays.is_torch(like) else \
+        next((s for s in sections if not isinstance(s, bytes) and arrays.is_torch(s)), None)
     native = None if device is not None else _native.load("container")
     if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
         return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),

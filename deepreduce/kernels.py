@@ -109,7 +109,7 @@ def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascend
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.float32)
     module = native()
-    if module is not None and ascending:
+    if module is not None and (ascending or _ascending(indices)):   # the checked O(n) kernel, no sort
         try:
             module.scatter_add(out, indices, values, threads)
         except ValueError as exc:
@@ -120,6 +120,12 @@ def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascend
         module.scatter_add_unchecked(out, indices, values, threads)
     else:
         out[indices] += values
+
+
+def _ascending(indices: np.ndarray) -> bool:
+    """Whether int64 ``indices`` are strictly ascending (what an order-keeping index codec
+    usually carries: the selection's order), one comparison of neighbours."""
+    return indices.shape[0] < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
 def subtract_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, threads: int = 1) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 
 class OwnContainer(NamedTuple):
-    payload: np.ndarray          # a private copy of the container's bytes
+    payload: bytes               # a private copy of the container's bytes
     shape: Tuple[int, ...]
     positions: np.ndarray        # int64, where the receiver adds ...
     values: np.ndarray           # ... these float32 values
@@ -39,14 +39,18 @@ class OwnContainers:
         # the container's own CRC (its last 4 bytes) and its length: no pass over the bytes
         return int(payload.shape[0]), int.from_bytes(payload[-4:].tobytes(), "little")
 
-    def remember(self, name: str, payload: np.ndarray, shape, positions, values) -> None:
+    def remember(self, name: str, payload: np.ndarray, shape, positions, values,
+                 ascending: Optional[bool] = None) -> None:
+        """Keep ``name``'s container (replacing its last one); ``ascending`` (None: checked here)
+        says whether ``positions`` are strictly ascending."""
         old = self._key_of_name.pop(name, None)
         if old is not None:
             self._by_key.pop(old, None)
         positions = np.asarray(positions, dtype=np.int64)
-        ascending = positions.shape[0] < 2 or bool(np.all(positions[1:] > positions[:-1]))
+        if ascending is None:
+            ascending = positions.shape[0] < 2 or bool((positions[1:] > positions[:-1]).all())
         key = self._key(payload)
-        self._by_key[key] = OwnContainer(payload.copy(), tuple(shape), positions,
+        self._by_key[key] = OwnContainer(payload.tobytes(), tuple(shape), positions,
                                          np.asarray(values, dtype=np.float32), ascending)
         self._key_of_name[name] = key
 
@@ -56,7 +60,7 @@ class OwnContainers:
                 or payload.shape[0] < 4:
             return None
         own = self._by_key.get(self._key(payload))
-        if own is None or not np.array_equal(own.payload, payload):
+        if own is None or payload.tobytes() != own.payload:   # one memcmp
             return None
         return own
 

@@ -69,6 +69,8 @@ class Pipeline:
         self.index = index
         self.value = value
         self.value.reorder_is_free = bool(index.keeps_order)
+        # a sparsifier class that defines fused_count has its selection done by the compensation pass
+        self._fuses_selection = hasattr(type(sparsifier), "fused_count")
         self.memory = memory
         self.communicator = communicator
         self.min_numel = min_numel
@@ -200,11 +202,10 @@ class Pipeline:
         """
         start = time.perf_counter()
         flat, shape = _as_float32(grad, name)
+        on_torch = arrays.is_torch(flat)
         numel = flat.shape[0]
         sparse = numel >= self.min_numel
-        # a sparsifier class that defines fused_count has its selection done by the compensation pass
-        fused = (sparse and select is None and not arrays.is_torch(flat)
-                 and hasattr(type(self.sparsifier), "fused_count"))
+        fused = sparse and select is None and not on_torch and self._fuses_selection
         if self._journal is not None:
             self._journal.save(name)
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
@@ -226,8 +227,9 @@ class Pipeline:
             self.memory.settle(name, positions, received, self.threads)
         c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c, like=flat)
-        if sparse and comp.finite and not arrays.is_torch(payload):
-            self._own.remember(name, payload, shape, positions, received)
+        if sparse and comp.finite and not on_torch:   # a set codec's positions are ascending
+            self._own.remember(name, payload, shape, positions, received,
+                               ascending=True if not self.index.keeps_order else None)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
@@ -439,11 +441,8 @@ def check_numel_option(owner: str, key: str, value, low: int) -> int:
 
 
 def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None:
-    """Finite in, finite out: a container without the NONFINITE flag must decode to finite values.
-
-    One float64 sum of the float32 values: it cannot overflow (n * 3.4e38 < 1.8e308) and is
-    NaN/Inf exactly when a value is, so no boolean array is allocated.
-    """
+    """Finite in, finite out: a container without the NONFINITE flag must decode to finite values
+    (one pass over the ``n`` values, :func:`_all_finite`)."""
     if c.nonfinite or not len(values) or _all_finite(values):
         return
     raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
@@ -455,13 +454,14 @@ def _sum_overflow() -> NonFiniteGradientError:
 
 
 def _all_finite(x) -> bool:
-    """Whether every entry of a float array (NumPy, or torch on its device) is finite: one
-    float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it)."""
+    """Whether every entry of a float array (NumPy, or torch on its device) is finite. torch: one
+    float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it), without
+    a boolean tensor; NumPy: ``isfinite(x).all()``, several times faster than a float64 sum."""
     if arrays.is_torch(x):
         import torch
 
         return bool(torch.isfinite(x.sum(dtype=torch.float64)))
-    return math.isfinite(float(np.add.reduce(x, axis=None, dtype=np.float64)))
+    return bool(np.isfinite(x).all())
 
 
 def dtype_error(name: str, dtype) -> DeepReduceError:
@@ -557,9 +557,9 @@ def _as_float32(grad, name: str):
             raise dtype_error(name, grad.dtype)
         return to_float32(grad.detach(), name).contiguous().reshape(-1), tuple(int(s) for s in grad.shape)
     arr = np.asarray(grad)
-    if not np.issubdtype(arr.dtype, np.floating):
+    if arr.dtype.kind != "f":   # NumPy's floating kinds: float16 to longdouble
         raise dtype_error(name, arr.dtype)
-    return np.ascontiguousarray(to_float32(arr, name)).ravel(), tuple(int(s) for s in arr.shape)
+    return np.ascontiguousarray(to_float32(arr, name)).ravel(), arr.shape
 
 
 def _output(out: Optional[np.ndarray], numel: int) -> np.ndarray:

@@ -82,6 +82,12 @@ def test_damaged_buffers_fail_with_the_same_message(c, cut, flip, byte):
     assert got == expected
 
 
+@pytest.mark.parametrize("magic", [b"D'RD", b'D"RD', b"D'\"D", b"\\\x00\x7f\n"])
+def test_bad_magic_is_quoted_as_python_quotes_it(magic):
+    buf = magic + python_pack(container.Container(shape=(), n=0, index_id=0, value_id=0)).tobytes()[4:]
+    assert parse(native.unpack_header, buf) == parse(python_header, buf)
+
+
 def test_version_1_containers_parse_alike():
     import struct
 

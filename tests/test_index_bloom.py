@@ -213,6 +213,22 @@ def test_property_cpp_and_numpy_give_the_same_bytes(policy, d, ratio, fpr, seed,
 
 
 @needs_native
+@pytest.mark.parametrize("fpr", [0.01, 0.001])
+def test_dense_filters_query_alike(fpr):
+    # Half the positions are members (fig11's recommender gradients): most candidates survive the
+    # first two probes, and the kernel tests the remaining ones at once.
+    d = 50_000
+    idx = np.sort(np.random.default_rng(8).choice(d, d // 2, replace=False)).astype(np.uint64)
+    blocks, k = bl.filter_params(idx.size, fpr)
+    assert k > 2
+    bits = NATIVE.build(idx, blocks, k, 9, 1)
+    P = NATIVE.query(bits, blocks, k, 9, d, d, 1)
+    assert np.array_equal(P, bl.np_query(bits, blocks, k, 9, d, d)) and np.isin(idx, P).all()
+    for limit in (0, 999, d // 2):
+        assert np.array_equal(NATIVE.query(bits, blocks, k, 9, d, limit, 1), P[:limit + 1])
+
+
+@needs_native
 def test_thread_count_never_changes_a_byte():
     d = 700_000   # large enough for 7 threads of at least 65,536 positions
     dense, idx = sparse_case(d, 7_000, seed=6)

@@ -1,9 +1,13 @@
 """QSGD: unbiased stochastic rounding, the variance bound, seeding from (config, name, step)."""
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
+from deepreduce import kernels
+from deepreduce.errors import DeepReduceError
 from deepreduce.seeding import EncodeContext
 from deepreduce.values.qsgd import QSGD
 
@@ -68,3 +72,67 @@ def test_levels_never_exceed_s_and_zero_buckets_decode_to_zero():
     assert q.max() == 127 and q.min() == -127
     out = c.decode(enc.params, enc.payload, u.size)
     assert out[600] == 3.0 and np.count_nonzero(out[:512]) == 0
+
+
+native = pytest.importorskip("deepreduce._select", reason="needs the C++ extensions (make setup)")
+
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
+
+
+def _encode_both(u, levels, bucket, threads=1, name="w", step=3):
+    """(C++ encoding, array-namespace encoding) of u."""
+    codec = QSGD(levels=levels, bucket_size=bucket)
+    codec.threads = threads
+    ctx = EncodeContext(DIGEST, name, step)
+    fast = codec.encode(u, ctx)
+    with mock.patch("deepreduce.kernels.native", return_value=None):
+        slow = codec.encode(u, ctx)
+    return fast, slow
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=0, max_size=700),
+       levels=st.sampled_from([1, 3, 127, 128, 32767]), bucket=st.integers(1, 900),
+       scale=st.sampled_from([1.0, 1e-30, 1e-3]))
+@example(values=[0.0, -0.0, 1e-45, -1e-45], levels=127, bucket=3, scale=1.0)
+def test_cxx_kernel_writes_the_array_namespace_bytes(values, levels, bucket, scale):
+    u = (np.asarray(values, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+    codec = QSGD(levels=levels, bucket_size=bucket)
+    overflow = np.isinf(np.float32(np.sqrt(np.sum(np.square(u, dtype=np.float64)))))
+    if overflow:   # a bucket norm may exceed float32: both paths must agree on raising
+        outcomes = []
+        for native_module in (kernels.native(), None):
+            with mock.patch("deepreduce.kernels.native", return_value=native_module):
+                try:
+                    outcomes.append(bytes(codec.encode(u, EncodeContext(DIGEST, "w", 3)).payload))
+                except DeepReduceError as exc:
+                    outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1]
+        return
+    fast, slow = _encode_both(u, levels, bucket)
+    assert fast.params == slow.params
+    assert bytes(fast.payload) == bytes(slow.payload)
+    assert np.array_equal(np.asarray(fast.reconstructed), np.asarray(slow.reconstructed))
+
+
+def test_cxx_kernel_threads_never_change_a_byte():
+    u = np.random.default_rng(2).laplace(size=300_001).astype(np.float32)
+    one, _ = _encode_both(u, 127, 512, threads=1)
+    for threads in (2, 3, 8):
+        many, slow = _encode_both(u, 127, 512, threads=threads)
+        assert bytes(many.payload) == bytes(one.payload) == bytes(slow.payload)
+        assert np.array_equal(many.reconstructed, one.reconstructed)
+
+
+def test_cxx_kernel_reports_a_norm_that_overflows_float32():
+    u = np.full(8, 3e38, dtype=np.float32)
+    with pytest.raises(DeepReduceError, match="overflows float32"):
+        QSGD(levels=127, bucket_size=8).encode(u, EncodeContext(DIGEST, "w", 0))
+    assert native.qsgd_encode(u, 127, 8, 0, 1) is None
+
+
+@pytest.mark.parametrize("args,message", [((0, 8, 0, 1), "levels"), ((32768, 8, 0, 1), "levels"),
+                                          ((127, 0, 0, 1), "bucket_size"), ((127, 8, 0, 0), "threads")])
+def test_cxx_kernel_checks_its_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        native.qsgd_encode(np.ones(4, np.float32), *args)

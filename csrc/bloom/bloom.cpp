@@ -130,6 +130,17 @@ size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t
             c += ok;
         }
     }
+    if (2 * c > n && k > 2) {   // dense filter: most survive, so test the other probes at once
+        size_t c2 = 0;
+        for (size_t a = 0; a < c; ++a) {
+            const uint8_t* block = bits + static_cast<uint64_t>(blk[a]) * blocked::BLOCK_BYTES;
+            uint32_t ok = 1, ga = g[a];
+            for (int j = 2; j < k; ++j, ga = blocked::next_probe(ga)) ok &= probe_bit(block, ga);
+            cand[c2] = cand[a];
+            c2 += ok;
+        }
+        return c2;
+    }
     for (int j = 2; j < k && c; ++j) {
         size_t c2 = 0;
         for (size_t a = 0; a < c; ++a) {
@@ -151,8 +162,30 @@ void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t k
         const size_t n = static_cast<size_t>(std::min<uint64_t>(BATCH, hi - base));
         hash_batch(key + base * GAMMA, n, blocks, blk, g);
         const size_t c = probe_batch(bits, k, n, blk, g, cand);
-        for (size_t a = 0; a < c; ++a) out.push_back(base + cand[a]);
+        const size_t at = out.size();
+        out.resize(at + c);
+        for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
         if (out.size() > limit) return;
+    }
+}
+
+// Insert idx[lo, hi) into the blocked filter `bits`; ATOMIC when other threads insert at once.
+// The arguments are plain locals, so the byte stores cannot make the compiler reload them.
+template <bool ATOMIC>
+void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks, int k, uint64_t key,
+                  uint8_t* bits) {
+    for (uint64_t a = lo; a < hi; ++a) {
+        const uint64_t h = blocked::hash(idx[a], key);
+        uint8_t* blk = bits + blocked::block(h, blocks) * blocked::BLOCK_BYTES;
+        uint32_t g = static_cast<uint32_t>(h);
+        for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
+            const uint32_t p = g >> 23;
+            const uint8_t mask = static_cast<uint8_t>(1u << (p & 7));
+            if (ATOMIC)
+                __atomic_fetch_or(&blk[p >> 3], mask, __ATOMIC_RELAXED);
+            else
+                blk[p >> 3] |= mask;
+        }
     }
 }
 
@@ -185,76 +218,146 @@ void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t
 }
 
 // ---------------------------------------------------------------- P2 conflict sets
-// Conflict sets in CSR form, in ascending bit order: set s has the members
-// members[start[s] .. start[s+1]) (indices into P, ascending).
+// Algorithm 1 visits the conflict sets in (size, bit) order, so its first pass serves every
+// singleton set, in bit order, before any larger one; a singleton never draws and never stays
+// for a later pass. The blocked family uses this: one streaming pass over the blocks serves the
+// singletons as it meets them (phase A) and stops at r. That is where P2 ends whenever r is
+// reached by positives with a private bit (the shipped configs: about 99% of the positives have
+// one and r is about 99% of |P|). Only otherwise are the sets of two or more members built and
+// handed to the general greedy (phase B), which continues the same first pass. The v1 family
+// builds every set and runs the greedy from the start. Same choices, byte for byte, either way.
+
+// Conflict sets in CSR form, in ascending bit order: set s has size[s] members, of which
+// members[start[s] .. start[s+1]) (indices into P, ascending) are listed: all of them, or those
+// not chosen when the greedy starts.
 struct ConflictSets {
     std::vector<uint64_t> start{0};
-    std::vector<uint32_t> members;
+    std::vector<uint32_t> members, size;
 };
 
-// Blocked family: group the positives by block (counting sort by block id, or a sort when the
-// block count dwarfs the positives), then per block mark the distinct probe bits of its members
-// in a 512-bit map and a count table; linear in np * k apart from that grouping.
-ConflictSets blocked_sets(const uint64_t* P, size_t np, uint64_t blocks, int k, uint64_t seed) {
+// Per-thread scratch of P2, reused across calls so that a call does not fault in fresh pages;
+// released after a call that left it above SCRATCH_KEEP bytes.
+constexpr size_t SCRATCH_KEEP = size_t(64) << 20;
+
+struct Scratch {
+    std::vector<uint32_t> block, g0, member;   // positives grouped by block: sorted by (block, member)
+    std::vector<uint32_t> hashed_block, hashed_g0, bucket;
+    std::vector<uint8_t> chosen;               // one flag per positive
+
+    size_t bytes() const {
+        return 4 * (block.capacity() + g0.capacity() + member.capacity() + hashed_block.capacity() +
+                    hashed_g0.capacity() + bucket.capacity()) + chosen.capacity();
+    }
+};
+
+// Hash every positive and group them by block: a stable counting sort, or a stable sort when the
+// block count dwarfs the positives (a hostile container's).
+void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed, Scratch& s) {
     const uint64_t key = blocked::key(seed);
-    std::vector<uint32_t> block_of(np), g0(np), order(np);
+    s.block.resize(np);
+    s.g0.resize(np);
+    s.member.resize(np);
+    s.hashed_block.resize(np);
+    s.hashed_g0.resize(np);
+    uint32_t* hb = s.hashed_block.data();
+    uint32_t* hg = s.hashed_g0.data();
     for (size_t a = 0; a < np; ++a) {
         const uint64_t h = blocked::hash(P[a], key);
-        block_of[a] = static_cast<uint32_t>(blocked::block(h, blocks));
-        g0[a] = static_cast<uint32_t>(h);
+        hb[a] = static_cast<uint32_t>(blocked::block(h, blocks));
+        hg[a] = static_cast<uint32_t>(h);
     }
-    if (blocks <= 4 * static_cast<uint64_t>(np) + 4096) {   // stable counting sort by block
-        std::vector<uint32_t> bucket(blocks + 1, 0);
-        for (size_t a = 0; a < np; ++a) ++bucket[block_of[a] + 1];
+    if (blocks <= 4 * static_cast<uint64_t>(np) + 4096) {
+        s.bucket.assign(blocks + 1, 0);
+        uint32_t* bucket = s.bucket.data();
+        for (size_t a = 0; a < np; ++a) ++bucket[hb[a] + 1];
         for (uint64_t b = 0; b < blocks; ++b) bucket[b + 1] += bucket[b];
-        for (size_t a = 0; a < np; ++a) order[bucket[block_of[a]]++] = static_cast<uint32_t>(a);
+        for (size_t a = 0; a < np; ++a) {
+            const uint32_t at = bucket[hb[a]]++;
+            s.block[at] = hb[a];
+            s.g0[at] = hg[a];
+            s.member[at] = static_cast<uint32_t>(a);
+        }
     } else {
-        for (size_t a = 0; a < np; ++a) order[a] = static_cast<uint32_t>(a);
-        std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return block_of[x] < block_of[y]; });
+        for (size_t a = 0; a < np; ++a) s.member[a] = static_cast<uint32_t>(a);
+        std::stable_sort(s.member.begin(), s.member.end(), [&](uint32_t x, uint32_t y) { return hb[x] < hb[y]; });
+        for (size_t e = 0; e < np; ++e) {
+            s.block[e] = hb[s.member[e]];
+            s.g0[e] = hg[s.member[e]];
+        }
     }
-    ConflictSets sets;
-    sets.members.resize(np * static_cast<size_t>(k));
-    std::vector<uint16_t> probes(np * static_cast<size_t>(k));   // distinct probe bits of each member
-    std::vector<uint8_t> nprobes(np);
-    uint32_t count[blocked::BLOCK_BITS] = {}, fill[blocked::BLOCK_BITS];
-    size_t used = 0;
-    for (size_t lo = 0; lo < np;) {
-        const uint32_t block = block_of[order[lo]];
-        size_t hi = lo;
-        while (hi < np && block_of[order[hi]] == block) ++hi;
-        uint64_t touched[blocked::BLOCK_BITS / 64] = {};
-        for (size_t e = lo; e < hi; ++e) {   // a member repeating a bit counts once
-            uint32_t g = g0[order[e]];
-            uint16_t* row = &probes[e * k];
-            uint64_t mine[blocked::BLOCK_BITS / 64] = {};
-            int c = 0;
+}
+
+// Phase B's sets from the block of grouped positives [lo, hi) once its singletons are served:
+// a member still unchosen now stays unchosen until phase B (its singletons lie in its block),
+// and a set whose members are all chosen gives nothing and draws nothing when the greedy visits
+// it. So only the sets probed by an unchosen member matter: appended in ascending bit, with the
+// full size (count, the order key) and the unchosen members, ascending.
+void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t* count, const uint8_t* chosen,
+                  std::vector<uint64_t>& pairs, ConflictSets& open) {
+    pairs.clear();
+    for (size_t e = lo; e < hi; ++e) {
+        if (chosen[s.member[e]]) continue;
+        uint32_t g = s.g0[e];
+        for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) pairs.push_back(uint64_t(g >> 23) << 32 | s.member[e]);
+    }
+    std::sort(pairs.begin(), pairs.end());   // by (bit, member); a member repeating a bit counts once
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    for (size_t j = 0; j < pairs.size();) {
+        const uint64_t p = pairs[j] >> 32;
+        for (; j < pairs.size() && pairs[j] >> 32 == p; ++j) open.members.push_back(static_cast<uint32_t>(pairs[j]));
+        open.start.push_back(open.members.size());
+        open.size.push_back(count[p]);
+    }
+}
+
+// Phase A: per block (ascending), count the distinct members of each bit (stamp holds e + 1 of
+// the last member that counted it, so a member repeating a bit counts once), then serve the
+// singleton sets in bit order: each chooses its member unless already chosen. Returns true once
+// nchosen reaches r (r >= 1); otherwise `open` holds phase B's sets.
+bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* chosen, size_t& nchosen,
+                      ConflictSets& open) {
+    constexpr uint32_t BITS = blocked::BLOCK_BITS;
+    uint32_t count[BITS] = {}, stamp[BITS] = {}, owner[BITS], served[BITS];
+    std::vector<uint64_t> pairs;
+    const uint32_t* block = s.block.data();
+    const uint32_t* g0 = s.g0.data();
+    const uint32_t* member = s.member.data();
+    size_t n = nchosen;   // a local: the compiler cannot keep it in a register across byte stores
+    for (size_t lo = 0, hi; lo < np; lo = hi) {
+        for (hi = lo + 1; hi < np && block[hi] == block[lo];) ++hi;
+        uint64_t touched[BITS / 64] = {};
+        for (size_t e = lo; e < hi; ++e) {
+            const uint32_t tag = static_cast<uint32_t>(e + 1);
+            uint32_t g = g0[e];
             for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
                 const uint32_t p = g >> 23;
-                const uint64_t bit = uint64_t(1) << (p & 63);
-                if (!(mine[p >> 6] & bit)) {
-                    mine[p >> 6] |= bit;
-                    touched[p >> 6] |= bit;
-                    row[c++] = static_cast<uint16_t>(p);
-                    ++count[p];
-                }
+                count[p] += stamp[p] != tag;
+                stamp[p] = tag;
+                owner[p] = member[e];
+                touched[p >> 6] |= uint64_t(1) << (p & 63);
             }
-            nprobes[e] = static_cast<uint8_t>(c);
         }
-        for (uint32_t w = 0; w < blocked::BLOCK_BITS / 64; ++w) {   // the block's sets, ascending bit
+        size_t ns = 0;   // the block's singleton owners, ascending bit (branch-free compaction)
+        for (uint32_t w = 0; w < BITS / 64; ++w) {
             for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
                 const uint32_t p = w * 64 + static_cast<uint32_t>(__builtin_ctzll(bits));
-                fill[p] = static_cast<uint32_t>(used);
-                used += count[p];
-                count[p] = 0;
-                sets.start.push_back(used);
+                served[ns] = owner[p];
+                ns += count[p] == 1;
             }
         }
-        for (size_t e = lo; e < hi; ++e)
-            for (int c = 0; c < nprobes[e]; ++c) sets.members[fill[probes[e * k + c]]++] = order[e];
-        lo = hi;
+        for (size_t i = 0; i < ns; ++i) {
+            n += chosen[served[i]] ^ 1u;
+            chosen[served[i]] = 1;
+            if (n == r) {
+                nchosen = n;
+                return true;
+            }
+        }
+        collect_open(s, lo, hi, k, count, chosen, pairs, open);
+        std::fill(count, count + BITS, 0);
     }
-    sets.members.resize(used);
-    return sets;
+    nchosen = n;
+    return false;
 }
 
 // SplitMix64 family (v1 containers): sort the distinct (bit, member) pairs.
@@ -274,25 +377,24 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
         sets.members.push_back(pairs[e].second);
     }
     if (!pairs.empty()) sets.start.push_back(pairs.size());
+    for (size_t s = 0; s + 1 < sets.start.size(); ++s)
+        sets.size.push_back(static_cast<uint32_t>(sets.start[s + 1] - sets.start[s]));
     return sets;
 }
 
-// Algorithm 1 over conflict sets ordered by (size, bit): passes over the active sets; each set
-// gives one not yet chosen member (drawn when it has several), and stays for the next pass while
-// it had several; stop at r.
-void greedy_select(const ConflictSets& sets, size_t np, size_t r, uint64_t draw_seed, std::vector<uint8_t>& chosen) {
-    const size_t nsets = sets.start.size() - 1;
-    size_t max_size = 0;
-    for (size_t s = 0; s < nsets; ++s) max_size = std::max<size_t>(max_size, sets.start[s + 1] - sets.start[s]);
-    std::vector<size_t> by_size(max_size + 2, 0);   // stable counting sort by size (bits stay ascending)
-    for (size_t s = 0; s < nsets; ++s) ++by_size[sets.start[s + 1] - sets.start[s] + 1];
+// Algorithm 1 over conflict sets ordered by (size, bit), continuing from `chosen` (a flag per
+// positive) and `nchosen`: passes over the active sets; each set gives one not yet chosen member (drawn
+// when it has several), and stays for the next pass while it had several; stop at r.
+void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8_t* chosen, size_t& nchosen) {
+    const size_t nsets = sets.size.size();
+    const uint32_t max_size = nsets ? *std::max_element(sets.size.begin(), sets.size.end()) : 0;
+    std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);   // stable counting sort by size
+    for (size_t s = 0; s < nsets; ++s) ++by_size[sets.size[s] + 1];
     for (size_t z = 1; z < by_size.size(); ++z) by_size[z] += by_size[z - 1];
-    std::vector<uint32_t> active(nsets);
-    for (size_t s = 0; s < nsets; ++s) active[by_size[sets.start[s + 1] - sets.start[s]]++] = static_cast<uint32_t>(s);
+    std::vector<uint32_t> active(nsets);   // by (size, bit): the sets are in ascending bit order
+    for (size_t s = 0; s < nsets; ++s) active[by_size[sets.size[s]]++] = static_cast<uint32_t>(s);
 
-    chosen.assign(np, 0);
     std::vector<uint32_t> next;
-    size_t nchosen = 0;
     uint64_t draw = 0;
     while (nchosen < r && !active.empty()) {
         next.clear();
@@ -350,19 +452,10 @@ void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed,
     const uint64_t kk = key(seed);
     const int parts = parts_for(n, threads);
     run_parts(n, parts, [&](int, uint64_t lo, uint64_t hi) {
-        for (uint64_t a = lo; a < hi; ++a) {
-            const uint64_t h = hash(idx[a], kk);
-            uint8_t* blk = bits + block(h, blocks) * BLOCK_BYTES;
-            uint32_t g = static_cast<uint32_t>(h);
-            for (int i = 0; i < k; ++i, g = next_probe(g)) {
-                const uint32_t p = g >> 23;
-                const uint8_t mask = static_cast<uint8_t>(1u << (p & 7));
-                if (parts > 1)
-                    __atomic_fetch_or(&blk[p >> 3], mask, __ATOMIC_RELAXED);
-                else
-                    blk[p >> 3] |= mask;
-            }
-        }
+        if (parts > 1)
+            insert_range<true>(idx, lo, hi, blocks, k, kk, bits);
+        else
+            insert_range<false>(idx, lo, hi, blocks, k, kk, bits);
     });
 }
 
@@ -426,15 +519,25 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
     check_ascending(P, np, "Bloom P2");
     if (r == 0) return;
     if (size == 0) throw std::invalid_argument("Bloom P2: empty filter with positives");
-    ConflictSets sets;
+    thread_local Scratch scratch;
+    struct Release {   // keep the scratch for the next call unless it grew too large
+        Scratch& s;
+        ~Release() {
+            if (s.bytes() > SCRATCH_KEEP) s = Scratch{};
+        }
+    } release{scratch};
+    scratch.chosen.assign(np, 0);
+    uint8_t* chosen = scratch.chosen.data();
+    size_t nchosen = 0;
     if (family == Family::blocked) {
         check_blocks(size);
-        sets = blocked_sets(P, np, size, k, seed);
+        group_by_block(P, np, size, seed, scratch);
+        ConflictSets open;
+        if (!serve_singletons(scratch, np, k, r, chosen, nchosen, open))
+            greedy_select(open, r, draw_seed, chosen, nchosen);
     } else {
-        sets = splitmix_sets(P, np, size, k, seed);
+        greedy_select(splitmix_sets(P, np, size, k, seed), r, draw_seed, chosen, nchosen);
     }
-    std::vector<uint8_t> chosen;
-    greedy_select(sets, np, r, draw_seed, chosen);
     size_t o = 0;
     for (size_t a = 0; a < np; ++a)
         if (chosen[a]) out[o++] = P[a];

@@ -82,13 +82,18 @@ std::string product_string(const std::vector<uint64_t>& shape) {
     return out;
 }
 
-// Python's repr of a bytes object (b'DPRD', b'\x00\x01...').
+// Python's repr of a bytes object (b'DPRD', b"D'RD", b'\x00\x01...'): quoted with " when the
+// bytes hold a ' and no ", else with ', escaping only the quote in use and the backslash.
 std::string bytes_repr(const uint8_t* p, size_t n) {
     static const char* hex = "0123456789abcdef";
-    std::string s = "b'";
+    const bool has_single = std::memchr(p, '\'', n) != nullptr;
+    const bool has_double = std::memchr(p, '"', n) != nullptr;
+    const char quote = has_single && !has_double ? '"' : '\'';
+    std::string s = "b";
+    s += quote;
     for (size_t i = 0; i < n; ++i) {
         const uint8_t c = p[i];
-        if (c == '\\' || c == '\'') {
+        if (c == '\\' || c == static_cast<uint8_t>(quote)) {
             s += '\\';
             s += static_cast<char>(c);
         } else if (c == '\t') {
@@ -105,7 +110,7 @@ std::string bytes_repr(const uint8_t* p, size_t n) {
             s += static_cast<char>(c);
         }
     }
-    return s + "'";
+    return s + quote;
 }
 
 unsigned __int128 total128(const Header& h) {

@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -117,10 +118,33 @@ void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, i
   dr_select::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
 }
 
+// (norms, levels, receiver's values) of qsgd_encode, or None if a bucket norm is not finite.
+py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t seed, int threads) {
+  threads = checked_threads(threads);
+  if (levels < 1 || levels > 32767) throw std::invalid_argument("qsgd_encode: levels must be in [1, 32767]");
+  if (bucket_size < 1) throw std::invalid_argument("qsgd_encode: bucket_size must be >= 1");
+  const int64_t n = values.size();
+  const int64_t width = std::min<int64_t>(bucket_size, std::max<int64_t>(n, 1));
+  py::array_t<float> norms((n + width - 1) / width);
+  py::array q = levels <= 127 ? py::array(py::array_t<int8_t>(n)) : py::array(py::array_t<int16_t>(n));
+  py::array_t<float> recon(n);
+  float* nu = norms.mutable_data();
+  int8_t* q8 = levels <= 127 ? static_cast<int8_t*>(q.mutable_data()) : nullptr;
+  int16_t* q16 = levels <= 127 ? nullptr : static_cast<int16_t*>(q.mutable_data());
+  float* r = recon.mutable_data();
+  bool finite;
+  {
+    py::gil_scoped_release release;
+    finite = dr_select::qsgd_encode(values.data(), n, levels, bucket_size, seed, threads, nu, q8, q16, r);
+  }
+  if (!finite) return py::none();
+  return py::make_tuple(norms, q, recon);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_select, m) {
-  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold selection, scatter-add";
+  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold selection, scatter-add, QSGD encode";
   m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
         "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
   m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
@@ -130,4 +154,7 @@ PYBIND11_MODULE(_select, m) {
         "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
   m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
         py::arg("threads"), "out[indices] += values for indices the caller has checked (distinct, in range)");
+  m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
+        py::arg("threads"), "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "
+        "or None if a bucket norm is not finite (deepreduce/values/qsgd.py, the same bytes)");
 }

@@ -1,6 +1,8 @@
 // Hot-path kernels of deepreduce._select (see select.h for the contracts).
 #include "select.h"
 
+#include "bloom/bloom.h"   // mix64 and GAMMA: the one C++ definition of SplitMix64
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -327,6 +329,61 @@ void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, in
   run_chunks(chunks.count, [&](int c) {
     for (int64_t j = chunks.begin(c), hi = chunks.end(c); j < hi; ++j) out[idx[j]] += val[j];
   });
+}
+
+namespace {
+
+// qsgd.bucket_norms for one bucket: float64 squares padded with zeros to `width`, summed by
+// adding neighbours level by level (an odd level gets a zero appended), sqrt, float32 rounded up.
+// `scratch` holds width + 1 doubles.
+float bucket_norm(const float* v, int64_t len, int64_t width, std::vector<double>& scratch) {
+  for (int64_t i = 0; i < len; ++i) scratch[i] = static_cast<double>(v[i]) * static_cast<double>(v[i]);
+  std::fill(scratch.begin() + len, scratch.begin() + width, 0.0);
+  for (int64_t w = width; w > 1;) {
+    if (w % 2) scratch[w++] = 0.0;   // scratch has room: w < width only after a halving
+    for (int64_t j = 0; j < w / 2; ++j) scratch[j] = scratch[2 * j] + scratch[2 * j + 1];
+    w /= 2;
+  }
+  const double exact = std::sqrt(scratch[0]);
+  const float norm = static_cast<float>(exact);
+  return static_cast<double>(norm) < exact ? std::nextafter(norm, INFINITY) : norm;
+}
+
+}  // namespace
+
+bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads,
+                 float* norms, int8_t* q8, int16_t* q16, float* recon) {
+  const int64_t width = std::min<int64_t>(bucket, std::max<int64_t>(n, 1));
+  const int64_t buckets = (n + width - 1) / width;
+  const Chunks norm_chunks(n, threads);
+  std::atomic<bool> finite{true};
+  run_chunks(norm_chunks.count, [&](int c) {
+    std::vector<double> scratch(static_cast<size_t>(width) + 1);
+    const int64_t first = buckets * c / norm_chunks.count, last = buckets * (c + 1) / norm_chunks.count;
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t begin = b * width, len = std::min(width, n - begin);
+      norms[b] = bucket_norm(v + begin, len, width, scratch);
+      if (!std::isfinite(norms[b])) finite = false;
+    }
+  });
+  if (!finite) return false;
+  const double s = static_cast<double>(levels);
+  const Chunks chunks(n, threads);
+  run_chunks(chunks.count, [&](int c) {
+    for (int64_t i = chunks.begin(c); i < chunks.end(c); ++i) {
+      const double nu = static_cast<double>(norms[i / width]);
+      const double z = nu > 0 ? s * std::fabs(static_cast<double>(v[i])) / nu : 0.0;
+      const double floor = std::floor(z);
+      const uint64_t draw = deepreduce::bloom::mix64(static_cast<uint64_t>(i + 1) * deepreduce::bloom::GAMMA + seed);
+      const double noise = static_cast<double>(draw >> 40) * 0x1p-24;   // UNIFORM_BITS = 24
+      const double level = std::min(floor + (noise < z - floor ? 1.0 : 0.0), s);
+      const double q = v[i] > 0 ? level : (v[i] < 0 ? -level : 0.0);
+      if (q8 != nullptr) q8[i] = static_cast<int8_t>(q);
+      else q16[i] = static_cast<int16_t>(q);
+      recon[i] = static_cast<float>(nu * q / s);
+    }
+  });
+  return true;
 }
 
 }  // namespace dr_select

@@ -43,4 +43,14 @@ std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, c
                                 int threads);
 void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads);
 
+// QSGD encode (deepreduce/values/qsgd.py: the same float64 arithmetic in the same order, so the
+// same bytes): per bucket of `bucket` values (min(bucket, n) when larger) the float32 L2 norm
+// rounded up, its squares summed pairwise like qsgd.bucket_norms; then q_i = sign(v_i) *
+// min(floor(z_i) + [u_i < z_i - floor(z_i)], levels) with z_i = levels |v_i| / norm and u_i the
+// counter-based uniform draw i of `seed` (hashing.counter_uniform), and the receiver's value
+// norm * q_i / levels as float32 into recon. Writes ceil(n / bucket) norms and n levels into
+// q8 (levels <= 127) or q16. Returns false, with the outputs unspecified, if a norm is not finite.
+bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads,
+                 float* norms, int8_t* q8, int16_t* q16, float* recon);
+
 }  // namespace dr_select

@@ -88,6 +88,18 @@ def print_selection(rows) -> None:
               f"{row['cpu_ms']:>9.2f}", flush=True)
 
 
+def peer_payloads(peer, tensors, step: int) -> list:
+    """The containers another rank sends at ``step`` for ``tensors`` (``(name, tensor)`` pairs).
+
+    ``peer`` is a second pipeline of the same config standing for that rank; it encodes each
+    gradient negated: the same positions, sizes and codec work, other bytes. A receiver
+    recognises its own container and adds what it kept at encode, so benchmarks that copied
+    this rank's container for every rank would time only that shortcut; the peer's containers
+    are decoded in full, as a real receiver decodes every other rank's.
+    """
+    return [peer.encode(-tensor, name=name, step=step) for name, tensor in tensors]
+
+
 def decode_sum_ms(pipe, grads, repeat: int) -> float:
     """Median milliseconds of ``decode_sum`` of one container per gradient, into one buffer."""
     core = getattr(pipe, "core", pipe)

@@ -1,8 +1,9 @@
 """``deepreduce bench-stages``: where a config's encode and decode time goes, stage by stage.
 
 Runs one config over a whole model's gradients, the way ``reproduce fig11`` exchanges them:
-every tensor is encoded once and the containers of ``--ranks`` ranks (copies of this rank's)
-are decoded with ``decode_sum``. The time of each stage is measured by wrapping the pipeline's
+every tensor is encoded once and the containers of ``--ranks`` ranks (this rank's own and
+``--ranks - 1`` copies of a peer's: a second pipeline of the config encoding the negated
+gradient, untimed) are decoded with ``decode_sum``. The time of each stage is measured by wrapping the pipeline's
 components for the run (nothing else changes):
 
 * encode: ``select`` (the sparsifier), ``index.encode``, ``value.encode``, ``value.reconstruct``
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 from typing import Dict, List
 
 import numpy as np
+
+from ._bench_kernels import peer_payloads
 
 
 def register(subparsers) -> None:
@@ -109,17 +112,20 @@ ENCODE_STAGES = ("select", "index.encode", "value.encode", "value.reconstruct", 
 DECODE_STAGES = ("index.decode", "value.decode", "permutation unpack")
 
 
-def measure(pipe, grads: Dict[str, np.ndarray], ranks: int, repeat: int) -> Dict[str, List[float]]:
-    """Per-iteration milliseconds of every stage (and the encode/decode totals), ``repeat`` times."""
+def measure(pipe, peer, grads: Dict[str, np.ndarray], ranks: int, repeat: int) -> Dict[str, List[float]]:
+    """Per-iteration milliseconds of every stage (and the encode/decode totals), ``repeat`` times.
+
+    ``peer``: a second pipeline of the same config, standing for the other ranks."""
     rows: Dict[str, List[float]] = {}
     for it in range(repeat + 1):
+        received = dict(zip(grads, peer_payloads(peer, grads.items(), it)))
         timer = StageTimer()
         with instrumented(pipe, timer):
             t0 = time.perf_counter()
             payloads = {name: pipe.encode(g, name=name, step=it) for name, g in grads.items()}
             t1 = time.perf_counter()
             for name, g in grads.items():
-                pipe.decode_sum([payloads[name]] * ranks, g.shape)
+                pipe.decode_sum([payloads[name]] + [received[name]] * (ranks - 1), g.shape)
             t2 = time.perf_counter()
         if it == 0:
             continue                      # warm-up (native modules loaded, caches filled)
@@ -155,7 +161,7 @@ def run(args) -> int:
     print(f"{args.config} on {source}: {len(grads)} tensors, {numel:,} entries, {nonzero:,} non-zero; "
           f"decode sums {args.ranks} containers per tensor; {args.repeat} iterations, wall ms "
           f"(the minimum is the better figure on a busy machine)")
-    rows = measure(pipe, grads, args.ranks, args.repeat)
+    rows = measure(pipe, build(args.config), grads, args.ranks, args.repeat)
     print(f"  {'stage':<44} {'median':>9} {'min':>9}")
     for stage, values in rows.items():
         print(f"  {stage:<44} {statistics.median(values):9.2f} {min(values):9.2f}")

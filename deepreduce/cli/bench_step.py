@@ -8,8 +8,9 @@ does, and the bytes one rank sends.
 
 * deepreduce configs run as shipped (error-feedback memory included) through the code the
   PyTorch optimizer runs: ``deepreduce.torch.build(config)``, ``encode(grad, name=, step=)`` of
-  every tensor, then per tensor ``decode_sum`` of ``--ranks`` containers (this rank's container
-  stands in for every rank's: same sizes, same work); tensors below the config's ``min_numel``
+  every tensor, then per tensor ``decode_sum`` of ``--ranks`` containers: this rank's own and
+  ``--ranks - 1`` of a peer's (a second pipeline of the config encoding the negated gradient,
+  untimed: same sizes, same decode work); tensors below the config's ``min_numel``
   are summed dense without a container, as the optimizer hands them to Horovod's fused
   all-reduce (``Pipeline.summed_dense``).
 * PyTorch's alternatives run as PyTorch ships them (:mod:`deepreduce.reproduce.torch_hooks`):
@@ -43,6 +44,8 @@ import time
 from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
+
+from ._bench_kernels import peer_payloads
 
 SETS = ("resnet20", "resnet50", "resnet50_flat")
 TOPK_RATIO = 0.01
@@ -146,7 +149,9 @@ class ConfigRunner:
         from ..torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
-        self.pipe = build(dict(load_config(path), threads=threads), path="auto" if device is None else "device")
+        config = dict(load_config(path), threads=threads)
+        self.pipe = build(config, path="auto" if device is None else "device")
+        self.peer = build(config, path="auto" if device is None else "device")
         self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
 
     def step(self) -> Tuple[float, float, int]:
@@ -160,11 +165,13 @@ class ConfigRunner:
         tensors = [(name, torch.from_numpy(grad.copy()).to(self.device)) for name, grad in self.grads.items()]
         summed = [t for _, t in tensors if t.device.type == "cpu" and self.pipe.core.summed_dense(t.numel())]
         coded = [(name, t) for name, t in tensors if not any(t is s for s in summed)]
+        received = peer_payloads(self.peer, coded, self.step_number)
         t0 = _now(self.device)                                                                # fresh p.grad
         payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in coded]
         t1 = _now(self.device)
-        for (_, tensor), payload in zip(coded, payloads):
-            self.pipe.decode_sum([payload] * self.ranks, expected_shape=tuple(tensor.shape), device=tensor.device)
+        for (_, tensor), payload, other in zip(coded, payloads, received):
+            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape),
+                                 device=tensor.device)
         for tensor in summed:
             total = tensor.clone()
             for _ in range(self.ranks - 1):

@@ -26,11 +26,17 @@ class IndexEncoding(NamedTuple):
 
 def sorted_pairs(indices, values, like):
     """(indices as int64, values) reordered by ascending index (stable), in ``like``'s framework
-    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode."""
+    and device: what the set-only codecs (Bloom, RLE, Elias-Fano, delta) encode. Pairs already in
+    ascending order (what every sparsifier's selection hands over) are returned as they are."""
     xp = arrays.namespace(like)
-    indices = xp.astype(xp.asarray(indices), xp.int64)
+    if xp is arrays.NUMPY_NAMESPACE:   # NumPy itself: its array-API wrappers cost more than this work
+        indices, values = np.asarray(indices, dtype=np.int64), np.asarray(values)
+    else:
+        indices, values = xp.astype(xp.asarray(indices), xp.int64, copy=False), xp.asarray(values)
+    if indices.shape[0] < 2 or bool((indices[1:] >= indices[:-1]).all()):
+        return indices, values
     order = xp.argsort(indices, stable=True)
-    return indices[order], xp.asarray(values)[order]
+    return indices[order], values[order]
 
 
 class IndexCodec(Component):

@@ -28,7 +28,6 @@ seed u64 | draw seed u64; payload ``ceil(m/8)`` bytes. The header's value count 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import struct
@@ -212,6 +211,7 @@ def filter_shape(fpr: float) -> tuple:
     return _keys_per_block(float(fpr))
 
 
+@functools.lru_cache(maxsize=1024)   # asked for every tensor of every step, with few distinct r
 def filter_params(r: int, fpr: float) -> tuple:
     """``(blocks, k)`` of the blocked filter for ``r`` indices at false-positive rate ``fpr``:
     ``k`` and the keys per block ``lam`` maximise ``lam`` subject to ``blocked_fpr(lam, k) <= fpr``;
@@ -311,7 +311,13 @@ def np_select_random(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
 
 def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw_seed: int,
                        family: str = "blocked") -> np.ndarray:
-    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md)."""
+    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md).
+
+    The first pass serves the singleton sets, in bit order, before any larger one; they never
+    draw, so that prefix is vectorised: each chooses its member unless already chosen, up to r.
+    The passes over the larger sets then run as written, over the sets that still have an
+    unchosen member (a set without one gives nothing and draws nothing when visited).
+    """
     P = np.asarray(P, dtype=np.uint64)
     if r == 0:
         return np.zeros(0, dtype=np.uint64)
@@ -325,10 +331,19 @@ def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw
     first[1:] = (flat[1:] != flat[:-1]) | (owner[1:] != owner[:-1])
     flat, owner = flat[first], owner[first]
     bits, starts, sizes = np.unique(flat, return_index=True, return_counts=True)
-    set_order = np.lexsort((bits, sizes))  # by (size, bit)
     chosen = np.zeros(P.size, dtype=bool)
-    nchosen, draw = 0, 0
+    served = owner[starts[sizes == 1]]                 # singleton members, ascending bit
+    fresh = np.zeros(served.size, dtype=bool)
+    fresh[np.unique(served, return_index=True)[1]] = True
+    cut = int(np.searchsorted(np.cumsum(fresh), r))    # the singleton at which nchosen reaches r
+    chosen[served[:cut + 1]] = True
+    nchosen = int(np.count_nonzero(chosen))
+    set_of = np.repeat(np.arange(bits.size), sizes)
+    open_sets = np.bincount(set_of, weights=~chosen[owner], minlength=bits.size) > 0
+    set_order = np.lexsort((bits, sizes))  # by (size, bit)
+    set_order = set_order[open_sets[set_order] & (sizes[set_order] > 1)]
     active = [(int(starts[s]), int(starts[s] + sizes[s])) for s in set_order]
+    draw = 0
     while nchosen < r and active:
         following = []
         for lo, hi in active:
@@ -368,6 +383,7 @@ class BloomParams(NamedTuple):
         return self.size * BLOCK_BYTES if self.family == "blocked" else (self.size + 7) // 8
 
 
+@functools.lru_cache(maxsize=256)   # the same few values for a model's tensors, step after step
 def pack_params(policy: str, k: int, blocks: int, seed: int, draw_seed: int) -> bytes:
     """Blocked-family params: ``0x10 | policy`` u8, k u8, blocks and hash seed as varints, draw seed
     u64 for p1/p2."""
@@ -377,6 +393,11 @@ def pack_params(policy: str, k: int, blocks: int, seed: int, draw_seed: int) -> 
 
 def unpack_params(params: bytes) -> BloomParams:
     """Parse and check the params of either family; ContainerError names the bad field."""
+    return _unpack_params(bytes(params))
+
+
+@functools.lru_cache(maxsize=256)   # every container of a tensor carries the same params (P0)
+def _unpack_params(params: bytes) -> BloomParams:
     if len(params) < 2:
         raise ContainerError(f"Bloom params have {len(params)} bytes; at least 2 needed")
     code, k = params[0], params[1]
@@ -414,15 +435,23 @@ def check_positives(policy: str, npos: int, count: int) -> None:
         raise ContainerError(f"Bloom filter has {npos} positives, fewer than the {count} values sent")
 
 
-@contextlib.contextmanager
-def _errors(error: type, what: str):
-    """Argument errors of the kernels (ValueError, TypeError, OverflowError) as deepreduce errors."""
-    try:
-        yield
-    except DeepReduceError:
-        raise
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise error(f"{what}: {exc}") from exc
+class _errors:
+    """Argument errors of the kernels (ValueError, TypeError, OverflowError) as deepreduce errors
+    (a plain context manager: it is entered for every tensor of every step)."""
+
+    __slots__ = ("error", "what")
+
+    def __init__(self, error: type, what: str) -> None:
+        self.error, self.what = error, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None and issubclass(kind, (ValueError, TypeError, OverflowError)) \
+                and not issubclass(kind, DeepReduceError):
+            raise self.error(f"{self.what}: {exc}") from exc
+        return False
 
 
 # ---------------------------------------------------------------------------------- codec
@@ -502,7 +531,7 @@ class BloomIndex(IndexCodec):
             chosen = a.index(self._select(native, p, P, r))
         sent = values if self.policy == "naive" else dense[chosen]
         params = pack_params(self.policy, k, blocks, p.seed, draw_seed)
-        return IndexEncoding(params, payload, chosen, xp.astype(sent, xp.float32))
+        return IndexEncoding(params, payload, chosen, xp.astype(sent, xp.float32, copy=False))
 
     def decode(self, params, payload, count, numel):
         """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a

@@ -48,7 +48,9 @@ class TorchPipeline:
         """Whether tensors on ``device`` take the device path."""
         if self.path != "auto":
             return self.path == "device"
-        return device is not None and torch.device(device).type != "cpu"
+        if device is None:
+            return False
+        return (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu"
 
     def backends(self, device="cpu") -> dict:
         """Which implementation runs each component for tensors on ``device`` (see
@@ -77,7 +79,7 @@ class TorchPipeline:
         grad = _dense_float(tensor.detach(), name)
         if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
             return self.core.encode(grad, name=name, step=int(step))
-        if grad.device.type == "cpu":
+        if grad.is_cpu:
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
         stateless = not self.core.memory.stateful
@@ -148,8 +150,9 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
 
 
 def _as_numpy(payload) -> np.ndarray:
+    """A container (a uint8 tensor, which never requires grad, or array-like) as NumPy."""
     if isinstance(payload, torch.Tensor):
-        return payload.detach().cpu().numpy()
+        return (payload if payload.is_cpu else payload.cpu()).numpy()
     return np.asarray(payload)
 
 

@@ -10,8 +10,11 @@ The Bernoulli draws come from a counter-based generator (``deepreduce.hashing.co
 draw ``i`` is a hash of ``(ctx.seed_for("qsgd"), i)``, the seed itself a hash of config, tensor
 name and step), never a framework RNG, so NumPy and torch on any device draw the same noise.
 The codec is written against the array namespace (``deepreduce.arrays``): torch tensors are
-encoded and decoded on their device with the same bytes. Bucket norms sum the squares in a
-fixed pairwise order (:func:`bucket_norms`) so every framework rounds them alike.
+encoded and decoded on their device with the same bytes. NumPy values are encoded by the C++
+kernel ``deepreduce._select.qsgd_encode`` when it is built (one pass for the norms and one for
+the levels, GIL released, ``threads`` threads; the same float64 arithmetic in the same order,
+so the same bytes: tests compare it with the array-namespace code below). Bucket norms sum the
+squares in a fixed pairwise order (:func:`bucket_norms`) so every framework rounds them alike.
 
 Wire: params ``u16 levels | u32 bucket_size``; payload ``ceil(n / bucket_size)`` float32 norms,
 then ``n`` signed integers, int8 when ``levels <= 127`` (spec: ``8 n + 32 ceil(n/512)`` bits)
@@ -23,7 +26,7 @@ import struct
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, kernels
 from ..errors import ContainerError, DeepReduceError
 from ..hashing import counter_uniform
 from ..params import Param
@@ -92,13 +95,19 @@ class QSGD(ValueCodec):
 
     def encode(self, values, ctx):
         values = arrays.as_float32(values)
+        params = struct.pack("<HI", self.levels, self.bucket_size)
+        native = None if arrays.is_torch(values) else kernels.native()
+        if native is not None:
+            encoded = native.qsgd_encode(values, self.levels, self.bucket_size, ctx.seed_for("qsgd"), self.threads)
+            if encoded is None:
+                raise self._overflow(ctx)
+            norms, q, reconstructed = encoded
+            return ValueEncoding(params, norms.tobytes() + q.tobytes(), reconstructed=reconstructed)
         a, xp = arrays.adapter(values), arrays.namespace(values)
         n, s = values.shape[0], self.levels
         norms = bucket_norms(values, self.bucket_size)
         if not bool(xp.all(xp.isfinite(norms))):
-            raise DeepReduceError(
-                f"qsgd: a bucket norm of tensor {ctx.name!r} overflows float32; scale the gradient"
-            )
+            raise self._overflow(ctx)
         nu = _per_value(norms, self.bucket_size, n)
         mag = xp.abs(xp.astype(values, xp.float64))
         positive = nu > 0
@@ -107,9 +116,12 @@ class QSGD(ValueCodec):
         noise = counter_uniform(ctx.seed_for("qsgd"), n, values)
         level = xp.minimum(floor + xp.astype(noise < (z - floor), xp.float64), xp.full_like(floor, float(s)))
         q = xp.astype(xp.astype(xp.sign(values), xp.float64) * level, xp.int8 if s <= 127 else xp.int16)
-        params = struct.pack("<HI", s, self.bucket_size)
         payload = a.concat_bytes([a.as_bytes(norms), a.as_bytes(q)])
         return ValueEncoding(params, payload, reconstructed=dequantise(nu, q, s))
+
+    @staticmethod
+    def _overflow(ctx) -> DeepReduceError:
+        return DeepReduceError(f"qsgd: a bucket norm of tensor {ctx.name!r} overflows float32; scale the gradient")
 
     @staticmethod
     def _params(params: bytes):
