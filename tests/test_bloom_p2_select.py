@@ -18,6 +18,32 @@ NATIVE = _native.load("bloom")
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="C++ extension deepreduce._bloom not built")
 
 
+def algorithm_1(P, r, size, k, seed, draw_seed, family="blocked"):
+    """Algorithm 1 written out on Python objects, straight from docs/bloom.md (the reference)."""
+    sets = {}
+    for a, row in enumerate(bl.positions(P, size, k, seed, family).tolist()):
+        for bit in set(row):
+            sets.setdefault(bit, []).append(a)   # members ascending
+    active = sorted(sets, key=lambda bit: (len(sets[bit]), bit))
+    chosen, draw = set(), 0
+    while len(chosen) < r and active:
+        following = []
+        for bit in active:
+            if len(chosen) == r:
+                break
+            cand = [a for a in sets[bit] if a not in chosen]
+            if not cand:
+                continue
+            pick = 0
+            if len(cand) > 1:
+                draw += 1
+                pick = (bl.mix64_int(draw_seed + draw * bl.GAMMA) * len(cand)) >> 64
+                following.append(bit)
+            chosen.add(cand[pick])
+        active = following
+    return P[sorted(chosen)]
+
+
 def singletons_cover(P, r, blocks, k, seed):
     """Whether the members of singleton conflict sets alone number at least r (then the kernel
     never builds a larger set)."""
@@ -36,9 +62,12 @@ def filter_positives(d, n, fpr, seed):
     return NATIVE.query(bits, blocks, k, seed, d, d, 1), blocks, k
 
 
-def assert_same_choice(P, r, blocks, k, seed, draw_seed):
-    got = NATIVE.select_conflict(P, r, blocks, k, seed, draw_seed, "blocked")
-    assert np.array_equal(got, bl.np_select_conflict(P, r, blocks, k, seed, draw_seed, "blocked"))
+def assert_same_choice(P, r, size, k, seed, draw_seed, family="blocked", reference=True):
+    """C++ == the NumPy twin (== the written-out reference where it is fast enough)."""
+    got = NATIVE.select_conflict(P, r, size, k, seed, draw_seed, family)
+    assert np.array_equal(got, bl.np_select_conflict(P, r, size, k, seed, draw_seed, family))
+    if reference:
+        assert np.array_equal(got, algorithm_1(P, r, size, k, seed, draw_seed, family))
     assert got.size == r and np.all(got[1:] > got[:-1])
 
 
@@ -82,10 +111,11 @@ def test_scratch_reuse_across_calls_changes_nothing():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), n=st.integers(1, 600), blocks=st.integers(1, 300), k=st.integers(1, 64),
-       seed=st.integers(0, 2**64 - 1), draw_seed=st.integers(0, 2**64 - 1))
-def test_property_cpp_chooses_as_the_numpy_twin(data, n, blocks, k, seed, draw_seed):
+@given(data=st.data(), n=st.integers(1, 600), size=st.integers(1, 300), k=st.integers(1, 64),
+       family=st.sampled_from(["blocked", "splitmix"]), seed=st.integers(0, 2**64 - 1),
+       draw_seed=st.integers(0, 2**64 - 1))
+def test_property_cpp_and_numpy_choose_as_algorithm_1(data, n, size, k, family, seed, draw_seed):
     rng = np.random.default_rng(seed % 2**32)
     P = np.unique(rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True))
     r = data.draw(st.integers(0, P.size))
-    assert_same_choice(P, r, blocks, k, seed, draw_seed)
+    assert_same_choice(P, r, size, k, seed, draw_seed, family)

@@ -311,7 +311,13 @@ def np_select_random(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
 
 def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw_seed: int,
                        family: str = "blocked") -> np.ndarray:
-    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md)."""
+    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md).
+
+    The first pass serves the singleton sets, in bit order, before any larger one; they never
+    draw, so that prefix is vectorised: each chooses its member unless already chosen, up to r.
+    The passes over the larger sets then run as written, over the sets that still have an
+    unchosen member (a set without one gives nothing and draws nothing when visited).
+    """
     P = np.asarray(P, dtype=np.uint64)
     if r == 0:
         return np.zeros(0, dtype=np.uint64)
@@ -325,10 +331,19 @@ def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw
     first[1:] = (flat[1:] != flat[:-1]) | (owner[1:] != owner[:-1])
     flat, owner = flat[first], owner[first]
     bits, starts, sizes = np.unique(flat, return_index=True, return_counts=True)
-    set_order = np.lexsort((bits, sizes))  # by (size, bit)
     chosen = np.zeros(P.size, dtype=bool)
-    nchosen, draw = 0, 0
+    served = owner[starts[sizes == 1]]                 # singleton members, ascending bit
+    fresh = np.zeros(served.size, dtype=bool)
+    fresh[np.unique(served, return_index=True)[1]] = True
+    cut = int(np.searchsorted(np.cumsum(fresh), r))    # the singleton at which nchosen reaches r
+    chosen[served[:cut + 1]] = True
+    nchosen = int(np.count_nonzero(chosen))
+    set_of = np.repeat(np.arange(bits.size), sizes)
+    open_sets = np.bincount(set_of, weights=~chosen[owner], minlength=bits.size) > 0
+    set_order = np.lexsort((bits, sizes))  # by (size, bit)
+    set_order = set_order[open_sets[set_order] & (sizes[set_order] > 1)]
     active = [(int(starts[s]), int(starts[s] + sizes[s])) for s in set_order]
+    draw = 0
     while nchosen < r and active:
         following = []
         for lo, hi in active:
