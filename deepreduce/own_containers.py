@@ -13,7 +13,6 @@ plus a copy of the compact container bytes the match is checked against).
 """
 from __future__ import annotations
 
-import zlib
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -24,7 +23,7 @@ class OwnContainer(NamedTuple):
     shape: Tuple[int, ...]
     positions: np.ndarray        # int64, where the receiver adds ...
     values: np.ndarray           # ... these float32 values
-    ascending: bool              # positions strictly ascending (the cheaper checked scatter)
+    ascending: bool              # positions promised strictly ascending (as by a set codec's decode)
 
 
 class OwnContainers:
@@ -39,16 +38,14 @@ class OwnContainers:
         # the container's own CRC (its last 4 bytes) and its length: no pass over the bytes
         return int(payload.shape[0]), int.from_bytes(payload[-4:].tobytes(), "little")
 
-    def remember(self, name: str, payload: np.ndarray, shape, positions, values,
-                 ascending: Optional[bool] = None) -> None:
-        """Keep ``name``'s container (replacing its last one); ``ascending`` (None: checked here)
-        says whether ``positions`` are strictly ascending."""
+    def remember(self, name: str, payload: np.ndarray, shape, positions, values, ascending: bool) -> None:
+        """Keep ``name``'s container (replacing its last one). ``ascending``: the index codec
+        promises strictly ascending positions, as ``decode`` would rely on for its container
+        (otherwise the scatter checks them, see ``deepreduce.kernels.scatter_add``)."""
         old = self._key_of_name.pop(name, None)
         if old is not None:
             self._by_key.pop(old, None)
         positions = np.asarray(positions, dtype=np.int64)
-        if ascending is None:
-            ascending = positions.shape[0] < 2 or bool((positions[1:] > positions[:-1]).all())
         key = self._key(payload)
         self._by_key[key] = OwnContainer(payload.tobytes(), tuple(shape), positions,
                                          np.asarray(values, dtype=np.float32), ascending)

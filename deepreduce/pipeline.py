@@ -227,9 +227,8 @@ class Pipeline:
             self.memory.settle(name, positions, received, self.threads)
         c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
         payload = container.pack(c, like=flat)
-        if sparse and comp.finite and not on_torch:   # a set codec's positions are ascending
-            self._own.remember(name, payload, shape, positions, received,
-                               ascending=True if not self.index.keeps_order else None)
+        if sparse and comp.finite and not on_torch:
+            self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
