@@ -174,3 +174,8 @@ def test_compiled_step_encodes_every_tensor_before_the_first_decode(result, back
     assert max(encodes) < min(decodes)
     assert all(inputs in ([], ["encode"]) for kind, inputs in ops if kind == "encode")
     assert all(inputs == [] for kind, inputs in ops if kind == "gather")
+
+
+def test_ranks_with_different_background_settings_meet(result):
+    r = result["mixed_background"]
+    assert r["ranks_identical"] and r["changed"] > 1e-3 and r["max_abs_diff"] <= 1e-6

@@ -164,12 +164,13 @@ class Reducer:
         """A traced ``tf.function`` running one ``hvd.allgather`` named ``tensor_key(name)``, made once per
         tensor and process set.
 
-        An eager Horovod op has no node name: Horovod names it after its kernel, the same for
-        every eager allgather, so it matches eager collectives across ranks by order alone and
-        refuses a second one while the first is in flight. Inside a function the op has its
-        graph name, so concurrent gathers of different tensors are told apart (Horovod's own tape
-        wraps its eager collectives in a function for the same reason) and every rank's gather
-        of a tensor meets the same name whatever order they run in.
+        An eager op carries no node name, and Horovod takes the kernel's: every eager allgather
+        gets the same one, so eager collectives meet across ranks by order alone, and a second
+        one while the first is in flight fails ("a tensor with the same name as another tensor
+        that is currently being processed", even with different ``name=``). Inside a function
+        the op has its graph name, so concurrent gathers of different tensors are told apart and
+        every rank's gather of a tensor meets the same name whatever order they run in (Horovod's
+        own tape, too, runs its eager reductions as a ``tf.function``).
         """
         key = (id(self.process_set), tensor_key(name))
         gather = _EAGER_GATHERS.get(key)
