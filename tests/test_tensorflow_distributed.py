@@ -135,3 +135,42 @@ def test_nonfinite_step_is_skipped_on_every_rank(result, mode, kind):
     assert "at step 1 has" in r["skipped"][0][1] and "on rank 1" in r["skipped"][0][1]
     assert r["unchanged"] == [True]            # nothing applied, residuals as before the step
     assert r["ranks_identical"] and r["changed"] > 1e-3     # the other steps ran, ranks agree
+
+
+@pytest.mark.parametrize("backend", ["auto", "numpy_function"])
+def test_pipelined_eager_steps_send_the_sequential_bytes(result, backend):
+    """Issue 12 part 2: eager chains on 2 worker threads = one tensor after another, byte for byte."""
+    r = result[f"pipelined_{backend}"]
+    assert r["containers"] == 12              # 3 steps x 4 tensors, every one recorded
+    assert r["same_containers"] and r["same_gradients"]
+    assert r["ranks_identical"] and r["changed"] > 1e-3
+    if backend == "numpy_function":
+        assert r["backend"] == "numpy_function"
+
+
+def test_pipelined_eager_steps_report_hidden_encode_time(result):
+    # rank 1 encodes grad_0 late, so rank 0's later encodes run while grad_0's allgather waits
+    for backend in ("auto", "numpy_function"):
+        r = result[f"pipelined_{backend}"]
+        assert 0 < r["hidden"] <= r["eager_encode"]
+        assert r["sequential_hidden"] == 0 and r["sequential_encode"] > 0
+
+
+def test_worker_error_reaches_the_caller_and_the_next_step_works(result):
+    r = result["worker_error"]
+    assert [e[:2] for e in r["errors"]] == [[1, "InjectedError"]]
+    assert "injected in thread deepreduce-chain" in r["errors"][0][2]    # raised on a worker thread
+    assert r["steps_applied"] == 2 and r["ranks_identical"] and r["changed"] > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["auto", "numpy_function"])
+def test_compiled_step_encodes_every_tensor_before_the_first_decode(result, backend):
+    """TF chains stateful ops without resources (encode, decode) in program order; with every
+    encode first, an allgather (no control input) runs while later tensors encode."""
+    ops = result[f"graph_order_{backend}"]
+    assert [kind for kind, _ in ops].count("encode") == 4 and [kind for kind, _ in ops].count("decode") == 4
+    encodes = [i for i, (kind, _) in enumerate(ops) if kind == "encode"]
+    decodes = [i for i, (kind, _) in enumerate(ops) if kind == "decode"]
+    assert max(encodes) < min(decodes)
+    assert all(inputs in ([], ["encode"]) for kind, inputs in ops if kind == "encode")
+    assert all(inputs == [] for kind, inputs in ops if kind == "gather")

@@ -166,9 +166,14 @@ def test_tape_arguments_are_checked_without_running_collectives():
         drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Adasum)
     with pytest.raises(deepreduce.ConfigError, match="predivide"):
         drtf.DistributedGradientTape(tape, compression=pipe, op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(deepreduce.ConfigError, match="background must be True, False or a positive number"):
+        drtf.DistributedGradientTape(tape, compression=pipe, background=0)
+    assert drtf.DistributedGradientTape(tape, compression=pipe, background=3)._deepreduce.workers == 3
     keras = pytest.importorskip("keras")
     with pytest.raises(deepreduce.ConfigError, match="backward_passes_per_step"):
         drtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe, backward_passes_per_step=0)
+    with pytest.raises(deepreduce.ConfigError, match="DistributedOptimizer: background must be"):
+        drtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), background="yes")
     with pytest.raises(deepreduce.ConfigError, match="Keras optimizer"):
         drtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), compression=pipe,
                                   backward_passes_per_step=2)

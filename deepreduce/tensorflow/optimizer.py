@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from .. import overlap
 from ..errors import ConfigError
 from .pipeline import build
 from .reduce import Reducer, import_horovod, is_summable_compressor
@@ -117,7 +118,8 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
                          compression=None, sparse_as_dense=False, backward_passes_per_step=1, op=None,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=None, scale_local_gradients=True, *, name_prefix="grad"):
+                         groups=None, process_set=None, scale_local_gradients=True, *, name_prefix="grad",
+                         background=True):
     """An optimizer that averages (or sums) gradients across ranks before applying them.
 
     Takes the arguments of ``horovod.tensorflow.DistributedOptimizer``. ``compression`` is a
@@ -132,6 +134,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     when no deepreduce config is given): gradients of that many ``apply`` calls are summed
     locally, then reduced and applied once (divided by the count when
     ``average_aggregated_gradients``); ``iterations`` counts the applied steps.
+    ``background``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape` (eager
+    reductions run each tensor's chain on worker threads unless ``False``).
     ``device_*`` and ``groups`` are accepted for compatibility and have no effect here.
     For a Keras optimizer a new optimizer of the same class and config is returned (its state
     starts empty, as with Horovod's Keras wrapper).
@@ -140,6 +144,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             or backward_passes_per_step < 1:
         raise ConfigError(f"DistributedOptimizer: backward_passes_per_step must be a positive integer, "
                           f"got {backward_passes_per_step!r}")
+    overlap.check_workers(background, "DistributedOptimizer")   # also where Horovod's wrapper takes over
     summable = compression is None or is_summable_compressor(compression)
     if summable and isinstance(optimizer, tf.compat.v1.train.Optimizer):
         hvd = import_horovod()
@@ -152,7 +157,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             process_set=hvd.global_process_set if process_set is None else process_set,
             scale_local_gradients=scale_local_gradients)
     kwargs = dict(op=op, process_set=process_set, gradient_predivide_factor=gradient_predivide_factor,
-                  sparse_as_dense=sparse_as_dense)
+                  sparse_as_dense=sparse_as_dense, background=background)
     reducer = Reducer(None, hvd_compression=compression, **kwargs) if summable else \
         Reducer(build(compression), **kwargs)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):

@@ -85,6 +85,10 @@ class TFPipeline:
         # TF may run the py_func ops of several gradients at once; the core's statistics and
         # residual dict are updated under this lock so concurrent calls never interleave.
         self.lock = threading.RLock()
+        # eager reductions (deepreduce.tensorflow.reduce): wall time of their encode calls, and the
+        # part of it that ran while another tensor's collective or decode was in flight
+        self.eager_encode_seconds = 0.0
+        self.encode_hidden_seconds = 0.0
         from . import ops  # noqa: WPS433 (late import: ops imports the core's components)
 
         if backend == "numpy_function":
@@ -109,7 +113,15 @@ class TFPipeline:
         return merged
 
     def compression_stats(self) -> dict:
-        return self.stats.as_dict()
+        """:attr:`stats` as a dict, with two figures of the eager reductions of
+        :mod:`deepreduce.tensorflow.reduce` (0 inside ``tf.function``): ``eager_encode_seconds``,
+        the wall time of their encode calls (the codec's ``encode_seconds`` plus TensorFlow's
+        dispatch and, with worker threads, waits for the GIL or a core), and
+        ``encode_hidden_seconds``, the part of it that ran while another tensor's allgather or
+        decode was in flight (0 with ``background=False``). See docs/tensorflow.md."""
+        out = self.stats.as_dict()
+        out.update(eager_encode_seconds=self.eager_encode_seconds, encode_hidden_seconds=self.encode_hidden_seconds)
+        return out
 
     def get_config(self) -> dict:
         return self.core.get_config()

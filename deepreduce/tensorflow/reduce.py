@@ -7,6 +7,14 @@ container, sums, and divides by the number of ranks for ``op=Average``. Every st
 op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
 reduction code run only while the graph is traced). Horovod itself is never patched.
 
+Eagerly, each op runs when it is called, so one tensor after another would make every encode
+wait for the previous tensor's allgather round trip. With ``background`` on (the default) the
+eager chains run on a few worker threads instead (:mod:`deepreduce.overlap`); the collectives
+keep their names (:func:`tensor_key`), which is how Horovod matches them across ranks whatever
+order they are submitted in. ``compression_stats()["encode_hidden_seconds"]`` sums the encode
+time that ran while another tensor's collective or decode was in flight. Inside
+``tf.function`` all encodes come first in program order (see ``Reducer._reduce_containers``).
+
 Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
 first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
 one small eager allgather (:func:`deepreduce.agreement.agree`), so ranks running different
@@ -21,17 +29,19 @@ compiled step it may still count the skipped step).
 from __future__ import annotations
 
 import re
+import time
 from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from .. import agreement, container
+from .. import agreement, container, overlap
 from ..comm.horovod import HorovodCommunicator
 from ..errors import BackendUnavailableError, ConfigError
 from .pipeline import TFPipeline, build, numpy_op
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
+_EAGER_GATHERS = {}   # (process set, tensor key) -> concrete function of one named allgather (Reducer._eager_gather)
 
 
 def import_horovod():
@@ -84,12 +94,19 @@ class Reducer:
 
     Holds no per-step state: the pipeline owns residuals, statistics and the step counter, so a
     new tape each step (the Horovod idiom) keeps using the same state.
+
+    ``background`` (eager containers only): ``True`` runs each tensor's encode -> allgather ->
+    decode on one of :data:`deepreduce.overlap.DEFAULT_WORKERS` threads, a positive int on that
+    many, ``False`` (or 1) one tensor after another on the caller's thread. The containers and
+    the reduced gradients are the same either way; an error raised in a worker is re-raised here
+    (the first in tensor order, once every tensor's chain has ended).
     """
 
     def __init__(self, pipeline: Optional[TFPipeline], op=None, process_set=None,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 hvd_compression=None) -> None:
+                 hvd_compression=None, background=True) -> None:
         self.hvd = import_horovod()
+        self.workers = overlap.check_workers(background, "deepreduce.tensorflow")
         self.pipeline = None if pipeline is None else build(pipeline)
         self.hvd_compression = hvd_compression if hvd_compression is not None else self.hvd.Compression.none
         if self.pipeline is not None:
@@ -129,39 +146,67 @@ class Reducer:
             return {}
         return {"process_set": self.process_set}
 
-    def reduce_one(self, grad, name: str, step, reports: Optional[list] = None) -> tf.Tensor:
-        """The average (or sum) over ranks of one gradient tensor.
-
-        ``reports`` (a list, under ``nonfinite: raise``): gets this tensor's non-finite report
-        (rank, NaN count, Inf count; rank -1 when every rank's gradient is finite).
-        """
-        if isinstance(grad, tf.IndexedSlices):
-            # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds
-            # the non-zeros again
-            grad = tf.convert_to_tensor(grad)
-        if self.pipeline is None:
-            kwargs = self._process_set_kwargs()
-            if self.predivide != 1.0:
-                kwargs.update(prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide)
-            return self.hvd.allreduce(grad, op=self.hvd_op, compression=self.hvd_compression,
-                                      name=tensor_key(name), **kwargs)
-        dtype = grad.dtype
-        size = self.size
+    def _allreduce(self, grad, name: str) -> tf.Tensor:
+        """The baseline: one ``hvd.allreduce`` with the summable compressor."""
+        kwargs = self._process_set_kwargs()
         if self.predivide != 1.0:
-            grad = grad * tf.cast(1.0 / self.predivide, dtype)
-        payload = self.pipeline.encode(grad, name=name, step=step)
-        gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+            kwargs.update(prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide)
+        return self.hvd.allreduce(grad, op=self.hvd_op, compression=self.hvd_compression,
+                                  name=tensor_key(name), **kwargs)
+
+    def _encode(self, grad: tf.Tensor, name: str, step) -> tf.Tensor:
+        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``)."""
+        if self.predivide != 1.0:
+            grad = grad * tf.cast(1.0 / self.predivide, grad.dtype)
+        return self.pipeline.encode(grad, name=name, step=step)
+
+    def _eager_gather(self, name: str):
+        """A traced ``tf.function`` running one ``hvd.allgather`` named ``tensor_key(name)``, made once per
+        tensor and process set.
+
+        An eager Horovod op has no node name: Horovod names it after its kernel, the same for
+        every eager allgather, so it matches eager collectives across ranks by order alone and
+        refuses a second one while the first is in flight. Inside a function the op has its
+        graph name, so concurrent gathers of different tensors are told apart (Horovod's own tape
+        wraps its eager collectives in a function for the same reason) and every rank's gather
+        of a tensor meets the same name whatever order they run in.
+        """
+        key = (id(self.process_set), tensor_key(name))
+        gather = _EAGER_GATHERS.get(key)
+        if gather is None:
+            hvd, kwargs = self.hvd, self._process_set_kwargs()
+
+            def allgather(payload):
+                return hvd.allgather(payload, name=key[1], **kwargs)
+
+            # traced here, once; calling the concrete function never retraces (nor warns that it did)
+            gather = _EAGER_GATHERS.setdefault(key, tf.function(allgather, autograph=False).get_concrete_function(
+                tf.TensorSpec([None], tf.uint8)))
+        return gather
+
+    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, report: bool):
+        """(the average or sum over ranks of ``grad``, its non-finite report or None).
+
+        ``report`` (under ``nonfinite: raise``): also return this tensor's non-finite report
+        (rank, NaN count, Inf count; rank -1 when every rank's gradient is finite); a step every
+        rank skips then decodes nothing (the decision is ``_finish_step``'s).
+        """
+        if tf.executing_eagerly():
+            gathered = self._eager_gather(name)(payload)
+        else:
+            gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+        size = self.size
         shape = grad.shape if grad.shape.is_fully_defined() else None
 
         def decode():
             return self.pipeline.decode_sum(gathered, shape, count=size)
 
-        if reports is None:
+        found = None
+        if not report:
             total = decode()
-        else:   # a step every rank skips decodes nothing (the decision is _finish_step's)
-            report = _graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
-            reports.append(report)
-            skip = report[0] >= 0
+        else:
+            found = _graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
+            skip = found[0] >= 0
 
             def nothing():
                 return tf.zeros(tf.shape(grad), tf.float32)
@@ -171,7 +216,41 @@ class Reducer:
             total = tf.reshape(total, tf.shape(grad))
         if self.op == "average":
             total = total * (self.predivide / size)
-        return tf.cast(total, dtype) if dtype != tf.float32 else total
+        return (tf.cast(total, grad.dtype) if grad.dtype != tf.float32 else total), found
+
+    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step,
+                           reports: Optional[list]) -> List[tf.Tensor]:
+        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (``reports``: see ``reduce``).
+
+        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.overlap.run_in_order`:
+        on ``background`` worker threads, so encodes proceed while other tensors' collectives and
+        decodes are in flight, or one after another on this thread; the encode times and their
+        overlap go to the pipeline's statistics. Inside ``tf.function`` every encode comes first
+        in program order, then each tensor's allgather and decode: TensorFlow chains stateful
+        ops that take no resource (the encode and decode ops) in program order, so the
+        per-tensor order would make each encode wait for the previous tensor's decode; this
+        order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
+        """
+        report = reports is not None
+        if tf.executing_eagerly():
+            def chain(i):
+                start = time.perf_counter()
+                payload = self._encode(grads[i], names[i], step)
+                encoded = time.perf_counter()
+                return self._gather_decode(grads[i], names[i], payload, report), (start, encoded), \
+                    (encoded, time.perf_counter())
+
+            done = overlap.run_in_order(chain, range(len(grads)), self.workers)
+            encodes = [d[1] for d in done]
+            self.pipeline.eager_encode_seconds += sum(end - start for start, end in encodes)
+            self.pipeline.encode_hidden_seconds += overlap.covered_seconds(encodes, [d[2] for d in done])
+            results = [d[0] for d in done]
+        else:
+            payloads = [self._encode(g, n, step) for g, n in zip(grads, names)]
+            results = [self._gather_decode(g, n, p, report) for g, n, p in zip(grads, names, payloads)]
+        if report:
+            reports.extend(found for _, found in results)
+        return [total for total, _ in results]
 
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
         """Reduce a list of gradients (None entries stay None).
@@ -186,10 +265,19 @@ class Reducer:
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
         self._agree(grads, names)
+        live = [i for i, g in enumerate(grads) if g is not None]
+        # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds the non-zeros again
+        dense = [tf.convert_to_tensor(grads[i]) for i in live]
         reports = [] if self._collective_nonfinite else None
-        out = [None if g is None else self.reduce_one(g, n, step, reports) for g, n in zip(grads, names)]
+        if self.pipeline is None:
+            reduced = [self._allreduce(g, names[i]) for g, i in zip(dense, live)]
+        else:
+            reduced = self._reduce_containers(dense, [names[i] for i in live], step, reports)
+        out: List[Optional[tf.Tensor]] = [None] * len(grads)
+        for i, g in zip(live, reduced):
+            out[i] = g
         if reports:
-            out = self._finish_step(out, reports, [n for g, n in zip(grads, names) if g is not None], step)
+            out = self._finish_step(out, reports, [names[i] for i in live], step)
         if own_counter:
             done = [g for g in out if g is not None]
             with tf.control_dependencies(done):

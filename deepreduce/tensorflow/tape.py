@@ -97,7 +97,7 @@ class _DeepReduceGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=None, scale_local_gradients=True,
-                            *, step=None, name_prefix="grad"):
+                            *, step=None, name_prefix="grad", background=True):
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged (or summed) over ranks.
 
     Args (beyond Horovod's, which keep their meaning):
@@ -111,6 +111,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         name_prefix: tensors are named ``f"{name_prefix}_{i}"`` by position in ``sources``, the
             same on every rank; use another prefix when one step calls ``gradient()`` for
             different variable lists.
+        background: eagerly, run each tensor's encode -> allgather -> decode on worker threads
+            (``True``: :data:`deepreduce.overlap.DEFAULT_WORKERS` of them; an int: that many), so
+            encodes overlap other tensors' communication; ``False``: one tensor after another.
+            Same containers and gradients either way; no effect inside ``tf.function``.
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
     the host. ``num_groups``/``groups`` are accepted: every gradient travels in its own
@@ -120,5 +124,6 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
     reducer = make_reducer(compression, op=op, process_set=process_set,
-                           gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+                           gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
+                           background=background)
     return _DeepReduceGradientTape(gradtape, reducer, step, scale_local_gradients, name_prefix)

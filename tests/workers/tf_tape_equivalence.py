@@ -11,12 +11,17 @@ config must keep the ranks identical; GradiVeQ runs through Horovod's own tape; 
 ``model.fit`` with the broadcast callback starts from rank 0's weights. Ranks that disagree
 (an extra variable, GradiVeQ against a config) fail together with the same CommunicationError;
 under ``nonfinite: raise`` a NaN on one rank makes both ranks skip the step (issue 13 part 5).
+Eager steps with the chains on worker threads send the same containers and reduce to the same
+gradients as one tensor after another (with the custom ops and with numpy_function), report the
+encode time hidden behind other tensors' communication, and a worker's exception reaches the
+caller with its type while the next step still works (issue 12 part 2).
 Rank 0 writes the results as JSON to the path given as the first argument.
 """
 import json
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 
@@ -307,6 +312,111 @@ def nonfinite_skip(config, compiled):
     return out
 
 
+class InjectedError(RuntimeError):
+    """Raised by a wrapped encode to check that a worker's exception reaches the caller as it is."""
+
+
+def record_encodes(pipe, sent, delay_first=False):
+    """Wrap ``pipe.encode`` to keep every container's bytes by (step, name). ``delay_first``: rank 1
+    encodes grad_0 200 ms late, so rank 0's allgather of grad_0 is in flight meanwhile."""
+    encode = pipe.encode
+
+    def recording(tensor, name="", step=0):
+        if delay_first and hvd.rank() == 1 and name == "grad_0":
+            time.sleep(0.2)
+        payload = encode(tensor, name=name, step=step)
+        sent[(int(step), name)] = payload.numpy().tobytes()
+        return payload
+
+    pipe.encode = recording
+
+
+def eager_steps(pipe, background):
+    """STEPS eager tape steps from the same weights; returns (weights, every applied step's reduced
+    gradients, [step, type name, message] of each InjectedError, after which the step is skipped)."""
+    variables = [tf.Variable(w) for w in initial_weights()]
+    opt = keras.optimizers.SGD(learning_rate=LR)
+    grads_seen, errors = [], []
+    for step in range(STEPS):
+        x, y = data(hvd.rank(), step)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, tf.constant(x), tf.constant(y))
+        tape = drtf.DistributedGradientTape(tape, compression=pipe, step=opt.iterations, background=background)
+        try:
+            grads = tape.gradient(loss, variables)
+        except InjectedError as exc:
+            errors.append([step, type(exc).__name__, str(exc)])
+            opt.iterations.assign_add(1)
+            continue
+        grads_seen.append([g.numpy() for g in grads])
+        opt.apply_gradients(zip(grads, variables))
+    return [v.numpy() for v in variables], grads_seen, errors
+
+
+def pipelined_vs_sequential(config, backend):
+    """The same eager steps with background=False and with 2 worker threads: the containers each
+    rank sent and the reduced gradients must be identical; the statistics report the hidden time."""
+    runs = {}
+    for label, background in (("sequential", False), ("pipelined", 2)):
+        pipe, sent = drtf.build(config, backend=backend), {}
+        record_encodes(pipe, sent, delay_first=bool(background))
+        weights, grads, _ = eager_steps(pipe, background)
+        runs[label] = (weights, grads, sent, pipe.compression_stats())
+    (_, grads_a, sent_a, stats_a), (weights, grads_b, sent_b, stats_b) = runs["sequential"], runs["pipelined"]
+    out = compare(weights)
+    out.update(backend=drtf.build(config, backend=backend).backend, containers=len(sent_b),
+               same_containers=sorted(sent_a) == sorted(sent_b) and all(sent_a[k] == sent_b[k] for k in sent_a),
+               same_gradients=len(grads_a) == len(grads_b) == STEPS and all(
+                   np.array_equal(a, b) for ga, gb in zip(grads_a, grads_b) for a, b in zip(ga, gb)),
+               sequential_hidden=stats_a["encode_hidden_seconds"], sequential_encode=stats_a["eager_encode_seconds"],
+               hidden=stats_b["encode_hidden_seconds"], eager_encode=stats_b["eager_encode_seconds"])
+    return out
+
+
+def worker_error(config):
+    """grad_2's encode raises on every rank at step 1 (2 workers): the caller gets InjectedError,
+    every other tensor's collective completed, and the next step works."""
+    pipe = drtf.build(config)
+    encode = pipe.encode
+
+    def failing(tensor, name="", step=0):
+        if int(step) == 1 and name == "grad_2":
+            raise InjectedError(f"injected in thread {threading.current_thread().name}")
+        return encode(tensor, name=name, step=step)
+
+    pipe.encode = failing
+    weights, grads, errors = eager_steps(pipe, 2)
+    out = compare(weights)
+    out.update(errors=errors, steps_applied=len(grads))
+    return out
+
+
+def graph_order(config, backend):
+    """The encode, allgather and decode ops of a traced tape step, each with the kinds of the ops
+    it has control inputs from ("encode", "gather", "decode" or another op type)."""
+    pipe = drtf.build(config, backend=backend)
+    variables = [tf.Variable(w) for w in initial_weights()]
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        return drtf.DistributedGradientTape(tape, compression=pipe, step=0).gradient(loss, variables)
+
+    def kind(op):
+        if op.type == "HorovodAllgather":
+            return "gather"
+        if op.type == "DeepReduceEncode" or op.name.startswith("deepreduce_encode"):
+            return "encode"
+        if op.type == "DeepReduceDecode" or op.name.startswith("deepreduce_decode"):
+            return "decode"
+        return op.type
+
+    graph = step_fn.get_concrete_function(*(tf.TensorSpec(a.shape, a.dtype) for a in data(0, 0))).graph
+    return [[kind(op), sorted(kind(c) for c in op.control_inputs)] for op in graph.get_operations()
+            if kind(op) in ("encode", "gather", "decode")]
+
+
 def compare(weights, expected=None):
     """Bit-identity across ranks (allgather) and the largest deviation from ``expected``."""
     flat = np.concatenate([w.ravel() for w in weights])
@@ -368,6 +478,13 @@ def main():
                                                        "index": {"id": "raw"}, "value": {"id": "raw"},
                                                        "memory": {"id": "residual"}, "min_numel": 10,
                                                        "nonfinite": "raise"}, compiled)
+    pipelined = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "bloom", "policy": "p2"},
+                 "value": {"id": "raw"}, "memory": {"id": "residual"}, "min_numel": 10}
+    for backend in ("auto", "numpy_function"):
+        results[f"pipelined_{backend}"] = pipelined_vs_sequential(pipelined, backend)
+    results["worker_error"] = worker_error(raw)
+    for backend in ("auto", "numpy_function"):
+        results[f"graph_order_{backend}"] = graph_order(pipelined, backend)
     if hvd.rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as handle:
             json.dump(results, handle)
