@@ -236,8 +236,9 @@ struct ConflictSets {
 };
 
 // Per-thread scratch of P2, reused across calls so that a call does not fault in fresh pages;
-// released after a call that left it above SCRATCH_KEEP bytes.
-constexpr size_t SCRATCH_KEEP = size_t(64) << 20;
+// released after a call that left it above SCRATCH_KEEP bytes (about 17 bytes per positive:
+// kept up to ~1M positives, so a pool of threads that each ran P2 holds little).
+constexpr size_t SCRATCH_KEEP = size_t(16) << 20;
 
 struct Scratch {
     std::vector<uint32_t> g0, member;          // positives grouped by block: sorted by (block, member)
