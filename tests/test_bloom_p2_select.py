@@ -108,6 +108,13 @@ def test_scratch_reuse_across_calls_changes_nothing():
     for _ in range(2):
         assert_same_choice(small, 50, sb, sk, 1, 4)
         assert np.array_equal(NATIVE.select_conflict(big, 2_900, bb, bk, 1, 4), first)
+    # 1.2M positives grow the scratch past what a thread keeps: it is released after the call
+    huge = np.arange(0, 2_400_000, 2, dtype=np.uint64)
+    hb, hk = bl.filter_params(huge.size, 0.05)
+    picked = NATIVE.select_conflict(huge, huge.size - 5_000, hb, hk, 3, 5)
+    assert picked.size == huge.size - 5_000 and np.isin(picked, huge).all()
+    assert_same_choice(small, 50, sb, sk, 1, 4)
+    assert np.array_equal(NATIVE.select_conflict(huge, huge.size - 5_000, hb, hk, 3, 5), picked)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -236,16 +236,18 @@ struct ConflictSets {
 };
 
 // Per-thread scratch of P2, reused across calls so that a call does not fault in fresh pages;
-// released after a call that left it above SCRATCH_KEEP bytes.
-constexpr size_t SCRATCH_KEEP = size_t(64) << 20;
+// released after a call that left it above SCRATCH_KEEP bytes (about 17 bytes per positive:
+// kept up to ~1M positives, so a pool of threads that each ran P2 holds little).
+constexpr size_t SCRATCH_KEEP = size_t(16) << 20;
 
 struct Scratch {
-    std::vector<uint32_t> block, g0, member;   // positives grouped by block: sorted by (block, member)
+    std::vector<uint32_t> g0, member;          // positives grouped by block: sorted by (block, member)
+    std::vector<uint32_t> ends;                // where each non-empty block's group ends, ascending
     std::vector<uint32_t> hashed_block, hashed_g0, bucket;
     std::vector<uint8_t> chosen;               // one flag per positive
 
     size_t bytes() const {
-        return 4 * (block.capacity() + g0.capacity() + member.capacity() + hashed_block.capacity() +
+        return 4 * (ends.capacity() + g0.capacity() + member.capacity() + hashed_block.capacity() +
                     hashed_g0.capacity() + bucket.capacity()) + chosen.capacity();
     }
 };
@@ -254,7 +256,6 @@ struct Scratch {
 // block count dwarfs the positives (a hostile container's).
 void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed, Scratch& s) {
     const uint64_t key = blocked::key(seed);
-    s.block.resize(np);
     s.g0.resize(np);
     s.member.resize(np);
     s.hashed_block.resize(np);
@@ -273,16 +274,19 @@ void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed
         for (uint64_t b = 0; b < blocks; ++b) bucket[b + 1] += bucket[b];
         for (size_t a = 0; a < np; ++a) {
             const uint32_t at = bucket[hb[a]]++;
-            s.block[at] = hb[a];
             s.g0[at] = hg[a];
             s.member[at] = static_cast<uint32_t>(a);
         }
+        s.ends.clear();   // bucket[b] is now the end of block b's group, bucket[b - 1] its start
+        for (uint64_t b = 0; b < blocks; ++b)
+            if (bucket[b] != (b ? bucket[b - 1] : 0)) s.ends.push_back(bucket[b]);
     } else {
         for (size_t a = 0; a < np; ++a) s.member[a] = static_cast<uint32_t>(a);
         std::stable_sort(s.member.begin(), s.member.end(), [&](uint32_t x, uint32_t y) { return hb[x] < hb[y]; });
+        s.ends.clear();
         for (size_t e = 0; e < np; ++e) {
-            s.block[e] = hb[s.member[e]];
             s.g0[e] = hg[s.member[e]];
+            if (e + 1 == np || hb[s.member[e + 1]] != hb[s.member[e]]) s.ends.push_back(static_cast<uint32_t>(e + 1));
         }
     }
 }
@@ -319,12 +323,11 @@ bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* cho
     constexpr uint32_t BITS = blocked::BLOCK_BITS;
     uint32_t count[BITS] = {}, stamp[BITS] = {}, owner[BITS], served[BITS];
     std::vector<uint64_t> pairs;
-    const uint32_t* block = s.block.data();
     const uint32_t* g0 = s.g0.data();
     const uint32_t* member = s.member.data();
     size_t n = nchosen;   // a local: the compiler cannot keep it in a register across byte stores
-    for (size_t lo = 0, hi; lo < np; lo = hi) {
-        for (hi = lo + 1; hi < np && block[hi] == block[lo];) ++hi;
+    for (size_t b = 0, lo = 0; b < s.ends.size(); lo = s.ends[b++]) {
+        const size_t hi = s.ends[b];
         uint64_t touched[BITS / 64] = {};
         for (size_t e = lo; e < hi; ++e) {
             const uint32_t tag = static_cast<uint32_t>(e + 1);

@@ -153,9 +153,17 @@ class ConfigRunner:
         self.pipe = build(config, path="auto" if device is None else "device")
         self.peer = build(config, path="auto" if device is None else "device")
         self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
+        self.grad_buffers: Dict[str, object] = {}
+
+    def _grad_buffer(self, name: str, tensor):
+        """The tensor's decode target, kept across steps like a parameter's ``.grad``."""
+        if name not in self.grad_buffers:
+            self.grad_buffers[name] = tensor.new_empty(tensor.shape)
+        return self.grad_buffers[name]
 
     def step(self) -> Tuple[float, float, int]:
-        """Encode every gradient, then decode-and-sum ``ranks`` containers of each: (s, s, bytes).
+        """Encode every gradient, then decode-and-sum ``ranks`` containers of each into its
+        ``.grad``-like buffer (as the optimizer decodes into ``p.grad``): (s, s, bytes).
 
         As in the optimizer, a small CPU tensor that ``Pipeline.summed_dense`` lets skip the
         container is summed by the all-reduce instead: no encode, its "decode" is the sum of
@@ -169,9 +177,9 @@ class ConfigRunner:
         t0 = _now(self.device)                                                                # fresh p.grad
         payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in coded]
         t1 = _now(self.device)
-        for (_, tensor), payload, other in zip(coded, payloads, received):
+        for (name, tensor), payload, other in zip(coded, payloads, received):
             self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape),
-                                 device=tensor.device)
+                                 out=self._grad_buffer(name, tensor))
         for tensor in summed:
             total = tensor.clone()
             for _ in range(self.ranks - 1):
