@@ -7,13 +7,9 @@
 #include <thread>
 #include <utility>
 
-// The hash pass of the blocked query is compiled twice (AVX2 and baseline) and picked at load
-// time where the compiler supports it; both compute the same integers.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define DR_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define DR_MULTIVERSION
-#endif
+// The hash pass of the blocked query is compiled twice (AVX2 and baseline); both compute the
+// same integers.
+#include "multiversion.h"
 
 namespace deepreduce {
 namespace bloom {

@@ -2,6 +2,7 @@
 #include "select.h"
 
 #include "bloom/bloom.h"   // mix64 and GAMMA: the one C++ definition of SplitMix64
+#include "multiversion.h"
 
 #include <algorithm>
 #include <atomic>
@@ -349,41 +350,59 @@ float bucket_norm(const float* v, int64_t len, int64_t width, std::vector<double
   return static_cast<double>(norm) < exact ? std::nextafter(norm, INFINITY) : norm;
 }
 
+// Levels and receiver's values of v[begin, end), a bucket of norm nu > 0. Branch-free per value
+// (signs and rounding draws are random): the level's magnitude as an integer, negated for a
+// negative value, and the receiver's value from that integer. Compiled for AVX2 too (floor is
+// one instruction there instead of a libm call); both clones round identically.
+DR_MULTIVERSION
+void quantise_bucket(const float* v, int64_t begin, int64_t end, double nu, double s, uint64_t seed, int8_t* q8,
+                     int16_t* q16, float* recon) {
+  for (int64_t i = begin; i < end; ++i) {
+    const double z = s * std::fabs(static_cast<double>(v[i])) / nu;
+    const double floor = std::floor(z);
+    const uint64_t draw = deepreduce::bloom::mix64(static_cast<uint64_t>(i + 1) * deepreduce::bloom::GAMMA + seed);
+    const double noise = static_cast<double>(draw >> 40) * 0x1p-24;   // UNIFORM_BITS = 24
+    const double up = static_cast<double>(noise < z - floor);
+    const int32_t magnitude = static_cast<int32_t>(std::min(floor + up, s));
+    const int32_t q = std::signbit(v[i]) ? -magnitude : magnitude;
+    if (q8 != nullptr) q8[i] = static_cast<int8_t>(q);
+    else q16[i] = static_cast<int16_t>(q);
+    recon[i] = static_cast<float>(nu * static_cast<double>(q) / s);
+  }
+}
+
 }  // namespace
 
 bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads,
                  float* norms, int8_t* q8, int16_t* q16, float* recon) {
   const int64_t width = std::min<int64_t>(bucket, std::max<int64_t>(n, 1));
   const int64_t buckets = (n + width - 1) / width;
-  const Chunks norm_chunks(n, threads);
-  std::atomic<bool> finite{true};
-  run_chunks(norm_chunks.count, [&](int c) {
-    std::vector<double> scratch(static_cast<size_t>(width) + 1);
-    const int64_t first = buckets * c / norm_chunks.count, last = buckets * (c + 1) / norm_chunks.count;
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t begin = b * width, len = std::min(width, n - begin);
-      norms[b] = bucket_norm(v + begin, len, width, scratch);
-      if (!std::isfinite(norms[b])) finite = false;
-    }
-  });
-  if (!finite) return false;
   const double s = static_cast<double>(levels);
-  const Chunks chunks(n, threads);
+  const Chunks chunks(n, threads);   // the thread count; each takes a run of whole buckets
+  std::atomic<bool> finite{true};
   run_chunks(chunks.count, [&](int c) {
-    for (int64_t i = chunks.begin(c); i < chunks.end(c); ++i) {
-      const double nu = static_cast<double>(norms[i / width]);
-      const double z = nu > 0 ? s * std::fabs(static_cast<double>(v[i])) / nu : 0.0;
-      const double floor = std::floor(z);
-      const uint64_t draw = deepreduce::bloom::mix64(static_cast<uint64_t>(i + 1) * deepreduce::bloom::GAMMA + seed);
-      const double noise = static_cast<double>(draw >> 40) * 0x1p-24;   // UNIFORM_BITS = 24
-      const double level = std::min(floor + (noise < z - floor ? 1.0 : 0.0), s);
-      const double q = v[i] > 0 ? level : (v[i] < 0 ? -level : 0.0);
-      if (q8 != nullptr) q8[i] = static_cast<int8_t>(q);
-      else q16[i] = static_cast<int16_t>(q);
-      recon[i] = static_cast<float>(nu * q / s);
+    std::vector<double> scratch(static_cast<size_t>(width) + 1);
+    const int64_t first = buckets * c / chunks.count, last = buckets * (c + 1) / chunks.count;
+    for (int64_t b = first; b < last; ++b) {   // the bucket's norm, then its levels (in cache)
+      const int64_t begin = b * width, end = std::min(n, begin + width);
+      norms[b] = bucket_norm(v + begin, end - begin, width, scratch);
+      if (!std::isfinite(norms[b])) {
+        finite = false;
+        return;
+      }
+      const double nu = static_cast<double>(norms[b]);
+      if (!(nu > 0)) {   // an all-zero bucket: every level and value is 0
+        for (int64_t i = begin; i < end; ++i) {
+          if (q8 != nullptr) q8[i] = 0;
+          else q16[i] = 0;
+          recon[i] = 0.0f;
+        }
+        continue;
+      }
+      quantise_bucket(v, begin, end, nu, s, seed, q8, q16, recon);
     }
   });
-  return true;
+  return finite;
 }
 
 }  // namespace dr_select
