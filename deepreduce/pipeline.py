@@ -303,10 +303,11 @@ class Pipeline:
         if len(payloads) == 0:
             raise CommunicationError("no containers to decode")
         target = None
+        host = not arrays.is_torch(out)   # this rank's own containers are kept for the host path
         for rank, payload in enumerate(payloads):
             start = time.perf_counter()
             try:
-                own = None if arrays.is_torch(out) else self._own.match(payload)
+                own = self._own.match(payload) if host else None
                 if own is not None:   # this rank's container: what it decodes to is known
                     container.check_size(own.shape, own.positions.shape[0], expected_shape, self.max_numel)
                     if target is None:

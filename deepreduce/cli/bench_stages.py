@@ -3,8 +3,8 @@
 Runs one config over a whole model's gradients, the way ``reproduce fig11`` exchanges them:
 every tensor is encoded once and the containers of ``--ranks`` ranks (this rank's own and
 ``--ranks - 1`` copies of a peer's: a second pipeline of the config encoding the negated
-gradient, untimed) are decoded with ``decode_sum``. The time of each stage is measured by wrapping the pipeline's
-components for the run (nothing else changes):
+gradient, untimed) are decoded with ``decode_sum``. The time of each stage is measured by
+wrapping the pipeline's components for the run (nothing else changes):
 
 * encode: ``select`` (the sparsifier), ``index.encode``, ``value.encode``, ``value.reconstruct``
   (the receiver's values for error feedback), ``permutation pack`` (``bitpack.pack``) and the

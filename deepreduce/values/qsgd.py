@@ -11,9 +11,10 @@ draw ``i`` is a hash of ``(ctx.seed_for("qsgd"), i)``, the seed itself a hash of
 name and step), never a framework RNG, so NumPy and torch on any device draw the same noise.
 The codec is written against the array namespace (``deepreduce.arrays``): torch tensors are
 encoded and decoded on their device with the same bytes. NumPy values are encoded by the C++
-kernel ``deepreduce._select.qsgd_encode`` when it is built (one pass for the norms and one for
-the levels, GIL released, ``threads`` threads; the same float64 arithmetic in the same order,
-so the same bytes: tests compare it with the array-namespace code below). Bucket norms sum the
+kernel ``deepreduce._select.qsgd_encode`` when it is built (per bucket the norm, then its
+levels while the bucket is in cache; GIL released, ``threads`` threads; the same float64
+arithmetic in the same order, so the same bytes: tests compare it with the array-namespace code
+below). Bucket norms sum the
 squares in a fixed pairwise order (:func:`bucket_norms`) so every framework rounds them alike.
 
 Wire: params ``u16 levels | u32 bucket_size``; payload ``ceil(n / bucket_size)`` float32 norms,
