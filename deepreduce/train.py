@@ -73,9 +73,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of --hook powersgd")
     parser.add_argument("--sync-encode", action="store_true",
                         help="encode inside the backward hook instead of on the background worker")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="X",
+                        help="under horovodrun: compress the gradients in buckets of at most X MiB "
+                             "(DistributedOptimizer(bucket_cap_mb=X)) instead of one container each")
     args = parser.parse_args(argv)
     if args.ab and args.baseline:
         parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")
+    if args.bucket_mb is not None and (args.baseline or args.hook):
+        parser.error("--bucket-mb groups deepreduce's containers; it does not apply to --baseline or --hook")
     if args.hook and (args.baseline or args.ab):
         parser.error("--hook replaces deepreduce by a PyTorch hook; it does not combine with --baseline or --ab")
     return args
@@ -120,7 +125,8 @@ class HorovodWorld:
         import deepreduce.torch as drt
 
         optimizer = drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                             compression=args.config, background=not args.sync_encode)
+                                             compression=args.config, background=not args.sync_encode,
+                                             bucket_cap_mb=args.bucket_mb)
         return model, optimizer, optimizer.compression_stats
 
 
@@ -164,7 +170,12 @@ class TorchWorld:
 
     def deepreduce(self, model, base, args):
         """DDP with deepreduce's communication hook; stats is the hook state's."""
+        from .errors import ConfigError
         from .torch import ddp
+
+        if args.bucket_mb is not None:
+            raise ConfigError("--bucket-mb sets DistributedOptimizer(bucket_cap_mb=...) under horovodrun; the DDP "
+                              "hook under torchrun compresses each parameter of DDP's buckets on its own")
 
         wrapped = self._ddp(model)
         return wrapped, base, ddp.register(wrapped, args.config).compression_stats
