@@ -74,8 +74,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--sync-encode", action="store_true",
                         help="encode inside the backward hook instead of on the background worker")
     parser.add_argument("--bucket-mb", type=float, default=None, metavar="X",
-                        help="under horovodrun: compress the gradients in buckets of at most X MiB "
-                             "(DistributedOptimizer(bucket_cap_mb=X)) instead of one container each")
+                        help="compress the gradients in buckets of at most X MiB instead of one container "
+                             "each: DistributedOptimizer(bucket_cap_mb=X) under horovodrun, DDP buckets of X "
+                             "MiB sent whole (per_parameter=False) under torchrun")
     args = parser.parse_args(argv)
     if args.ab and args.baseline:
         parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")
@@ -169,16 +170,16 @@ class TorchWorld:
         return wrapped, base, torch_hook(wrapped, args) if args.hook else None
 
     def deepreduce(self, model, base, args):
-        """DDP with deepreduce's communication hook; stats is the hook state's."""
-        from .errors import ConfigError
+        """DDP with deepreduce's communication hook; stats is the hook state's. ``--bucket-mb``:
+        DDP buckets of that many MiB, each sent whole (``per_parameter=False``)."""
         from .torch import ddp
 
-        if args.bucket_mb is not None:
-            raise ConfigError("--bucket-mb sets DistributedOptimizer(bucket_cap_mb=...) under horovodrun; the DDP "
-                              "hook under torchrun compresses each parameter of DDP's buckets on its own")
-
-        wrapped = self._ddp(model)
-        return wrapped, base, ddp.register(wrapped, args.config).compression_stats
+        if args.bucket_mb is None:
+            wrapped = self._ddp(model)
+        else:
+            wrapped = self._ddp(model, bucket_cap_mb=args.bucket_mb)
+        return wrapped, base, ddp.register(wrapped, args.config,
+                                           per_parameter=args.bucket_mb is None).compression_stats
 
 
 def torch_hook(model, args):
