@@ -179,3 +179,12 @@ def test_compiled_step_encodes_every_tensor_before_the_first_decode(result, back
 def test_ranks_with_different_background_settings_meet(result):
     r = result["mixed_background"]
     assert r["ranks_identical"] and r["changed"] > 1e-3 and r["max_abs_diff"] <= 1e-6
+
+
+def test_buckets_reduce_like_the_core_pipeline_on_the_concatenation(tmp_path):
+    pytest.importorskip("horovod.tensorflow")
+    r = run_workers("tf_buckets.py", tmp_path / "buckets.json")
+    assert r["lossless"] == {"eager": True, "function": True}
+    assert r["topk_max_diff"] == 0.0          # the same containers and sums as the NumPy core's
+    assert "CommunicationError" == r["mixed"][0] and "bucket" in r["mixed"][1]
+    assert "ConfigError" == r["summable"][0] and "bucket_cap_mb" in r["summable"][1]

@@ -119,7 +119,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          compression=None, sparse_as_dense=False, backward_passes_per_step=1, op=None,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
                          groups=None, process_set=None, scale_local_gradients=True, *, name_prefix="grad",
-                         background=True):
+                         background=True, bucket_cap_mb=None):
     """An optimizer that averages (or sums) gradients across ranks before applying them.
 
     Takes the arguments of ``horovod.tensorflow.DistributedOptimizer``. ``compression`` is a
@@ -135,7 +135,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     locally, then reduced and applied once (divided by the count when
     ``average_aggregated_gradients``); ``iterations`` counts the applied steps.
     ``background``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape` (eager
-    reductions run each tensor's chain on worker threads unless ``False``).
+    reductions run each tensor's chain on worker threads unless ``False``); ``bucket_cap_mb``:
+    as for the tape (gradients in buckets of at most that many MiB, one container each).
     ``device_*`` and ``groups`` are accepted for compatibility and have no effect here.
     For a Keras optimizer a new optimizer of the same class and config is returned (its state
     starts empty, as with Horovod's Keras wrapper).
@@ -146,6 +147,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                           f"got {backward_passes_per_step!r}")
     overlap.check_workers(background, "DistributedOptimizer")   # also where Horovod's wrapper takes over
     summable = compression is None or is_summable_compressor(compression)
+    if summable and bucket_cap_mb is not None:
+        raise ConfigError("DistributedOptimizer: bucket_cap_mb applies to deepreduce configs; a summable "
+                          "compressor's allreduces are grouped by Horovod's tensor fusion")
     if summable and isinstance(optimizer, tf.compat.v1.train.Optimizer):
         hvd = import_horovod()
         return hvd.DistributedOptimizer(
@@ -157,7 +161,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             process_set=hvd.global_process_set if process_set is None else process_set,
             scale_local_gradients=scale_local_gradients)
     kwargs = dict(op=op, process_set=process_set, gradient_predivide_factor=gradient_predivide_factor,
-                  sparse_as_dense=sparse_as_dense, background=background)
+                  sparse_as_dense=sparse_as_dense, background=background, bucket_cap_mb=bucket_cap_mb)
     reducer = Reducer(None, hvd_compression=compression, **kwargs) if summable else \
         Reducer(build(compression), **kwargs)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):

@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .. import agreement, container, overlap
+from .. import agreement, buckets, container, overlap
 from ..comm.horovod import HorovodCommunicator
 from ..errors import BackendUnavailableError, ConfigError
 from .pipeline import TFPipeline, build, numpy_op
@@ -100,13 +100,23 @@ class Reducer:
     many, ``False`` (or 1) one tensor after another on the caller's thread. The containers and
     the reduced gradients are the same either way; an error raised in a worker is re-raised here
     (the first in tensor order, once every tensor's chain has ended).
+
+    ``bucket_cap_mb`` (containers only; default None, one container per gradient): the float32
+    gradients of at least the config's ``min_numel`` elements, in reverse order (backward's),
+    are concatenated into buckets of at most that many MiB and each bucket travels as one
+    container (:mod:`deepreduce.buckets`, as the torch optimizer's ``bucket_cap_mb``); the
+    reduced bucket is split back into the gradients.
     """
 
     def __init__(self, pipeline: Optional[TFPipeline], op=None, process_set=None,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 hvd_compression=None, background=True) -> None:
+                 hvd_compression=None, background=True, bucket_cap_mb=None) -> None:
         self.hvd = import_horovod()
         self.workers = overlap.check_workers(background, "deepreduce.tensorflow")
+        self.bucket_cap_mb = buckets.check_bucket_cap(bucket_cap_mb, "deepreduce.tensorflow")
+        if self.bucket_cap_mb is not None and pipeline is None:
+            raise ConfigError("deepreduce.tensorflow: bucket_cap_mb applies to deepreduce configs; a summable "
+                              "compressor's allreduces are grouped by Horovod's tensor fusion")
         self.pipeline = None if pipeline is None else build(pipeline)
         self.hvd_compression = hvd_compression if hvd_compression is not None else self.hvd.Compression.none
         if self.pipeline is not None:
@@ -265,34 +275,71 @@ class Reducer:
             step = tf.identity(counter.read_value())
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
-        self._agree(grads, names)
         live = [i for i, g in enumerate(grads) if g is not None]
         # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds the non-zeros again
         dense = [tf.convert_to_tensor(grads[i]) for i in live]
+        live_names = [names[i] for i in live]
+        groups = self._bucket_plan(dense)
+        self._agree(grads, names, [(f"<bucket{k}>", [sum(_numel(dense[j]) for j in g)], "bucket")
+                                   for k, g in enumerate(groups)])
         reports = [] if self._collective_nonfinite else None
         if self.pipeline is None:
-            reduced = [self._allreduce(g, names[i]) for g, i in zip(dense, live)]
+            reduced, sent_names = [self._allreduce(g, names[i]) for g, i in zip(dense, live)], live_names
+        elif not groups:
+            reduced, sent_names = self._reduce_containers(dense, live_names, step, reports), live_names
         else:
-            reduced = self._reduce_containers(dense, [names[i] for i in live], step, reports)
+            reduced, sent_names = self._reduce_buckets(dense, live_names, groups, step, reports)
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         for i, g in zip(live, reduced):
             out[i] = g
         if reports:
-            out = self._finish_step(out, reports, [names[i] for i in live], step)
+            out = self._finish_step(out, reports, sent_names, step)
         if own_counter:
             done = [g for g in out if g is not None]
             with tf.control_dependencies(done):
                 counter.assign_add(1)
         return out
 
-    def _agree(self, grads: Sequence, names: Sequence[str]) -> None:
-        """Compare every rank's gradients and compressor once per layout (at trace time or the
-        first eager step; an eager allgather, lifted out of any ``tf.function`` being traced)."""
+    def _bucket_plan(self, dense: List[tf.Tensor]) -> List[List[int]]:
+        """Positions in ``dense`` of each bucket's gradients (see the class docstring); [] without
+        ``bucket_cap_mb``. Only float32 gradients of a static size of at least ``min_numel``."""
+        if self.bucket_cap_mb is None or self.pipeline is None:
+            return []
+        eligible = [j for j in reversed(range(len(dense)))
+                    if dense[j].dtype == tf.float32 and _numel(dense[j]) is not None
+                    and _numel(dense[j]) >= self.pipeline.core.min_numel]
+        return [[eligible[i] for i in members]
+                for members in buckets.plan([_numel(dense[j]) for j in eligible], self.bucket_cap_mb * buckets.MIB)]
+
+    def _reduce_buckets(self, dense: List[tf.Tensor], names: List[str], groups: List[List[int]], step,
+                        reports: Optional[list]):
+        """:meth:`_reduce_containers` of each bucket's concatenated gradients (named
+        ``bucket<k>.<first gradient's name>``) and of the other gradients; the reduced buckets
+        are split back. Returns (the reduced gradients in ``dense``'s order, the containers' names)."""
+        flats = [tf.concat([tf.reshape(dense[j], [-1]) for j in g], 0) for g in groups]
+        bucket_names = [f"bucket{k}.{names[g[0]]}" for k, g in enumerate(groups)]
+        inside = {j for g in groups for j in g}
+        singles = [j for j in range(len(dense)) if j not in inside]
+        sent_names = bucket_names + [names[j] for j in singles]
+        reduced = self._reduce_containers(flats + [dense[j] for j in singles], sent_names, step, reports)
+        out: List[Optional[tf.Tensor]] = [None] * len(dense)
+        for g, total in zip(groups, reduced):
+            for j, part in zip(g, tf.split(total, [_numel(dense[j]) for j in g])):
+                out[j] = tf.reshape(part, dense[j].shape)
+        for j, total in zip(singles, reduced[len(groups):]):
+            out[j] = total
+        return out, sent_names
+
+    def _agree(self, grads: Sequence, names: Sequence[str], extra: Sequence = ()) -> None:
+        """Compare every rank's gradients, compressor and buckets (``extra`` layout entries) once
+        per layout (at trace time or the first eager step; an eager allgather, lifted out of any
+        ``tf.function`` being traced)."""
         tensors = []
         for g, n in zip(grads, names):
             if g is not None:
                 shape = tf.TensorShape(g.shape)
                 tensors.append((n, [] if shape.rank is None else shape.as_list(), g.dtype.name))
+        tensors += list(extra)
         compressor = self.pipeline if self.pipeline is not None else self.hvd_compression
         layout = agreement.Layout(agreement.compressor_identity(compressor), tensors, "gradient")
         key = (id(self.process_set), layout.digest)
@@ -325,6 +372,12 @@ class Reducer:
         done = _graph_or_eager(finish, [step] + reports, tf.int64, "deepreduce_finish_step")
         with tf.control_dependencies([done]):
             return [None if g is None else tf.identity(g) for g in reduced]
+
+
+def _numel(tensor: tf.Tensor) -> Optional[int]:
+    """Elements of a tensor of static shape, None when its shape is not fully known."""
+    shape = tf.TensorShape(tensor.shape)
+    return shape.num_elements() if shape.is_fully_defined() else None
 
 
 def _nonfinite_report(gathered: np.ndarray) -> np.ndarray:

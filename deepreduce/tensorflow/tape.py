@@ -97,7 +97,7 @@ class _DeepReduceGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=None, scale_local_gradients=True,
-                            *, step=None, name_prefix="grad", background=True):
+                            *, step=None, name_prefix="grad", background=True, bucket_cap_mb=None):
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged (or summed) over ranks.
 
     Args (beyond Horovod's, which keep their meaning):
@@ -115,6 +115,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             (``True``: :data:`deepreduce.overlap.DEFAULT_WORKERS` of them; an int: that many), so
             encodes overlap other tensors' communication; ``False``: one tensor after another.
             Same containers and gradients either way; no effect inside ``tf.function``.
+        bucket_cap_mb: None (default): one container per gradient; a number of MiB: the float32
+            gradients with at least the config's ``min_numel`` elements travel concatenated, one
+            container per bucket of at most that size (see ``deepreduce.buckets``; a sparsifier
+            then selects over the bucket).
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
     the host. ``num_groups``/``groups`` are accepted: every gradient travels in its own
@@ -125,5 +129,5 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
     reducer = make_reducer(compression, op=op, process_set=process_set,
                            gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-                           background=background)
+                           background=background, bucket_cap_mb=bucket_cap_mb)
     return _DeepReduceGradientTape(gradtape, reducer, step, scale_local_gradients, name_prefix)
