@@ -55,7 +55,9 @@ def namespace(*arrays):
 
 def is_torch(x) -> bool:
     """Whether ``x`` is a torch tensor (without importing torch: a process that never imported it
-    holds none). Called on every section of every container, so it is one isinstance check."""
+    holds none). Called on every section of every container, so a NumPy array is answered first."""
+    if type(x) is np.ndarray:
+        return False
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 

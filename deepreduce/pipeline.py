@@ -349,6 +349,7 @@ class Pipeline:
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
         """
+        on_torch = arrays.is_torch(out)
         a = arrays.adapter(out)
         if c.dense:
             dense = a.from_section(c.value_section, "<f4", out)
@@ -361,11 +362,16 @@ class Pipeline:
                 raise _sum_overflow()
             return
         index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
+        numel = out.shape[0]   # the header's element count (decode_sum checked the shapes)
         try:
-            indices = _decoded(index_codec, out, c.index_section,
-                               lambda section: index_codec.decode(c.index_params, section, c.n, c.numel))
-            values = _decoded(value_codec, out, c.value_section,
-                              lambda section: value_codec.decode(c.value_params, section, c.n))
+            if on_torch:
+                indices = _decoded(index_codec, out, c.index_section,
+                                   lambda section: index_codec.decode(c.index_params, section, c.n, numel))
+                values = _decoded(value_codec, out, c.value_section,
+                                  lambda section: value_codec.decode(c.value_params, section, c.n))
+            else:
+                indices = index_codec.decode(c.index_params, c.index_section, c.n, numel)
+                values = value_codec.decode(c.value_params, c.value_section, c.n)
         except DeepReduceError:
             raise
         except _DECODE_ERRORS as exc:
