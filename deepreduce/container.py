@@ -134,8 +134,12 @@ def pack(c: Container, like=None):
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
     sections = (c.index_section, c.value_section, c.perm_section)
-    device = like if arrays.is_torch(like) else \
-        next((s for s in sections if not isinstance(s, bytes) and arrays.is_torch(s)), None)
+    device = like if arrays.is_torch(like) else None
+    if device is None:
+        for s in sections:
+            if type(s) is not bytes and arrays.is_torch(s):
+                device = s
+                break
     native = None if device is not None else _native.load("container")
     if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
         return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),

@@ -86,6 +86,7 @@ class Pipeline:
         wire_config.pop("threads")  # threads and the receiver's bound never change a byte
         wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
+        self._wire_digest = self._digest[:container.DIGEST_SIZE]   # what each container carries
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
         self._own = OwnContainers()   # this rank's last containers, added to sums without decoding
@@ -223,9 +224,9 @@ class Pipeline:
             c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
             self.memory.settle(name, None, None)
         else:
-            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
+            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select, on_torch)
             self.memory.settle(name, positions, received, self.threads)
-        c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
+        c.digest = self._wire_digest   # receivers compare it with their own config
         payload = container.pack(c, like=flat)
         if sparse and comp.finite and not on_torch:
             self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
@@ -243,13 +244,16 @@ class Pipeline:
             return select_torch_native(self.sparsifier, comp.flat, ctx)
         return self.sparsifier.select(comp.flat, ctx)
 
-    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
+    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None, on_torch: bool = False):
         """(container, positions, the receiver's values at those positions)."""
         compensated = comp.flat
         indices = self._select(comp, ctx, select)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
-        index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
+        if on_torch:
+            index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
+        else:   # NumPy: every codec's own encode
+            index_encode, value_encode = self.index.encode, self.value.encode
         if self.index.keeps_order:
             venc = value_encode(values, ctx)
             positions = indices
@@ -558,6 +562,8 @@ def _as_float32(grad, name: str):
     A torch tensor stays a torch tensor on its device (the torch device path); a float32
     contiguous one is not copied.
     """
+    if type(grad) is np.ndarray and grad.dtype == np.float32 and grad.flags.c_contiguous:
+        return grad.reshape(-1), grad.shape   # what the general path below returns for it
     if arrays.is_torch(grad):
         if not grad.dtype.is_floating_point:
             raise dtype_error(name, grad.dtype)

@@ -26,7 +26,10 @@ class RawIndex(IndexCodec):
     array_api = True
 
     def encode(self, indices, values, dense, ctx):
-        payload = arrays.adapter(dense).uint_bytes(indices, index_dtype(dense.shape[0]).itemsize)
+        if type(dense) is np.ndarray:   # the host path: one conversion
+            payload = np.asarray(indices).astype(index_dtype(dense.shape[0])).tobytes()
+        else:
+            payload = arrays.adapter(dense).uint_bytes(indices, index_dtype(dense.shape[0]).itemsize)
         return IndexEncoding(b"", payload, indices, values)
 
     def decode(self, params, payload, count, numel):
