@@ -271,12 +271,11 @@ def _native_shape(expected_shape) -> Optional[Tuple[int, ...]]:
     if expected_shape is None:
         return None
     try:
-        expected = tuple(int(s) for s in expected_shape)
+        expected = tuple(map(int, expected_shape))
     except (TypeError, ValueError):
         return None
-    for s in expected:
-        if not 0 <= s < 1 << 64:
-            return None
+    if expected and not 0 <= min(expected) <= max(expected) < 1 << 64:
+        return None
     return expected
 
 
