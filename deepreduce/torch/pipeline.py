@@ -76,7 +76,7 @@ class TorchPipeline:
         tensor decodes as 0-d); an integer tensor is refused with the core's message; a sparse
         tensor is coalesced and encoded as its dense form.
         """
-        grad = _dense_float(tensor.detach(), name)
+        grad = _dense_float(tensor.detach() if tensor.requires_grad else tensor, name)
         on_device = self._takes_device_path(grad)
         if grad.is_cpu and not on_device:   # the host path
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
@@ -151,7 +151,7 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
     (a float64 one goes through the core's checked conversion: overflow is reported)."""
     if grad.dtype not in (torch.float32, torch.float64):
         grad = grad.float()
-    return grad.contiguous().numpy()
+    return (grad if grad.is_contiguous() else grad.contiguous()).numpy()
 
 
 def _as_numpy(payload) -> np.ndarray:
