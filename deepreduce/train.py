@@ -73,9 +73,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of --hook powersgd")
     parser.add_argument("--sync-encode", action="store_true",
                         help="encode inside the backward hook instead of on the background worker")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="X",
+                        help="compress the gradients in buckets of at most X MiB instead of one container "
+                             "each: DistributedOptimizer(bucket_cap_mb=X) under horovodrun, DDP buckets of X "
+                             "MiB sent whole (per_parameter=False) under torchrun")
     args = parser.parse_args(argv)
     if args.ab and args.baseline:
         parser.error("--ab already runs the dense baseline beside deepreduce; drop --baseline")
+    if args.bucket_mb is not None and (args.baseline or args.hook):
+        parser.error("--bucket-mb groups deepreduce's containers; it does not apply to --baseline or --hook")
     if args.hook and (args.baseline or args.ab):
         parser.error("--hook replaces deepreduce by a PyTorch hook; it does not combine with --baseline or --ab")
     return args
@@ -120,7 +126,8 @@ class HorovodWorld:
         import deepreduce.torch as drt
 
         optimizer = drt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                             compression=args.config, background=not args.sync_encode)
+                                             compression=args.config, background=not args.sync_encode,
+                                             bucket_cap_mb=args.bucket_mb)
         return model, optimizer, optimizer.compression_stats
 
 
@@ -163,11 +170,16 @@ class TorchWorld:
         return wrapped, base, torch_hook(wrapped, args) if args.hook else None
 
     def deepreduce(self, model, base, args):
-        """DDP with deepreduce's communication hook; stats is the hook state's."""
+        """DDP with deepreduce's communication hook; stats is the hook state's. ``--bucket-mb``:
+        DDP buckets of that many MiB, each sent whole (``per_parameter=False``)."""
         from .torch import ddp
 
-        wrapped = self._ddp(model)
-        return wrapped, base, ddp.register(wrapped, args.config).compression_stats
+        if args.bucket_mb is None:
+            wrapped = self._ddp(model)
+        else:
+            wrapped = self._ddp(model, bucket_cap_mb=args.bucket_mb)
+        return wrapped, base, ddp.register(wrapped, args.config,
+                                           per_parameter=args.bucket_mb is None).compression_stats
 
 
 def torch_hook(model, args):

@@ -72,3 +72,25 @@ def test_resnet50_shapes_match_the_architecture():
     assert sum(int(np.prod(shape)) for _, shape in shapes) == 25_557_032
     assert shapes[0] == ("conv1.weight", (64, 3, 7, 7)) and shapes[-1] == ("fc.bias", (1000,))
     assert dict(shapes)["layer4.0.downsample.0.weight"] == (2048, 1024, 1, 1)
+
+
+def test_bench_step_buckets(tmp_path, capsys):
+    # 0.01 MiB holds neither of the two large tensors with the other: each is a bucket of its own,
+    # so the bucketed row sends the per-tensor selections, in 1-D containers (a header with one
+    # dimension instead of the tensor's: a few bytes less); 25 MiB puts both in one bucket.
+    rng = np.random.default_rng(1)
+    path = tmp_path / "tiny.npz"
+    np.savez(path, **{name: rng.laplace(size=shape).astype(np.float32) for name, shape in SHAPES.items()})
+    config = f"{default_configs_dir()}/topk_raw.yaml"
+    for cap in ("0.01", "25"):
+        assert main(["bench-step", "--gradients", str(path), "--steps", "2", "--warmup", "0",
+                     "--bucket-mb", cap, config]) == 0
+        rows = _table(capsys.readouterr().out)
+        bucketed = rows[f"topk_raw ({cap} MiB buckets)"]
+        assert min(bucketed[:4]) > 0
+        if cap == "0.01":
+            assert rows["topk_raw"][3] - 8 <= bucketed[3] < rows["topk_raw"][3]
+        else:
+            assert bucketed[3] != rows["topk_raw"][3]
+    with pytest.raises(ConfigError, match="--bucket-mb: bucket_cap_mb must be a positive number"):
+        main(["bench-step", "--gradients", str(path), "--steps", "1", "--bucket-mb", "0", config])

@@ -229,6 +229,34 @@ def test_dense_filters_query_alike(fpr):
 
 
 @needs_native
+@settings(max_examples=150, deadline=None)
+@given(blocks=st.integers(1, 40), k=st.integers(1, 64), d=st.integers(0, 3_000), fill=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**64 - 1), limit=st.integers(0, 3_000), threads=st.integers(1, 3), data=st.data())
+def test_property_simd_and_portable_query_alike(blocks, k, d, fill, seed, limit, threads, data):
+    # Arbitrary filter bytes (a hostile container's, or a filter of any fill), k up to 64 (probes
+    # that wrap g many times), d not a multiple of the 8 lanes: the AVX2 code, the portable loop
+    # and the NumPy reference find the same positives, cut at limit + 1 alike.
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    bits = np.packbits(rng.random(512 * blocks) < fill, bitorder="little").tobytes()
+    simd = NATIVE.query(bits, blocks, k, seed, d, limit, threads)
+    portable = NATIVE.query(bits, blocks, k, seed, d, limit, threads, simd=False)
+    assert np.array_equal(simd, portable)
+    assert np.array_equal(simd, bl.np_query(bits, blocks, k, seed, d, limit))
+
+
+@needs_native
+def test_simd_query_of_a_large_filter_matches_the_portable_loop():
+    # Above 256 KiB the AVX2 code prefetches each block's line before probing it.
+    d = 1_000_000
+    idx = np.sort(np.random.default_rng(5).choice(d, 200_000, replace=False)).astype(np.uint64)
+    blocks, k = bl.filter_params(idx.size, 0.0001)
+    assert blocks * 64 > 256 << 10
+    bits = NATIVE.build(idx, blocks, k, 2, 1)
+    P = NATIVE.query(bits, blocks, k, 2, d, d, 1)
+    assert np.isin(idx, P).all() and np.array_equal(P, NATIVE.query(bits, blocks, k, 2, d, d, 1, simd=False))
+
+
+@needs_native
 def test_thread_count_never_changes_a_byte():
     d = 700_000   # large enough for 7 threads of at least 65,536 positions
     dense, idx = sparse_case(d, 7_000, seed=6)

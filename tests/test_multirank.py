@@ -39,3 +39,8 @@ def test_nonfinite_step_is_skipped_on_every_rank_and_training_goes_on(agreement_
 def test_background_encoder_and_device_path_match_synchronous_path_and_surface_worker_errors():
     out = run_ranks("horovodrun", "torch_background_encode.py")
     assert out.stdout.count("OK") == 2
+
+
+def test_bucketed_optimizer_sends_each_bucket_as_one_container_of_its_concatenated_gradient():
+    out = run_ranks("horovodrun", "torch_buckets.py")
+    assert out.stdout.count("OK") == 2

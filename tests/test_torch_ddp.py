@@ -107,6 +107,19 @@ def test_nonfinite_gradients_follow_the_pipeline_option(ranks):
     assert np.isfinite(r0["params"]).all()
 
 
+def test_whole_buckets_send_one_container_for_the_large_gradients(ranks):
+    r0, r1 = both(ranks, "scenario_whole_buckets")
+    for result in (r0, r1):
+        assert result["lossless_equal"]
+        # fc1.weight (64 x 576) and branch.weight (10 x 576) in one 1-D container, Top-1% of it
+        assert result["merged"] == {"bucket:branch.weight..fc1.weight/2": ((42_624,), 426)} or \
+            result["merged"] == {"bucket:fc1.weight..branch.weight/2": ((42_624,), 426)}
+        assert "fc1.weight" not in result["others"] and "conv.weight" in result["others"]
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+    (_, message0, _), (_, message1, _) = r0["mixed"], r1["mixed"]
+    assert message0 == message1 and "CommunicationError" in message0 and "whole buckets" in message0
+
+
 @pytest.mark.parametrize("case, expected", [
     ("error", "rank 0 uses deepreduce config (sparsifier topk"), ("mixed", "rank 1 uses GradiVeQ(")])
 def test_rank_disagreement_is_an_error_on_every_rank_within_seconds(ranks, case, expected):

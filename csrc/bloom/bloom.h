@@ -64,9 +64,10 @@ void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t see
 void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed, uint8_t* bits, int threads);
 
 // The first min(|P|, limit + 1) positives P of [0, d), ascending, into `out` (`threads` threads;
-// the result does not depend on the thread count).
+// the result does not depend on the thread count). `simd`: use the AVX2 code where the CPU has it
+// (same result; false forces the portable loop, for tests that compare the two).
 void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit,
-           int threads, std::vector<uint64_t>& out);
+           int threads, std::vector<uint64_t>& out, bool simd = true);
 
 }  // namespace blocked
 

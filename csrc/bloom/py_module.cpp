@@ -132,7 +132,7 @@ PYBIND11_MODULE(_bloom, mod) {
        "the blocked filter bytes (64 per block) holding the given indices");
 
     mod.def("query", [](py::bytes data, py::object size, py::object k, py::object seed, py::object d,
-                        py::object limit, py::object threads, const std::string& family) {
+                        py::object limit, py::object threads, const std::string& family, bool simd) {
         const bl::Family fam = family_arg(family);
         const uint64_t sz = size_arg(size, fam);
         const int kk = k_arg(k);
@@ -149,14 +149,15 @@ PYBIND11_MODULE(_bloom, mod) {
         const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
         run_released([&] {
             if (fam == bl::Family::blocked)
-                bl::blocked::query(b, sz, kk, s, dd, lim, t, out);
+                bl::blocked::query(b, sz, kk, s, dd, lim, t, out, simd);
             else
                 bl::splitmix::query(b, sz, kk, s, dd, lim, t, out);
         });
         return to_array(out);
     }, py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("d"), py::arg("limit"),
-       py::arg("threads") = 1, py::arg("family") = "blocked",
-       "the first min(|P|, limit + 1) positives P in [0, d), ascending");
+       py::arg("threads") = 1, py::arg("family") = "blocked", py::arg("simd") = true,
+       "the first min(|P|, limit + 1) positives P in [0, d), ascending; simd=False forces the portable "
+       "loop of the blocked family (the same result as its AVX2 code)");
 
     mod.def("select_random", [](py::object positives, py::object r, py::object draw_seed) {
         U64Array P = index_array(positives, "positives");

@@ -18,6 +18,11 @@ does, and the bytes one rank sends.
   reference), on a ``DistributedDataParallel`` module whose gradients are the set's, in a
   one-process gloo group; decode includes the reduction of ``--ranks`` contributions.
 
+* ``--bucket-mb X``: each config runs a second time as ``DistributedOptimizer(bucket_cap_mb=X)``
+  sends it (:mod:`deepreduce.buckets`): the gradients with a container, in backward order (the
+  reverse of the set's), concatenated into buckets of at most X MiB, one container per bucket;
+  the copies into a bucket and back into the ``.grad`` buffers are timed with encode and decode.
+
 * ``torch.topk``: the Top-1% selection alone (``torch.topk`` of the magnitudes of every tensor),
   the floor any Top-r codec builds on.
 
@@ -73,6 +78,9 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
                         help="run the deepreduce configs on the torch device path on this device, and "
                              "every method's tensors there (default: CPU tensors, host path)")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="X",
+                        help="also run each config with its gradients in buckets of at most X MiB, as "
+                             "DistributedOptimizer(bucket_cap_mb=X) sends them")
     parser.add_argument("--interleave", action="store_true",
                         help="step all methods in turn (steadier ratios on a busy machine; holds every "
                              "method's state at once: several GB for resnet50)")
@@ -144,11 +152,16 @@ class ConfigRunner:
 
     extra_warmup = 0
 
-    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None) -> None:
+    def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None,
+                 bucket_mb=None) -> None:
+        from ..buckets import check_bucket_cap
         from ..config import load_config
         from ..torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
+        self.bucket_mb = check_bucket_cap(bucket_mb, "bench-step --bucket-mb")
+        if bucket_mb is not None:
+            self.method += f" ({bucket_mb:g} MiB buckets)"
         config = dict(load_config(path), threads=threads)
         self.pipe = build(config, path="auto" if device is None else "device")
         self.peer = build(config, path="auto" if device is None else "device")
@@ -173,6 +186,8 @@ class ConfigRunner:
         tensors = [(name, torch.from_numpy(grad.copy()).to(self.device)) for name, grad in self.grads.items()]
         summed = [t for _, t in tensors if t.device.type == "cpu" and self.pipe.core.summed_dense(t.numel())]
         coded = [(name, t) for name, t in tensors if not any(t is s for s in summed)]
+        if self.bucket_mb is not None:
+            return self._bucketed_step(coded, summed)
         received = peer_payloads(self.peer, coded, self.step_number)
         t0 = _now(self.device)                                                                # fresh p.grad
         payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in coded]
@@ -180,10 +195,43 @@ class ConfigRunner:
         for (name, tensor), payload, other in zip(coded, payloads, received):
             self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape),
                                  out=self._grad_buffer(name, tensor))
+        self._sum_dense(summed)
+        t2 = _now(self.device)
+        self.step_number += 1
+        return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads) + sum(4 * t.numel() for t in summed)
+
+    def _sum_dense(self, summed) -> None:
         for tensor in summed:
             total = tensor.clone()
             for _ in range(self.ranks - 1):
                 total += tensor
+
+    def _bucketed_step(self, coded, summed) -> Tuple[float, float, int]:
+        """:meth:`step` as the optimizer sends buckets: copy each bucket's gradients (backward
+        order) into one flat tensor, encode it, decode-and-sum the bucket, copy the slices back."""
+        import torch
+
+        from ..buckets import MIB, plan
+
+        backward = coded[::-1]
+        groups = [[backward[i] for i in members]
+                  for members in plan([t.numel() for _, t in backward], self.bucket_mb * MIB)]
+        names = [f"bucket{k}.{group[0][0]}" for k, group in enumerate(groups)]
+        received = peer_payloads(self.peer, [(name, torch.cat([t.reshape(-1) for _, t in group]))
+                                             for name, group in zip(names, groups)], self.step_number)
+        t0 = _now(self.device)
+        flats = [torch.cat([t.reshape(-1) for _, t in group]) for group in groups]          # the copy-in
+        payloads = [self.pipe.encode(flat, name=name, step=self.step_number) for name, flat in zip(names, flats)]
+        t1 = _now(self.device)
+        for name, group, payload, other in zip(names, groups, payloads, received):
+            numel = sum(t.numel() for _, t in group)
+            out = self._grad_buffer(name, torch.empty(numel, device=self.device))
+            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=(numel,), out=out)
+            at = 0
+            for grad_name, tensor in group:                                               # the copy-back
+                self._grad_buffer(grad_name, tensor).copy_(out[at:at + tensor.numel()].view_as(tensor))
+                at += tensor.numel()
+        self._sum_dense(summed)
         t2 = _now(self.device)
         self.step_number += 1
         return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads) + sum(4 * t.numel() for t in summed)
@@ -317,7 +365,7 @@ def _row(method: str, samples: List[Tuple[float, float, int]]) -> dict:
 
 
 # ---------------------------------------------------------------------------- output
-COLUMNS = f"{'method':<24} {'encode_ms':>10} {'decode_ms':>10} {'total_ms':>10} {'bytes':>11} " \
+COLUMNS = f"{'method':<28} {'encode_ms':>10} {'decode_ms':>10} {'total_ms':>10} {'bytes':>11} " \
           f"{'vs_dense':>9} {'time/PSGD4':>10} {'vol/PSGD4':>10}"
 
 
@@ -332,7 +380,7 @@ def print_table(title: str, grads: Dict[str, np.ndarray], rows: Iterable[dict], 
     ref = None
     for r in rows:
         ref = ref or r
-        print(f"{r['method']:<24} {r['encode_ms']:>10.3f} {r['decode_ms']:>10.3f} {r['total_ms']:>10.3f} "
+        print(f"{r['method']:<28} {r['encode_ms']:>10.3f} {r['decode_ms']:>10.3f} {r['total_ms']:>10.3f} "
               f"{r['bytes']:>11} {r['bytes'] / (4 * numel):>9.4f} {r['total_ms'] / ref['total_ms']:>10.3f} "
               f"{r['bytes'] / ref['bytes']:>10.3f}", flush=True)
 
@@ -364,8 +412,9 @@ def run(args) -> int:
         with one_process_group("nccl" if args.device == "cuda" else "gloo"):
             factories = [functools.partial(HookRunner, method, targets, args.ranks) for method in hooks]
             factories.append(functools.partial(TopkRunner, grads, args.device))
-            factories += [functools.partial(ConfigRunner, path, grads, args.ranks, threads, args.device)
-                          for path in paths]
+            caps = [None] if args.bucket_mb is None else [None, args.bucket_mb]
+            factories += [functools.partial(ConfigRunner, path, grads, args.ranks, threads, args.device, cap)
+                          for path in paths for cap in caps]
             print_table(title, grads, measure(factories, args.steps, args.warmup, args.interleave), args)
     return 0
 

@@ -42,6 +42,16 @@ own (created by the state over the same ranks), issued by that one thread in hoo
 chained on gloo complete on gloo's worker threads, and collectives issued from their callbacks
 would reach the group in an order that can differ between ranks.
 
+Whole buckets (``per_parameter=False``): the gradients of a bucket's parameters with at least
+the config's ``min_numel`` elements are concatenated (in bucket order) and encoded as one tensor,
+one container for all of them, as ``DistributedOptimizer(bucket_cap_mb=...)`` does
+(:mod:`deepreduce.buckets`: far less per-tensor cost for models with many tensors; a sparsifier
+then selects over the concatenation); the smaller ones keep a container each. The concatenation
+is named after its parameters (``bucket:<first>..<last>/<count>``), which keys its residual. DDP
+rebuilds its buckets once, after the first iteration, in the order gradients became ready; the
+new buckets start with fresh residuals (what the first iteration's buckets left unsent is
+dropped).
+
 Checkpoints: ``state.state_dict()`` holds the step counter, the error-feedback residuals and any
 learned compressor state (SIDCo stage counts, GradiVeQ models); save it beside the model and
 optimizer state and ``load_state_dict`` it after building the state on resume. A resumed run
@@ -98,6 +108,14 @@ class _Job:
     step: int
     last: bool                 # the step's last bucket (DDP's GradBucket.is_last)
     future: torch.futures.Future
+    merged: Optional[tuple] = None   # per_parameter=False: (name, positions of the views encoded as one)
+
+    def containers(self) -> List[str]:
+        """What each container of this bucket holds: the merged gradients' name, then each
+        other parameter's (all parameters in order when nothing is merged)."""
+        if self.merged is None:
+            return list(self.names)
+        return [self.merged[0]] + [n for i, n in enumerate(self.names) if i not in self.merged[1]]
 
 
 def _is_summable(obj) -> bool:
@@ -125,12 +143,16 @@ class DeepReduceState:
             hands them over, which is the same on every rank.
         path: where the codecs run ("auto", "device", "host"; ``deepreduce.torch.pipeline``):
             "auto" compresses CUDA buckets on their device and decodes into them there.
+        per_parameter: True (default): each parameter's gradient is its own container; False:
+            a bucket's gradients of at least ``min_numel`` elements travel as one (see the module
+            docstring, "Whole buckets").
 
     State: ``step`` (iterations communicated), the pipeline's residuals and learned state.
     Statistics: ``compression_stats()``.
     """
 
-    def __init__(self, process_group=None, compression=None, named_parameters=None, path: str = "auto") -> None:
+    def __init__(self, process_group=None, compression=None, named_parameters=None, path: str = "auto",
+                 per_parameter: bool = True) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise CommunicationError("DeepReduceState: call torch.distributed.init_process_group first")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -146,7 +168,14 @@ class DeepReduceState:
             self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
             self.pipeline.core.collective_steps()
             self.compressor = None
-        self._compressor_id = agreement.compressor_identity(self.compressor or self.pipeline)
+        if not isinstance(per_parameter, bool):
+            raise ConfigError(f"DeepReduceState: per_parameter must be True or False, got {per_parameter!r}")
+        if not per_parameter and self.pipeline is None:
+            raise ConfigError("DeepReduceState: per_parameter=False merges containers; a summable compressor "
+                              "already sends each bucket as one all_reduce")
+        self.per_parameter = per_parameter
+        label, digest = agreement.compressor_identity(self.compressor or self.pipeline)
+        self._compressor_id = (label if per_parameter else label + " (whole buckets)", digest)
         self._names = None if named_parameters is None else named_parameter_map(named_parameters)
         self._auto_names: Dict[torch.Tensor, str] = {}
         # state
@@ -188,8 +217,10 @@ class DeepReduceState:
         if offset != buffer.numel():
             raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                      f"{offset}: cannot cut it into per-parameter gradients")
-        job = _Job(buffer, views, [self._name(p) for p in params], self.step, bucket.is_last(),
-                   torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future())
+        names = [self._name(p) for p in params]
+        job = _Job(buffer, views, names, self.step, bucket.is_last(),
+                   torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future(),
+                   None if self.per_parameter else self._merged(names, views))
         if bucket.is_last():
             self.step += 1
         if self._worker is None:
@@ -199,6 +230,14 @@ class DeepReduceState:
         # The worker completes job.future with the bucket or an exception object; the chained
         # future re-raises the latter, so DDP's wait fails with its message on this rank.
         return job.future.then(_unwrap)
+
+    def _merged(self, names: List[str], views: List[torch.Tensor]) -> Optional[tuple]:
+        """(name, positions) of the bucket's gradients encoded as one (those a container would
+        carry: not small enough to be summed dense), or None when fewer than two are."""
+        members = [i for i, v in enumerate(views) if v.numel() >= self.pipeline.core.min_numel]
+        if len(members) < 2:
+            return None
+        return f"bucket:{names[members[0]]}..{names[members[-1]]}/{len(members)}", members
 
     # ------------------------------------------------------------------ the worker's side
     def _work(self) -> None:
@@ -275,8 +314,32 @@ class DeepReduceState:
 
     # containers --------------------------------------------------------------
     def _encode(self, job: _Job) -> torch.Tensor:
-        parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
+        if job.merged is None:
+            parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
+        else:
+            name, members = job.merged
+            flat = torch.cat([job.views[i].reshape(-1) for i in members])
+            parts = [self.pipeline.encode(flat, name=name, step=job.step)]
+            parts += [self.pipeline.encode(view, name=n, step=job.step)
+                      for i, (n, view) in enumerate(zip(job.names, job.views)) if i not in members]
         return torch.cat(parts).to(job.buffer.device)
+
+    def _targets(self, job: _Job) -> List[torch.Tensor]:
+        """Where each container of the bucket decodes to: a view of the bucket, or, for merged
+        gradients, a flat scratch tensor that :meth:`_copy_back` spreads over their views."""
+        if job.merged is None:
+            return list(job.views)
+        members = job.merged[1]
+        scratch = job.buffer.new_empty(sum(job.views[i].numel() for i in members))
+        return [scratch] + [v for i, v in enumerate(job.views) if i not in members]
+
+    @staticmethod
+    def _copy_back(job: _Job, scratch: torch.Tensor) -> None:
+        at = 0
+        for i in job.merged[1]:
+            view = job.views[i]
+            view.copy_(scratch[at:at + view.numel()].view(view.shape))
+            at += view.numel()
 
     def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
         longest = int(sizes.max())
@@ -289,24 +352,29 @@ class DeepReduceState:
         self.stats["collective_bytes"] += longest
         start = time.perf_counter()
         per_rank = []
+        names = job.containers()
         for rank, (data, size) in enumerate(zip(gathered, sizes)):
             parts = container.split(data[:int(size)])   # a device tensor is split into device slices
-            if len(parts) != len(job.names):
+            if len(parts) != len(names):
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
-                                         f"{len(job.names)} parameters ({_describe(job.names)})")
+                                         f"{len(names)} ({_describe(job.names)})")
             per_rank.append(parts)
         if self.pipeline.core.nonfinite == "raise":
-            skipped = [(name, found) for i, name in enumerate(job.names)
+            skipped = [(name, found) for i, name in enumerate(names)
                        if (found := agreement.first_nonfinite([parts[i] for parts in per_rank])) is not None]
             if skipped:       # every rank skips the step; the last bucket raises (_end_step)
                 self._skipped.setdefault(job.step, []).extend(skipped)
                 return
-        for i, (name, view) in enumerate(zip(job.names, job.views)):
+        targets = self._targets(job)
+        for i, (name, target) in enumerate(zip(names, targets)):
             try:   # decoded straight into the bucket (on its device on the device path)
-                self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(view.shape), out=view)
+                self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(target.shape),
+                                         out=target)
             except DeepReduceError as exc:
                 raise type(exc)(f"parameter {name!r}: {exc}") from exc
-            view.div_(self.world_size)
+            target.div_(self.world_size)
+        if job.merged is not None:
+            self._copy_back(job, targets[0])
         self.stats["decode_seconds"] += time.perf_counter() - start
 
     def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
@@ -391,10 +459,12 @@ def deepreduce_hook(state: DeepReduceState, bucket: dist.GradBucket) -> torch.fu
     return state.submit(bucket)
 
 
-def register(model: torch.nn.Module, compression=None, process_group=None, path: str = "auto") -> DeepReduceState:
+def register(model: torch.nn.Module, compression=None, process_group=None, path: str = "auto",
+             per_parameter: bool = True) -> DeepReduceState:
     """Build a :class:`DeepReduceState` for a DDP ``model`` and register the hook; return the state.
 
-    ``compression`` and ``path`` as for DeepReduceState; ``process_group`` defaults to the model's.
+    ``compression``, ``path`` and ``per_parameter`` as for DeepReduceState; ``process_group``
+    defaults to the model's.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -406,6 +476,6 @@ def register(model: torch.nn.Module, compression=None, process_group=None, path:
         raise ConfigError(f"this DDP model already has a communication hook ({existing[0][0].__qualname__}); "
                           "DDP accepts one per model")
     state = DeepReduceState(model.process_group if process_group is None else process_group, compression,
-                            model.module.named_parameters(), path)
+                            model.module.named_parameters(), path, per_parameter)
     model.register_comm_hook(state, deepreduce_hook)
     return state

@@ -22,6 +22,11 @@ CommunicationError on every rank, raised from ``backward()``, never a stall. Und
 raise`` a NaN/Inf gradient on any rank makes ``step()`` raise the same NonFiniteGradientError on
 every rank with nothing applied and the residuals restored, so the step can be skipped.
 
+``bucket_cap_mb`` compresses the gradients of consecutive parameters as one tensor per bucket
+(:mod:`deepreduce.buckets`): the hook copies each finished gradient into its bucket's flat
+buffer, the worker encodes a bucket once its last gradient is in, and ``step()`` decodes the
+bucket and copies each slice back into its ``p.grad``.
+
 A Horovod-style summable compressor (an object with ``compress``/``decompress``, such as
 ``deepreduce.torch.GradiVeQ`` or ``horovod.torch.Compression.fp16``) is also accepted; its output
 is summed by allreduce instead (compressed and enqueued by the same worker).
@@ -31,11 +36,12 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future
-from typing import Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .. import agreement
+from .. import agreement, buckets
 from ..comm import Communicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
@@ -58,6 +64,20 @@ def _horovod():
     return hvd
 
 
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients of consecutive parameters sent as one tensor (see :mod:`deepreduce.buckets`)."""
+    name: str
+    params: List[torch.Tensor]
+    offsets: List[int]
+    buffer: torch.Tensor          # flat float32, on the parameters' device
+    waiting: int = 0              # gradients of this step not yet copied in
+
+    def slice(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()]
+
+
 def _is_summable_compressor(obj) -> bool:
     return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
 
@@ -66,7 +86,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, communicator, background, path="auto"):
+                 gradient_predivide_factor, process_set, communicator, background, path="auto",
+                 bucket_cap_mb=None):
         super(self.__class__, self).__init__(params)
         hvd = _horovod()
         self._hvd = hvd
@@ -82,11 +103,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
             self._pipeline.core.collective_steps()
         self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
+        self._bucket_cap_mb = buckets.check_bucket_cap(bucket_cap_mb, "DistributedOptimizer")
+        if self._bucket_cap_mb is not None and self._summable:
+            raise ConfigError("DistributedOptimizer: bucket_cap_mb applies to deepreduce pipelines, not to a "
+                              "summable compressor (Horovod's tensor fusion already groups its all-reduces)")
+        self._buckets: List[_Bucket] = []
+        self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
+        self._copied: set = set()     # parameters of this step already copied into their bucket
         self._communicator = communicator or self._default_communicator()
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
-        self._pending: Dict[torch.Tensor, Future] = {}
+        self._pending: Dict[Union[torch.Tensor, _Bucket], Future] = {}   # a parameter or a bucket
         self._hook_handles: List = []
         self._step_count = 0
         self._should_synchronize = True
@@ -143,12 +171,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Compare every rank's parameters and compression (one small allgather, see
         :mod:`deepreduce.agreement`) before this step's first per-tensor collective."""
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._plan_buckets(params)
         layout = agreement.Layout(
             agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
-            [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params], "parameter")
+            [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
+            + [(f"<{b.name}>", (b.buffer.numel(),), "bucket") for b in self._buckets], "parameter")
         agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.agreement"),
                         "DistributedOptimizer")
         self._agreed = True
+
+    def _plan_buckets(self, params: List[torch.Tensor]) -> None:
+        """Group the float32 gradients that travel as containers into buckets of at most
+        ``bucket_cap_mb`` MiB, per device, in backward order (the reverse of the parameters')."""
+        self._buckets, self._bucket_of = [], {}
+        if self._bucket_cap_mb is None:
+            return
+        eligible: Dict[torch.device, List[torch.Tensor]] = {}
+        for p in reversed(params):
+            if p.dtype == torch.float32 and not self._summed_dense(p):
+                eligible.setdefault(p.device, []).append(p)
+        for device, group in eligible.items():
+            for members in buckets.plan([p.numel() for p in group], self._bucket_cap_mb * buckets.MIB):
+                chosen = [group[i] for i in members]
+                sizes = [p.numel() for p in chosen]
+                bucket = _Bucket(f"bucket{len(self._buckets)}.{self._names[chosen[0]]}", chosen,
+                                 buckets.offsets(sizes), torch.empty(sum(sizes), dtype=torch.float32, device=device),
+                                 len(chosen))
+                self._buckets.append(bucket)
+                for i, p in enumerate(chosen):
+                    self._bucket_of[p] = (bucket, i)
 
     def _submit(self, p: torch.Tensor) -> None:
         """Hand ``p``'s finished gradient to the worker, which encodes it and starts its collective.
@@ -160,6 +211,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._agreed:
             self._agree()
+        if p in self._bucket_of:
+            self._copy_into_bucket(p)
+            return
         name, grad, step = self._names[p], p.grad, self._step_count
 
         def start():
@@ -174,6 +228,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise
 
         self._pending[p] = self._worker.submit(start)
+
+    def _copy_into_bucket(self, p: torch.Tensor) -> None:
+        """Copy ``p``'s finished gradient into its bucket; hand the bucket to the worker once it
+        holds all of them (the worker then encodes the whole bucket under its name)."""
+        bucket, i = self._bucket_of[p]
+        with torch.no_grad():
+            bucket.slice(i).copy_(p.grad.reshape(-1))
+        self._copied.add(p)
+        bucket.waiting -= 1
+        if bucket.waiting:
+            return
+        step = self._step_count
+
+        def start():
+            try:
+                return self._start_allgather(bucket.name, bucket.buffer, step)
+            except Exception as exc:
+                exc.add_note(f"deepreduce: raised while encoding {bucket.name!r} (parameters "
+                             f"{', '.join(self._names[q] for q in bucket.params)}) at step {step}")
+                raise
+
+        self._pending[bucket] = self._worker.submit(start)
 
     def _start_allreduce(self, name: str, grad: torch.Tensor):
         """Compress and start the allreduce; return (handle, ctx, (compress start, compress end))."""
@@ -192,7 +268,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
         return handle, ctx, interval
 
-    def _summed_dense(self, grad: torch.Tensor) -> bool:
+    def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
         """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
         Horovod is the communicator."""
         from ..comm.horovod import HorovodCommunicator
@@ -242,12 +318,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             nonfinite = agreement.first_nonfinite(payloads)
             if nonfinite is not None:
                 return nonfinite
+        target = p.buffer if isinstance(p, _Bucket) else p.grad
         try:
-            self._pipeline.decode_sum(payloads, expected_shape=tuple(p.shape), out=p.grad)
+            self._pipeline.decode_sum(payloads, expected_shape=tuple(target.shape), out=target)
         except CommunicationError as exc:
-            raise CommunicationError(f"parameter {self._names[p]!r}: {exc}") from exc
+            raise CommunicationError(f"{self._label(p)}: {exc}") from exc
         if self._op == self._hvd.Average:
-            p.grad.div_(len(payloads))
+            target.div_(len(payloads))
+        if isinstance(p, _Bucket):
+            with torch.no_grad():
+                for i, q in enumerate(p.params):
+                    q.grad.copy_(p.slice(i).view_as(q))
+
+    def _label(self, key) -> str:
+        """A pending entry named in messages: a parameter, or a bucket with its parameters."""
+        if isinstance(key, _Bucket):
+            return f"bucket {key.name!r} (parameters {', '.join(self._names[q] for q in key.params)})"
+        return f"parameter {self._names[key]!r}"
 
     def synchronize(self) -> None:
         """Wait for every parameter's encode and collective and write the aggregated gradients.
@@ -263,7 +350,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         step = self._step_count
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p not in self._pending:
+                if p.requires_grad and p not in self._pending and p not in self._copied:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     self._submit(p)
@@ -281,6 +368,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         nonfinite[p] = found
         finally:
             self._pending.clear()
+            self._copied.clear()
+            for bucket in self._buckets:
+                bucket.waiting = len(bucket.params)
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._step_count += 1
@@ -292,8 +382,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if errors:
             raise errors[0]
         if nonfinite:
-            first = next(p for group in self.param_groups for p in group["params"] if p in nonfinite)
-            raise agreement.nonfinite_error(self._names[first], step, *nonfinite[first], more=len(nonfinite) - 1)
+            order = [p for group in self.param_groups for p in group["params"]] + self._buckets
+            first = next(key for key in order if key in nonfinite)
+            name = first.name if isinstance(first, _Bucket) else self._names[first]
+            raise agreement.nonfinite_error(name, step, *nonfinite[first], more=len(nonfinite) - 1)
         self._steps_communicated += 1
         self._synchronized = True
 
@@ -331,7 +423,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending:
+        if self._pending or self._copied:
             raise DeepReduceError("optimizer.zero_grad() called after backward() but before step() or synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
@@ -346,14 +438,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``background=False``; where ranks have fewer cores than busy threads, "hidden" encode
         time still shares the CPU with backward). ``encode_wait_seconds``:
         time step() waited for the worker; ``communication_wait_seconds``: time it then waited for
-        the collectives.
+        the collectives; ``buckets``: how many buckets the gradients travel in (0 without
+        ``bucket_cap_mb``).
         """
         stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
         if self._summable:
             stats.update(decode_seconds=self._times["summable_decode"])
         stats.update(encode_seconds=self._times["encode"], steps=self._steps_communicated,
                      background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
-                     encode_wait_seconds=self._times["encode_wait"],
+                     encode_wait_seconds=self._times["encode_wait"], buckets=len(self._buckets),
                      communication_wait_seconds=self._times["communication_wait"])
         return stats
 
@@ -365,7 +458,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Save it as usual (``torch.save(optimizer.state_dict(), ...)``); a run resumed with
         ``load_state_dict`` sends byte-identical containers to one that never stopped.
         """
-        if self._pending:
+        if self._pending or self._copied:
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
         out = super(self.__class__, self).state_dict()
         out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count)
@@ -414,7 +507,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                          compression=None, backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, communicator: Optional[Communicator] = None,
-                         background: bool = True, path: str = "auto"):
+                         background: bool = True, path: str = "auto", bucket_cap_mb: Optional[float] = None):
     """Wrap ``optimizer`` so its gradients travel as DeepReduce containers.
 
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
@@ -427,7 +520,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     inside the backward hook (identical bytes; simpler to debug). ``path`` ("auto", "device",
     "host"; see ``deepreduce.torch.pipeline``): where the codecs run; "auto" compresses CUDA
     gradients on their device (only the compressed bytes leave it) and CPU ones with the C++
-    kernels; every path sends the same bytes and gives the same parameters.
+    kernels; every path sends the same bytes and gives the same parameters. ``bucket_cap_mb``
+    (default None: every gradient is its own container) compresses the gradients of consecutive
+    parameters, in backward order, as one tensor per bucket of at most that many MiB
+    (:mod:`deepreduce.buckets`: one selection, filter, container and allgather per bucket instead
+    of per parameter; Top-r then selects over the bucket); gradients below the config's
+    ``min_numel`` stay out of buckets.
     """
     hvd = _horovod()
     op = hvd.Average if op is None else op
@@ -442,4 +540,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, communicator, background, path)
+               gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb)

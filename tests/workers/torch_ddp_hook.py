@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from deepreduce import container
 from deepreduce.torch import GradiVeQ, ddp
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}
@@ -43,12 +44,15 @@ def batch(rank: int, step: int):
     return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
-def make(compression="default", seed=0, branch=False, path="auto", **ddp_kwargs):
-    """(ddp model, optimizer, hook state or None) from one seed, bucket cap small enough for 2+ buckets."""
+def make(compression="default", seed=0, branch=False, path="auto", per_parameter=True, bucket_cap_mb=0.02,
+         **ddp_kwargs):
+    """(ddp model, optimizer, hook state or None) from one seed; the default bucket cap is small
+    enough for 2+ buckets."""
     torch.manual_seed(seed)
     net = Net(branch)
-    model = DDP(net, bucket_cap_mb=0.02, **ddp_kwargs)
-    state = None if compression == "default" else ddp.register(model, compression, path=path)
+    model = DDP(net, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    state = None if compression == "default" else ddp.register(model, compression, path=path,
+                                                               per_parameter=per_parameter)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
 
@@ -217,7 +221,29 @@ def scenario_bad_input(rank):
     }
 
 
-SCENARIOS = [scenario_lossless, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
+def scenario_whole_buckets(rank):
+    """per_parameter=False with one DDP bucket: lossless trains exactly the per-parameter
+    parameters; Top-r sends one container for the two large gradients (fc1, branch) and one per
+    small parameter; ranks with different settings fail together."""
+    whole = dict(branch=True, bucket_cap_mb=25, find_unused_parameters=True)
+    params = {}
+    for per_parameter in (True, False):
+        model, opt, _ = make(LOSSLESS, per_parameter=per_parameter, **whole)
+        train(model, opt, rank, 3, use_branch=True)
+        params[per_parameter] = flat_params(model)
+    model, opt, state = make(TOPK, per_parameter=False, **whole)
+    sent = record_containers(state.pipeline)
+    train(model, opt, rank, 3, use_branch=True)
+    headers = {name: container.unpack(np.frombuffer(data, dtype=np.uint8)) for name, data in sent.items()}
+    merged = {name: (c.shape, c.n) for name, c in headers.items() if name.startswith("bucket:")}
+    mixed, _, _ = make(TOPK, per_parameter=bool(rank), **whole)
+    x, y = batch(rank, 0)
+    return {"lossless_equal": bool(np.array_equal(params[True], params[False])), "merged": merged,
+            "others": sorted(n for n in headers if not n.startswith("bucket:")), "params": flat_params(model),
+            "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
+
+
+SCENARIOS = [scenario_lossless, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
              scenario_nonfinite, scenario_disagreement]
 
 

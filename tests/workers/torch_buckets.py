@@ -1,0 +1,131 @@
+"""Worker: DistributedOptimizer with ``bucket_cap_mb`` (gradients compressed per bucket).
+
+1. Lossless config: a bucketed optimizer trains exactly the parameters of a per-parameter one
+   (the same sums, grouped differently), for caps giving one bucket and two buckets.
+2. Top-r with residual memory: every container a rank sends for a bucket is byte for byte what a
+   separate pipeline makes of the bucket's gradients concatenated in backward order (the plan,
+   the copy-in and the bucket's name), one container per bucket and step; the background worker
+   and the synchronous path send the same bytes and train the same parameters; ranks agree.
+3. Ranks whose caps give different buckets fail together with the agreement's CommunicationError.
+Prints "OK <rank>" on success.
+"""
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+import deepreduce.torch as drt
+from deepreduce import CommunicationError, build
+from deepreduce.comm.horovod import HorovodCommunicator
+
+STEPS = 3
+LOSSLESS = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"}}
+TOPK = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "raw"}, "value": {"id": "raw"},
+        "memory": {"id": "residual"}}
+ONE_BUCKET, TWO_BUCKETS = 1.0, 0.05   # MiB: the two large gradients (1,200 and 23,040 floats) together, or apart
+
+
+class RecordingCommunicator(HorovodCommunicator):
+    """Horovod allgather that keeps every container this rank sends, with its collective's name."""
+
+    def _validate(self):
+        super()._validate()
+        self.sent = []
+
+    def allgather_async(self, payload, name):
+        if name != "deepreduce.agreement":
+            self.sent.append((name, bytes(payload)))
+        return super().allgather_async(payload, name)
+
+
+def make_model():
+    torch.manual_seed(0)   # 432 + 16 and 150 + 5 parameters stay below min_numel (1000): summed dense
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(16 * 6 * 6, 40), torch.nn.ReLU(), torch.nn.Linear(40, 30),
+                               torch.nn.ReLU(), torch.nn.Linear(30, 5))
+
+
+def backward(model, step):
+    rng = np.random.default_rng([hvd.rank(), step])
+    x = torch.from_numpy(rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 5, 8))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def flat_params(model):
+    return torch.cat([p.detach().ravel() for p in model.parameters()])
+
+
+def optimizer(model, config, cap, background=True):
+    comm = RecordingCommunicator()
+    opt = drt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=config,
+                                   communicator=comm, background=background, bucket_cap_mb=cap)
+    return opt, comm
+
+
+def check_lossless_buckets_train_like_per_parameter():
+    runs = [(make_model(),) for _ in range(3)]
+    runs = [(m, optimizer(m, LOSSLESS, cap)[0]) for (m,), cap in zip(runs, (None, ONE_BUCKET, TWO_BUCKETS))]
+    for step in range(STEPS):
+        for model, opt in runs:
+            opt.zero_grad()
+            backward(model, step)
+            opt.step()
+        for model, _ in runs[1:]:
+            assert torch.equal(flat_params(runs[0][0]), flat_params(model)), f"lossless step {step} differs"
+    assert [opt.compression_stats()["buckets"] for _, opt in runs] == [0, 1, 2]
+
+
+def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
+    model, sync_model = make_model(), make_model()
+    opt, comm = optimizer(model, TOPK, cap)
+    sync_opt, sync_comm = optimizer(sync_model, TOPK, cap, background=False)
+    reference = build(TOPK)
+    params = list(model.parameters())
+    for step in range(STEPS):
+        for m, o in ((model, opt), (sync_model, sync_opt)):   # one full step each: collective names never overlap
+            o.zero_grad()
+            backward(m, step)
+            if m is model:
+                grads = {p: p.grad.detach().clone() for p in params}
+            o.step()
+        assert torch.equal(flat_params(model), flat_params(sync_model)), f"step {step}: background differs"
+        buckets = opt._buckets
+        assert len(buckets) == expected_buckets
+        sent = dict(comm.sent[-len(buckets):])
+        for bucket in buckets:
+            flat = torch.cat([grads[p].reshape(-1) for p in bucket.params]).numpy()
+            expected = reference.encode(flat, name=bucket.name, step=step).tobytes()
+            assert sent[f"deepreduce.{bucket.name}"] == expected, f"step {step}: {bucket.name} differs"
+    in_buckets = {p for b in opt._buckets for p in b.params}
+    order = [p for p in reversed(params) if p in in_buckets]
+    assert [p for b in opt._buckets for p in b.params] == order, "buckets not in backward order"
+    assert sorted(comm.sent) == sorted(sync_comm.sent)
+    gathered = hvd.allgather(flat_params(model).unsqueeze(0), name=f"agree.topk.{cap}")
+    assert torch.equal(gathered[0], gathered[-1]), "ranks diverged"
+
+
+def check_different_caps_fail_together():
+    model = make_model()
+    opt, _ = optimizer(model, TOPK, ONE_BUCKET if hvd.rank() == 0 else TWO_BUCKETS)
+    try:
+        backward(model, 0)
+        opt.step()
+    except CommunicationError as exc:
+        assert "bucket" in str(exc), str(exc)
+    else:
+        raise SystemExit("ranks with different bucket plans did not fail")
+
+
+def main():
+    hvd.init()
+    torch.set_num_threads(1)
+    check_lossless_buckets_train_like_per_parameter()
+    for cap, expected in ((ONE_BUCKET, 1), (TWO_BUCKETS, 2)):
+        check_topk_buckets_send_the_concatenated_gradient(cap, expected)
+    check_different_caps_fail_together()
+    print(f"OK {hvd.rank()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
