@@ -126,7 +126,7 @@ class TorchPipeline:
             result = torch.from_numpy(decode(None))
             return result if device is None else result.to(device)
         if out.is_cpu and out.dtype == torch.float32 and out.is_contiguous():
-            decode(out.detach().numpy().reshape(-1))
+            decode((out.detach() if out.requires_grad else out).numpy().reshape(-1))
             return out
         with torch.no_grad():
             out.copy_(torch.from_numpy(decode(None)).reshape(out.shape))
