@@ -313,7 +313,7 @@ class Pipeline:
             try:
                 own = self._own.match(payload) if host else None
                 if own is not None:   # this rank's container: what it decodes to is known
-                    if expected_shape != own.shape:   # (equal: it fits, as its positions do)
+                    if not isinstance(expected_shape, tuple) or expected_shape != own.shape:   # else it fits
                         container.check_size(own.shape, own.positions.shape[0], expected_shape, self.max_numel)
                     if target is None:
                         target, expected_shape = _output(out, math.prod(own.shape)), own.shape
