@@ -17,14 +17,35 @@ _cache: Dict[str, Optional[object]] = {}
 BUILD_HINT = "build it with `make setup` (or `pip install -e . --no-build-isolation`) from the project root"
 
 
+_VARIABLE = "DEEPREDUCE_BACKEND"
+# ``load`` runs several times per tensor per step, and ``os.environ.get`` of an unset variable
+# costs about a microsecond (a KeyError raised and caught inside the mapping). CPython's
+# ``os.environ`` keeps its entries in the dict ``_data`` under encoded keys, updated by every
+# assignment, ``del``, ``monkeypatch.setenv`` and ``mock.patch.dict``; reading that dict gives
+# the same answer in a tenth of the time. Elsewhere the public mapping is read.
+_ENV_DATA = getattr(os.environ, "_data", None)
+try:
+    _ENV_KEY = os.environ.encodekey(_VARIABLE)
+    _decode_value = os.environ.decodevalue
+except AttributeError:
+    _ENV_DATA = None
+
+
 def forced_numpy() -> bool:
-    return os.environ.get("DEEPREDUCE_BACKEND", "").lower() == "numpy"
+    """Whether ``DEEPREDUCE_BACKEND=numpy`` (any case) is set now."""
+    if _ENV_DATA is None:
+        return os.environ.get(_VARIABLE, "").lower() == "numpy"
+    value = _ENV_DATA.get(_ENV_KEY)
+    return value is not None and _decode_value(value).lower() == "numpy"
 
 
 def load(name: str):
     """The extension module ``deepreduce._<name>``, or None (NumPy fallback)."""
     if forced_numpy():
         return None
+    module = _cache.get(name, _cache)
+    if module is not _cache:
+        return module
     if name not in _cache:
         try:
             _cache[name] = importlib.import_module(f"deepreduce._{name}")

@@ -55,7 +55,9 @@ def namespace(*arrays):
 
 def is_torch(x) -> bool:
     """Whether ``x`` is a torch tensor (without importing torch: a process that never imported it
-    holds none). Called on every section of every container, so it is one isinstance check."""
+    holds none). Called on every section of every container, so a NumPy array is answered first."""
+    if type(x) is np.ndarray:
+        return False
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -68,8 +70,9 @@ class Adapter:
 
     # -- 64-bit words -------------------------------------------------------------------
     def words(self, x):
-        """Integers as 64-bit hash words."""
-        return np.asarray(x).astype(np.uint64, copy=False)
+        """Integers as 64-bit hash words (int64 ones reinterpreted, the same bits as a cast)."""
+        x = np.asarray(x)
+        return x.view(np.uint64) if x.dtype == np.int64 else x.astype(np.uint64, copy=False)
 
     def const(self, c: int):
         """A constant in ``[0, 2**64)`` as a word scalar."""

@@ -134,8 +134,12 @@ def pack(c: Container, like=None):
     if len(digest) != DIGEST_SIZE:
         raise ContainerError(f"config digest has {len(digest)} bytes; a container carries {DIGEST_SIZE}")
     sections = (c.index_section, c.value_section, c.perm_section)
-    device = like if arrays.is_torch(like) else \
-        next((s for s in sections if not isinstance(s, bytes) and arrays.is_torch(s)), None)
+    device = like if arrays.is_torch(like) else None
+    if device is None:
+        for s in sections:
+            if type(s) is not bytes and arrays.is_torch(s):
+                device = s
+                break
     native = None if device is not None else _native.load("container")
     if native is not None:   # the C++ packer the TensorFlow ops use (same bytes)
         return native.pack(c.flags, c.index_id, c.value_id, c.perm_width, digest, c.n, tuple(c.shape),
@@ -168,6 +172,8 @@ def _pack_on_device(head: bytes, sections, like):
 
 
 def _as_bytes(payload) -> bytes:
+    if type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1:   # every host receive
+        return payload.tobytes()
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
     arr = arrays.adapter(payload).to_numpy(payload)
@@ -245,20 +251,32 @@ def _read_header(buf: bytes, offset: int) -> _Header:
 def _native_header(native, buf: bytes, expected_shape=None, max_numel: int = MAX_NUMEL) -> _Header:
     """:func:`_checked_header` by the C++ twin (csrc/container: same checks in the same order, same
     messages): one call instead of a Python loop over varints, paid by every tensor of every
-    step. A header of another shape comes back for :func:`check_size` to report."""
-    try:
-        expected = None if expected_shape is None else [int(s) for s in expected_shape]
-    except (TypeError, ValueError):
-        expected = None   # check_size names the bad argument
-    if expected is not None and not all(0 <= s < 1 << 64 for s in expected):
-        expected = None   # no header has such a shape: check_size reports the mismatch
+    step. A header of another shape than the expected one comes back from the twin unchecked
+    beyond that point, and :func:`check_size` reports it."""
+    expected = _native_shape(expected_shape)
     try:
         version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(
             buf, expected, min(int(max_numel), (1 << 64) - 1))
     except ValueError as exc:
         raise ContainerError(str(exc)) from None
+    if expected is None or shape != expected:   # the bounds and the mismatch, reported as by Python
+        check_size(shape, n, expected_shape, max_numel)
     size = len(buf) - sum(lengths) - CRC_SIZE
     return _Header(version, flags, iid, vid, width, digest, 0, n, lengths, shape, size)
+
+
+def _native_shape(expected_shape) -> Optional[Tuple[int, ...]]:
+    """The receiver's expected shape as the C++ twin takes it (a tuple of integers in
+    ``[0, 2**64)``), or None: no shape, or one no header can have (check_size names it)."""
+    if expected_shape is None:
+        return None
+    try:
+        expected = tuple(map(int, expected_shape))
+    except (TypeError, ValueError):
+        return None
+    if expected and not 0 <= min(expected) <= max(expected) < 1 << 64:
+        return None
+    return expected
 
 
 def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: int = MAX_NUMEL) -> None:
@@ -298,19 +316,14 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
         h = _checked_header(buf, expected_shape, max_numel)
     else:   # the twin checks the receiver's bounds where the Python path does
         h = _native_header(native, buf, expected_shape, max_numel)
-        check_size(h.shape, h.n, expected_shape, max_numel)
-    pos = h.size
-    sections = []
-    for length in h.lengths:
-        sections.append(buf[pos:pos + length])
-        pos += length
-    c = Container(
-        shape=h.shape, n=h.n, index_id=h.index_id, value_id=h.value_id, flags=h.flags,
-        perm_width=h.perm_width, index_params=sections[0], value_params=sections[1],
-        index_section=sections[2], value_section=sections[3], perm_section=sections[4],
-        digest=h.digest, version=h.version, nbytes=len(buf),
-    )
-    return c
+    pi, pv, li, lv, lp = h.lengths
+    a = h.size
+    b = a + pi
+    c = b + pv
+    d = c + li
+    e = d + lv
+    return Container(h.shape, h.n, h.index_id, h.value_id, h.flags, h.perm_width, buf[a:b], buf[b:c],
+                     buf[c:d], buf[d:e], buf[e:e + lp], h.digest, h.version, len(buf))
 
 
 def _checked_header(buf: bytes, expected_shape, max_numel: int) -> _Header:

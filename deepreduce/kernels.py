@@ -109,23 +109,19 @@ def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascend
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.float32)
     module = native()
-    if module is not None and (ascending or _ascending(indices)):   # the checked O(n) kernel, no sort
-        try:
-            module.scatter_add(out, indices, values, threads)
-        except ValueError as exc:
-            raise ContainerError(str(exc)) from exc
-        return
-    check_indices(indices, out.size, ascending)
-    if module is not None:
-        module.scatter_add_unchecked(out, indices, values, threads)
-    else:
+    if module is None:
+        check_indices(indices, out.size, ascending)
         out[indices] += values
-
-
-def _ascending(indices: np.ndarray) -> bool:
-    """Whether int64 ``indices`` are strictly ascending (what an order-keeping index codec
-    usually carries: the selection's order), one comparison of neighbours."""
-    return indices.shape[0] < 2 or bool((indices[1:] > indices[:-1]).all())
+        return
+    try:   # the checked O(n) kernel: strictly ascending in-range indices, else it writes nothing
+        module.scatter_add(out, indices, values, threads)
+        return
+    except ValueError as exc:
+        if ascending:
+            raise ContainerError(str(exc)) from exc
+    # no ascending order was promised (an order-keeping index codec): checked on a sorted copy
+    check_indices(indices, out.size, ascending)
+    module.scatter_add_unchecked(out, indices, values, threads)
 
 
 def subtract_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, threads: int = 1) -> None:

@@ -86,6 +86,7 @@ class Pipeline:
         wire_config.pop("threads")  # threads and the receiver's bound never change a byte
         wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
+        self._wire_digest = self._digest[:container.DIGEST_SIZE]   # what each container carries
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
         self._own = OwnContainers()   # this rank's last containers, added to sums without decoding
@@ -223,9 +224,9 @@ class Pipeline:
             c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
             self.memory.settle(name, None, None)
         else:
-            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select)
+            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select, on_torch)
             self.memory.settle(name, positions, received, self.threads)
-        c.digest = self._digest[:container.DIGEST_SIZE]   # receivers compare it with their own config
+        c.digest = self._wire_digest   # receivers compare it with their own config
         payload = container.pack(c, like=flat)
         if sparse and comp.finite and not on_torch:
             self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
@@ -243,13 +244,16 @@ class Pipeline:
             return select_torch_native(self.sparsifier, comp.flat, ctx)
         return self.sparsifier.select(comp.flat, ctx)
 
-    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None):
+    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None, on_torch: bool = False):
         """(container, positions, the receiver's values at those positions)."""
         compensated = comp.flat
         indices = self._select(comp, ctx, select)
         values = compensated[indices]
         perm_width, perm_section = 0, b""
-        index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
+        if on_torch:
+            index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
+        else:   # NumPy: every codec's own encode
+            index_encode, value_encode = self.index.encode, self.value.encode
         if self.index.keeps_order:
             venc = value_encode(values, ctx)
             positions = indices
@@ -309,7 +313,8 @@ class Pipeline:
             try:
                 own = self._own.match(payload) if host else None
                 if own is not None:   # this rank's container: what it decodes to is known
-                    container.check_size(own.shape, own.positions.shape[0], expected_shape, self.max_numel)
+                    if not isinstance(expected_shape, tuple) or expected_shape != own.shape:   # else it fits
+                        container.check_size(own.shape, own.positions.shape[0], expected_shape, self.max_numel)
                     if target is None:
                         target, expected_shape = _output(out, math.prod(own.shape)), own.shape
                     self._add_own(own, target, accumulate=rank > 0 or out is None,
@@ -349,6 +354,7 @@ class Pipeline:
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
         """
+        on_torch = arrays.is_torch(out)
         a = arrays.adapter(out)
         if c.dense:
             dense = a.from_section(c.value_section, "<f4", out)
@@ -361,11 +367,16 @@ class Pipeline:
                 raise _sum_overflow()
             return
         index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
+        numel = out.shape[0]   # the header's element count (decode_sum checked the shapes)
         try:
-            indices = _decoded(index_codec, out, c.index_section,
-                               lambda section: index_codec.decode(c.index_params, section, c.n, c.numel))
-            values = _decoded(value_codec, out, c.value_section,
-                              lambda section: value_codec.decode(c.value_params, section, c.n))
+            if on_torch:
+                indices = _decoded(index_codec, out, c.index_section,
+                                   lambda section: index_codec.decode(c.index_params, section, c.n, numel))
+                values = _decoded(value_codec, out, c.value_section,
+                                  lambda section: value_codec.decode(c.value_params, section, c.n))
+            else:
+                indices = index_codec.decode(c.index_params, c.index_section, c.n, numel)
+                values = value_codec.decode(c.value_params, c.value_section, c.n)
         except DeepReduceError:
             raise
         except _DECODE_ERRORS as exc:
@@ -456,11 +467,14 @@ def _sum_overflow() -> NonFiniteGradientError:
 def _all_finite(x) -> bool:
     """Whether every entry of a float array (NumPy, or torch on its device) is finite. torch: one
     float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it), without
-    a boolean tensor; NumPy: ``isfinite(x).all()``, several times faster than a float64 sum."""
+    a boolean tensor; NumPy float32: the finiteness pass of :func:`kernels.scan` (C++ when built),
+    other NumPy: ``isfinite(x).all()``, several times faster than a float64 sum."""
     if arrays.is_torch(x):
         import torch
 
         return bool(torch.isfinite(x.sum(dtype=torch.float64)))
+    if x.dtype == np.float32:
+        return kernels.scan(x.reshape(-1))[0]
     return bool(np.isfinite(x).all())
 
 
@@ -552,6 +566,8 @@ def _as_float32(grad, name: str):
     A torch tensor stays a torch tensor on its device (the torch device path); a float32
     contiguous one is not copied.
     """
+    if type(grad) is np.ndarray and grad.dtype == np.float32 and grad.flags.c_contiguous:
+        return grad.reshape(-1), grad.shape   # what the general path below returns for it
     if arrays.is_torch(grad):
         if not grad.dtype.is_floating_point:
             raise dtype_error(name, grad.dtype)

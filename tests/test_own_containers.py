@@ -54,6 +54,11 @@ def test_own_container_still_checks_the_expected_shape_and_out():
     payload = pipe.encode(gradient(0), name="w")
     with pytest.raises(CommunicationError, match="expected"):
         pipe.decode_sum([payload], expected_shape=(3000, 2))
+    for shape in ([3000, 2], np.array([3000, 2]), (6000, 1)):   # any sequence, as for other ranks' containers
+        with pytest.raises(CommunicationError, match="expected"):
+            pipe.decode_sum([payload], expected_shape=shape)
+    for shape in ([6000], np.array([6000]), (np.int64(6000),)):
+        assert pipe.decode_sum([payload], expected_shape=shape).shape == (6000,)
     with pytest.raises(CommunicationError, match="out="):
         pipe.decode_sum([payload], out=np.zeros(10, np.float32))
     out = np.full(6000, 7.0, np.float32)   # out= is overwritten, not added to

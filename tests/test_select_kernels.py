@@ -114,6 +114,34 @@ def test_scatter_add_checks_and_adds(threads, monkeypatch):
                 kernels.scatter_add(np.zeros(d, np.float32), bad, np.ones(bad.size, np.float32), True, threads)
         with pytest.raises(ContainerError, match="repeats an index"):
             kernels.scatter_add(np.zeros(d, np.float32), np.r_[5, 3, 5], np.ones(3, np.float32), False, threads)
+        # no order promised: indices the ascending kernel refuses are checked again, and nothing
+        # is written before a refusal
+        for bad, message in ((np.r_[idx[:5], idx[4]], "repeats an index"), (np.r_[idx[:5], d], "out of range"),
+                             (np.r_[idx[5], idx[:5], -1], "out of range")):
+            out = np.zeros(d, np.float32)
+            with pytest.raises(ContainerError, match=message):
+                kernels.scatter_add(out, bad, np.ones(bad.size, np.float32), False, threads)
+            assert not out.any()
+
+
+@needs_native
+def test_the_backend_variable_is_read_at_every_call(monkeypatch):
+    # _native reads os.environ's own dict: every way of setting the variable must reach it
+    import os
+    from unittest import mock
+
+    for set_numpy in (lambda: monkeypatch.setenv("DEEPREDUCE_BACKEND", "NumPy"),
+                      lambda: os.environ.__setitem__("DEEPREDUCE_BACKEND", "numpy")):
+        monkeypatch.delenv("DEEPREDUCE_BACKEND", raising=False)
+        assert kernels.native() is native and not _native.forced_numpy()
+        set_numpy()
+        assert kernels.native() is None and _native.forced_numpy()
+        monkeypatch.setenv("DEEPREDUCE_BACKEND", "c++")
+        assert kernels.native() is native
+    monkeypatch.delenv("DEEPREDUCE_BACKEND")
+    with mock.patch.dict(os.environ, {"DEEPREDUCE_BACKEND": "numpy"}):
+        assert kernels.native() is None
+    assert kernels.native() is native
 
 
 @needs_native

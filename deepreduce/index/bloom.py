@@ -531,7 +531,8 @@ class BloomIndex(IndexCodec):
             chosen = a.index(self._select(native, p, P, r))
         sent = values if self.policy == "naive" else dense[chosen]
         params = pack_params(self.policy, k, blocks, p.seed, draw_seed)
-        return IndexEncoding(params, payload, chosen, xp.astype(sent, xp.float32, copy=False))
+        sent = sent.astype(np.float32, copy=False) if native is not None else xp.astype(sent, xp.float32, copy=False)
+        return IndexEncoding(params, payload, chosen, sent)
 
     def decode(self, params, payload, count, numel):
         """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a

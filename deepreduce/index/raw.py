@@ -9,9 +9,12 @@ from ..registry import register
 from ._base import IndexCodec, IndexEncoding
 
 
+_U4, _U8 = np.dtype("<u4"), np.dtype("<u8")
+
+
 def index_dtype(numel: int) -> np.dtype:
     """The narrowest of uint32/uint64 that addresses ``numel`` elements."""
-    return np.dtype("<u4") if numel <= 2**32 else np.dtype("<u8")
+    return _U4 if numel <= 2**32 else _U8
 
 
 @register
@@ -23,7 +26,10 @@ class RawIndex(IndexCodec):
     array_api = True
 
     def encode(self, indices, values, dense, ctx):
-        payload = arrays.adapter(dense).uint_bytes(indices, index_dtype(dense.shape[0]).itemsize)
+        if type(dense) is np.ndarray:   # the host path: one conversion
+            payload = np.asarray(indices).astype(index_dtype(dense.shape[0])).tobytes()
+        else:
+            payload = arrays.adapter(dense).uint_bytes(indices, index_dtype(dense.shape[0]).itemsize)
         return IndexEncoding(b"", payload, indices, values)
 
     def decode(self, params, payload, count, numel):
@@ -32,6 +38,8 @@ class RawIndex(IndexCodec):
             raise ContainerError(
                 f"raw index section has {len(payload)} bytes, expected {count * dtype.itemsize}"
             )
+        if isinstance(payload, bytes):   # the host path: one conversion, no array-API wrapper
+            return np.frombuffer(payload, dtype).astype(np.int64)
         decoded = arrays.adapter(payload).from_section(payload, dtype.str)
         xp = arrays.namespace(decoded)
         return xp.astype(decoded, xp.int64)

@@ -76,11 +76,12 @@ class TorchPipeline:
         tensor decodes as 0-d); an integer tensor is refused with the core's message; a sparse
         tensor is coalesced and encoded as its dense form.
         """
-        grad = _dense_float(tensor.detach(), name)
-        if self.on_device(grad.device):   # the core on the tensor itself (it selects with torch ops)
-            return self.core.encode(grad, name=name, step=int(step))
-        if grad.is_cpu:
+        grad = _dense_float(tensor.detach() if tensor.requires_grad else tensor, name)
+        on_device = self._takes_device_path(grad)
+        if grad.is_cpu and not on_device:   # the host path
             return torch.from_numpy(self.core.encode(_numpy_view(grad), name=name, step=int(step)))
+        if on_device:   # the core on the tensor itself (it selects with torch ops)
+            return self.core.encode(grad, name=name, step=int(step))
         flat_device = (grad if grad.dtype == torch.float32 else grad.float()).reshape(-1)
         stateless = not self.core.memory.stateful
 
@@ -104,8 +105,8 @@ class TorchPipeline:
         ``out`` (e.g. a parameter's ``.grad``) is overwritten with the sum; a float32 contiguous
         CPU tensor is written in place through its NumPy view, any other is filled by one copy.
         """
-        target = out.device if out is not None else device
-        if self.on_device(target) and len(payloads):
+        if (self.on_device(device) if out is None else self._takes_device_path(out)) and len(payloads):
+            target = device if out is None else out.device
             if out is None:
                 shape = container.unpack(payloads[0], expected_shape, self.core.max_numel).shape   # bounded first
                 out = torch.zeros(shape, dtype=torch.float32, device=target)
@@ -115,13 +116,17 @@ class TorchPipeline:
         arrays = [_as_numpy(p) for p in payloads]
         return self._into(out, device, lambda buf: self.core.decode_sum(arrays, expected_shape, out=buf))
 
+    def _takes_device_path(self, tensor: torch.Tensor) -> bool:
+        """:meth:`on_device` of ``tensor``'s device (``is_cpu`` is cheaper than ``device.type``)."""
+        return not tensor.is_cpu if self.path == "auto" else self.path == "device"
+
     @staticmethod
     def _into(out: Optional[torch.Tensor], device, decode) -> torch.Tensor:
         if out is None:
             result = torch.from_numpy(decode(None))
             return result if device is None else result.to(device)
-        if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
-            decode(out.detach().numpy().reshape(-1))
+        if out.is_cpu and out.dtype == torch.float32 and out.is_contiguous():
+            decode((out.detach() if out.requires_grad else out).numpy().reshape(-1))
             return out
         with torch.no_grad():
             out.copy_(torch.from_numpy(decode(None)).reshape(out.shape))
@@ -146,7 +151,7 @@ def _numpy_view(grad: torch.Tensor) -> np.ndarray:
     (a float64 one goes through the core's checked conversion: overflow is reported)."""
     if grad.dtype not in (torch.float32, torch.float64):
         grad = grad.float()
-    return grad.contiguous().numpy()
+    return (grad if grad.is_contiguous() else grad.contiguous()).numpy()
 
 
 def _as_numpy(payload) -> np.ndarray:

@@ -13,6 +13,7 @@ from ..registry import register
 from ._base import ValueCodec, ValueEncoding
 
 FP16_MAX = float(np.finfo(np.float16).max)
+_F4 = np.dtype("<f4")
 
 
 def _check_length(codec: str, payload: bytes, count: int, itemsize: int) -> None:
@@ -30,10 +31,14 @@ class RawValues(ValueCodec):
 
     def encode(self, values, ctx):
         values = arrays.as_float32(values)
+        if type(values) is np.ndarray:   # the host path: float32 bytes, little-endian
+            return ValueEncoding(b"", values.astype(_F4, copy=False).tobytes(), reconstructed=values)
         return ValueEncoding(b"", arrays.adapter(values).as_bytes(values), reconstructed=values)
 
     def decode(self, params, payload, count):
         _check_length("raw", payload, count, 4)
+        if isinstance(payload, bytes):   # the host path: one copy into a native float32 array
+            return np.frombuffer(payload, _F4).astype(np.float32)
         return arrays.adapter(payload).from_section(payload, "<f4")
 
 
