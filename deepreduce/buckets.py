@@ -8,7 +8,8 @@ with many small tensors that fixed cost, not the bytes, sets the step time (docs
 concatenates the gradients of consecutive parameters, in the order backward produces them (the
 reverse of the model's parameter order, as DDP's buckets), up to a byte cap; the pipeline
 compresses the concatenation under one name: one selection, one filter, one container and one
-allgather per bucket.
+allgather per bucket. A tensor left alone in its bucket (one larger than the cap) travels as
+without buckets.
 
 What a bucket changes, besides the speed: a sparsifier selects over the whole bucket (Top-r keeps
 the ``ratio * bucket size`` largest entries of the bucket: "global" rather than layer-wise Top-r,
@@ -36,9 +37,12 @@ def check_bucket_cap(cap_mb, owner: str):
 
 
 def plan(sizes: Sequence[int], cap_bytes: float, itemsize: int = 4) -> List[List[int]]:
-    """Split tensors of ``sizes`` elements, taken in the given order, into buckets of consecutive
-    tensors holding at most ``cap_bytes`` (``itemsize`` bytes an element); a tensor larger than
-    the cap is a bucket on its own. Returns each bucket's positions in ``sizes``, in order.
+    """Group tensors of ``sizes`` elements, taken in the given order, into buckets of consecutive
+    tensors holding at most ``cap_bytes`` (``itemsize`` bytes an element), filled greedily.
+    Returns the buckets of two or more tensors (their positions in ``sizes``, in order). A tensor
+    that shares no bucket (one larger than the cap, or one that fits with neither neighbour's
+    bucket) travels on its own exactly as without buckets: no copy into and out of a bucket for
+    the large tensors, whose per-tensor cost is small beside their size.
 
     The plan depends on the sizes and the cap only, so ranks with the same model agree on it.
     """
@@ -52,9 +56,8 @@ def plan(sizes: Sequence[int], cap_bytes: float, itemsize: int = 4) -> List[List
             current, used = [], 0
         current.append(i)
         used += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    buckets.append(current)
+    return [bucket for bucket in buckets if len(bucket) > 1]
 
 
 def offsets(sizes: Sequence[int]) -> List[int]:

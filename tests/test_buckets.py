@@ -8,24 +8,28 @@ from deepreduce.errors import ConfigError
 
 def test_plan_fills_buckets_in_order_up_to_the_cap():
     # 4 bytes an element: caps of 40 bytes hold 10 elements
-    assert buckets.plan([4, 6, 1, 9, 3], 40) == [[0, 1], [2, 3], [4]]
+    assert buckets.plan([4, 6, 1, 9, 3], 40) == [[0, 1], [2, 3]]      # 3 is left alone: on its own
     assert buckets.plan([4, 6, 1, 9, 3], 1 << 20) == [[0, 1, 2, 3, 4]]
 
 
-def test_a_tensor_larger_than_the_cap_is_a_bucket_of_its_own():
-    assert buckets.plan([2, 50, 3], 40) == [[0], [1], [2]]
-    assert buckets.plan([50], 40) == [[0]]
-    assert buckets.plan([], 40) == []
+def test_a_tensor_alone_in_its_bucket_is_left_out():
+    assert buckets.plan([2, 50, 3], 40) == []
+    assert buckets.plan([50], 40) == [] and buckets.plan([], 40) == []
+    assert buckets.plan([2, 3, 50, 1, 1], 40) == [[0, 1], [3, 4]]
 
 
 @given(sizes=st.lists(st.integers(1, 10_000), max_size=60), cap=st.integers(4, 100_000))
-def test_property_every_tensor_once_in_order_and_no_bucket_over_the_cap_unless_alone(sizes, cap):
+def test_property_buckets_are_disjoint_runs_of_two_or_more_within_the_cap(sizes, cap):
     plan = buckets.plan(sizes, cap)
-    assert [i for bucket in plan for i in bucket] == list(range(len(sizes)))
+    flat = [i for bucket in plan for i in bucket]
+    assert flat == sorted(set(flat))                                   # in order, each at most once
     for bucket in plan:
-        assert bucket and (len(bucket) == 1 or 4 * sum(sizes[i] for i in bucket) <= cap)
-    for before, after in zip(plan, plan[1:]):   # a bucket closes only when the next tensor does not fit
-        assert 4 * (sum(sizes[i] for i in before) + sizes[after[0]]) > cap
+        assert len(bucket) > 1 and bucket == list(range(bucket[0], bucket[-1] + 1))
+        assert 4 * sum(sizes[i] for i in bucket) <= cap
+        nxt = bucket[-1] + 1                                           # closed only when the next did not fit
+        assert nxt == len(sizes) or 4 * (sum(sizes[i] for i in bucket) + sizes[nxt]) > cap
+    for i in set(range(len(sizes))) - set(flat):                      # a tensor left alone: the next did not fit
+        assert i + 1 == len(sizes) or 4 * (sizes[i] + sizes[i + 1]) > cap
 
 
 def test_offsets_of_concatenated_tensors():

@@ -20,8 +20,9 @@ does, and the bytes one rank sends.
 
 * ``--bucket-mb X``: each config runs a second time as ``DistributedOptimizer(bucket_cap_mb=X)``
   sends it (:mod:`deepreduce.buckets`): the gradients with a container, in backward order (the
-  reverse of the set's), concatenated into buckets of at most X MiB, one container per bucket;
-  the copies into a bucket and back into the ``.grad`` buffers are timed with encode and decode.
+  reverse of the set's), concatenated into buckets of at most X MiB, one container per bucket
+  (a gradient that shares no bucket goes on its own); the copies into a bucket and back into
+  the ``.grad`` buffers are timed with encode and decode.
 
 * ``torch.topk``: the Top-1% selection alone (``torch.topk`` of the magnitudes of every tensor),
   the floor any Top-r codec builds on.
@@ -207,8 +208,9 @@ class ConfigRunner:
                 total += tensor
 
     def _bucketed_step(self, coded, summed) -> Tuple[float, float, int]:
-        """:meth:`step` as the optimizer sends buckets: copy each bucket's gradients (backward
-        order) into one flat tensor, encode it, decode-and-sum the bucket, copy the slices back."""
+        """:meth:`step` as the optimizer sends buckets: each bucket's gradients (backward order)
+        copied into one flat tensor and encoded, decoded-and-summed, copied back; a gradient that
+        shares no bucket travels on its own (:func:`deepreduce.buckets.plan`)."""
         import torch
 
         from ..buckets import MIB, plan
@@ -217,20 +219,23 @@ class ConfigRunner:
         groups = [[backward[i] for i in members]
                   for members in plan([t.numel() for _, t in backward], self.bucket_mb * MIB)]
         names = [f"bucket{k}.{group[0][0]}" for k, group in enumerate(groups)]
+        grouped = {id(t) for group in groups for _, t in group}
+        alone = [(name, t) for name, t in coded if id(t) not in grouped]
         received = peer_payloads(self.peer, [(name, torch.cat([t.reshape(-1) for _, t in group]))
-                                             for name, group in zip(names, groups)], self.step_number)
+                                             for name, group in zip(names, groups)] + alone, self.step_number)
         t0 = _now(self.device)
         flats = [torch.cat([t.reshape(-1) for _, t in group]) for group in groups]          # the copy-in
-        payloads = [self.pipe.encode(flat, name=name, step=self.step_number) for name, flat in zip(names, flats)]
+        items = list(zip(names, flats)) + alone
+        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in items]
         t1 = _now(self.device)
-        for name, group, payload, other in zip(names, groups, payloads, received):
-            numel = sum(t.numel() for _, t in group)
-            out = self._grad_buffer(name, torch.empty(numel, device=self.device))
-            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=(numel,), out=out)
-            at = 0
-            for grad_name, tensor in group:                                               # the copy-back
-                self._grad_buffer(grad_name, tensor).copy_(out[at:at + tensor.numel()].view_as(tensor))
-                at += tensor.numel()
+        for k, ((name, tensor), payload, other) in enumerate(zip(items, payloads, received)):
+            out = self._grad_buffer(name, tensor)
+            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape), out=out)
+            if k < len(groups):
+                at = 0
+                for grad_name, grad in groups[k]:                                           # the copy-back
+                    self._grad_buffer(grad_name, grad).copy_(out[at:at + grad.numel()].view_as(grad))
+                    at += grad.numel()
         self._sum_dense(summed)
         t2 = _now(self.device)
         self.step_number += 1

@@ -4,7 +4,8 @@
    (the same sums, grouped differently), for caps giving one bucket and two buckets.
 2. Top-r with residual memory: every container a rank sends for a bucket is byte for byte what a
    separate pipeline makes of the bucket's gradients concatenated in backward order (the plan,
-   the copy-in and the bucket's name), one container per bucket and step; the background worker
+   the copy-in and the bucket's name), one container per bucket and step; a large gradient that
+   shares no bucket is sent on its own under its name; the background worker
    and the synchronous path send the same bytes and train the same parameters; ranks agree.
 3. Ranks whose caps give different buckets fail together with the agreement's CommunicationError.
 Prints "OK <rank>" on success.
@@ -21,14 +22,17 @@ STEPS = 3
 LOSSLESS = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"}}
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "raw"}, "value": {"id": "raw"},
         "memory": {"id": "residual"}}
-ONE_BUCKET, TWO_BUCKETS = 1.0, 0.05   # MiB: the two large gradients (1,200 and 23,040 floats) together, or apart
+# MiB: every large gradient (23,040 and 4 x 1,200 floats) in one bucket, or the four 1,200-float
+# ones in two buckets of two (2,621 floats at most) and the 23,040-float one on its own
+ONE_BUCKET, TWO_BUCKETS = 1.0, 0.01
 
 
 def make_model():
-    torch.manual_seed(0)   # 432 + 16 and 150 + 5 parameters stay below min_numel (1000): summed dense
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(16 * 6 * 6, 40), torch.nn.ReLU(), torch.nn.Linear(40, 30),
-                               torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    torch.manual_seed(0)   # 432 + 16, the biases and 200 + 5 parameters stay below min_numel (1000): summed dense
+    layers = [torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16 * 6 * 6, 40)]
+    for width_in, width_out in ((40, 30), (30, 40), (40, 30), (30, 40)):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(width_in, width_out)]
+    return torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(40, 5))
 
 
 def backward(model, step):
@@ -69,6 +73,7 @@ def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
     sync_opt, sync_comm = optimizer(sync_model, TOPK, cap, background=False)
     reference = build(TOPK)
     params = list(model.parameters())
+    alone = set()
     for step in range(STEPS):
         for m, o in ((model, opt), (sync_model, sync_opt)):   # one full step each: collective names never overlap
             o.zero_grad()
@@ -79,11 +84,18 @@ def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
         assert torch.equal(flat_params(model), flat_params(sync_model)), f"step {step}: background differs"
         buckets = opt._buckets
         assert len(buckets) == expected_buckets
-        sent = dict(comm.sent[-len(buckets):])
+        sent = dict(comm.sent)   # by name: this step's containers replaced the earlier steps'
         for bucket in buckets:
             flat = torch.cat([grads[p].reshape(-1) for p in bucket.params]).numpy()
             expected = reference.encode(flat, name=bucket.name, step=step).tobytes()
             assert sent[f"deepreduce.{bucket.name}"] == expected, f"step {step}: {bucket.name} differs"
+        in_buckets = {p for b in buckets for p in b.params}
+        for name, p in model.named_parameters():       # a large gradient that shares no bucket: on its own
+            if p.numel() >= 1000 and p not in in_buckets:
+                expected = reference.encode(grads[p].numpy(), name=name, step=step).tobytes()
+                assert sent[f"deepreduce.{name}"] == expected, f"step {step}: {name} differs"
+                alone.add(name)
+    assert alone == (set() if expected_buckets == 1 else {"3.weight"})
     in_buckets = {p for b in opt._buckets for p in b.params}
     order = [p for p in reversed(params) if p in in_buckets]
     assert [p for b in opt._buckets for p in b.params] == order, "buckets not in backward order"
