@@ -191,6 +191,20 @@ def test_polyfit_backends_give_identical_bytes(monkeypatch):
     assert codec("polyfit").backend == "numpy"
 
 
+@pytest.mark.parametrize("coef_bytes", [4, 8])
+def test_polyfit_decode_of_every_degree_matches_numpy_bit_for_bit(coef_bytes):
+    # The C++ decode evaluates each degree with its own unrolled (vectorised) loop.
+    native = polyfit_mod._native.load("fit")
+    if native is None:
+        pytest.skip("C++ extension deepreduce._fit is not built")
+    for degree in range(polyfit_mod.MAX_DEGREE + 1):
+        for n in (1, 17, 203):
+            v = make_values(n, seed=degree * 7 + n)
+            _, payload = native.encode(v, degree, 3, degree + 1, coef_bytes)
+            got = native.decode(payload, n, degree, coef_bytes)
+            assert got.tobytes() == polyfit_mod.decode_numpy(payload, n, degree, coef_bytes).tobytes(), (degree, n)
+
+
 def test_sort_matches_native_on_ties_and_signed_zeros():
     native = polyfit_mod._native.load("fit")
     if native is None:

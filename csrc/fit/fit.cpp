@@ -7,9 +7,12 @@
 #include "fit.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include "multiversion.h"
 
 namespace {
 
@@ -114,6 +117,45 @@ inline void legendre(double t, int deg, double* p) {
   p[0] = 1.0;
   if (deg >= 1) p[1] = t;
   for (int k = 1; k < deg; ++k) p[k + 1] = kRec.a[k] * t * p[k] - kRec.b[k] * p[k - 1];
+}
+
+// The curve of one segment at its len abscissae, as float32, in out: sum_j coef[j] P_j(t_i),
+// the recurrence and the sum in the same order as legendre() and a loop over j. The degree is a
+// template parameter so that the loop over the points vectorises (each point on its own: the
+// same operations in the same order per point, whatever the vector width).
+template <int D>
+inline void evaluate_points(const double* coef, int64_t len, float* out) {
+  const double h = abscissa_step(len);
+  for (int64_t i = 0; i < len; ++i) {
+    const double t = abscissa(i, h, len);
+    double p[D + 1];
+    p[0] = 1.0;
+    if (D >= 1) p[1] = t;
+    for (int k = 1; k < D; ++k) p[k + 1] = kRec.a[k] * t * p[k] - kRec.b[k] * p[k - 1];
+    double acc = coef[0] * p[0];
+    for (int j = 1; j <= D; ++j) acc += coef[j] * p[j];
+    out[i] = static_cast<float>(acc);
+  }
+}
+
+template <int... Ds>
+inline void evaluate_dispatch(std::integer_sequence<int, Ds...>, const double* coef, int deg, int64_t len,
+                              float* out) {
+  ((deg == Ds ? evaluate_points<Ds>(coef, len, out) : void()), ...);
+}
+
+// evaluate_points for a degree known at run time; false when a value is not finite (float32).
+// Compiled for AVX2 too (no FMA: both clones give the same bits).
+DR_MULTIVERSION
+bool evaluate_segment(const double* coef, int deg, int64_t len, float* out) {
+  evaluate_dispatch(std::make_integer_sequence<int, kMaxDegree + 1>(), coef, deg, len, out);
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, out + i, 4);
+    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
 }
 
 // Accumulates the lower triangle of the Gram matrix and the right-hand side for M = deg + 1
@@ -357,7 +399,6 @@ int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree
   const uint8_t* c = payload + pos;
   int64_t start = 0;
   double coef[kMaxDegree + 1];
-  double p[kMaxDegree + 1];
   for (int64_t seglen : lengths) {
     int deg = seg_degree(seglen, degree);
     for (int j = 0; j <= deg; ++j) {
@@ -371,15 +412,7 @@ int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree
       if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
       c += coef_bytes;
     }
-    const double h = abscissa_step(seglen);
-    for (int64_t i = 0; i < seglen; ++i) {
-      legendre(abscissa(i, h, seglen), deg, p);
-      double acc = coef[0] * p[0];
-      for (int j = 1; j <= deg; ++j) acc += coef[j] * p[j];
-      float f = static_cast<float>(acc);
-      if (!std::isfinite(f)) return DR_FIT_E_NONFINITE;
-      out[start + i] = f;
-    }
+    if (!evaluate_segment(coef, deg, seglen, out + start)) return DR_FIT_E_NONFINITE;
     start += seglen;
   }
   return DR_FIT_OK;
