@@ -3,10 +3,12 @@
 Entry ``i`` occupies stream bits ``[i*w, (i+1)*w)``; bit ``j`` of the entry is stream bit
 ``i*w + j``; stream bit ``p`` is bit ``p % 8`` of byte ``p // 8``. The final byte is zero padded.
 
-Widths up to ``FAST_WIDTH`` are written against the array namespace (``deepreduce.arrays``):
-torch integer tensors pack to a uint8 tensor on their device, and a uint8 tensor section unpacks
-to int64 on its device, with the same bytes as NumPy. Wider entries (never needed for indices
-of real tensors) are packed on the host.
+On the host (NumPy input, ``bytes`` sections) the C++ kernel of ``deepreduce._container``
+(csrc/container/bitpack.cpp, a 64-bit word at a time; the TF ops use it too) does the work when
+it is built. Otherwise, and for torch tensors, widths up to ``FAST_WIDTH`` are written against
+the array namespace (``deepreduce.arrays``): torch integer tensors pack to a uint8 tensor on
+their device, and a uint8 tensor section unpacks to int64 on its device, with the same bytes.
+Wider entries (never needed for indices of real tensors) are packed on the host.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 
 import numpy as np
 
-from . import arrays
+from . import _native, arrays
 from .errors import ContainerError
 
 
@@ -45,6 +47,9 @@ def pack(values, width: int):
         raise ValueError(f"value {int(values.max())} does not fit in {width} bits")
     if count == 0:
         return b""
+    native = _native.load("container") if a.name == "numpy" else None
+    if native is not None:
+        return native.bit_pack(np.ascontiguousarray(values, dtype=np.uint64), width)
     if width <= FAST_WIDTH:
         return _pack_bytes(values, width)
     shifts = np.arange(width, dtype=np.uint64)
@@ -126,6 +131,9 @@ def unpack(data, width: int, count: int):
     a = arrays.adapter(data)
     if count == 0:
         return np.zeros(0, dtype=np.uint64) if a.name == "numpy" else a.from_numpy(np.zeros(0, np.int64), data)
+    native = _native.load("container") if a.name == "numpy" else None
+    if native is not None:   # the checks above passed: it cannot refuse
+        return native.bit_unpack(data, width, count)
     if width <= FAST_WIDTH:
         return _unpack_bytes(data, width, count)
     if a.name != "numpy":

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "bitpack.h"
 #include "container.h"
 
 namespace py = pybind11;
@@ -91,6 +92,32 @@ uint32_t crc32(const py::buffer& buf) {
     return ct::crc32(b.data, static_cast<size_t>(b.size));
 }
 
+// bitpack.pack of a contiguous uint64 array (values below 2^width: the caller checked them).
+py::bytes bit_pack(const py::array_t<uint64_t, py::array::c_style>& values, int width) {
+    if (width < 1 || width > 64) throw py::value_error("bit width must be in [1, 64], got " + std::to_string(width));
+    const uint64_t count = static_cast<uint64_t>(values.size());
+    std::string out(deepreduce::bitpack::packed_size(count, width), '\0');
+    const uint64_t* v = values.data();
+    {
+        py::gil_scoped_release release;
+        deepreduce::bitpack::pack(v, count, width, reinterpret_cast<uint8_t*>(&out[0]));
+    }
+    return py::bytes(out);
+}
+
+// bitpack.unpack: uint64 entries, or ValueError with the ContainerError text.
+py::array_t<uint64_t> bit_unpack(const py::buffer& data, int width, uint64_t count) {
+    py::buffer_info info;
+    const Bytes b = view(data, info);
+    const std::string err = deepreduce::bitpack::check(static_cast<size_t>(b.size), width, count);
+    if (!err.empty()) throw py::value_error(err);   // before sizing the output from count
+    py::array_t<uint64_t> out(static_cast<py::ssize_t>(count));
+    uint64_t* o = out.mutable_data();
+    py::gil_scoped_release release;
+    deepreduce::bitpack::unpack(b.data, static_cast<size_t>(b.size), width, count, o);
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_container, m) {
@@ -103,4 +130,8 @@ PYBIND11_MODULE(_container, m) {
           py::arg("max_numel") = ~uint64_t(0),
           "the checked header of one container (ValueError with container.unpack's message otherwise)");
     m.def("crc32", &crc32, py::arg("data"), "zlib's CRC-32");
+    m.def("bit_pack", &bit_pack, py::arg("values"), py::arg("width"),
+          "bitpack.pack of uint64 values below 2**width (bytes)");
+    m.def("bit_unpack", &bit_unpack, py::arg("data"), py::arg("width"), py::arg("count"),
+          "bitpack.unpack (uint64 array); ValueError with the ContainerError text for a wrong width or length");
 }

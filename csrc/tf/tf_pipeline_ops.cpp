@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bitpack.h"
 #include "bloom.h"
 #include "container.h"
 #include "fit.h"
@@ -30,6 +31,7 @@
 #include "wire.h"
 
 namespace bl = deepreduce::bloom;
+namespace bp = deepreduce::bitpack;
 namespace ct = deepreduce::container;
 namespace wr = deepreduce::wire;
 using tensorflow::DEVICE_CPU;
@@ -339,7 +341,7 @@ class EncodeOp : public OpKernel {
             if (bloom_ && m) {   // the Bloom set is ascending: the order travels as a permutation
                 h.perm_width = static_cast<uint8_t>(width_for(static_cast<uint64_t>(m - 1)));
                 h.flags |= ct::FLAG_PERMUTED;
-                h.lengths[ct::PERM] = wr::packed_size(static_cast<uint64_t>(m), h.perm_width);
+                h.lengths[ct::PERM] = bp::packed_size(static_cast<uint64_t>(m), h.perm_width);
             }
         }
         h.n = static_cast<uint64_t>(m);
@@ -364,7 +366,8 @@ class EncodeOp : public OpKernel {
         else
             std::memcpy(section, sent.data(), 4 * m);
         section += h.lengths[ct::VALUE];
-        if (h.lengths[ct::PERM]) wr::bit_pack(order.data(), static_cast<uint64_t>(m), h.perm_width, section);
+        if (h.lengths[ct::PERM])   // the order's entries are non-negative positions
+            bp::pack(reinterpret_cast<const uint64_t*>(order.data()), static_cast<uint64_t>(m), h.perm_width, section);
         // Memory.settle: residual[positions] -= what the receiver reconstructs
         if (residual && m) {
             for (float& v : received) v = -v;
@@ -577,9 +580,10 @@ Failure decode_values(const ct::Header& h, const uint8_t* params, const uint8_t*
 
 // Value j belongs to indices[perm[j]]: the values in index order (Pipeline._decode_into).
 Failure unpermute(const ct::Header& h, const uint8_t* section, std::vector<float>& values) {
-    std::vector<uint64_t> perm;
-    std::string err = wr::bit_unpack(section, h.lengths[ct::PERM], h.perm_width, h.n, perm);
+    std::string err = bp::check(h.lengths[ct::PERM], h.perm_width, h.n);
     if (!err.empty()) return container_error(err);
+    std::vector<uint64_t> perm(h.n);
+    bp::unpack(section, h.lengths[ct::PERM], h.perm_width, h.n, perm.data());
     std::vector<char> seen(h.n, 0);
     for (uint64_t p : perm) {
         if (p >= h.n || seen[p]) return container_error("container permutation section is not a permutation");

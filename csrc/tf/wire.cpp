@@ -187,32 +187,5 @@ std::string check_polyfit_lengths(const uint8_t* payload, size_t len, uint64_t c
     return "";
 }
 
-// ------------------------------------------------------------------ bit packing
-size_t packed_size(uint64_t count, int width) { return static_cast<size_t>((count * width + 7) / 8); }
-
-void bit_pack(const int64_t* values, uint64_t count, int width, uint8_t* out) {
-    std::memset(out, 0, packed_size(count, width));
-    uint64_t bit = 0;
-    for (uint64_t i = 0; i < count; ++i)
-        for (int j = 0; j < width; ++j, ++bit)
-            if ((static_cast<uint64_t>(values[i]) >> j) & 1) out[bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
-}
-
-std::string bit_unpack(const uint8_t* data, size_t len, int width, uint64_t count, std::vector<uint64_t>& out) {
-    if (width < 1 || width > 64) return "bit width must be in [1, 64], got " + std::to_string(width);
-    const unsigned __int128 bits = static_cast<unsigned __int128>(count) * static_cast<unsigned>(width);
-    const unsigned __int128 need = (bits + 7) / 8;
-    if (need != len)
-        return "packed section has " + std::to_string(len) + " bytes, expected " +
-               std::to_string(static_cast<uint64_t>(need)) + " for " + std::to_string(count) + " entries of " +
-               std::to_string(width) + " bits";
-    out.assign(count, 0);
-    uint64_t bit = 0;
-    for (uint64_t i = 0; i < count; ++i)
-        for (int j = 0; j < width; ++j, ++bit)
-            out[i] |= static_cast<uint64_t>((data[bit / 8] >> (bit % 8)) & 1) << j;
-    return "";
-}
-
 }  // namespace wire
 }  // namespace deepreduce

@@ -1,7 +1,7 @@
 // The wire pieces the TensorFlow pipeline ops need besides the container (csrc/container):
 // the seed derivation of deepreduce/seeding.py (BLAKE2b, RFC 7693), the Bloom index codec's
 // params of deepreduce/index/bloom.py, the polyfit params and segment-table check of
-// deepreduce/values/polyfit.py, and the fixed-width bit packing of deepreduce/bitpack.py.
+// deepreduce/values/polyfit.py (the fixed-width bit packing is csrc/container/bitpack.h).
 // Pure C++; the op tests check every byte and every error text against the core.
 #pragma once
 
@@ -43,12 +43,6 @@ std::string check_polyfit_params(const uint8_t* params, size_t len, int& degree,
 // polyfit.parse_lengths: whether the segment table of a payload backs `count` values ("" or the
 // ContainerError text).
 std::string check_polyfit_lengths(const uint8_t* payload, size_t len, uint64_t count, int degree);
-
-// bitpack.pack / bitpack.unpack of `count` entries of `width` bits (LSB first). unpack: "" or the
-// ContainerError text.
-size_t packed_size(uint64_t count, int width);
-void bit_pack(const int64_t* values, uint64_t count, int width, uint8_t* out);
-std::string bit_unpack(const uint8_t* data, size_t len, int width, uint64_t count, std::vector<uint64_t>& out);
 
 }  // namespace wire
 }  // namespace deepreduce
