@@ -7,7 +7,9 @@
    the copy-in and the bucket's name), one container per bucket and step; a large gradient that
    shares no bucket is sent on its own under its name; the background worker
    and the synchronous path send the same bytes and train the same parameters; ranks agree.
-3. Ranks whose caps give different buckets fail together with the agreement's CommunicationError.
+3. A bucketed parameter without a gradient (unused) and gradient accumulation over
+   backward_passes_per_step passes give the per-parameter result.
+4. Ranks whose caps give different buckets fail together with the agreement's CommunicationError.
 Prints "OK <rank>" on success.
 """
 import numpy as np
@@ -104,6 +106,38 @@ def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
     assert torch.equal(gathered[0], gathered[-1]), "ranks diverged"
 
 
+class WithUnused(torch.nn.Module):
+    """make_model() beside a large layer no step uses (its gradient stays None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.unused = torch.nn.Linear(40, 40)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def check_unused_parameters_and_accumulation():
+    # A bucket whose parameter got no gradient is completed by step() with zeros, and gradients
+    # of backward_passes_per_step passes are summed before the copy: bucketed = per-parameter.
+    runs = []
+    for cap in (None, ONE_BUCKET):
+        model = WithUnused()
+        opt = drt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=LOSSLESS,
+                                       backward_passes_per_step=2, bucket_cap_mb=cap)
+        for step in range(2):
+            opt.zero_grad()
+            backward(model, 2 * step)
+            backward(model, 2 * step + 1)
+            opt.step()
+        runs.append((model, opt))
+    assert runs[1][1].compression_stats()["buckets"] == 1
+    assert any(runs[1][0].unused.weight in b.params for b in runs[1][1]._buckets)
+    assert torch.equal(flat_params(runs[0][0]), flat_params(runs[1][0])), "unused / accumulation differ"
+
+
 def check_different_caps_fail_together():
     model = make_model()
     opt, _ = optimizer(model, TOPK, ONE_BUCKET if hvd.rank() == 0 else TWO_BUCKETS)
@@ -122,6 +156,7 @@ def main():
     check_lossless_buckets_train_like_per_parameter()
     for cap, expected in ((ONE_BUCKET, 1), (TWO_BUCKETS, 2)):
         check_topk_buckets_send_the_concatenated_gradient(cap, expected)
+    check_unused_parameters_and_accumulation()
     check_different_caps_fail_together()
     print(f"OK {hvd.rank()}", flush=True)
 
