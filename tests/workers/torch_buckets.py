@@ -8,10 +8,13 @@
    shares no bucket is sent on its own under its name; the background worker
    and the synchronous path send the same bytes and train the same parameters; ranks agree.
 3. A bucketed parameter without a gradient (unused) and gradient accumulation over
-   backward_passes_per_step passes give the per-parameter result.
+   backward_passes_per_step passes give the per-parameter result; a checkpoint resumes the
+   bucket's residual (the same bytes as the uninterrupted run).
 4. Ranks whose caps give different buckets fail together with the agreement's CommunicationError.
 Prints "OK <rank>" on success.
 """
+import io
+
 import numpy as np
 import torch
 import horovod.torch as hvd
@@ -138,6 +141,40 @@ def check_unused_parameters_and_accumulation():
     assert torch.equal(flat_params(runs[0][0]), flat_params(runs[1][0])), "unused / accumulation differ"
 
 
+def check_checkpoint_resumes_the_bucket_residual():
+    # The residual is kept under the bucket's name: a resumed run sends the uninterrupted run's
+    # bytes, and one resumed without the deepreduce state does not (the state made them equal).
+    def step(model, opt, i):
+        opt.zero_grad()
+        backward(model, i)
+        opt.step()
+
+    model = make_model()
+    opt, comm = optimizer(model, TOPK, ONE_BUCKET)
+    for i in range(2):
+        step(model, opt, i)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    mark = len(comm.sent)
+    step(model, opt, 2)
+    original = sorted(comm.sent[mark:])
+    resumed = {}
+    for keep in (True, False):
+        buffer.seek(0)
+        checkpoint = torch.load(buffer, weights_only=True)
+        torch.manual_seed(1)
+        other = make_model()
+        other.load_state_dict(checkpoint["model"])
+        other_opt, other_comm = optimizer(other, TOPK, ONE_BUCKET)
+        state = dict(checkpoint["optimizer"])
+        if not keep:
+            state.pop("deepreduce")
+        other_opt.load_state_dict(state)
+        step(other, other_opt, 2)
+        resumed[keep] = sorted(other_comm.sent)
+    assert len(original) == 1 and resumed[True] == original and resumed[False] != original
+
+
 def check_different_caps_fail_together():
     model = make_model()
     opt, _ = optimizer(model, TOPK, ONE_BUCKET if hvd.rank() == 0 else TWO_BUCKETS)
@@ -157,6 +194,7 @@ def main():
     for cap, expected in ((ONE_BUCKET, 1), (TWO_BUCKETS, 2)):
         check_topk_buckets_send_the_concatenated_gradient(cap, expected)
     check_unused_parameters_and_accumulation()
+    check_checkpoint_resumes_the_bucket_residual()
     check_different_caps_fail_together()
     print(f"OK {hvd.rank()}", flush=True)
 
