@@ -156,16 +156,20 @@ size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t
     return further_probes(bits, k, n, c, blk, g, cand);
 }
 
+// Append base + cand[0 .. c) (a batch's positives, ascending) to out.
+void append_positives(uint64_t base, const uint32_t* cand, size_t c, std::vector<uint64_t>& out) {
+    const size_t at = out.size();
+    out.resize(at + c);
+    for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
+}
+
 void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t key, uint64_t lo, uint64_t hi,
                          uint64_t limit, std::vector<uint64_t>& out) {
     alignas(64) uint32_t blk[BATCH], g[BATCH], cand[BATCH];
     for (uint64_t base = lo; base < hi; base += BATCH) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(BATCH, hi - base));
         hash_batch(key + base * GAMMA, n, blocks, blk, g);
-        const size_t c = probe_batch(bits, k, n, blk, g, cand);
-        const size_t at = out.size();
-        out.resize(at + c);
-        for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
+        append_positives(base, cand, probe_batch(bits, k, n, blk, g, cand), out);
         if (out.size() > limit) return;
     }
 }
@@ -174,7 +178,7 @@ void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t k
 // The same query with AVX2 on 8 indices at a time: the hash in 64-bit lanes (a 64-bit multiply is
 // three 32-bit ones, as AVX2 has no 64-bit multiply), probes 0 and 1 as two gathers of 32-bit
 // words (bit p of a block is bit p & 31 of its little-endian word p >> 5), the survivors
-// compacted by a permutation looked up from the 8-bit mask; probes 2.. as in the scalar code.
+// compacted by a permutation looked up from the 8-bit mask, probes 2.. on 8 survivors at a time.
 // Same integers, same positives. Needs blocks <= 2^27 (word offsets fit a signed 32-bit gather).
 #define DR_AVX2 __attribute__((target("avx2,popcnt")))
 
@@ -300,10 +304,7 @@ DR_AVX2 void blocked_query_range_avx2(const uint8_t* bits, uint64_t blocks, int 
             compress_store(g + c, _mm256_mullo_epi32(g1, mul), mask);
             c += static_cast<size_t>(_mm_popcnt_u32(static_cast<unsigned>(mask)));
         }
-        c = further_probes_avx2(words, k, c, blk, g, cand);
-        const size_t at = out.size();
-        out.resize(at + c);
-        for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
+        append_positives(base, cand, further_probes_avx2(words, k, c, blk, g, cand), out);
         if (out.size() > limit) return;
     }
 }

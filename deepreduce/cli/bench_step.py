@@ -155,19 +155,28 @@ class ConfigRunner:
 
     def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None,
                  bucket_mb=None) -> None:
-        from ..buckets import check_bucket_cap
+        from ..buckets import MIB, check_bucket_cap, plan
         from ..config import load_config
         from ..torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
-        self.bucket_mb = check_bucket_cap(bucket_mb, "bench-step --bucket-mb")
-        if bucket_mb is not None:
+        if check_bucket_cap(bucket_mb, "bench-step --bucket-mb") is not None:
             self.method += f" ({bucket_mb:g} MiB buckets)"
         config = dict(load_config(path), threads=threads)
         self.pipe = build(config, path="auto" if device is None else "device")
         self.peer = build(config, path="auto" if device is None else "device")
         self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
         self.grad_buffers: Dict[str, object] = {}
+        # As in the optimizer: the gradients with a container, in backward order (the reverse of
+        # the set's), grouped into buckets of two or more; the others travel on their own.
+        coded = [name for name, g in grads.items() if not self._summed(g.size)][::-1]
+        self.buckets = [] if bucket_mb is None else [
+            (f"bucket{k}.{coded[members[0]]}", [coded[i] for i in members])
+            for k, members in enumerate(plan([grads[n].size for n in coded], bucket_mb * MIB))]
+
+    def _summed(self, numel: int) -> bool:
+        """A small CPU tensor that ``Pipeline.summed_dense`` lets skip the container."""
+        return self.device == "cpu" and self.pipe.core.summed_dense(numel)
 
     def _grad_buffer(self, name: str, tensor):
         """The tensor's decode target, kept across steps like a parameter's ``.grad``."""
@@ -175,9 +184,19 @@ class ConfigRunner:
             self.grad_buffers[name] = tensor.new_empty(tensor.shape)
         return self.grad_buffers[name]
 
+    def _items(self, coded: Dict[str, object]) -> list:
+        """(name, tensor) pairs to encode: each bucket's gradients concatenated (the optimizer's
+        copy into its bucket), then every gradient that shares no bucket."""
+        import torch
+
+        grouped = {n for _, members in self.buckets for n in members}
+        return [(name, torch.cat([coded[n].reshape(-1) for n in members])) for name, members in self.buckets] + \
+            [(n, t) for n, t in coded.items() if n not in grouped]
+
     def step(self) -> Tuple[float, float, int]:
-        """Encode every gradient, then decode-and-sum ``ranks`` containers of each into its
-        ``.grad``-like buffer (as the optimizer decodes into ``p.grad``): (s, s, bytes).
+        """Encode every gradient (or bucket), then decode-and-sum ``ranks`` containers of each into
+        its ``.grad``-like buffer (as the optimizer decodes into ``p.grad``; a bucket's slices are
+        then copied back): (s, s, bytes).
 
         As in the optimizer, a small CPU tensor that ``Pipeline.summed_dense`` lets skip the
         container is summed by the all-reduce instead: no encode, its "decode" is the sum of
@@ -185,58 +204,26 @@ class ConfigRunner:
         import torch
 
         tensors = [(name, torch.from_numpy(grad.copy()).to(self.device)) for name, grad in self.grads.items()]
-        summed = [t for _, t in tensors if t.device.type == "cpu" and self.pipe.core.summed_dense(t.numel())]
-        coded = [(name, t) for name, t in tensors if not any(t is s for s in summed)]
-        if self.bucket_mb is not None:
-            return self._bucketed_step(coded, summed)
-        received = peer_payloads(self.peer, coded, self.step_number)
+        summed = [t for _, t in tensors if self._summed(t.numel())]
+        coded = {name: t for name, t in tensors if not self._summed(t.numel())}
+        received = peer_payloads(self.peer, self._items(coded), self.step_number)
+        members = dict(self.buckets)
         t0 = _now(self.device)                                                                # fresh p.grad
-        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in coded]
+        items = self._items(coded)
+        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in items]
         t1 = _now(self.device)
-        for (name, tensor), payload, other in zip(coded, payloads, received):
-            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape),
-                                 out=self._grad_buffer(name, tensor))
-        self._sum_dense(summed)
-        t2 = _now(self.device)
-        self.step_number += 1
-        return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads) + sum(4 * t.numel() for t in summed)
-
-    def _sum_dense(self, summed) -> None:
+        for (name, tensor), payload, other in zip(items, payloads, received):
+            out = self._grad_buffer(name, tensor)
+            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape), out=out)
+            at = 0
+            for grad_name in members.get(name, ()):                                          # the copy-back
+                grad = coded[grad_name]
+                self._grad_buffer(grad_name, grad).copy_(out[at:at + grad.numel()].view_as(grad))
+                at += grad.numel()
         for tensor in summed:
             total = tensor.clone()
             for _ in range(self.ranks - 1):
                 total += tensor
-
-    def _bucketed_step(self, coded, summed) -> Tuple[float, float, int]:
-        """:meth:`step` as the optimizer sends buckets: each bucket's gradients (backward order)
-        copied into one flat tensor and encoded, decoded-and-summed, copied back; a gradient that
-        shares no bucket travels on its own (:func:`deepreduce.buckets.plan`)."""
-        import torch
-
-        from ..buckets import MIB, plan
-
-        backward = coded[::-1]
-        groups = [[backward[i] for i in members]
-                  for members in plan([t.numel() for _, t in backward], self.bucket_mb * MIB)]
-        names = [f"bucket{k}.{group[0][0]}" for k, group in enumerate(groups)]
-        grouped = {id(t) for group in groups for _, t in group}
-        alone = [(name, t) for name, t in coded if id(t) not in grouped]
-        received = peer_payloads(self.peer, [(name, torch.cat([t.reshape(-1) for _, t in group]))
-                                             for name, group in zip(names, groups)] + alone, self.step_number)
-        t0 = _now(self.device)
-        flats = [torch.cat([t.reshape(-1) for _, t in group]) for group in groups]          # the copy-in
-        items = list(zip(names, flats)) + alone
-        payloads = [self.pipe.encode(tensor, name=name, step=self.step_number) for name, tensor in items]
-        t1 = _now(self.device)
-        for k, ((name, tensor), payload, other) in enumerate(zip(items, payloads, received)):
-            out = self._grad_buffer(name, tensor)
-            self.pipe.decode_sum([payload] + [other] * (self.ranks - 1), expected_shape=tuple(tensor.shape), out=out)
-            if k < len(groups):
-                at = 0
-                for grad_name, grad in groups[k]:                                           # the copy-back
-                    self._grad_buffer(grad_name, grad).copy_(out[at:at + grad.numel()].view_as(grad))
-                    at += grad.numel()
-        self._sum_dense(summed)
         t2 = _now(self.device)
         self.step_number += 1
         return t1 - t0, t2 - t1, sum(int(p.numel()) for p in payloads) + sum(4 * t.numel() for t in summed)

@@ -188,6 +188,7 @@ class DeepReduceState:
         self._communicator = TorchDistributedCommunicator()    # gathers layouts when ranks disagree
         self._communicator.group = self._group
         self._skipped: Dict[int, list] = {}    # step -> [(parameter, (rank, NaN, Inf))] of non-finite containers
+        self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
 
@@ -318,20 +319,31 @@ class DeepReduceState:
             parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
         else:
             name, members = job.merged
-            flat = torch.cat([job.views[i].reshape(-1) for i in members])
+            flat = self._merged_flat(job)
+            torch.cat([job.views[i].reshape(-1) for i in members], out=flat)
             parts = [self.pipeline.encode(flat, name=name, step=job.step)]
             parts += [self.pipeline.encode(view, name=n, step=job.step)
                       for i, (n, view) in enumerate(zip(job.names, job.views)) if i not in members]
         return torch.cat(parts).to(job.buffer.device)
 
+    def _merged_flat(self, job: _Job) -> torch.Tensor:
+        """The flat tensor of a bucket's merged gradients, kept across steps (only the worker
+        thread uses it): filled from their views to encode, then decoded into and spread back over
+        them by :meth:`_copy_back`."""
+        name, members = job.merged
+        numel = sum(job.views[i].numel() for i in members)
+        flat = self._flats.get(name)
+        if flat is None or flat.numel() != numel or flat.device != job.buffer.device:
+            flat = self._flats[name] = job.buffer.new_empty(numel)
+        return flat
+
     def _targets(self, job: _Job) -> List[torch.Tensor]:
         """Where each container of the bucket decodes to: a view of the bucket, or, for merged
-        gradients, a flat scratch tensor that :meth:`_copy_back` spreads over their views."""
+        gradients, their flat tensor (:meth:`_merged_flat`)."""
         if job.merged is None:
             return list(job.views)
         members = job.merged[1]
-        scratch = job.buffer.new_empty(sum(job.views[i].numel() for i in members))
-        return [scratch] + [v for i, v in enumerate(job.views) if i not in members]
+        return [self._merged_flat(job)] + [v for i, v in enumerate(job.views) if i not in members]
 
     @staticmethod
     def _copy_back(job: _Job, scratch: torch.Tensor) -> None:

@@ -59,14 +59,18 @@ def optimizer(model, config, cap, background=True):
     return opt, comm
 
 
+def train_step(model, opt, step):
+    opt.zero_grad()
+    backward(model, step)
+    opt.step()
+
+
 def check_lossless_buckets_train_like_per_parameter():
     runs = [(make_model(),) for _ in range(3)]
     runs = [(m, optimizer(m, LOSSLESS, cap)[0]) for (m,), cap in zip(runs, (None, ONE_BUCKET, TWO_BUCKETS))]
     for step in range(STEPS):
         for model, opt in runs:
-            opt.zero_grad()
-            backward(model, step)
-            opt.step()
+            train_step(model, opt, step)
         for model, _ in runs[1:]:
             assert torch.equal(flat_params(runs[0][0]), flat_params(model)), f"lossless step {step} differs"
     assert [opt.compression_stats()["buckets"] for _, opt in runs] == [0, 1, 2]
@@ -144,25 +148,19 @@ def check_unused_parameters_and_accumulation():
 def check_checkpoint_resumes_the_bucket_residual():
     # The residual is kept under the bucket's name: a resumed run sends the uninterrupted run's
     # bytes, and one resumed without the deepreduce state does not (the state made them equal).
-    def step(model, opt, i):
-        opt.zero_grad()
-        backward(model, i)
-        opt.step()
-
     model = make_model()
     opt, comm = optimizer(model, TOPK, ONE_BUCKET)
     for i in range(2):
-        step(model, opt, i)
+        train_step(model, opt, i)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     mark = len(comm.sent)
-    step(model, opt, 2)
+    train_step(model, opt, 2)
     original = sorted(comm.sent[mark:])
     resumed = {}
     for keep in (True, False):
         buffer.seek(0)
         checkpoint = torch.load(buffer, weights_only=True)
-        torch.manual_seed(1)
         other = make_model()
         other.load_state_dict(checkpoint["model"])
         other_opt, other_comm = optimizer(other, TOPK, ONE_BUCKET)
@@ -170,7 +168,7 @@ def check_checkpoint_resumes_the_bucket_residual():
         if not keep:
             state.pop("deepreduce")
         other_opt.load_state_dict(state)
-        step(other, other_opt, 2)
+        train_step(other, other_opt, 2)
         resumed[keep] = sorted(other_comm.sent)
     assert len(original) == 1 and resumed[True] == original and resumed[False] != original
 
