@@ -40,6 +40,7 @@ F32 = np.zeros(4, np.float32)
     (lambda: select.scan(np.ones(4, np.float32), np.zeros(3, np.float32), 2, 1), ValueError, "differ in size"),
     (lambda: select.topk(np.ones(4, np.float32), 10, 1), ValueError, "0 < r < n"),
     (lambda: select.topk(np.ones(4, np.float32), 2**70, 1), TypeError, "incompatible function arguments"),
+    (lambda: select.nonzero(np.ones(4, np.float32), 0), ValueError, r"threads must be in \[1, 256\]"),
     (lambda: fit.decode(b"\0\0\0\0" + b"\xff\xff\xff\xff" * 2, 2**40, 5, 4), ValueError, "segment table"),
     (lambda: fit.decode(b"", 2**62, 5, 4), ValueError, "segment table"),
     (lambda: fit.decode(b"\0" * 100, 10, 99, 4), ValueError, "invalid polyfit argument"),

@@ -41,6 +41,34 @@ def test_topk_follows_the_tie_rule(d, frac, seed, ties, threads):
     np.testing.assert_array_equal(_topk.topk_positions(g, r, threads), reference_topk(g, r))
 
 
+def sparse_gradient(d, density, seed):
+    """Non-zeros at ``density``, with -0.0 (a zero) and NaN (a non-zero) among them."""
+    rng = np.random.default_rng(seed)
+    g = np.where(rng.random(d) < density, rng.standard_normal(d), 0.0).astype(np.float32)
+    g[rng.random(d) < 0.01] = -0.0
+    g[rng.random(d) < 0.001] = np.nan
+    return g
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(0, 3000), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**16), threads=st.integers(1, 4))
+def test_nonzero_is_flatnonzero(d, density, seed, threads):
+    g = sparse_gradient(d, density, seed)
+    got = kernels.nonzero(g, threads)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.flatnonzero(g))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.6, 1.0])
+def test_nonzero_over_several_chunks(threads, density, monkeypatch):
+    """Tensors large enough for several threads: each chunk's branch-free writes stay in its share."""
+    g = sparse_gradient(400_003, density, 7)
+    results = [with_backend(monkeypatch, backend, lambda: kernels.nonzero(g, threads)) for backend in ("", "numpy")]
+    np.testing.assert_array_equal(results[0], np.flatnonzero(g))
+    np.testing.assert_array_equal(results[1], np.flatnonzero(g))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("ties", [False, True])
 def test_fused_scan_selects_like_topk_whatever_the_threads(threads, ties, monkeypatch):

@@ -90,6 +90,24 @@ py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
   return out;
 }
 
+py::array_t<int64_t> nonzero(FloatIn x, int threads) {
+  threads = checked_threads(threads);
+  std::vector<int64_t> counts;
+  {
+    py::gil_scoped_release release;
+    counts = dr_select::nonzero_counts(x.data(), x.size(), threads);
+  }
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  py::array_t<int64_t> out(total);
+  int64_t* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dr_select::nonzero(x.data(), x.size(), counts, o);
+  }
+  return out;
+}
+
 void check_scatter(const FloatInPlace& out, const IndexIn& idx, const FloatIn& val) {
   if (idx.size() != val.size()) throw std::invalid_argument("scatter_add: indices and values differ in length");
 }
@@ -144,12 +162,15 @@ py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t
 }  // namespace
 
 PYBIND11_MODULE(_select, m) {
-  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold selection, scatter-add, QSGD encode";
+  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
+          "QSGD encode";
   m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
         "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
   m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
         "ascending positions of the r largest |x| (ties: lowest position first)");
   m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
+  m.def("nonzero", &nonzero, py::arg("x"), py::arg("threads"),
+        "ascending int64 positions of the non-zero entries (as numpy.flatnonzero)");
   m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
         "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
   m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),

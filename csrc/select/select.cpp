@@ -305,6 +305,40 @@ std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads) 
   return out;
 }
 
+std::vector<int64_t> nonzero_counts(const float* x, int64_t n, int threads) {
+  Chunks chunks(n, threads);
+  std::vector<int64_t> counts(chunks.count, 0);
+  run_chunks(chunks.count, [&](int c) {
+    int64_t count = 0;
+    for (int64_t i = chunks.begin(c), hi = chunks.end(c); i < hi; ++i) count += magnitude_key(x[i]) != 0;
+    counts[c] = count;
+  });
+  return counts;
+}
+
+void nonzero(const float* x, int64_t n, const std::vector<int64_t>& counts, int64_t* out) {
+  Chunks chunks(n, static_cast<int>(counts.size()));
+  std::vector<int64_t> offset(counts.size() + 1, 0);
+  for (size_t c = 0; c < counts.size(); ++c) offset[c + 1] = offset[c] + counts[c];
+  constexpr int64_t kRun = 64;
+  run_chunks(chunks.count, [&](int c) {
+    int64_t i = chunks.begin(c), o = offset[c];
+    const int64_t hi = chunks.end(c), end = offset[c + 1];
+    // Branch-free: every position is written at o, and kept by advancing o when it is non-zero.
+    // A run of kRun entries advances o at most kRun times, so while kRun slots of this chunk's
+    // share of out are left its writes stay inside it; the rest is done with a branch.
+    while (i + kRun <= hi && end - o >= kRun) {
+      for (int64_t j = i; j < i + kRun; ++j) {
+        out[o] = j;
+        o += magnitude_key(x[j]) != 0;
+      }
+      i += kRun;
+    }
+    for (; i < hi; ++i)
+      if (magnitude_key(x[i]) != 0) out[o++] = i;
+  });
+}
+
 std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n,
                                 int threads) {
   if (n == 0) return "";

@@ -1,6 +1,7 @@
 // Passes over whole float32 tensors for the pipeline's hot path (deepreduce._select):
 // compensation fused with the finiteness scan and the gathering of Top-r candidates, Top-r
-// radix selection with the project's tie rule, threshold selection, and scatter-add decode.
+// radix selection with the project's tie rule, threshold and non-zero selection, and scatter-add
+// decode.
 //
 // Every kernel splits its input into `threads` chunks of whole blocks and combines the chunks'
 // results in chunk order, so the thread count never changes a result.
@@ -36,6 +37,13 @@ void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out);
 
 // Ascending positions with |x| >= t.
 std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads);
+
+// Ascending positions of the non-zero entries of x (every bit pattern but +0 and -0, so NaN
+// counts, as in numpy.flatnonzero): nonzero_counts gives each chunk's count (the caller sizes
+// the output from their sum), nonzero writes the positions, branch-free (at half density a
+// branch per entry is mispredicted every other time).
+std::vector<int64_t> nonzero_counts(const float* x, int64_t n, int threads);
+void nonzero(const float* x, int64_t n, const std::vector<int64_t>& counts, int64_t* out);
 
 // out[idx[j]] += val[j] for j < n. The checked form first verifies that idx is strictly
 // ascending and inside [0, numel); it returns an error message (nothing written) if not.

@@ -5,6 +5,7 @@ import warnings
 
 import numpy as np
 
+from .. import kernels
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier, count_for
@@ -37,7 +38,7 @@ class NoSparsifier(Sparsifier):
         self._dense_warned: set = set()
 
     def select(self, flat, ctx):
-        chosen = np.flatnonzero(flat).astype(np.int64)
+        chosen = kernels.nonzero(flat, self.threads)
         self.check_density(chosen.size, flat.size, ctx.name)
         return chosen
 
