@@ -41,6 +41,28 @@ def test_topk_follows_the_tie_rule(d, frac, seed, ties, threads):
     np.testing.assert_array_equal(_topk.topk_positions(g, r, threads), reference_topk(g, r))
 
 
+@settings(max_examples=30, deadline=None)
+@given(digit=st.sampled_from([(20, 11), (9, 11), (0, 9), (0, 31)]), spread=st.integers(1, 2048),
+       frac=st.floats(0.001, 0.999), seed=st.integers(0, 2**16), threads=st.integers(1, 3))
+def test_topk_cut_among_many_candidates(digit, spread, frac, seed, threads):
+    """The cut among more than 4,096 candidates (radix select, digit by digit): magnitudes that
+    differ only in one digit of their bit pattern, in few values (many ties) or many. The
+    tensor is large enough for scan's sampled bound."""
+    shift, width = digit
+    rng = np.random.default_rng(seed)
+    d = 70_000
+    base = np.uint32(0x3F000000) & ~np.uint32(((1 << width) - 1) << shift)
+    low = rng.integers(0, min(spread, 1 << width), size=d, dtype=np.uint32)
+    keys = base | (low << np.uint32(shift))
+    signs = rng.integers(0, 2, size=d, dtype=np.uint32) << np.uint32(31)
+    g = (keys | signs).view(np.float32)
+    r = max(1, int(frac * d))
+    np.testing.assert_array_equal(_topk.topk_positions(g, r, threads), reference_topk(g, r))
+    residual = np.zeros(d, np.float32)
+    finite, chosen = kernels.scan(g, residual, r, threads)
+    np.testing.assert_array_equal(chosen, reference_topk(g, r))
+
+
 def sparse_gradient(d, density, seed):
     """Non-zeros at ``density``, with -0.0 (a zero) and NaN (a non-zero) among them."""
     rng = np.random.default_rng(seed)

@@ -136,6 +136,41 @@ struct Candidates {
   }
 };
 
+// The r-th largest of `keys` (1 <= r <= keys.size()) by radix select: a histogram of one digit
+// (11, 11, then the last 9 bits) finds the digit of the cut, and only the keys with that digit
+// move on. Linear and branch-light where nth_element's partitioning mispredicts; below
+// kRadixMin keys, nth_element (the histograms' fixed cost would dominate).
+constexpr size_t kRadixMin = 4096;
+uint32_t radix_cut(std::vector<uint32_t> keys, int64_t r) {
+  if (keys.size() < kRadixMin) {
+    std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
+    return keys[r - 1];
+  }
+  constexpr int kShift[3] = {20, 9, 0};
+  constexpr uint32_t kDigits[3] = {2048, 2048, 512};
+  std::vector<int64_t> hist(2048);
+  uint32_t prefix = 0;
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShift[level];
+    const uint32_t mask = kDigits[level] - 1;
+    std::fill(hist.begin(), hist.end(), 0);
+    for (uint32_t k : keys) ++hist[(k >> shift) & mask];
+    uint32_t digit = mask;
+    int64_t above = 0;
+    for (; digit > 0 && above + hist[digit] < r; --digit) above += hist[digit];
+    r -= above;   // the cut is the r-th largest of the keys with this digit
+    prefix |= digit << shift;
+    if (level == 2) break;
+    size_t kept = 0;
+    for (uint32_t k : keys) {   // branch-free compaction of the keys with this digit
+      keys[kept] = k;
+      kept += ((k >> shift) & mask) == digit;
+    }
+    keys.resize(kept);
+  }
+  return prefix;
+}
+
 // Writes the r positions of largest key among the candidates (which must hold every entry of
 // the tensor above the r-th largest key, and at least r entries): every key above the cut,
 // then the ties at the cut lowest position first, ascending.
@@ -144,8 +179,7 @@ void finish_topk(const Candidates& cand, int64_t r, int64_t* out) {
   std::vector<uint32_t> keys;
   keys.reserve(static_cast<size_t>(cand.size()));
   for (const auto& k : cand.key) keys.insert(keys.end(), k.begin(), k.end());
-  std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
-  const uint32_t cut = keys[r - 1];
+  const uint32_t cut = radix_cut(std::move(keys), r);
   // Per-chunk counts give every chunk its output offset and its share of the ties.
   std::vector<int64_t> above(chunks, 0), ties(chunks, 0), take(chunks, 0), offset(chunks, 0);
   int64_t total_above = 0;
@@ -178,17 +212,22 @@ void finish_topk(const Candidates& cand, int64_t r, int64_t* out) {
   });
 }
 
-constexpr int64_t kSampleBlocks = 256, kSampleLen = 256;  // 65536 sampled entries
-static_assert(kFusedMinSize >= 4 * kSampleBlocks * kSampleLen, "a sample is at most a quarter of the tensor");
+// The sample: kSampleLen-entry blocks, evenly spaced, 1/kSampleShare of the tensor but at least
+// 4 and at most 256 blocks (1,024 to 65,536 entries). Resolving the bound costs a selection over
+// the sample, so it must stay small beside the tensor: a fixed 65,536-entry sample made the
+// fused pass slower than histogram + gather below a few million entries.
+constexpr int64_t kSampleLen = 256, kSampleShare = 16, kMinSampleBlocks = 4, kMaxSampleBlocks = 256;
+static_assert(kFusedMinSize == kSampleShare * kMinSampleBlocks * kSampleLen, "the smallest fused tensor's sample");
 
 // A key bound that, judging from a sample of evenly spaced blocks of the compensated
 // gradient, about 1.3 r entries reach; 0 when the tensor is too small to sample.
 uint32_t sampled_bound(const float* g, const float* residual, int64_t n, int64_t r) {
   if (n < kFusedMinSize) return 0;
+  const int64_t blocks = std::clamp(n / (kSampleShare * kSampleLen), kMinSampleBlocks, kMaxSampleBlocks);
   std::vector<uint32_t> sample;
-  sample.reserve(kSampleBlocks * kSampleLen);
-  for (int64_t b = 0; b < kSampleBlocks; ++b) {
-    const int64_t start = (n - kSampleLen) * b / (kSampleBlocks - 1);
+  sample.reserve(static_cast<size_t>(blocks * kSampleLen));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = (n - kSampleLen) * b / (blocks - 1);
     for (int64_t i = start; i < start + kSampleLen; ++i)
       sample.push_back(magnitude_key(residual ? residual[i] + g[i] : g[i]));
   }

@@ -16,7 +16,7 @@ constexpr int kHistBits = 11;                 // buckets: top 11 bits of the mag
 constexpr int kHistShift = 31 - kHistBits;    // sign bit cleared, so 31 significant bits
 constexpr int64_t kHistSize = int64_t{1} << kHistBits;
 constexpr int64_t kBlock = 4096;              // a non-finite block is never added to a residual
-constexpr int64_t kFusedMinSize = int64_t{1} << 18;  // smaller tensors: no sampled bound
+constexpr int64_t kFusedMinSize = int64_t{1} << 14;  // smaller tensors: no sampled bound
 
 enum class Scan { kNonFinite, kFinite, kSelected };
 
