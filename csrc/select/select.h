@@ -24,15 +24,17 @@ enum class Scan { kNonFinite, kFinite, kSelected };
 // it in place (residual becomes the compensated gradient). If g holds a NaN/Inf, blocks holding
 // one are left alone and the others are taken out again (residual = (residual + g) - g):
 // returns kNonFinite. With 0 < topk_r < n, also writes the Top-r positions of the compensated
-// gradient (as topk) into out and returns kSelected: a sample of the compensated gradient gives
-// a magnitude bound about 1.3 r entries reach, the same pass gathers those entries, and the
-// Top-r is resolved among them (if fewer than r reach the bound, topk runs on its own).
+// gradient (as topk) into out and returns kSelected: from kFusedMinSize entries on, a sample of
+// the compensated gradient (1/16 of it, 1,024 to 65,536 entries) gives a magnitude bound about
+// 1.3 r entries reach, the same pass gathers those entries, and the Top-r is resolved among them
+// (if fewer than r reach the bound, or the tensor is smaller, topk runs on its own).
 Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out);
 
 // Ascending positions of the r entries of largest |x| (0 < r < n): every entry above the r-th
 // largest magnitude, then the entries equal to it, lowest position first. A radix select on the
 // magnitude bit patterns: a histogram of their top kHistBits bits finds the bucket of the cut,
-// one pass gathers that bucket and above, the cut is resolved among those. Writes r positions.
+// one pass gathers that bucket and above, the cut is resolved among those (a radix select of
+// the candidates' keys, digit by digit). Writes r positions.
 void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out);
 
 // Ascending positions with |x| >= t.
