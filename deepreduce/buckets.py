@@ -36,6 +36,16 @@ def check_bucket_cap(cap_mb, owner: str):
     return cap_mb
 
 
+def check_bucket_cap_for(cap_mb, summable: bool, owner: str):
+    """:func:`check_bucket_cap`, and a ConfigError for a cap given with a summable compressor
+    (whose all-reduces Horovod's tensor fusion already groups: there is no container to bucket)."""
+    cap_mb = check_bucket_cap(cap_mb, owner)
+    if cap_mb is not None and summable:
+        raise ConfigError(f"{owner}: bucket_cap_mb applies to deepreduce configs; a summable compressor's "
+                          "all-reduces are grouped by Horovod's tensor fusion")
+    return cap_mb
+
+
 def plan(sizes: Sequence[int], cap_bytes: float, itemsize: int = 4) -> List[List[int]]:
     """Group tensors of ``sizes`` elements, taken in the given order, into buckets of consecutive
     tensors holding at most ``cap_bytes`` (``itemsize`` bytes an element), filled greedily.

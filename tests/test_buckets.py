@@ -46,3 +46,12 @@ def test_bad_cap_is_a_config_error_naming_the_owner(cap):
 def test_no_cap_means_no_buckets_and_numbers_pass():
     assert buckets.check_bucket_cap(None, "x") is None
     assert buckets.check_bucket_cap(25, "x") == 25 and buckets.check_bucket_cap(0.5, "x") == 0.5
+
+
+def test_a_cap_with_a_summable_compressor_is_a_config_error():
+    with pytest.raises(ConfigError, match="deepreduce.tensorflow: bucket_cap_mb applies to deepreduce configs"):
+        buckets.check_bucket_cap_for(1.0, True, "deepreduce.tensorflow")
+    assert buckets.check_bucket_cap_for(None, True, "x") is None
+    assert buckets.check_bucket_cap_for(2, False, "x") == 2
+    with pytest.raises(ConfigError, match="positive number of MiB"):
+        buckets.check_bucket_cap_for(-1, False, "x")

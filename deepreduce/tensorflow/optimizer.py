@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import overlap
+from .. import buckets, overlap
 from ..errors import ConfigError
 from .pipeline import build
 from .reduce import Reducer, import_horovod, is_summable_compressor
@@ -147,9 +147,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                           f"got {backward_passes_per_step!r}")
     overlap.check_workers(background, "DistributedOptimizer")   # also where Horovod's wrapper takes over
     summable = compression is None or is_summable_compressor(compression)
-    if summable and bucket_cap_mb is not None:
-        raise ConfigError("DistributedOptimizer: bucket_cap_mb applies to deepreduce configs; a summable "
-                          "compressor's allreduces are grouped by Horovod's tensor fusion")
+    buckets.check_bucket_cap_for(bucket_cap_mb, summable, "DistributedOptimizer")   # before Horovod's wrapper
     if summable and isinstance(optimizer, tf.compat.v1.train.Optimizer):
         hvd = import_horovod()
         return hvd.DistributedOptimizer(

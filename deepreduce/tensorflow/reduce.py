@@ -113,10 +113,7 @@ class Reducer:
                  hvd_compression=None, background=True, bucket_cap_mb=None) -> None:
         self.hvd = import_horovod()
         self.workers = overlap.check_workers(background, "deepreduce.tensorflow")
-        self.bucket_cap_mb = buckets.check_bucket_cap(bucket_cap_mb, "deepreduce.tensorflow")
-        if self.bucket_cap_mb is not None and pipeline is None:
-            raise ConfigError("deepreduce.tensorflow: bucket_cap_mb applies to deepreduce configs; a summable "
-                              "compressor's allreduces are grouped by Horovod's tensor fusion")
+        self.bucket_cap_mb = buckets.check_bucket_cap_for(bucket_cap_mb, pipeline is None, "deepreduce.tensorflow")
         self.pipeline = None if pipeline is None else build(pipeline)
         self.hvd_compression = hvd_compression if hvd_compression is not None else self.hvd.Compression.none
         if self.pipeline is not None:

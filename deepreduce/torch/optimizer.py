@@ -103,10 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
             self._pipeline.core.collective_steps()
         self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
-        self._bucket_cap_mb = buckets.check_bucket_cap(bucket_cap_mb, "DistributedOptimizer")
-        if self._bucket_cap_mb is not None and self._summable:
-            raise ConfigError("DistributedOptimizer: bucket_cap_mb applies to deepreduce pipelines, not to a "
-                              "summable compressor (Horovod's tensor fusion already groups its all-reduces)")
+        self._bucket_cap_mb = buckets.check_bucket_cap_for(bucket_cap_mb, self._summable, "DistributedOptimizer")
         self._buckets: List[_Bucket] = []
         self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
         self._copied: set = set()     # parameters of this step already copied into their bucket
