@@ -8,7 +8,7 @@ Quick use::
     dense = pipe.decode(payload)                               # float32, grad's shape
 """
 from .config import build, load_config
-from .container import inspect
+from .wire.container import inspect
 from .errors import (
     BackendUnavailableError, CommunicationError, ConfigError, ContainerError, DeepReduceError,
     NonFiniteGradientError,

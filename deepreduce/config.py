@@ -10,12 +10,15 @@ the only error is a ConfigError naming the problem.
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import os
-from typing import Any, Mapping, Union
+from typing import Any, List, Mapping, Tuple, Union
 
 import yaml
 
-from . import container, parallel, registry
+from .wire import container
+from .backend import parallel
+from . import registry
 from .errors import ConfigError
 from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option
 
@@ -62,6 +65,21 @@ def _read_yaml(path: str):
         raise ConfigError(f"config file {path!r} nests too deeply") from exc
 
 
+def shipped_configs() -> List[str]:
+    """Names of the configs shipped with the package (``deepreduce/configs/*.yaml``), sorted."""
+    folder = importlib.resources.files(__package__).joinpath("configs")
+    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def _shipped_path(name: str) -> str:
+    """The file of shipped config ``name`` (a plain name: no folder, no suffix)."""
+    entry = importlib.resources.files(__package__).joinpath("configs", f"{name}.yaml")
+    if not entry.is_file():
+        raise ConfigError(f"config {name!r} is neither a file nor a shipped config; shipped configs: "
+                          f"{', '.join(shipped_configs())}")
+    return os.fspath(entry)
+
+
 def _read(source: ConfigLike) -> dict:
     if isinstance(source, Pipeline):
         return source.get_config()
@@ -70,7 +88,9 @@ def _read(source: ConfigLike) -> dict:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
+            if os.sep in path or path.endswith((".yaml", ".yml")):
+                raise ConfigError(f"config file {path!r} does not exist")
+            path = _shipped_path(path)
         data = _read_yaml(path)
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
@@ -79,8 +99,16 @@ def _read(source: ConfigLike) -> dict:
 
 
 def load_config(source: ConfigLike) -> dict:
-    """Read and validate a config; returns the normalised dict (every default filled in)."""
-    raw = _read(source)
+    """Read and validate a config; returns the normalised dict (every default filled in).
+
+    ``source`` is a YAML path, the name of a shipped config (``"topk_raw"``, see
+    :func:`shipped_configs`), a dict or a Pipeline.
+    """
+    return _validate(_read(source))[0]
+
+
+def _validate(raw: dict) -> Tuple[dict, dict]:
+    """(normalised config, the components it built): each component is built once, here."""
     unknown = [key for key in raw if key not in ALLOWED_KEYS]
     if unknown:
         raise ConfigError(f"config: unknown key {unknown[0]!r}; allowed keys: {', '.join(ALLOWED_KEYS)}")
@@ -91,10 +119,11 @@ def load_config(source: ConfigLike) -> dict:
     if empty:
         raise ConfigError(f"config: section {empty[0]!r} is empty; it needs an id (allowed ids: "
                           f"{', '.join(registry.ids(empty[0]))})")
-    out = {}
+    out, components = {}, {}
     for section in REQUIRED_SECTIONS + OPTIONAL_SECTIONS:
         if section in raw and raw[section] is not None:
-            out[section] = registry.create(section, raw[section]).get_config()
+            components[section] = registry.create(section, raw[section])
+            out[section] = components[section].get_config()
     out["min_numel"] = check_numel_option("config", "min_numel", raw.get("min_numel", DEFAULT_MIN_NUMEL), 0)
     nonfinite = raw.get("nonfinite", "propagate")
     if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
@@ -102,13 +131,13 @@ def load_config(source: ConfigLike) -> dict:
     out["nonfinite"] = nonfinite
     out["threads"] = parallel.check_threads(raw.get("threads", parallel.AUTO))
     out["max_numel"] = check_numel_option("config", "max_numel", raw.get("max_numel", container.MAX_NUMEL), 1)
-    return out
+    return out, components
 
 
 def build(source: ConfigLike) -> Pipeline:
-    """Build a pipeline from a config path, dict or an existing pipeline's config."""
-    config = load_config(source)
-    components = {s: registry.create(s, config[s]) for s in REQUIRED_SECTIONS + OPTIONAL_SECTIONS if s in config}
+    """Build a pipeline from a config path, a shipped config's name, a dict or an existing
+    pipeline's config."""
+    config, components = _validate(_read(source))
     return Pipeline(
         components["sparsifier"], components["index"], components["value"], components["memory"],
         communicator=components.get("communicator"),

@@ -3,7 +3,7 @@
 The pipeline drives a memory in two calls per encoded tensor:
 
 * ``accumulate(name, flat)``: the residual absorbs the gradient in place (``residual +=
-  grad``, one pass that also checks finiteness, see ``deepreduce.kernels.scan``); the residual
+  grad``, one pass that also checks finiteness, see ``deepreduce.backend.kernels.scan``); the residual
   buffer now *is* the compensated gradient the sparsifier reads.
 * ``settle(name, positions, values)``: after encoding, ``residual[positions] -= values``,
   where ``values`` is what the receiver reconstructs at ``positions`` (value codecs hand it back
@@ -29,7 +29,7 @@ from typing import Dict, NamedTuple, Optional
 
 import numpy as np
 
-from . import arrays, kernels
+from .backend import arrays, kernels
 from .errors import CommunicationError, ConfigError
 from .params import Component
 from .registry import register

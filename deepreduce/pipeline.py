@@ -16,14 +16,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import arrays, bitpack, container, kernels, parallel, registry
-from .own_containers import OwnContainers
+from .backend import arrays, kernels, parallel
+from .wire import bitpack, container
+from . import registry
+from .wire.own_containers import OwnContainers
 from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
 from .index import IndexCodec
 from .memory import Memory
-from .seeding import EncodeContext, config_digest
+from .wire.seeding import EncodeContext, config_digest
 from .sparsify import Sparsifier
 from .stats import CompressionStats
 from .values import ValueCodec
@@ -47,7 +49,7 @@ class Pipeline:
         communicator: optional communicator component used by the training integrations.
         min_numel: tensors with fewer elements travel dense (float32) in the container.
         threads: threads of the C++ kernels (a positive int, or "auto": this host's usable CPUs
-            divided by its ranks; see ``deepreduce.parallel``); never changes a byte.
+            divided by its ranks; see ``deepreduce.backend.parallel``); never changes a byte.
         nonfinite: ``"propagate"`` sends a tensor holding NaN/Inf dense and unchanged, so the
             receiver (and an AMP loss scaler) sees it; ``"raise"`` refuses it with
             NonFiniteGradientError (in the distributed integrations on every rank together,
@@ -167,7 +169,7 @@ class Pipeline:
     # ------------------------------------------------------------------ steps decided by every rank
     def collective_steps(self) -> None:
         """Let the ranks decide together whether a step is applied (the distributed integrations
-        turn this on; see :mod:`deepreduce.agreement`).
+        turn this on; see :mod:`deepreduce.dist.agreement`).
 
         Under ``nonfinite: raise``, :meth:`encode` then packs a non-finite gradient in the
         flagged dense container instead of raising, so it reaches every rank and every rank
@@ -175,7 +177,7 @@ class Pipeline:
         kept until :meth:`commit_step` (the step was applied) or :meth:`undo_step` (skipped).
         """
         if self._journal is None and self.nonfinite == "raise":
-            from .agreement import StepJournal
+            from .dist.agreement import StepJournal
 
             self._journal = StepJournal(self)
 
@@ -400,7 +402,7 @@ class Pipeline:
             raise _sum_overflow()
 
     def _add_own(self, own, out: np.ndarray, accumulate: bool, check_sum: bool) -> None:
-        """:meth:`_decode_into` for this rank's own container (see :mod:`deepreduce.own_containers`)."""
+        """:meth:`_decode_into` for this rank's own container (see :mod:`deepreduce.wire.own_containers`)."""
         if not accumulate:
             out[...] = 0.0
         kernels.scatter_add(out, own.positions, own.values, own.ascending, self.threads)
@@ -411,7 +413,7 @@ class Pipeline:
     def backends(self, device=None) -> dict:
         """Where each component runs and which implementation: ``device=None`` for NumPy input
         (the host: "c++" or "numpy"), or a torch device for the torch device path ("torch on
-        <device>", or "host: ..." for a component that falls back, see ``deepreduce.arrays``)."""
+        <device>", or "host: ..." for a component that falls back, see ``deepreduce.backend.arrays``)."""
         host_kernels = "host: c++" if kernels.native() is not None else "host: numpy"
         if device is None:
             parts = {"memory": host_kernels, "finiteness": host_kernels,

@@ -14,7 +14,7 @@ from typing import Dict, Tuple, Type
 from .errors import ConfigError
 
 KINDS = ("sparsifier", "index", "value", "memory", "communicator")
-_BUILTIN_PACKAGES = ("sparsify", "index", "values", "comm")
+_BUILTIN_PACKAGES = ("sparsify", "index", "values", "dist.comm")
 _BUILTIN_MODULES = ("memory",)
 
 _classes: Dict[Tuple[str, str], type] = {}

@@ -4,7 +4,7 @@ Run on 2 ranks::
 
     horovodrun -np 2 -H localhost:2 .venv/bin/python examples/bench_tf_eager.py [--rounds 15] [configs/...yaml ...]
 
-The model has one variable per gradient of the shipped ResNet-20 set (deepreduce/data/gradients.npz,
+The model has one variable per gradient of the shipped ResNet-20 set (experiments/data/gradients.npz,
 59 tensors, 269,722 values) and the loss ``sum(v * g)``, so backward is trivial and each step's
 gradients are the real ones; a step is ``DistributedGradientTape(...).gradient`` (backward,
 encode, allgather, decode). Every round runs one step of each mode in turn: eager with
@@ -27,7 +27,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from deepreduce import runtime  # noqa: E402
+from experiments import runtime  # noqa: E402
 
 runtime.apply_defaults()   # before hvd.init(), as the training jobs do
 
@@ -35,7 +35,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
-from deepreduce import gradients  # noqa: E402
+from experiments import gradients  # noqa: E402
 
 PER_TENSOR = "tf.function, per-tensor program order"
 DEFAULT_CONFIGS = ["configs/topk_raw.yaml", "configs/bf_p0.yaml", "configs/qsgd.yaml"]

@@ -66,7 +66,7 @@ def bench_config(path: str, grads, repeat: int) -> list:
     bufs = [tf.constant(p) for p in payloads]
     step = tf.Variable(0, dtype=tf.int64)
     encoders = [lambda: [core.encode(g, name=n, step=0) for g, n in zip(grads, names)]]
-    decoders = [lambda: [core.decode_sum(deepreduce.container.split(p), SHAPE) for p in payloads]]
+    decoders = [lambda: [core.decode_sum(deepreduce.wire.container.split(p), SHAPE) for p in payloads]]
     backends = ["numpy_function"] + (["tf-ops"] if ops.unsupported(core) is None else [])
     for backend in backends:
         pipe = drtf.build(path, backend=backend)

@@ -1,4 +1,4 @@
-"""Example: the main job under PyTorch DistributedDataParallel and torchrun (see deepreduce/train.py).
+"""Example: the main job under PyTorch DistributedDataParallel and torchrun (see experiments/train.py).
 
 The model, data, sharding, optimizer and per-epoch line are the Horovod job's; only the gradient
 exchange differs: a DDP communication hook.
@@ -16,7 +16,7 @@ Across hosts (run on every host; HOST0 is any host the others reach):
 Relative volume: deepreduce counts its containers' bytes, fp16 2 bytes an element, PowerSGD the
 elements its factors (and the tensors it leaves uncompressed) send, the baseline 1.
 """
-from deepreduce.train import main
+from experiments.train import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

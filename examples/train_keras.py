@@ -6,11 +6,11 @@ Run with N ranks under Horovod, e.g.::
     horovodrun -np 2 -H localhost:2 python examples/train_keras.py --baseline    # hvd.allreduce, no compression
 
 The model, data, schedule and per-epoch line are examples/train_tf.py's
-(:mod:`deepreduce.tensorflow.job`); training is Keras 3's ``model.fit`` with
+(:mod:`experiments.tf_job`); training is Keras 3's ``model.fit`` with
 ``deepreduce.tensorflow.keras.DistributedOptimizer`` given the config path, and the callbacks
 ``BroadcastGlobalVariablesCallback`` (every rank starts from rank 0's weights) and
 ``MetricAverageCallback`` (the epoch's loss averaged over ranks). Each rank fits on its shard
-of every epoch (:func:`deepreduce.data.shard`); rank 0 prints the line of the PyTorch job.
+of every epoch (:func:`experiments.digits.shard`); rank 0 prints the line of the PyTorch job.
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from deepreduce.tensorflow.job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
+from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
 
 
 def shard_batches(x, y, rank: int, size: int, batch_size: int, steps: int, seed: int):
     """Endless (images, labels) batches: each epoch ``steps`` batches of this rank's shard."""
-    from deepreduce.data import shard
+    from experiments.digits import shard
 
     for epoch in itertools.count():
         indices = shard(len(y), rank, size, epoch, seed=seed)

@@ -8,7 +8,7 @@ Run with N ranks under Horovod, e.g.::
 A custom training loop: a ``tf.function`` train step that wraps its tape in
 ``deepreduce.tensorflow.DistributedGradientTape`` (Horovod's TF2 pattern), with
 ``optimizer.iterations`` as the step. ``examples/train_keras.py`` is the same job with
-``model.fit``. Each epoch rank 0 prints the same line as the PyTorch job (deepreduce/train.py):
+``model.fit``. Each epoch rank 0 prints the same line as the PyTorch job (experiments/train.py):
 training loss averaged over ranks, test accuracy, relative data volume (bytes put on the wire
 over dense float32 bytes, averaged over ranks) and wall time.
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from deepreduce.tensorflow.job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
+from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
 
 
 def train(args: argparse.Namespace) -> List[dict]:
@@ -34,7 +34,7 @@ def train(args: argparse.Namespace) -> List[dict]:
     tf, hvd, keras, model, base_lr = job.tf, job.hvd, job.keras, job.model, job.base_lr
     x_train, y_train, x_test, y_test = job.x_train, job.y_train, job.x_test, job.y_test
     import deepreduce.tensorflow as drtf
-    from deepreduce.data import shard
+    from experiments.digits import shard
     from deepreduce.tensorflow.keras import broadcast_variables
 
     broadcast_variables(model.variables, root_rank=0)   # start every rank from rank 0's weights

@@ -1,8 +1,8 @@
-"""Example: the main job as a script (see deepreduce/train.py for the options).
+"""Example: the main job as a script (see experiments/train.py for the options).
 
     horovodrun -np 2 -H localhost:2 python examples/train_torch.py --config configs/topk_raw.yaml
 """
-from deepreduce.train import main
+from experiments.train import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

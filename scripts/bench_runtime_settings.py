@@ -1,6 +1,6 @@
 """Forward / backward / step time of the main job's dense baseline under each launcher setting.
 
-Runs ``python -m deepreduce.train --baseline --profile`` on 2 ranks under torchrun (DDP over
+Runs ``python -m experiments.train --baseline --profile`` on 2 ranks under torchrun (DDP over
 gloo) and under horovodrun with each runtime setting, round-robin for ``--rounds`` rounds, and
 prints the median per-step milliseconds of the last epoch (the first one warms up) of every
 run, their median over rounds, and the forward time relative to torchrun's::
@@ -8,7 +8,7 @@ run, their median over rounds, and the forward time relative to torchrun's::
     .venv/bin/python scripts/bench_runtime_settings.py --rounds 3
 
 Every horovodrun variant states the Open MPI yield setting explicitly, so the project's default
-(:mod:`deepreduce.runtime`) does not silently apply to the variants meant to run without it.
+(:mod:`experiments.runtime`) does not silently apply to the variants meant to run without it.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Dict, List, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from deepreduce.reproduce.fig7 import kill_tree  # noqa: E402
+from experiments.reproduce.fig7 import kill_tree  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 # launcher prefixes up to the module to run (torchrun starts the interpreter itself)
@@ -54,7 +54,7 @@ def describe(name: str) -> str:
 def run_variant(name: str, steps: int, out_dir: str, timeout: float) -> Dict[str, float]:
     launcher, overrides = VARIANTS[name]
     metrics = os.path.join(out_dir, "metrics.json")
-    cmd = launcher + ["-m", "deepreduce.train", "--baseline", "--profile", "--epochs", "2",
+    cmd = launcher + ["-m", "experiments.train", "--baseline", "--profile", "--epochs", "2",
                       "--max-steps", str(steps), "--metrics-json", metrics]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **overrides)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))

@@ -292,6 +292,15 @@ csrc_hash() {
     fi
 }
 
+# The experiment harness (experiments/: main job, models, data, benchmarks) is not part of the
+# wheel; a .pth file puts this checkout on the venv's path so that `python -m experiments.train`
+# and the `deepreduce bench-*` / `reproduce` commands work from anywhere.
+harness_path() {
+    local site
+    site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    printf '%s\n' "$ROOT" > "$site/deepreduce-experiments.pth"
+}
+
 step_project() {
     if [ ! -f "$ROOT/setup.py" ] && [ ! -f "$ROOT/pyproject.toml" ]; then
         log "project: no setup.py yet, skipping editable install"
@@ -299,6 +308,7 @@ step_project() {
     fi
     local key
     key="$(hash_files setup.py pyproject.toml setup.cfg)-$(csrc_hash)-torch$(installed_version torch)"
+    harness_path
     if stamp_ok project "$key" && "$VPY" -c 'import deepreduce' >/dev/null 2>&1; then
         log "project: deepreduce installed and csrc/ unchanged, skipping"
         return

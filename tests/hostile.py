@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 
 import deepreduce
-from deepreduce import container
+from deepreduce.wire import container
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

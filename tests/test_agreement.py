@@ -1,4 +1,4 @@
-"""deepreduce.agreement in one process: layouts, the two-round exchange between threads standing in
+"""deepreduce.dist.agreement in one process: layouts, the two-round exchange between threads standing in
 for ranks, the non-finite flag, and undoing a skipped step. The real 2-rank runs are in
 test_multirank.py, test_torch_ddp.py and test_tensorflow_distributed.py."""
 import threading
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import deepreduce
-from deepreduce import agreement
+from deepreduce.dist import agreement
 from deepreduce.errors import CommunicationError
-from deepreduce.gradiveq import Settings
+from deepreduce.summable.gradiveq import Settings
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 10}

@@ -1,7 +1,7 @@
 """``deepreduce bench-bloom`` runs end to end on a small gradient and prints every row."""
 import pytest
 
-from deepreduce import _native
+from deepreduce.backend import _native
 from deepreduce.cli import main
 
 pytestmark = pytest.mark.skipif(_native.load("bloom") is None, reason="C++ extension deepreduce._bloom not built")

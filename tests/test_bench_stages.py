@@ -1,6 +1,6 @@
 """deepreduce bench-stages: every stage is timed, and the peer's containers are decoded in full."""
-from deepreduce import gradients
-from deepreduce.cli.bench_stages import measure
+from experiments import gradients
+from experiments.cli.bench_stages import measure
 from deepreduce.config import build
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from deepreduce.cli import main
 from deepreduce.errors import ConfigError
-from deepreduce.models.resnet50_shapes import parameter_shapes
-from deepreduce.reproduce.common import default_configs_dir
+from experiments.models.resnet50_shapes import parameter_shapes
+from experiments.reproduce.common import default_configs_dir
 
 SHAPES = {"conv.weight": (16, 16, 3, 3), "fc.weight": (64, 32), "fc.bias": (10,)}
 NUMEL = sum(int(np.prod(s)) for s in SHAPES.values())

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce import _native, bitpack
+from deepreduce.backend import _native
+from deepreduce.wire import bitpack
 from deepreduce.errors import ContainerError
 
 BACKENDS = ["c++", "numpy"]

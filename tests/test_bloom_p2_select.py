@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deepreduce import _native
+from deepreduce.backend import _native
 from deepreduce.index import bloom as bl
 
 NATIVE = _native.load("bloom")

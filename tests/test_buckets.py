@@ -1,8 +1,8 @@
-"""The bucket plan of deepreduce.buckets (the 2-rank optimizer test is in test_multirank.py)."""
+"""The bucket plan of deepreduce.dist.buckets (the 2-rank optimizer test is in test_multirank.py)."""
 import pytest
 from hypothesis import given, strategies as st
 
-from deepreduce import buckets
+from deepreduce.dist import buckets
 from deepreduce.errors import ConfigError
 
 

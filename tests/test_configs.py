@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from deepreduce import container, gradients
+from deepreduce.wire import container
+from experiments import gradients
 from deepreduce.config import build, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """The C++ container code (csrc/container, module deepreduce._container, also compiled into the
-TensorFlow ops) against deepreduce/container.py: the same bytes packed, the same fields parsed,
+TensorFlow ops) against deepreduce/wire/container.py: the same bytes packed, the same fields parsed,
 the same error text for every bad buffer."""
 import os
 import zlib
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepreduce import container
+from deepreduce.wire import container
 from deepreduce.errors import ContainerError, DeepReduceError
 
 native = pytest.importorskip("deepreduce._container", reason="needs the C++ extensions (make setup)")
@@ -31,7 +31,7 @@ def containers(draw):
 
 def python_pack(c):
     """container.pack's pure-Python path (the extension is bypassed)."""
-    import deepreduce._native as native_policy
+    import deepreduce.backend._native as native_policy
 
     saved = native_policy._cache.get("container")
     native_policy._cache["container"] = None

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce
-from deepreduce import ContainerError, container, varint
+from deepreduce import ContainerError
+from deepreduce.wire import container, varint
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": "raw", "value": "raw", "memory": "none",
         "min_numel": 0}

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import deepreduce
-from deepreduce import CommunicationError, DeepReduceError, NonFiniteGradientError, container
+from deepreduce import CommunicationError, DeepReduceError, NonFiniteGradientError
+from deepreduce.wire import container
 
 
 def cfg(sparsifier, value="raw", memory="none", **extra):
@@ -229,7 +230,7 @@ def test_threads_option_is_validated_by_name_and_never_changes_a_byte():
 
 
 def test_threads_auto_divides_the_cpus_among_local_ranks(monkeypatch):
-    from deepreduce import parallel
+    from deepreduce.backend import parallel
 
     monkeypatch.setattr(parallel, "usable_cpus", lambda: 16)
     for variable in parallel.LOCAL_SIZE_VARIABLES:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import deepreduce
-from deepreduce import container
+from deepreduce.wire import container
 from deepreduce.index import bloom
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepreduce import gradiveq as gv
+from deepreduce.summable import gradiveq as gv
 from deepreduce.errors import ConfigError
 from deepreduce.torch.gradiveq import GradiVeQ
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce
-from deepreduce import container
+from deepreduce.wire import container
 from deepreduce.errors import DeepReduceError
 
 from hostile import CONFIGS, NUMEL, config_name, pack_v1, valid_container

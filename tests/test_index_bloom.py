@@ -7,10 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce
-from deepreduce import _native, container, varint
+from deepreduce.backend import _native
+from deepreduce.wire import container, varint
 from deepreduce.errors import ContainerError, DeepReduceError
 from deepreduce.index import bloom as bl
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 
 NATIVE = _native.load("bloom")
 needs_native = pytest.mark.skipif(NATIVE is None, reason="C++ extension deepreduce._bloom not built")

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce
-from deepreduce import container, huffman_code
+from deepreduce.wire import container, huffman_code
 from deepreduce.errors import DeepReduceError
 from deepreduce.index import delta, elias_fano, huffman, rle
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 
 CODECS = {"rle": rle.RunLengthIndex, "huffman": huffman.HuffmanIndex, "delta": delta.DeltaIndex,
           "delta_huffman": delta.DeltaHuffmanIndex, "elias_fano": elias_fano.EliasFanoIndex}

@@ -9,7 +9,7 @@ import pytest
 
 import deepreduce
 from deepreduce import registry
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 
 EPS32 = 2.0 ** -24
 

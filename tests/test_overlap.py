@@ -1,10 +1,10 @@
-"""deepreduce.overlap: per-tensor chains on worker threads and the hidden-time measure."""
+"""deepreduce.dist.overlap: per-tensor chains on worker threads and the hidden-time measure."""
 import threading
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepreduce import overlap
+from deepreduce.dist import overlap
 from deepreduce.errors import ConfigError
 
 

@@ -1,5 +1,5 @@
 """A rank adds its own container into decode_sum from what it kept at encode time, without
-decoding it, and the sum is bit-identical to decoding it (deepreduce/own_containers.py)."""
+decoding it, and the sum is bit-identical to decoding it (deepreduce/wire/own_containers.py)."""
 import glob
 import os
 

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce
-from deepreduce import container, registry
+from deepreduce.wire import container
+from deepreduce import registry
 from deepreduce.errors import CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError
 
 from hostile import CONFIGS, NUMEL, ROOT, gradient, pack_v1, rewrite, valid_container
@@ -108,7 +109,7 @@ def test_huffman_count_of_2_pow_30_is_refused_before_allocating():
         pipe.max_numel = 2**32
         bad = rewrite(payload, n=2**30, shape=(2**31,), index_params=struct.pack("<Q", 2**31))
         try:
-            pipe._codec("index", 3).decode(struct.pack("<Q", 2**31), deepreduce.container.unpack(bad, max_numel=2**32).index_section, 2**30, 2**31)
+            pipe._codec("index", 3).decode(struct.pack("<Q", 2**31), deepreduce.wire.container.unpack(bad, max_numel=2**32).index_section, 2**30, 2**31)
         except deepreduce.ContainerError as exc:
             print("refused:", exc)
     """)

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from deepreduce.reproduce import fig11, torch_hooks
+from experiments.reproduce import fig11, torch_hooks
 
 
 def _our_namespaces():

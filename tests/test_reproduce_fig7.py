@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from deepreduce.reproduce import fig7
+from experiments.reproduce import fig7
 
 
 def test_fig7_quick(tmp_path):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepreduce import corpus as corpus_mod
+from experiments import corpus as corpus_mod
 from deepreduce.cli import main
-from deepreduce.recsys_data import ZipfConfig, generate
-from deepreduce.reproduce import common, fig6, fig10, get, table2
-from deepreduce.reproduce.fig11_worker import fuse, unfuse
+from experiments.recsys_data import ZipfConfig, generate
+from experiments.reproduce import common, fig6, fig10, get, table2
+from experiments.reproduce.fig11_worker import fuse, unfuse
 
 TINY_DATA = ZipfConfig(n_users=60, n_items=150, mean_interactions=8.0)
 
@@ -58,7 +58,7 @@ def test_ncf_gradients_are_inherently_sparse_and_hit_rate_in_range():
     import torch
     from torch.nn import functional as F
 
-    from deepreduce.models.ncf import NCF, hit_rate
+    from experiments.models.ncf import NCF, hit_rate
 
     data = generate(TINY_DATA)
     torch.manual_seed(0)
@@ -191,8 +191,8 @@ def test_cli_prints_table_and_writes_files(tmp_path, capsys, monkeypatch, quick_
 
 
 def test_fig11_batches_run_across_epochs_and_bad_accumulate_is_refused(tmp_path):
-    from deepreduce.reproduce import fig11
-    from deepreduce.reproduce.fig11_worker import _batches
+    from experiments.reproduce import fig11
+    from experiments.reproduce.fig11_worker import _batches
 
     data = generate(TINY_DATA)
     per_epoch = len(list(data.epoch(0, 64, rank=0, size=2)))

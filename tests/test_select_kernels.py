@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepreduce import ContainerError, _native, kernels
+from deepreduce import ContainerError
+from deepreduce.backend import _native, kernels
 from deepreduce.sparsify import _topk
 
 native = _native.load("select")

@@ -6,7 +6,7 @@ import pytest
 
 from deepreduce import registry
 from deepreduce.errors import ConfigError
-from deepreduce.seeding import EncodeContext, config_digest
+from deepreduce.wire.seeding import EncodeContext, config_digest
 from deepreduce.sparsify import _fits
 
 D = 400_000
@@ -142,7 +142,7 @@ def test_config_round_trip():
 
 
 def test_native_kernels_match_numpy_path(monkeypatch):
-    from deepreduce import _native
+    from deepreduce.backend import _native
     from deepreduce.sparsify.sidco import NativeOps, NumpyOps
 
     module = _native.load("sidco")
@@ -176,7 +176,7 @@ SHIPPED = ["configs/sidco_exp.yaml", "configs/sidco_gamma.yaml", "configs/sidco_
 
 
 def _real_layers(min_numel):
-    from deepreduce import gradients
+    from experiments import gradients
 
     return {n: g for n, g in gradients.load().items() if n != "all" and g.size >= min_numel}
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from deepreduce import registry
 from deepreduce.errors import DeepReduceError
-from deepreduce.seeding import EncodeContext, config_digest
+from deepreduce.wire.seeding import EncodeContext, config_digest
 from deepreduce.torch.sparsify import select_torch, select_torch_native
 
 CONFIGS = [

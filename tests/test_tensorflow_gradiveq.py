@@ -1,4 +1,4 @@
-"""GradiVeQ for TensorFlow: the same algorithm as the torch adapter (one definition, deepreduce.gradiveq).
+"""GradiVeQ for TensorFlow: the same algorithm as the torch adapter (one definition, deepreduce.summable.gradiveq).
 
 Two "ranks" in one process: each compresses its gradient, the codes are summed (what an
 allreduce does) and each decompresses the sum. The TF adapter must give the torch adapter's
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import deepreduce  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
-from deepreduce import gradiveq as gv  # noqa: E402
+from deepreduce.summable import gradiveq as gv  # noqa: E402
 from deepreduce.torch import GradiVeQ as TorchGradiVeQ  # noqa: E402
 
 SCHEDULE = dict(warmup=1, sample_iters=4, compress_iters=3)

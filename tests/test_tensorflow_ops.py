@@ -17,7 +17,7 @@ tf = pytest.importorskip("tensorflow")
 
 import deepreduce  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
-from deepreduce import container  # noqa: E402
+from deepreduce.wire import container  # noqa: E402
 from deepreduce.index import bloom as bloom_codec  # noqa: E402
 from deepreduce.tensorflow import ops  # noqa: E402
 

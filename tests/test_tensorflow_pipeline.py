@@ -184,12 +184,12 @@ def test_tape_arguments_are_checked_without_running_collectives():
 def test_tf_resnet20_matches_the_torch_model_size():
     """The TF jobs' ResNet-20 has the paper's 269,722 trainable parameters, as the torch model."""
     keras = pytest.importorskip("keras")
-    from deepreduce.tensorflow import job
+    from experiments import tf_job as job
 
     model = job.resnet20(keras)
     assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 269_722
     assert tuple(model(np.zeros((2, 32, 32, 3), np.float32)).shape) == (2, 10)
-    from deepreduce import train as torch_job
+    from experiments import train as torch_job
 
     record = job.epoch_record(3, 0.25, 0.9, 0.03, 1.5)
     assert job.epoch_line(record) == torch_job.EPOCH_LINE.format(acc_pct=90.0, **record)   # the PyTorch job's line
@@ -199,8 +199,8 @@ def test_tf_jobs_take_the_torch_jobs_options():
     """One definition of the common job options: the TF jobs parse them as the torch job does."""
     import argparse
 
-    from deepreduce import train as torch_job
-    from deepreduce.tensorflow import job
+    from experiments import train as torch_job
+    from experiments import tf_job as job
 
     argv = ["--config", "configs/bf_p2.yaml", "--epochs", "3", "--lr", "0.1", "--max-steps", "5", "--seed", "4",
             "--threads", "2", "--metrics-json", "m.json", "--baseline"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from deepreduce import container
+from deepreduce.wire import container
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import torch_ddp_hook as worker  # noqa: E402

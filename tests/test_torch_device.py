@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce
-from deepreduce import arrays
+from deepreduce.backend import arrays
 from deepreduce.index import bloom as bl
 from deepreduce.torch.pipeline import build as torch_build
 
@@ -196,7 +196,7 @@ def test_host_fallback_warns_once_naming_the_component():
 @settings(max_examples=40, deadline=None)
 @given(values=st.lists(st.integers(0, 2**56 - 1), max_size=300), width_extra=st.integers(0, 8))
 def test_bitpack_identical_on_torch(values, width_extra):
-    from deepreduce import bitpack
+    from deepreduce.wire import bitpack
 
     x = np.array(values, dtype=np.uint64)
     width = min(56, bitpack.width_for(int(x.max()) if x.size else 0) + width_extra)

@@ -7,10 +7,11 @@ import zlib
 import numpy as np
 import pytest
 
-from deepreduce import bitpack, container, registry
+from deepreduce.wire import bitpack, container
+from deepreduce import registry
 from deepreduce.config import build
 from deepreduce.errors import ContainerError, DeepReduceError
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values import polyfit as polyfit_mod
 
 CTX = EncodeContext(b"\x00" * 16, "layer", 3)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from deepreduce import gradients
+from experiments import gradients
 from deepreduce.cli import main
 from deepreduce.errors import ConfigError, DeepReduceError
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce import huffman_code as hc
+from deepreduce.wire import huffman_code as hc
 from deepreduce.errors import ContainerError
 
 

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepreduce import container, registry
+from deepreduce.wire import container
+from deepreduce import registry
 from deepreduce.config import build
 
 LOSSLESS_INDEX = {"raw", "rle", "huffman", "delta", "delta_huffman", "elias_fano"}

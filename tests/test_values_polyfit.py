@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepreduce import gradients
-from deepreduce.seeding import EncodeContext
+from experiments import gradients
+from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.dexp import DExpFit
 from deepreduce.values.polyfit import PolyFit, fit_segment, evaluate_segment
 

@@ -6,9 +6,9 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from deepreduce import kernels
+from deepreduce.backend import kernels
 from deepreduce.errors import DeepReduceError
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.qsgd import QSGD
 
 DIGEST = b"\x11" * 16
@@ -85,7 +85,7 @@ def _encode_both(u, levels, bucket, threads=1, name="w", step=3):
     codec.threads = threads
     ctx = EncodeContext(DIGEST, name, step)
     fast = codec.encode(u, ctx)
-    with mock.patch("deepreduce.kernels.native", return_value=None):
+    with mock.patch("deepreduce.backend.kernels.native", return_value=None):
         slow = codec.encode(u, ctx)
     return fast, slow
 
@@ -102,7 +102,7 @@ def test_cxx_kernel_writes_the_array_namespace_bytes(values, levels, bucket, sca
     if overflow:   # a bucket norm may exceed float32: both paths must agree on raising
         outcomes = []
         for native_module in (kernels.native(), None):
-            with mock.patch("deepreduce.kernels.native", return_value=native_module):
+            with mock.patch("deepreduce.backend.kernels.native", return_value=native_module):
                 try:
                     outcomes.append(bytes(codec.encode(u, EncodeContext(DIGEST, "w", 3)).payload))
                 except DeepReduceError as exc:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepreduce import bitpack, container, registry
+from deepreduce.wire import bitpack, container
+from deepreduce import registry
 from deepreduce.errors import ContainerError
 from deepreduce.index import IndexCodec, IndexEncoding
 from deepreduce.memory import NoMemory

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce.seeding import EncodeContext
+from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.sketchml import (
     SketchML, SketchMLHuffman, minmax_insert, minmax_query, quantile_buckets, sketch_hash,
 )

@@ -1,4 +1,4 @@
-// Fixed-width bit packing of deepreduce/bitpack.py, in C++: entry i occupies stream bits
+// Fixed-width bit packing of deepreduce/wire/bitpack.py, in C++: entry i occupies stream bits
 // [i*w, (i+1)*w), bit j of the entry is stream bit i*w + j, stream bit p is bit p % 8 of byte
 // p / 8, the last byte zero padded. Used by the pybind11 module deepreduce._container (the host
 // path of bitpack.pack / unpack) and the TensorFlow ops (permutation sections).

@@ -1,6 +1,6 @@
 // Container format v2 (written) and v1 (read) in C++: header packing and parsing, varints and
 // the CRC-32, over plain buffers. The pybind11 module deepreduce._container (py_module.cpp) and
-// the TensorFlow ops (csrc/tf) use these functions; deepreduce/container.py is the Python twin
+// the TensorFlow ops (csrc/tf) use these functions; deepreduce/wire/container.py is the Python twin
 // (docs/container-format.md has the byte tables; tests compare both byte for byte).
 //
 // v2 layout (little-endian):

@@ -1,5 +1,5 @@
 // pybind11 binding of the container header code (container.h): deepreduce._container.
-// deepreduce/container.py packs through it when it is built (the TF ops use the same functions);
+// deepreduce/wire/container.py packs through it when it is built (the TF ops use the same functions);
 // parse errors come back as ValueError carrying container.py's ContainerError text.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

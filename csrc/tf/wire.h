@@ -1,5 +1,5 @@
 // The wire pieces the TensorFlow pipeline ops need besides the container (csrc/container):
-// the seed derivation of deepreduce/seeding.py (BLAKE2b, RFC 7693), the Bloom index codec's
+// the seed derivation of deepreduce/wire/seeding.py (BLAKE2b, RFC 7693), the Bloom index codec's
 // params of deepreduce/index/bloom.py, the polyfit params and segment-table check of
 // deepreduce/values/polyfit.py (the fixed-width bit packing is csrc/container/bitpack.h).
 // Pure C++; the op tests check every byte and every error text against the core.

@@ -13,7 +13,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..container import inspect
+    from ..wire.container import inspect
 
     payload = np.fromfile(args.path, dtype=np.uint8)
     print(json.dumps(inspect(payload), indent=2, default=list))

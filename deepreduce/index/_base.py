@@ -5,9 +5,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import arrays
+from ..backend import arrays
 from ..params import Component
-from ..seeding import EncodeContext
+from ..wire.seeding import EncodeContext
 
 
 class IndexEncoding(NamedTuple):
@@ -55,7 +55,7 @@ class IndexCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
-    #: Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded
+    #: Written against the array namespace (``deepreduce.backend.arrays``): torch tensors are encoded
     #: and decoded on their own device. Others run on the host for device tensors (a one-time
     #: warning names them).
     array_api = False

@@ -35,8 +35,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _native, arrays, varint
-from ..hashing import GAMMA, MASK64, mix64, mix64_int
+from ..backend import _native, arrays
+from ..wire import varint
+from ..wire.hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
@@ -66,7 +67,7 @@ _DRAW = struct.Struct("<Q")
 
 
 # ---------------------------------------------------------------------------------- hashing
-# Written once against an array namespace (deepreduce.arrays, deepreduce.hashing): the same
+# Written once against an array namespace (deepreduce.backend.arrays, deepreduce.wire.hashing): the same
 # functions hash NumPy uint64 arrays and torch int64 "word" tensors on any device, bit for bit.
 def blocked_key(seed: int) -> int:
     """The blocked family's key: ``mix64(seed + GAMMA)``."""

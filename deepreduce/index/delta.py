@@ -2,15 +2,15 @@
 
 ``delta``: the sorted keys become gaps (the first from 0), each written little-endian in the
 fewest of 1-4 bytes, with a 2-bit length flag per key (``00`` = 1 byte ... ``11`` = 4 bytes).
-Payload: ``n`` u32 | flags packed 4 per byte (first key in the low bits, deepreduce.bitpack) |
+Payload: ``n`` u32 | flags packed 4 per byte (first key in the low bits, deepreduce.wire.bitpack) |
 the gap bytes. Size ``4 + ceil(n/4) + sum(bytes)`` bytes.
 
 ``delta_huffman``: the same gaps, but the flags are Huffman coded (SKCompress codes "the prefix"
 of the delta keys): the index params hold the canonical code lengths of the four flags (2 bits
 each in one byte; 0 = unused) and the payload is ``n`` u32 | Huffman-coded flags
-(deepreduce.huffman_code, MSB first, padded to a byte) | the gap bytes.
+(deepreduce.wire.huffman_code, MSB first, padded to a byte) | the gap bytes.
 
-``delta`` is written against the array namespace (``deepreduce.arrays``): torch tensors are
+``delta`` is written against the array namespace (``deepreduce.backend.arrays``): torch tensors are
 encoded and decoded on their device with the NumPy bytes; ``delta_huffman``'s flag code is
 sequential and runs on the host.
 
@@ -23,7 +23,8 @@ import struct
 
 import numpy as np
 
-from .. import arrays, bitpack, huffman_code
+from ..backend import arrays
+from ..wire import bitpack, huffman_code
 from ..errors import ContainerError, DeepReduceError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding, sorted_pairs

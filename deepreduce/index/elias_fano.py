@@ -8,7 +8,7 @@ parts ``x_i >> L`` as a unary bitmap of ``U = r + ((d-1) >> L)`` bits in which b
 byte: ``ceil((r L + U) / 8)`` bytes. ``L`` follows from ``(r, d)``, so nothing else travels.
 The information limit is ``log2 C(d, r)`` bits (:func:`information_bits`).
 
-Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded and
+Written against the array namespace (``deepreduce.backend.arrays``): torch tensors are encoded and
 decoded on their device with the NumPy bytes.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .. import arrays
+from ..backend import arrays
 from ..errors import ContainerError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding, sorted_pairs

@@ -3,7 +3,7 @@
 The code is a deterministic function of ``d_max``, the number of possible indices: count every
 byte value over the little-endian ``w``-byte forms of all integers ``0 .. d_max-1`` (``w = 4``
 when ``d_max <= 2**32``, else 8; the counts have a closed form, no table of d_max entries is
-built), derive canonical Huffman code lengths with deepreduce.huffman_code, and code each byte
+built), derive canonical Huffman code lengths with deepreduce.wire.huffman_code, and code each byte
 of each index in the order given (so the codec keeps the order). ``d_max`` is the codec
 parameter when set (a model's largest tensor, as in the paper), else the tensor's size; it
 travels as the u64 index params. Payload: the codes, MSB first, zero padded to a byte; size
@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import huffman_code
+from ..wire import huffman_code
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register

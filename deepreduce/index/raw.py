@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from ..backend import arrays
 from ..errors import ContainerError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding

@@ -3,10 +3,10 @@
 The index set is read as a bitmap of ``d`` bits; its runs alternate zeros and ones and start
 with a run of zeros (0 long when index 0 is selected); the last run ends at ``d``. Payload:
 ``num_runs`` u32 | ``b`` u8 | the run lengths packed ``b = bit_length(max run)`` bits each with
-deepreduce.bitpack (LSB first). Wire size ``40 + num_runs * b`` bits, rounded up to a byte.
+deepreduce.wire.bitpack (LSB first). Wire size ``40 + num_runs * b`` bits, rounded up to a byte.
 Lossless; decodes to the ascending set.
 
-Written against the array namespace (``deepreduce.arrays``): the runs, the bit packing and the
+Written against the array namespace (``deepreduce.backend.arrays``): the runs, the bit packing and the
 positions are computed on a torch tensor's own device with the NumPy bytes.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import struct
 
 import numpy as np
 
-from .. import arrays, bitpack
+from ..backend import arrays
+from ..wire import bitpack
 from ..errors import ContainerError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding, sorted_pairs

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from ..params import Component
-from ..seeding import EncodeContext
+from ..wire.seeding import EncodeContext
 
 
 def count_for(ratio: float, numel: int) -> int:

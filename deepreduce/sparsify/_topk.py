@@ -10,7 +10,7 @@ The C++ kernel (``csrc/select``) is a radix select on the magnitudes' float32 bi
 bit cleared; for non-NaN floats their order is the order of the magnitudes): a histogram of the
 top bits finds the bucket holding the cut, one pass gathers the entries of that bucket and
 above, and the cut and its ties are resolved among those. (In a pipeline, the compensation pass
-``deepreduce.kernels.scan`` usually gathers the candidates itself, from a sampled bound.) The
+``deepreduce.backend.kernels.scan`` usually gathers the candidates itself, from a sampled bound.) The
 NumPy path below gives the same positions. Inputs are finite (the pipeline sends non-finite
 gradients dense).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
+from ..backend import kernels
 
 
 def topk_positions(values: np.ndarray, r: int, threads: int = 1) -> np.ndarray:

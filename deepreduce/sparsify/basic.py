@@ -5,7 +5,7 @@ import warnings
 
 import numpy as np
 
-from .. import kernels
+from ..backend import kernels
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier, count_for
@@ -69,7 +69,7 @@ class TopK(Sparsifier):
 
     def fused_count(self, numel: int) -> int:
         """The Top-r count the pipeline's compensation pass selects for this sparsifier
-        (``deepreduce.kernels.scan``: the same positions as :meth:`select`, in the same pass);
+        (``deepreduce.backend.kernels.scan``: the same positions as :meth:`select`, in the same pass);
         0 for a subclass with its own ``select``."""
         return count_for(self.ratio, numel) if type(self).select is TopK.select else 0
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..params import Param
 from ..registry import register
-from ..seeding import EncodeContext
+from ..wire.seeding import EncodeContext
 from ._base import Sparsifier, count_for
 from ._topk import threshold_positions, topk_positions
 from .basic import RATIO

@@ -27,7 +27,7 @@ from typing import Dict
 
 import numpy as np
 
-from .. import _native
+from ..backend import _native
 from ..params import Param
 from ..registry import register
 from . import _fits

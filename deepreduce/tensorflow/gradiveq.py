@@ -2,7 +2,7 @@
 
 Use it in unmodified Horovod, ``hvd.DistributedGradientTape(tape, compression=GradiVeQ())`` (or
 ``hvd.DistributedOptimizer`` for a v1 optimizer), or in deepreduce's own TF tape and Keras
-optimizer. The algorithm is :mod:`deepreduce.gradiveq` (slicing, PCA training, compression,
+optimizer. The algorithm is :mod:`deepreduce.summable.gradiveq` (slicing, PCA training, compression,
 decompression, schedule); this adapter only runs it at every step inside graph ops and keeps
 each tensor's state. Kernels are taken in TensorFlow's layout ``(H, W, D, F)``.
 
@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import gradiveq as gv
+from ..summable import gradiveq as gv
 from .pipeline import numpy_op
 
 
@@ -64,7 +64,7 @@ def _outermost_graph():
 class GradiVeQ(gv.Settings):
     """Horovod-compatible GradiVeQ compressor for TensorFlow (``compress``/``decompress``).
 
-    Arguments: those of :class:`deepreduce.gradiveq.Settings` and ``deepreduce.torch.GradiVeQ``
+    Arguments: those of :class:`deepreduce.summable.gradiveq.Settings` and ``deepreduce.torch.GradiVeQ``
     (the paper's schedule 2,500 / 100 / 400 iterations), with ``layout="tf"``.
     """
 

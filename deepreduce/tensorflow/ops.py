@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from .. import errors
-from .._native import forced_numpy
+from ..backend._native import forced_numpy
 from ..errors import BackendUnavailableError
 from ..index import bloom as bloom_codec
 from ..memory import ResidualMemory
@@ -100,7 +100,7 @@ def unsupported(core) -> Optional[str]:
         return f"memory {core.memory.id!r} (the ops have {', '.join(OPS_MEMORIES)})"
     if core.nonfinite != "propagate":
         # the ranks then decide each step together and undo it through the core's journal
-        # (deepreduce.agreement), which holds the core's residuals, not the ops' variables
+        # (deepreduce.dist.agreement), which holds the core's residuals, not the ops' variables
         return f"nonfinite: {core.nonfinite!r} (the ops propagate non-finite gradients)"
     return None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import buckets, overlap
+from ..dist import buckets, overlap
 from ..errors import ConfigError
 from .pipeline import build
 from .reduce import Reducer, import_horovod, is_summable_compressor

@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import container
+from ..wire import container
 from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline, dtype_error, to_float32

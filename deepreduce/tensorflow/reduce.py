@@ -9,7 +9,7 @@ reduction code run only while the graph is traced). Horovod itself is never patc
 
 Eagerly, each op runs when it is called, so one tensor after another would make every encode
 wait for the previous tensor's allgather round trip. With ``background`` on (the default) the
-eager chains run on a few worker threads instead (:mod:`deepreduce.overlap`); the collectives
+eager chains run on a few worker threads instead (:mod:`deepreduce.dist.overlap`); the collectives
 keep their names (:func:`tensor_key`), which is how Horovod matches them across ranks whatever
 order they are submitted in. ``compression_stats()["encode_hidden_seconds"]`` sums the encode
 time that ran while another tensor's collective or decode was in flight. Inside
@@ -17,7 +17,7 @@ time that ran while another tensor's collective or decode was in flight. Inside
 
 Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
 first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
-one small eager allgather (:func:`deepreduce.agreement.agree`), so ranks running different
+one small eager allgather (:func:`deepreduce.dist.agreement.agree`), so ranks running different
 models or configs fail with the same CommunicationError instead of stalling. Under
 ``nonfinite: raise`` a NaN/Inf gradient travels as a flagged container; one op that runs after
 every collective of the step raises the same NonFiniteGradientError on every rank (inside
@@ -35,8 +35,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .. import agreement, buckets, container, overlap
-from ..comm.horovod import HorovodCommunicator
+from ..dist import agreement, buckets, overlap
+from ..wire import container
+from ..dist.comm.horovod import HorovodCommunicator
 from ..errors import BackendUnavailableError, ConfigError
 from .pipeline import TFPipeline, build, numpy_op
 
@@ -96,7 +97,7 @@ class Reducer:
     new tape each step (the Horovod idiom) keeps using the same state.
 
     ``background`` (eager containers only): ``True`` runs each tensor's encode -> allgather ->
-    decode on one of :data:`deepreduce.overlap.DEFAULT_WORKERS` threads, a positive int on that
+    decode on one of :data:`deepreduce.dist.overlap.DEFAULT_WORKERS` threads, a positive int on that
     many, ``False`` (or 1) one tensor after another on the caller's thread. The containers and
     the reduced gradients are the same either way; an error raised in a worker is re-raised here
     (the first in tensor order, once every tensor's chain has ended).
@@ -104,7 +105,7 @@ class Reducer:
     ``bucket_cap_mb`` (containers only; default None, one container per gradient): the float32
     gradients of at least the config's ``min_numel`` elements, in reverse order (backward's),
     are concatenated into buckets of at most that many MiB and each bucket travels as one
-    container (:mod:`deepreduce.buckets`, as the torch optimizer's ``bucket_cap_mb``); the
+    container (:mod:`deepreduce.dist.buckets`, as the torch optimizer's ``bucket_cap_mb``); the
     reduced bucket is split back into the gradients.
     """
 
@@ -230,7 +231,7 @@ class Reducer:
                            reports: Optional[list]) -> List[tf.Tensor]:
         """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (``reports``: see ``reduce``).
 
-        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.overlap.run_in_order`:
+        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.dist.overlap.run_in_order`:
         on ``background`` worker threads, so encodes proceed while other tensors' collectives and
         decodes are in flight, or one after another on this thread; the encode times and their
         overlap go to the pipeline's statistics. Inside ``tf.function`` every encode comes first

@@ -112,12 +112,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             same on every rank; use another prefix when one step calls ``gradient()`` for
             different variable lists.
         background: eagerly, run each tensor's encode -> allgather -> decode on worker threads
-            (``True``: :data:`deepreduce.overlap.DEFAULT_WORKERS` of them; an int: that many), so
+            (``True``: :data:`deepreduce.dist.overlap.DEFAULT_WORKERS` of them; an int: that many), so
             encodes overlap other tensors' communication; ``False``: one tensor after another.
             Same containers and gradients either way; no effect inside ``tf.function``.
         bucket_cap_mb: None (default): one container per gradient; a number of MiB: the float32
             gradients with at least the config's ``min_numel`` elements travel concatenated, one
-            container per bucket of at most that size (see ``deepreduce.buckets``; a sparsifier
+            container per bucket of at most that size (see ``deepreduce.dist.buckets``; a sparsifier
             then selects over the bucket).
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on

@@ -19,7 +19,7 @@ seeds and error-feedback residuals mean exactly what they mean in
 rebuild after the first iteration: it is keyed by name, not by bucket). Then, per bucket:
 
 1. every rank all-gathers a 4-entry int64 header: its payload size (or -1 if encoding failed),
-   the digest of its compressor, the digest of the bucket's layout (:class:`deepreduce.agreement.Layout`:
+   the digest of its compressor, the digest of the bucket's layout (:class:`deepreduce.dist.agreement.Layout`:
    parameter names, shapes and dtypes, and the compressor), and its step;
 2. every rank checks the headers; any disagreement (another config, another model, a rank whose
    encoder raised) raises the same error on every rank, naming the bucket's parameters, before
@@ -45,7 +45,7 @@ would reach the group in an order that can differ between ranks.
 Whole buckets (``per_parameter=False``): the gradients of a bucket's parameters with at least
 the config's ``min_numel`` elements are concatenated (in bucket order) and encoded as one tensor,
 one container for all of them, as ``DistributedOptimizer(bucket_cap_mb=...)`` does
-(:mod:`deepreduce.buckets`: far less per-tensor cost for models with many tensors; a sparsifier
+(:mod:`deepreduce.dist.buckets`: far less per-tensor cost for models with many tensors; a sparsifier
 then selects over the concatenation); the smaller ones keep a container each. The concatenation
 is named after its parameters (``bucket:<first>..<last>/<count>``), which keys its residual. DDP
 rebuilds its buckets once, after the first iteration, in the order gradients became ready; the
@@ -68,8 +68,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import agreement, container
-from ..comm.torch_distributed import TorchDistributedCommunicator
+from ..dist import agreement
+from ..wire import container
+from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
@@ -390,7 +391,7 @@ class DeepReduceState:
         self.stats["decode_seconds"] += time.perf_counter() - start
 
     def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
-        return self._communicator.allgather(payload, "deepreduce.agreement")
+        return self._communicator.allgather(payload, "deepreduce.dist.agreement")
 
     def _end_step(self, job: _Job) -> None:
         """After the step's last bucket: keep its residuals, or, if any rank sent a non-finite

@@ -2,7 +2,7 @@
 
 Use it as ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=GradiVeQ())``
 (unmodified Horovod) or with ``deepreduce.torch.DistributedOptimizer(..., compression=
-GradiVeQ())``. The math is :mod:`deepreduce.gradiveq`; this module keeps the per-tensor
+GradiVeQ())``. The math is :mod:`deepreduce.summable.gradiveq`; this module keeps the per-tensor
 state and runs the per-step products on the gradient's own device.
 
 Life of one conv-layer gradient (iteration counter ``t`` per tensor):
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import gradiveq as gv
+from ..summable import gradiveq as gv
 from ..errors import ConfigError
 
 
@@ -62,7 +62,7 @@ class _Ctx:
 class GradiVeQ(gv.Settings):
     """Horovod-compatible GradiVeQ compressor (instance methods ``compress``/``decompress``).
 
-    Arguments: those of :class:`deepreduce.gradiveq.Settings` (the paper's defaults; layout
+    Arguments: those of :class:`deepreduce.summable.gradiveq.Settings` (the paper's defaults; layout
     ``"torch"``).
     """
 
@@ -199,7 +199,7 @@ class GradiVeQ(gv.Settings):
         """The aggregated gradient from the allreduce output; advances the tensor's schedule.
 
         ``parts`` (default 1) splits the affine offset for decompressing one rank's share of a
-        sum (see :func:`deepreduce.gradiveq.decompress`).
+        sum (see :func:`deepreduce.summable.gradiveq.decompress`).
         """
         self._new_step = True
         state = self._states[ctx.key]

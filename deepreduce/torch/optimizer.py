@@ -17,13 +17,13 @@ dict updated under the GIL. Horovod matches tensors across ranks by name, so the
 not enqueue in the same order.
 
 Before the first step's first collective (and after ``add_param_group``) the ranks compare their
-parameters and compressor (:mod:`deepreduce.agreement`): a mismatch is the same
+parameters and compressor (:mod:`deepreduce.dist.agreement`): a mismatch is the same
 CommunicationError on every rank, raised from ``backward()``, never a stall. Under ``nonfinite:
 raise`` a NaN/Inf gradient on any rank makes ``step()`` raise the same NonFiniteGradientError on
 every rank with nothing applied and the residuals restored, so the step can be skipped.
 
 ``bucket_cap_mb`` compresses the gradients of consecutive parameters as one tensor per bucket
-(:mod:`deepreduce.buckets`): the hook copies each finished gradient into its bucket's flat
+(:mod:`deepreduce.dist.buckets`): the hook copies each finished gradient into its bucket's flat
 buffer, the worker encodes a bucket once its last gradient is in, and ``step()`` decodes the
 bucket and copies each slice back into its ``p.grad``.
 
@@ -41,8 +41,8 @@ from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .. import agreement, buckets
-from ..comm import Communicator
+from ..dist import agreement, buckets
+from ..dist.comm import Communicator
 from ..errors import CommunicationError, ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .background import EncodeWorker
@@ -66,7 +66,7 @@ def _horovod():
 
 @dataclass(eq=False)
 class _Bucket:
-    """Gradients of consecutive parameters sent as one tensor (see :mod:`deepreduce.buckets`)."""
+    """Gradients of consecutive parameters sent as one tensor (see :mod:`deepreduce.dist.buckets`)."""
     name: str
     params: List[torch.Tensor]
     offsets: List[int]
@@ -123,7 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- set-up
     def _default_communicator(self) -> Communicator:
-        from ..comm.horovod import HorovodCommunicator
+        from ..dist.comm.horovod import HorovodCommunicator
 
         if self._pipeline is not None and self._pipeline.core.communicator is not None:
             comm = self._pipeline.core.communicator
@@ -166,14 +166,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- communication
     def _agree(self) -> None:
         """Compare every rank's parameters and compression (one small allgather, see
-        :mod:`deepreduce.agreement`) before this step's first per-tensor collective."""
+        :mod:`deepreduce.dist.agreement`) before this step's first per-tensor collective."""
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._plan_buckets(params)
         layout = agreement.Layout(
             agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
             [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
             + [(f"<{b.name}>", (b.buffer.numel(),), "bucket") for b in self._buckets], "parameter")
-        agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.agreement"),
+        agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.dist.agreement"),
                         "DistributedOptimizer")
         self._agreed = True
 
@@ -268,7 +268,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
         """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
         Horovod is the communicator."""
-        from ..comm.horovod import HorovodCommunicator
+        from ..dist.comm.horovod import HorovodCommunicator
 
         return (isinstance(self._communicator, HorovodCommunicator) and grad.device.type == "cpu"
                 and grad.dtype == torch.float32 and self._pipeline.core.summed_dense(grad.numel()))
@@ -520,7 +520,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     kernels; every path sends the same bytes and gives the same parameters. ``bucket_cap_mb``
     (default None: every gradient is its own container) compresses the gradients of consecutive
     parameters, in backward order, as one tensor per bucket of at most that many MiB
-    (:mod:`deepreduce.buckets`: one selection, filter, container and allgather per bucket instead
+    (:mod:`deepreduce.dist.buckets`: one selection, filter, container and allgather per bucket instead
     of per parameter; Top-r then selects over the bucket); gradients below the config's
     ``min_numel`` stay out of buckets.
     """

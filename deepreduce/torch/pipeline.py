@@ -6,7 +6,7 @@ input, name and step:
 * **host**: the gradient goes to the core as NumPy (a zero-copy view of a CPU tensor), whose
   C++ kernels compress it; the fast path on the CPU.
 * **device**: the core runs on the torch tensor itself (its codecs are written against the
-  array namespace, ``deepreduce.arrays``): residual, finiteness check, selection, index and
+  array namespace, ``deepreduce.backend.arrays``): residual, finiteness check, selection, index and
   value codecs and the container assembly stay on the tensor's device, and only the compact
   container crosses to the host (for its CRC). Decoding uploads the compact sections and
   accumulates into a tensor on the device. Components without a device implementation run on
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .. import container
+from ..wire import container
 from ..config import ConfigLike, build as build_core
 from ..errors import ConfigError
 from ..pipeline import Pipeline, dtype_error

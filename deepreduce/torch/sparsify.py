@@ -29,9 +29,9 @@ from typing import Callable, Dict
 import numpy as np
 import torch
 
-from ..arrays import host_fallback
+from ..backend.arrays import host_fallback
 from ..errors import DeepReduceError
-from ..seeding import EncodeContext
+from ..wire.seeding import EncodeContext
 from ..sparsify import _fits
 from ..sparsify._base import Sparsifier, count_for
 from ..sparsify.dgc import sample_count, sample_positions

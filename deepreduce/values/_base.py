@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ..params import Component
-from ..seeding import EncodeContext
+from ..wire.seeding import EncodeContext
 
 
 class ValueEncoding(NamedTuple):
@@ -44,7 +44,7 @@ class ValueCodec(Component):
     wire_id: int = -1
     keeps_order = True
     backend = "numpy"
-    #: Written against the array namespace (``deepreduce.arrays``): torch tensors are encoded
+    #: Written against the array namespace (``deepreduce.backend.arrays``): torch tensors are encoded
     #: and decoded on their own device. Others run on the host for device tensors (a one-time
     #: warning names them).
     array_api = False

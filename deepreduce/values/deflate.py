@@ -20,7 +20,8 @@ import zlib
 
 import numpy as np
 
-from .. import _native, bitpack
+from ..backend import _native
+from ..wire import bitpack
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register

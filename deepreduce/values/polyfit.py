@@ -33,7 +33,7 @@ import struct
 
 import numpy as np
 
-from .. import _native
+from ..backend import _native
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register

@@ -6,10 +6,10 @@ never exceed ``s``), ``z_i = s |u_i| / nu``, ``level_i = floor(z_i) + Bernoulli(
 floor(z_i))``, ``q_i = sign(u_i) level_i``. Decode: ``u_hat_i = nu q_i / s`` with the same
 float32 ``nu`` the encoder used, so ``E[u_hat] = u`` exactly (up to float rounding of the
 product), and ``E||u_hat - u||^2 <= min(n/s^2, sqrt(n)/s) ||u||^2`` per bucket of ``n``.
-The Bernoulli draws come from a counter-based generator (``deepreduce.hashing.counter_uniform``:
+The Bernoulli draws come from a counter-based generator (``deepreduce.wire.hashing.counter_uniform``:
 draw ``i`` is a hash of ``(ctx.seed_for("qsgd"), i)``, the seed itself a hash of config, tensor
 name and step), never a framework RNG, so NumPy and torch on any device draw the same noise.
-The codec is written against the array namespace (``deepreduce.arrays``): torch tensors are
+The codec is written against the array namespace (``deepreduce.backend.arrays``): torch tensors are
 encoded and decoded on their device with the same bytes. NumPy values are encoded by the C++
 kernel ``deepreduce._select.qsgd_encode`` when it is built (per bucket the norm, then its
 levels while the bucket is in cache; GIL released, ``threads`` threads; the same float64
@@ -27,9 +27,9 @@ import struct
 
 import numpy as np
 
-from .. import arrays, kernels
+from ..backend import arrays, kernels
 from ..errors import ContainerError, DeepReduceError
-from ..hashing import counter_uniform
+from ..wire.hashing import counter_uniform
 from ..params import Param
 from ..registry import register
 from ._base import ValueCodec, ValueEncoding

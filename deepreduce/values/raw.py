@@ -1,13 +1,13 @@
 """Uncompressed float32 values, and IEEE half precision.
 
-Both are written against the array namespace (``deepreduce.arrays``): NumPy values give
+Both are written against the array namespace (``deepreduce.backend.arrays``): NumPy values give
 ``bytes`` sections, torch tensors give uint8 tensors on their own device, with the same bytes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from ..backend import arrays
 from ..errors import ContainerError, DeepReduceError
 from ..registry import register
 from ._base import ValueCodec, ValueEncoding

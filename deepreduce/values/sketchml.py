@@ -17,7 +17,7 @@ values otherwise):
    Without ``sketch`` the bucket index of every value is sent directly (the SKCompress reading
    III.16: "MinMaxSketch not used").
 3. **Huffman** (codec ``sketchml_huffman``): the bucket-index stream (sketch cells, or the
-   per-value indices) is canonical-Huffman coded (``deepreduce.huffman_code``) instead of
+   per-value indices) is canonical-Huffman coded (``deepreduce.wire.huffman_code``) instead of
    fixed-width packed. This is SKCompress's value half.
 
 Keys. Inside DeepReduce the value codec does not see the tensor indices; the key hashed into
@@ -46,7 +46,7 @@ import struct
 
 import numpy as np
 
-from .. import bitpack, huffman_code
+from ..wire import bitpack, huffman_code
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register

@@ -52,7 +52,8 @@ def main() -> None:
 
     with atheris.instrument_imports(include=["deepreduce"]):
         import deepreduce
-        from deepreduce import container, registry
+        from deepreduce.wire import container
+        from deepreduce import registry
         from deepreduce.errors import DeepReduceError
 
         registry.load_builtin_components()   # every codec module, instrumented

@@ -8,8 +8,8 @@ import horovod.torch as hvd
 import torch
 
 import deepreduce
-from deepreduce import container
-from deepreduce.comm.horovod import HorovodCommunicator
+from deepreduce.wire import container
+from deepreduce.dist.comm.horovod import HorovodCommunicator
 
 hvd.init()
 pipe = deepreduce.build("configs/topk_raw.yaml")

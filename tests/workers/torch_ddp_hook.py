@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deepreduce import container
+from deepreduce.wire import container
 from deepreduce.torch import GradiVeQ, ddp
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}

@@ -1,0 +1,79 @@
+"""Gradient buckets: many parameters' gradients compressed as one tensor.
+
+Compressing each parameter's gradient on its own costs a fixed amount per tensor, whatever its
+size: the Python glue of the pipeline, a selection, a Bloom filter and a container header of its
+own, one collective. A ResNet-20 has 59 gradients, a ResNet-50 161, a BERT about 200: for models
+with many small tensors that fixed cost, not the bytes, sets the step time (docs/benchmarks.md,
+``deepreduce bench-step --bucket-mb``). A bucket
+concatenates the gradients of consecutive parameters, in the order backward produces them (the
+reverse of the model's parameter order, as DDP's buckets), up to a byte cap; the pipeline
+compresses the concatenation under one name: one selection, one filter, one container and one
+allgather per bucket. A tensor left alone in its bucket (one larger than the cap) travels as
+without buckets.
+
+What a bucket changes, besides the speed: a sparsifier selects over the whole bucket (Top-r keeps
+the ``ratio * bucket size`` largest entries of the bucket: "global" rather than layer-wise Top-r,
+so a layer with small gradients sends fewer entries than its share), and error feedback keeps one
+residual per bucket, so nothing a layer did not send is lost. Gradients below the pipeline's
+``min_numel`` stay out of buckets (Horovod's fused all-reduce sums them, as without buckets).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from ..errors import ConfigError
+
+MIB = 1 << 20
+
+
+def check_bucket_cap(cap_mb, owner: str):
+    """``cap_mb`` (None: no buckets, each gradient on its own) if valid, else ConfigError."""
+    if cap_mb is None:
+        return None
+    if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)) or not cap_mb > 0 \
+            or cap_mb != cap_mb or cap_mb == float("inf"):
+        raise ConfigError(f"{owner}: bucket_cap_mb must be a positive number of MiB or None, got {cap_mb!r}")
+    return cap_mb
+
+
+def check_bucket_cap_for(cap_mb, summable: bool, owner: str):
+    """:func:`check_bucket_cap`, and a ConfigError for a cap given with a summable compressor
+    (whose all-reduces Horovod's tensor fusion already groups: there is no container to bucket)."""
+    cap_mb = check_bucket_cap(cap_mb, owner)
+    if cap_mb is not None and summable:
+        raise ConfigError(f"{owner}: bucket_cap_mb applies to deepreduce configs; a summable compressor's "
+                          "all-reduces are grouped by Horovod's tensor fusion")
+    return cap_mb
+
+
+def plan(sizes: Sequence[int], cap_bytes: float, itemsize: int = 4) -> List[List[int]]:
+    """Group tensors of ``sizes`` elements, taken in the given order, into buckets of consecutive
+    tensors holding at most ``cap_bytes`` (``itemsize`` bytes an element), filled greedily.
+    Returns the buckets of two or more tensors (their positions in ``sizes``, in order). A tensor
+    that shares no bucket (one larger than the cap, or one that fits with neither neighbour's
+    bucket) travels on its own exactly as without buckets: no copy into and out of a bucket for
+    the large tensors, whose per-tensor cost is small beside their size.
+
+    The plan depends on the sizes and the cap only, so ranks with the same model agree on it.
+    """
+    buckets: List[List[int]] = []
+    current: List[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        nbytes = int(size) * itemsize
+        if current and used + nbytes > cap_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += nbytes
+    buckets.append(current)
+    return [bucket for bucket in buckets if len(bucket) > 1]
+
+
+def offsets(sizes: Sequence[int]) -> List[int]:
+    """Where each of consecutive tensors of ``sizes`` elements starts in their concatenation."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(at)
+        at += int(size)
+    return out

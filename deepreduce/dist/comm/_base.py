@@ -1,0 +1,53 @@
+"""The communicator contract: every rank contributes one container and receives all of them."""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import numpy as np
+
+from ...errors import CommunicationError
+from ...params import Component
+
+
+class Handle:
+    """A pending allgather; ``wait()`` returns one uint8 array per rank, in rank order."""
+
+    __slots__ = ("_wait", "_result")
+
+    def __init__(self, wait: Callable[[], List[np.ndarray]]) -> None:
+        self._wait = wait
+        self._result = None
+
+    def wait(self) -> List[np.ndarray]:
+        if self._result is None:
+            self._result = self._wait()
+        return self._result
+
+
+class Communicator(Component):
+    """Gathers variable-size byte payloads from every rank.
+
+    Subclasses implement ``rank``, ``size`` and ``allgather_async``; the result always has
+    exactly ``size`` payloads, or CommunicationError says what went wrong.
+    """
+
+    kind = "communicator"
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def allgather_async(self, payload: np.ndarray, name: str) -> Handle:
+        raise NotImplementedError
+
+    def allgather(self, payload: np.ndarray, name: str) -> List[np.ndarray]:
+        return self.allgather_async(payload, name).wait()
+
+    def _check_count(self, parts: List[np.ndarray], name: str) -> List[np.ndarray]:
+        if len(parts) != self.size:
+            raise CommunicationError(f"allgather of {name!r} returned {len(parts)} containers for {self.size} ranks")
+        return parts

@@ -1,0 +1,68 @@
+"""Horovod allgather: the containers of all ranks arrive concatenated and are split by header."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...wire import container
+from ...errors import BackendUnavailableError
+from ...params import Param
+from ...registry import register
+from ._base import Communicator, Handle
+
+
+def _import_horovod(framework: str):
+    try:
+        if framework == "tensorflow":
+            import horovod.tensorflow as hvd
+        else:
+            import horovod.torch as hvd
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the horovod communicator needs horovod.{framework}: {exc}. Run `make setup` to build Horovod."
+        ) from exc
+    return hvd
+
+
+@register
+class HorovodCommunicator(Communicator):
+    """``hvd.allgather`` of uint8 containers (asynchronous with the torch backend).
+
+    One collective per tensor: the containers are self-delimiting, so no sizes travel first.
+    """
+
+    id = "horovod"
+    PARAMS = {"framework": Param(str, default="torch", choices=("torch", "tensorflow"))}
+
+    def _validate(self):
+        self._hvd = None
+        self.process_set = None
+
+    @property
+    def hvd(self):
+        if self._hvd is None:
+            self._hvd = _import_horovod(self.framework)
+        return self._hvd
+
+    @property
+    def rank(self):
+        return self.hvd.rank() if self.process_set is None else self.process_set.rank()
+
+    @property
+    def size(self):
+        return self.hvd.size() if self.process_set is None else self.process_set.size()
+
+    def allgather_async(self, payload, name):
+        hvd = self.hvd
+        kwargs = {} if self.process_set is None else {"process_set": self.process_set}
+        if self.framework == "torch":
+            import torch
+
+            local = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(payload))
+            if local.device.type != "cpu" and not (hvd.cuda_built() or hvd.rocm_built()):
+                local = local.cpu()   # a Horovod without GPU support gathers host tensors
+            handle = hvd.allgather_async(local, name=name, **kwargs)   # a device tensor stays on its device
+            return Handle(lambda: self._check_count(container.split(hvd.synchronize(handle)), name))
+        import tensorflow as tf
+
+        gathered = hvd.allgather(tf.constant(payload), name=name, **kwargs).numpy()
+        return Handle(lambda: self._check_count(container.split(gathered), name))

@@ -1,0 +1,307 @@
+"""DeepReduce Fig. 11: time per training iteration of the recommender over a constrained network.
+
+Two ranks run in two fresh network namespaces joined by one veth pair with private addresses
+(``10.213.0.1/30`` and ``10.213.0.2/30``) that exist only inside those namespaces, so no
+traffic can reach any other interface or host. ``tc`` shapes both ends of the pair with a
+token bucket (``tbf``) to each bandwidth in turn (100 Mbit/s, 1 Gbit/s and 10 Gbit/s; the
+last is above what a veth pair moves on a small machine, so there the CPU is the limit). For every
+bandwidth one pair of worker processes (:mod:`experiments.reproduce.fig11_worker`, gloo over
+TCP) times NCF training iterations split into compute (forward + backward), encode/decode and
+communication, for:
+
+* no compression: dense ``all_reduce`` (the paper's NCCL Allreduce baseline);
+* Top-r (r = 10%, raw indices and values, error feedback), allgather of containers;
+* ``DR^QSGD_BF-P0`` and ``DR^Fit-Poly_BF-P2`` (no sparsifier), allgather of containers;
+* what a PyTorch user would pick instead, run as PyTorch ships it: PowerSGD rank 1 and rank 4
+  and fp16 compression as DDP communication hooks (:mod:`experiments.reproduce.torch_hooks`).
+
+Every row shows compute, codec (encode + decode) and communication time side by side, their
+total and the speed-up over the dense all-reduce.
+
+The experiment needs root (it creates namespaces). Every step has a timeout, and the
+namespaces (with the veth pair inside them) are deleted in a ``finally`` block, also on error
+or interrupt. Where namespaces cannot be created, it says so in the result and measures the
+same workers over unshaped loopback instead, so the table still shows compute and codec costs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import List, Optional, Tuple
+
+from . import torch_hooks
+from .common import Result, named_config, no_plot_note, progress, pyplot, save_figure
+
+NS_ADDRS = ("10.213.0.1", "10.213.0.2")   # a private /30 that exists only inside the namespaces
+PREFIX = 30
+BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9), ("10gbit", 10e9))
+TOPR10 = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
+          "memory": {"id": "residual"}}
+# label -> config dict, the name of a configs/<name>.yaml, a PyTorch DDP hook, or None for the
+# dense all_reduce.
+METHODS = [
+    ("no compression (allreduce)", None),
+    ("Top-r 10%", TOPR10),
+    ("DR^QSGD_BF-P0", "bfp0_qsgd"),
+    ("DR^Fit-Poly_BF-P2", "bfp2_polyfit"),
+    ("PowerSGD rank 1 (torch DDP hook)", torch_hooks.spec("powersgd", 1)),
+    ("PowerSGD rank 4 (torch DDP hook)", torch_hooks.spec("powersgd", 4)),
+    ("fp16 (torch DDP hook)", torch_hooks.spec("fp16")),
+]
+CMD_TIMEOUT = 20.0
+
+
+def _ip(*args: str, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _check(proc: subprocess.CompletedProcess, what: str) -> None:
+    if proc.returncode != 0:
+        raise RuntimeError(f"fig11: {what} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def namespaces_available() -> Tuple[bool, str]:
+    """Whether this process can create network namespaces and veth pairs, and if not, why."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False, "not running as root (network namespaces need CAP_SYS_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"'{tool}' not found (install iproute2)"
+    probe = f"drprobe{uuid.uuid4().hex[:8]}"
+    try:
+        proc = _ip("netns", "add", probe)
+        if proc.returncode != 0:
+            return False, f"'ip netns add' failed: {proc.stderr.strip()}"
+        return True, "ok"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"'ip netns add' failed: {exc}"
+    finally:
+        try:
+            _ip("netns", "del", probe)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+class ShapedLink:
+    """Two network namespaces joined by a veth pair; ``shape(rate)`` sets tbf on both ends.
+
+    Use as a context manager: the namespaces (and with them the veth pair and its qdiscs) are
+    deleted on exit, whatever happened inside.
+    """
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.ns = (f"drns0-{tag}", f"drns1-{tag}")
+        self.dev = (f"drv0{tag}", f"drv1{tag}")   # <= 15 characters
+        self.created: List[str] = []
+
+    def __enter__(self) -> "ShapedLink":
+        try:
+            for ns in self.ns:
+                _check(_ip("netns", "add", ns), f"ip netns add {ns}")
+                self.created.append(ns)
+            _check(_ip("link", "add", self.dev[0], "netns", self.ns[0], "type", "veth",
+                       "peer", "name", self.dev[1], "netns", self.ns[1]), "creating the veth pair")
+            for ns, dev, addr in zip(self.ns, self.dev, NS_ADDRS):
+                _check(_ip("-n", ns, "addr", "add", f"{addr}/{PREFIX}", "dev", dev), f"address on {dev}")
+                _check(_ip("-n", ns, "link", "set", dev, "up"), f"bringing {dev} up")
+                _check(_ip("-n", ns, "link", "set", "lo", "up"), f"bringing lo up in {ns}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def shape(self, rate_bits: float) -> None:
+        """Token bucket at ``rate_bits`` bit/s on both ends.
+
+        The bucket holds 0.5 ms of traffic (at least 16 KiB): tokens saved while a rank computes
+        let that much pass at line rate, so a small bucket keeps the link honest.
+        """
+        burst = max(int(rate_bits / 8 * 0.0005), 16 * 1024)
+        for ns, dev in zip(self.ns, self.dev):
+            proc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                                   "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms"],
+                                  capture_output=True, text=True, timeout=CMD_TIMEOUT)
+            _check(proc, f"tc tbf on {dev}")
+
+    def qdisc(self) -> str:
+        proc = subprocess.run(["ip", "netns", "exec", self.ns[0], "tc", "qdisc", "show", "dev", self.dev[0]],
+                              capture_output=True, text=True, timeout=CMD_TIMEOUT)
+        return proc.stdout.strip()
+
+    def close(self) -> None:
+        for ns in reversed(self.created):
+            try:
+                _ip("netns", "del", ns)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.created = []
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_workers(link: Optional[ShapedLink], port: int, methods, iterations: int, warmup: int, quick: bool,
+                out_json: str, log_prefix: str, timeout: float, accumulate: int = 1) -> dict:
+    """Start rank 0 and rank 1 (inside the namespaces when ``link`` is given), wait, return rank 0's JSON."""
+    addr = NS_ADDRS[0] if link is not None else "127.0.0.1"
+    base = [sys.executable, "-m", "experiments.reproduce.fig11_worker", "--init", f"tcp://{addr}:{port}",
+            "--world", "2", "--methods", json.dumps(methods), "--iterations", str(iterations),
+            "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2)), "--accumulate", str(accumulate)]
+    if quick:
+        base += ["--quick", "--batch", "512"]
+    # Both ranks share this host: LOCAL_WORLD_SIZE makes deepreduce's threads: auto give each its share.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2")
+    if os.path.exists(out_json):
+        os.remove(out_json)           # never report an earlier run's figures
+    procs, logs = [], []
+    try:
+        for rank in (0, 1):
+            cmd = base + ["--rank", str(rank)] + (["--out", out_json] if rank == 0 else [])
+            rank_env = dict(env)
+            if link is not None:
+                cmd = ["ip", "netns", "exec", link.ns[rank]] + cmd
+                rank_env["GLOO_SOCKET_IFNAME"] = link.dev[rank]
+            else:
+                rank_env["GLOO_SOCKET_IFNAME"] = "lo"
+            log = open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(procs):
+            left = deadline - time.monotonic()
+            try:
+                code = proc.wait(timeout=max(1.0, left))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"fig11: rank {rank} ran past {timeout:.0f}s (logs: {log_prefix}.rank*.log)")
+            if code != 0:
+                raise RuntimeError(f"fig11: rank {rank} exited with {code}: {_tail(f'{log_prefix}.rank{rank}.log')}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                proc.wait(timeout=CMD_TIMEOUT)
+        for log in logs:
+            log.close()
+    with open(out_json, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _tail(path: str, n: int = 1500) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress: bool = True,
+        use_netns: Optional[bool] = None, timeout: float = None, configs_dir: str = None,
+        accumulate: int = 1) -> Result:
+    from deepreduce.config import load_config
+
+    os.makedirs(out_dir, exist_ok=True)
+    iterations = iterations or (2 if quick else 40)
+    warmup = 1 if quick else 3
+    timeout = timeout or (240 if quick else 1200)
+    if accumulate < 1:
+        raise ValueError(f"fig11: accumulate must be at least 1, got {accumulate}")
+    result = Result("fig11", "Fig. 11 - time per iteration of the NCF-style recommender on 2 ranks over a shaped link"
+                    + (f" ({accumulate} accumulated micro-batches per iteration)" if accumulate > 1 else ""),
+                    ["network", "method", "compute_ms", "codec_ms", "comm_ms", "total_ms", "speedup",
+                     "volume", "ideal_wire_ms"])
+    methods = []
+    for label, config in METHODS:
+        if isinstance(config, str):
+            config = named_config(config, result, configs_dir)
+            if config is None:
+                continue          # a codec not in this build: noted, go on
+        elif config is not None and not torch_hooks.is_hook(config):
+            config = load_config(config)
+        methods.append([label, config])
+    available, why = namespaces_available()
+    if use_netns is None:
+        use_netns = available
+    if use_netns and not available:
+        raise RuntimeError(f"fig11: network namespaces are not available: {why}")
+    if not use_netns:
+        result.notes.append(f"NOT SHAPED: network namespaces unavailable ({why}); both ranks ran over loopback "
+                            "without a bandwidth limit")
+    networks = BANDWIDTHS if use_netns else (("loopback (unshaped)", None),)
+    raw = {}
+    link = ShapedLink() if use_netns else None
+    try:
+        if link is not None:
+            link.__enter__()
+        for i, (net, rate) in enumerate(progress(list(networks), "fig11", enabled=show_progress)):
+            if link is not None:
+                link.shape(rate)
+                result.extra.setdefault("qdisc", {})[net] = link.qdisc()
+            out_json = os.path.join(out_dir, f"fig11_{net.split()[0]}.json")
+            data = run_workers(link, 29400 + i, methods, iterations, warmup, quick, out_json,
+                               os.path.join(out_dir, f"fig11_{net.split()[0]}"), timeout, accumulate)
+            raw[net] = data
+            base_total = None
+            for r in data["results"]:
+                total = r["compute_s"] + r["codec_s"] + r["comm_s"]
+                if r["method"].startswith("no compression"):
+                    base_total = total
+                result.rows.append({
+                    "network": net, "method": r["method"], "compute_ms": 1e3 * r["compute_s"],
+                    "codec_ms": 1e3 * r["codec_s"], "comm_ms": 1e3 * r["comm_s"], "total_ms": 1e3 * total,
+                    "speedup": (base_total / total) if base_total else None, "volume": r["volume"],
+                    "ideal_wire_ms": (1e3 * 8 * r["bytes_per_rank"] / rate) if rate else None,
+                })
+    finally:
+        if link is not None:
+            link.close()
+    result.extra.update(raw=raw, iterations=iterations, warmup=warmup, namespaces=use_netns, accumulate=accumulate)
+    result.notes.append(f"medians over {iterations} iterations after {warmup} warm-up, max over the 2 ranks; "
+                        "ideal_wire_ms = bytes one rank sends / link rate; speedup = no-compression total / total")
+    result.notes.append(f"torch DDP hook rows: PyTorch's hooks and state (PowerSGD: error feedback, warm start, "
+                        f"start_powerSGD_iter={torch_hooks.START_POWERSGD_ITER}, "
+                        f"{torch_hooks.warmup_iterations(torch_hooks.spec('powersgd', 1))} more warm-up iterations); "
+                        "codec_ms = hook time outside its all-reduces, comm_ms = those all-reduces, "
+                        "compute_ms = the rest of forward + backward")
+    _plot(result, out_dir)
+    return result
+
+
+def _plot(result: Result, out_dir: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        no_plot_note(result)
+        return
+    networks = list(dict.fromkeys(r["network"] for r in result.rows))
+    fig, axes = plt.subplots(1, max(1, len(networks)), figsize=(5.5 * max(1, len(networks)), 4.5), squeeze=False)
+    for ax, net in zip(axes[0], networks):
+        rows = [r for r in result.rows if r["network"] == net]
+        x = list(range(len(rows)))
+        comp = [r["compute_ms"] for r in rows]
+        codec = [r["codec_ms"] for r in rows]
+        comm = [r["comm_ms"] for r in rows]
+        ax.bar(x, comp, label="forward/backward")
+        ax.bar(x, codec, bottom=comp, label="encode/decode")
+        ax.bar(x, comm, bottom=[a + b for a, b in zip(comp, codec)], label="communication")
+        ax.set_xticks(x)
+        ax.set_xticklabels([r["method"] for r in rows], rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel("ms per iteration")
+        ax.set_title(net)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(result, fig, out_dir, "fig11_time_breakdown.png")
