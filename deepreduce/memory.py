@@ -92,7 +92,7 @@ class ResidualMemory(Memory):
     id = "residual"
     stateful = True
 
-    def _validate(self) -> None:
+    def _init_state(self) -> None:
         self._residuals: Dict[str, np.ndarray] = {}
 
     def _existing(self, name: str, flat) -> Optional[np.ndarray]:

@@ -114,9 +114,14 @@ class Component:
         for key, value in values.items():
             setattr(self, key, value)
         self._validate()
+        self._init_state()
 
     def _validate(self) -> None:
         """Hook for cross-parameter checks; raise ConfigError on a bad combination."""
+
+    def _init_state(self) -> None:
+        """Hook that creates the instance's own mutable state (residuals, caches, handles),
+        after validation; never class-level state."""
 
     def get_config(self) -> dict:
         """The config dict that rebuilds an equal component."""

@@ -24,7 +24,8 @@ from .errors import (
     CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
 )
 from .index import IndexCodec
-from .memory import Memory
+from .journal import StepJournal
+from .memory import Compensated, Memory
 from .wire.seeding import EncodeContext, config_digest
 from .sparsify import Sparsifier
 from .stats import CompressionStats
@@ -177,8 +178,6 @@ class Pipeline:
         kept until :meth:`commit_step` (the step was applied) or :meth:`undo_step` (skipped).
         """
         if self._journal is None and self.nonfinite == "raise":
-            from .dist.agreement import StepJournal
-
             self._journal = StepJournal(self)
 
     def commit_step(self) -> None:
@@ -228,23 +227,89 @@ class Pipeline:
         else:
             c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select, on_torch)
             self.memory.settle(name, positions, received, self.threads)
-        c.digest = self._wire_digest   # receivers compare it with their own config
+        c.digest = self._wire_digest   # names the sender's config (agreement compares configs up front)
         payload = container.pack(c, like=flat)
         if sparse and comp.finite and not on_torch:
             self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
+    def encode_shards(self, grad, name: str, step: int, bounds: Sequence[int]) -> list:
+        """One container per contiguous shard ``[bounds[j], bounds[j+1])`` of one gradient (the
+        first phase of the sparse all-reduce, :mod:`deepreduce.dist.sparse_allreduce`).
+
+        Compensation and selection run once over the whole tensor, exactly as :meth:`encode`
+        does; the selected entries of each shard are encoded with the config's codecs as a
+        tensor of the shard's length (indices relative to its start, seeded as ``name#j``), and
+        the residual keeps what the receivers do not reconstruct. A non-finite gradient sends
+        every shard dense and flagged; a tensor below ``min_numel`` every shard dense.
+        NumPy input (a torch binding passes its host view).
+        """
+        start = time.perf_counter()
+        flat, _ = _as_float32(grad, name)
+        numel = flat.shape[0]
+        bounds = [int(b) for b in bounds]
+        if bounds[0] != 0 or bounds[-1] != numel or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise DeepReduceError(f"encode_shards: bounds {bounds[:4]}... must rise from 0 to {numel}")
+        sparse = numel >= self.min_numel
+        if self._journal is not None:
+            self._journal.save(name)
+        fused = sparse and self._fuses_selection
+        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
+                                      self.threads)
+        shards = list(zip(bounds, bounds[1:]))
+        if not comp.finite:
+            parts = [_dense_container(flat[lo:hi], (hi - lo,), container.FLAG_DENSE | container.FLAG_NONFINITE)
+                     for lo, hi in shards]
+        elif not sparse:
+            parts = [_dense_container(comp.flat[lo:hi], (hi - lo,), container.FLAG_DENSE) for lo, hi in shards]
+            self.memory.settle(name, None, None)
+        else:
+            chosen = self._select(comp, self.context(name, step), None)
+            cuts = np.searchsorted(chosen, bounds)
+            parts, positions, received = [], [], []
+            for j, (lo, hi) in enumerate(shards):
+                part = Compensated(comp.flat[lo:hi], True, chosen[cuts[j]:cuts[j + 1]] - lo)
+                c, sent, values = self._encode_sparse(part, (hi - lo,), self.context(f"{name}#{j}", step))
+                parts.append(c)
+                positions.append(np.asarray(sent, dtype=np.int64) + lo)
+                received.append(values)
+            self.memory.settle(name, np.concatenate(positions), np.concatenate(received), self.threads)
+        payloads = []
+        for c in parts:
+            c.digest = self._wire_digest
+            payloads.append(container.pack(c))
+        seconds = (time.perf_counter() - start) / max(1, len(parts))
+        for c, payload in zip(parts, payloads):
+            self._count_encode(c, payload.shape[0], c.numel, seconds)
+        return payloads
+
+    def encode_dense(self, flat: np.ndarray, flagged: bool = False) -> np.ndarray:
+        """A dense container of the flat float32 ``flat`` (``flagged``: marked non-finite, as the
+        ``propagate`` policy sends a NaN/Inf gradient)."""
+        flags = container.FLAG_DENSE | (container.FLAG_NONFINITE if flagged else 0)
+        c = _dense_container(flat, (flat.shape[0],), flags)
+        c.digest = self._wire_digest
+        return container.pack(c)
+
+    def encode_selection(self, dense: np.ndarray, positions: np.ndarray, name: str, step: int):
+        """``(container, sent positions, the values receivers reconstruct there)`` for the given
+        ascending ``positions`` of the flat float32 ``dense`` (no error feedback: the caller keeps
+        its own residual; the owner's re-selection of the sparse all-reduce)."""
+        start = time.perf_counter()
+        part = Compensated(dense, True, np.asarray(positions, dtype=np.int64))
+        c, sent, values = self._encode_sparse(part, (dense.shape[0],), self.context(name, step))
+        c.digest = self._wire_digest
+        payload = container.pack(c)
+        self._count_encode(c, payload.shape[0], dense.shape[0], time.perf_counter() - start)
+        return payload, np.asarray(sent, dtype=np.int64), values
+
     def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
         if select is not None:
             return select(comp.flat, ctx)
         if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
             return comp.selected
-        if arrays.is_torch(comp.flat):  # torch tensors: the same selection as torch ops on their device
-            from .torch.sparsify import select_torch_native
-
-            return select_torch_native(self.sparsifier, comp.flat, ctx)
-        return self.sparsifier.select(comp.flat, ctx)
+        return select_positions(self.sparsifier, comp.flat, ctx)
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None, on_torch: bool = False):
         """(container, positions, the receiver's values at those positions)."""
@@ -422,13 +487,12 @@ class Pipeline:
                      "container": "host: python", "decode_accumulate": host_kernels}
             return parts
         on_device = f"torch on {device}"
-        from .torch.sparsify import SELECTORS   # the sparsifiers with a torch version
 
         def codec(component):
             return on_device if component.array_api else f"host: {component.backend} (compact data copied)"
 
         return {"memory": on_device, "finiteness": on_device,
-                "sparsifier": on_device if self.sparsifier.id in SELECTORS else "host (dense copy)",
+                "sparsifier": on_device if self.sparsifier.array_api else "host (dense copy)",
                 "index": codec(self.index), "value": codec(self.value),
                 "container": f"{on_device} (header and CRC on the host)", "decode_accumulate": on_device}
 
@@ -472,9 +536,7 @@ def _all_finite(x) -> bool:
     a boolean tensor; NumPy float32: the finiteness pass of :func:`kernels.scan` (C++ when built),
     other NumPy: ``isfinite(x).all()``, several times faster than a float64 sum."""
     if arrays.is_torch(x):
-        import torch
-
-        return bool(torch.isfinite(x.sum(dtype=torch.float64)))
+        return arrays.adapter(x).all_finite(x)
     if x.dtype == np.float32:
         return kernels.scan(x.reshape(-1))[0]
     return bool(np.isfinite(x).all())
@@ -496,9 +558,7 @@ def to_float32(arr, name: str):
     arrive as Inf)."""
     torch_input = arrays.is_torch(arr)
     if torch_input:
-        import torch
-
-        if arr.dtype == torch.float32:
+        if arr.dtype == arrays.namespace(arr).float32:
             return arr
         out, wide = arr.float(), arr.dtype.itemsize > 4
     else:
@@ -519,6 +579,18 @@ def to_float32(arr, name: str):
                 "overflow to Inf on the float32 wire; scale the gradient"
             )
     return out
+
+
+def select_positions(sparsifier: Sparsifier, flat, ctx: EncodeContext):
+    """The positions ``sparsifier`` keeps in the 1-D float ``flat`` (NumPy or a tensor), in
+    ``flat``'s framework and device: a sparsifier written on the array namespace runs there; any
+    other runs on a host copy (warned once, see ``deepreduce.backend.arrays.host_fallback``)."""
+    if sparsifier.array_api or not arrays.is_torch(flat):
+        return sparsifier.select(flat, ctx)
+    a = arrays.adapter(flat)
+    arrays.host_fallback(f"sparsifier {sparsifier.id!r} (a dense copy goes to the host)")
+    chosen = sparsifier.select(a.to_numpy(flat), ctx)
+    return a.from_numpy(np.asarray(chosen, dtype=np.int64), like=flat)
 
 
 def _runner(component, like):
@@ -589,9 +661,7 @@ def _output(out: Optional[np.ndarray], numel: int) -> np.ndarray:
     if out is None:
         return np.zeros(numel, dtype=np.float32)
     if arrays.is_torch(out):
-        import torch
-
-        if out.dtype != torch.float32 or not out.is_contiguous():
+        if out.dtype != arrays.namespace(out).float32 or not out.is_contiguous():
             raise DeepReduceError("decode: a torch out= must be a contiguous float32 tensor")
         if out.numel() != numel:
             raise CommunicationError(f"decode: out= has {out.numel()} elements, the container's tensor {numel}")

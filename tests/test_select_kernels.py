@@ -6,7 +6,6 @@ from hypothesis import given, settings, strategies as st
 
 from deepreduce import ContainerError
 from deepreduce.backend import _native, kernels
-from deepreduce.sparsify import _topk
 
 native = _native.load("select")
 needs_native = pytest.mark.skipif(native is None, reason="C++ extension _select not built")
@@ -39,7 +38,7 @@ def with_backend(monkeypatch, backend, fn):
 def test_topk_follows_the_tie_rule(d, frac, seed, ties, threads):
     g = gradient(d, seed, ties)
     r = int(frac * d)
-    np.testing.assert_array_equal(_topk.topk_positions(g, r, threads), reference_topk(g, r))
+    np.testing.assert_array_equal(kernels.topk_positions(g, r, threads), reference_topk(g, r))
 
 
 @settings(max_examples=30, deadline=None)
@@ -58,7 +57,7 @@ def test_topk_cut_among_many_candidates(digit, spread, frac, seed, threads):
     signs = rng.integers(0, 2, size=d, dtype=np.uint32) << np.uint32(31)
     g = (keys | signs).view(np.float32)
     r = max(1, int(frac * d))
-    np.testing.assert_array_equal(_topk.topk_positions(g, r, threads), reference_topk(g, r))
+    np.testing.assert_array_equal(kernels.topk_positions(g, r, threads), reference_topk(g, r))
     residual = np.zeros(d, np.float32)
     finite, chosen = kernels.scan(g, residual, r, threads)
     np.testing.assert_array_equal(chosen, reference_topk(g, r))
@@ -108,8 +107,8 @@ def test_fused_scan_selects_like_topk_whatever_the_threads(threads, ties, monkey
         np.testing.assert_array_equal(results[0][0], start + g)
         np.testing.assert_array_equal(results[1][0], start + g)
         np.testing.assert_array_equal(results[0][1], results[1][1])
-        np.testing.assert_array_equal(results[0][1], _topk.topk_positions(start + g, r, threads))
-    np.testing.assert_array_equal(_topk.threshold_positions(g, 2e-3, threads),
+        np.testing.assert_array_equal(results[0][1], kernels.topk_positions(start + g, r, threads))
+    np.testing.assert_array_equal(kernels.threshold_positions(g, 2e-3, threads),
                                   np.flatnonzero(np.abs(g) >= np.float32(2e-3)))
 
 

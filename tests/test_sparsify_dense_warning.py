@@ -50,9 +50,7 @@ def test_sparse_gradient_and_threshold_do_not_warn():
 def test_torch_binding_warns_too():
     import torch
 
-    from deepreduce.torch.sparsify import select_torch
-
     pipe = deepreduce.build("configs/skcompress.yaml")
     flat = torch.from_numpy(_gradient(0.9))
     with pytest.warns(DenseGradientWarning, match="90.0%"):
-        select_torch(pipe.sparsifier, flat, pipe.context("emb", 0))
+        pipe.sparsifier.select(flat, pipe.context("emb", 0))

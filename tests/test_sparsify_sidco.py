@@ -143,7 +143,7 @@ def test_config_round_trip():
 
 def test_native_kernels_match_numpy_path(monkeypatch):
     from deepreduce.backend import _native
-    from deepreduce.sparsify.sidco import NativeOps, NumpyOps
+    from deepreduce.sparsify.sidco import NativeOps, ArrayOps
 
     module = _native.load("sidco")
     if module is None:
@@ -152,16 +152,16 @@ def test_native_kernels_match_numpy_path(monkeypatch):
     g = draw("gamma", rng, 100_003)
     g[::7] = 0
     native = NativeOps(module)
-    a_n, a_p = native.magnitudes(g), NumpyOps.magnitudes(g)
+    a_n, a_p = native.magnitudes(g), ArrayOps.magnitudes(g)
     for need_var, need_log in ((False, False), (True, True)):
-        s_n, s_p = native.first_stats(a_n, need_var, need_log), NumpyOps.first_stats(a_p, need_var, need_log)
+        s_n, s_p = native.first_stats(a_n, need_var, need_log), ArrayOps.first_stats(a_p, need_var, need_log)
         assert s_n.n == s_p.n
         for f in ("mean", "var", "mean_log"):
             x, y = getattr(s_n, f), getattr(s_p, f)
             assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-12)
     eta = 1.3e-3
-    np.testing.assert_array_equal(native.exceed(a_n, eta), NumpyOps.exceed(a_p, eta))
-    np.testing.assert_array_equal(native.select(a_n, eta), NumpyOps.select(a_p, eta))
+    np.testing.assert_array_equal(native.exceed(a_n, eta), ArrayOps.exceed(a_p, eta))
+    np.testing.assert_array_equal(native.select(a_n, eta), ArrayOps.select(a_p, eta))
     assert native.select(a_n, 1e9).size == 0 and native.exceed(np.zeros(0, np.float32), 0.0).size == 0
     for dist in _fits.DISTRIBUTIONS:
         cfg = {"ratio": 0.001, "distribution": dist, "stages": 3}
@@ -220,15 +220,15 @@ def test_later_stage_ratios_follow_actual_exceedances():
 
 
 def test_tail_check_replaces_a_missed_threshold_with_the_exact_count():
-    from deepreduce.sparsify.sidco import NumpyOps, checked_tail_threshold
+    from deepreduce.sparsify.sidco import ArrayOps, checked_tail_threshold
 
     tails = [np.arange(1, 401, dtype=np.float32), np.arange(301, 401, dtype=np.float32)]
     # a threshold leaving 40 of the wanted 60 (outside 20%): the 60th largest, 341
-    assert checked_tail_threshold(NumpyOps, tails, 361.0, 60, 0.2) == 341.0
+    assert checked_tail_threshold(ArrayOps, tails, 361.0, 60, 0.2) == 341.0
     # within tolerance: unchanged
-    assert checked_tail_threshold(NumpyOps, tails, 346.0, 60, 0.2) == 346.0
+    assert checked_tail_threshold(ArrayOps, tails, 346.0, 60, 0.2) == 346.0
     # the newest set is smaller than k: the older one answers
-    assert checked_tail_threshold(NumpyOps, tails, 380.0, 150, 0.2) == 251.0
+    assert checked_tail_threshold(ArrayOps, tails, 380.0, 150, 0.2) == 251.0
     # on a very heavy tail (Student-t, 1.5 degrees of freedom) the 3-stage exponential fit
     # misses without the check and lands within 20% with it
     g = np.random.default_rng(5).standard_t(1.5, size=100_000).astype(np.float32)
@@ -242,7 +242,6 @@ def test_torch_selection_equals_numpy_on_real_layers_with_tail_check():
     import torch
 
     import deepreduce
-    from deepreduce.torch.sparsify import select_torch
 
     for config in SHIPPED:
         pipe = deepreduce.build(config)
@@ -251,7 +250,7 @@ def test_torch_selection_equals_numpy_on_real_layers_with_tail_check():
         for name, grad in _real_layers(pipe.min_numel).items():
             flat = grad.ravel()
             want = pipe.sparsifier.select(flat, pipe.context(name, 0))
-            got = select_torch(twin, torch.from_numpy(flat), pipe.context(name, 0)).numpy()
+            got = twin.select(torch.from_numpy(flat), pipe.context(name, 0)).numpy()
             assert np.array_equal(want, got), (config, name)
             fired += pipe.sparsifier.last["exact_tail"]
         assert fired >= 1   # the check path ran in both bindings

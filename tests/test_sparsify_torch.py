@@ -1,14 +1,14 @@
-"""Torch-native sparsifiers (what non-CPU devices run, tested here on CPU tensors) select exactly
-what the NumPy core selects; CPU tensors go to the core itself (and DGC/threshold basics)."""
+"""The sparsifiers, written once on the array namespace, select on torch tensors (what non-CPU
+devices run, tested here on CPU tensors) exactly what they select on NumPy arrays with the C++
+kernels; a NumPy-only sparsifier runs on a host copy (and DGC/threshold basics)."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from deepreduce import registry
-from deepreduce.errors import DeepReduceError
+from deepreduce.pipeline import select_positions
 from deepreduce.wire.seeding import EncodeContext, config_digest
-from deepreduce.torch.sparsify import select_torch, select_torch_native
 
 CONFIGS = [
     {"id": "none"},
@@ -44,7 +44,7 @@ def test_torch_selects_like_numpy_over_steps(config):
     for step in range(8):
         g = gradient(rng, 50_000, zeros=0.3 if step % 2 else 0.0, ties=step % 3 == 0)
         want = sp_np.select(g, ctx(step))
-        got = select_torch_native(sp_t, torch.from_numpy(g), ctx(step))
+        got = sp_t.select(torch.from_numpy(g), ctx(step))
         assert got.dtype == torch.int64
         np.testing.assert_array_equal(got.numpy(), want)
 
@@ -56,8 +56,7 @@ def test_topk_ties_go_to_lowest_positions(values, ratio):
     g = np.array(values, dtype=np.float32)
     sp = registry.create("sparsifier", {"id": "topk", "ratio": ratio})
     want = sp.select(g, ctx(0))
-    np.testing.assert_array_equal(select_torch_native(sp, torch.from_numpy(g), ctx(0)).numpy(), want)
-    np.testing.assert_array_equal(select_torch(sp, torch.from_numpy(g), ctx(0)).numpy(), want)
+    np.testing.assert_array_equal(sp.select(torch.from_numpy(g), ctx(0)).numpy(), want)
     # reference: stable sort by descending magnitude, keep the first r, ascending
     order = np.argsort(-np.abs(g), kind="stable")[: want.size]
     np.testing.assert_array_equal(np.sort(order), want)
@@ -85,29 +84,21 @@ def test_threshold_selects_by_magnitude():
     assert registry.create("sparsifier", {"id": "threshold", "threshold": 5.0}).select(g, ctx(0)).size == 0
 
 
-def test_select_torch_rejects_bad_input_and_falls_back_for_unknown():
+def test_a_numpy_only_sparsifier_runs_on_a_host_copy_of_a_tensor():
     sp = registry.create("sparsifier", {"id": "topk", "ratio": 0.5})
-    with pytest.raises(DeepReduceError, match="1-D floating"):
-        select_torch(sp, torch.zeros(3, 3), ctx(0))
 
     class Odd(type(sp)):
+        array_api = False
+
         def select(self, flat, c):
+            assert isinstance(flat, np.ndarray)
             return np.array([0, 2], dtype=np.int64)
 
-    assert select_torch_native(Odd(ratio=0.5), torch.ones(4), ctx(0)).tolist() == [0, 2]
-    assert select_torch(Odd(ratio=0.5), torch.ones(4), ctx(0)).tolist() == [0, 2]
+    with pytest.warns(RuntimeWarning, match="runs on the host"):
+        got = select_positions(Odd(ratio=0.5), torch.ones(4), ctx(0))
+    assert isinstance(got, torch.Tensor) and got.tolist() == [0, 2]
 
 
-def test_cpu_tensors_are_selected_by_the_core_without_a_copy():
-    seen = []
-
-    class Spy(type(registry.create("sparsifier", {"id": "topk", "ratio": 0.1}))):
-        def select(self, flat, c):
-            seen.append(flat)
-            return super().select(flat, c)
-
-    t = torch.from_numpy(gradient(np.random.default_rng(2), 10_000))
-    got = select_torch(Spy(ratio=0.1), t, ctx(0))
-    assert np.shares_memory(seen[0], t.numpy())
-    np.testing.assert_array_equal(got.numpy(), registry.create("sparsifier", {"id": "topk", "ratio": 0.1}).select(
-        t.numpy(), ctx(0)))
+def test_every_builtin_sparsifier_is_written_on_the_array_namespace():
+    for id_ in registry.ids("sparsifier"):
+        assert registry.get_class("sparsifier", id_).array_api, id_

@@ -126,6 +126,15 @@ class Adapter:
         """``x[indices]`` for a 1-D ``x`` and int64 ``indices``."""
         return np.take(x, indices)
 
+    # -- selection ------------------------------------------------------------------------
+    def positions(self, mask):
+        """Ascending int64 positions where the 1-D bool ``mask`` holds."""
+        return np.flatnonzero(mask).astype(np.int64, copy=False)
+
+    def kth_largest(self, x, k: int) -> float:
+        """The ``k``-th largest entry of the 1-D ``x`` (``1 <= k <= len(x)``) as a Python float."""
+        return float(np.partition(x, x.shape[0] - k)[x.shape[0] - k])
+
     # -- accumulate -----------------------------------------------------------------------
     def scatter_add(self, out, indices, values) -> None:
         """``out[indices] += values`` for distinct indices, in place."""
@@ -213,11 +222,22 @@ class TorchAdapter(Adapter):
     def gather(self, x, indices):
         return x.index_select(0, indices)
 
+    def positions(self, mask):
+        return self.torch.nonzero(mask, as_tuple=False).flatten()
+
+    def kth_largest(self, x, k: int) -> float:
+        return float(self.torch.topk(x, k, sorted=False).values.min())
+
     def scatter_add(self, out, indices, values) -> None:
         out.index_add_(0, indices, values.to(out.dtype))
 
     def to_numpy(self, x) -> np.ndarray:
         return x.detach().cpu().numpy()
+
+    def all_finite(self, x) -> bool:
+        """One float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow
+        it), without a boolean tensor."""
+        return bool(self.torch.isfinite(x.sum(dtype=self.torch.float64)))
 
     def from_numpy(self, x: np.ndarray, like=None):
         x = np.ascontiguousarray(x)

@@ -1,10 +1,19 @@
-"""The passes over whole tensors: compensation with finiteness scan, non-zero selection, and
-scatter-add decode.
+"""The passes over whole tensors: compensation with finiteness scan, the selections (non-zero,
+Top-r, threshold), and scatter-add decode.
 
 Each function runs the C++ kernel of ``csrc/select`` (module ``deepreduce._select``: GIL
-released, large tensors split over ``threads`` std::threads) when it is built, else NumPy.
-Both paths give identical results, and the thread count never changes one: threads work on
-fixed blocks whose outcomes are combined in block order.
+released, large tensors split over ``threads`` std::threads) for NumPy input when it is built;
+otherwise the rule written here once on the array namespace (NumPy without the extension, or
+torch tensors on their own device). All paths give identical positions, and the thread count
+never changes one: threads work on fixed blocks whose outcomes are combined in block order.
+
+Top-r's tie rule: ``argpartition`` (and ``torch.topk``) pick arbitrary members of a group of
+equal magnitudes at the cut, so two bindings could select different positions for the same
+gradient. Here the cut value is the r-th largest magnitude; every larger entry is taken, and the
+remaining places go to the entries equal to the cut value in ascending position order. The C++
+kernel is a radix select on the magnitudes' float32 bit patterns (sign bit cleared; for non-NaN
+floats their order is the order of the magnitudes) with the same rule. Inputs are finite (the
+pipeline sends non-finite gradients dense).
 
 ``scan(..., topk=r)`` also selects the Top-r of the compensated gradient in the same pass over
 memory (see ``csrc/select/select.h``): a sample of evenly spaced blocks gives a magnitude bound
@@ -40,7 +49,7 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
     entry to within two float32 roundings of ``|residual + flat|``).
 
     Returns ``(finite, positions)``: with ``0 < topk < size`` and a finite gradient, positions
-    are the Top-``topk`` of the compensated gradient (``sparsify._topk.topk_positions``),
+    are the Top-``topk`` of the compensated gradient (:func:`topk_positions`),
     otherwise None.
     """
     select = 0 < topk < flat.shape[0]
@@ -59,8 +68,6 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
         residual += flat
     if not select:
         return True, None
-    from ..sparsify._topk import topk_positions
-
     return True, topk_positions(flat if residual is None else residual, topk)
 
 
@@ -99,14 +106,61 @@ def check_indices(indices: np.ndarray, numel: int, ascending: bool) -> None:
         raise ContainerError(f"container index out of range for a tensor of {numel} elements")
 
 
-def nonzero(flat: np.ndarray, threads: int = 1) -> np.ndarray:
-    """Ascending int64 positions of the non-zero entries of a flat float32 array (as
-    ``numpy.flatnonzero``: -0.0 is zero, NaN is not), branch-free in C++: at half density, where
-    a branch per entry is mispredicted every other time, about 9x faster than NumPy."""
-    module = native()
-    if module is None or flat.dtype != np.float32:
-        return np.flatnonzero(flat).astype(np.int64, copy=False)
-    return module.nonzero(flat, threads)
+def _host_kernel(values, dtype=np.float32):
+    """The C++ module when ``values`` is a NumPy array of ``dtype`` and the module is built."""
+    if type(values) is not np.ndarray or values.dtype != dtype:
+        return None
+    return native()
+
+
+def nonzero(flat, threads: int = 1):
+    """Ascending int64 positions of the non-zero entries of a flat array (as
+    ``numpy.flatnonzero``: -0.0 is zero, NaN is not), branch-free in C++ for float32 NumPy
+    input: at half density, where a branch per entry is mispredicted every other time, about 9x
+    faster than NumPy."""
+    module = _host_kernel(flat)
+    if module is not None:
+        return module.nonzero(flat, threads)
+    return arrays.adapter(flat).positions(flat != 0)
+
+
+def topk_positions(values, r: int, threads: int = 1):
+    """Ascending int64 positions of the ``r`` entries of largest magnitude (ties: lowest first).
+
+    ``values`` (NumPy or a tensor, 1-D) may be signed (magnitudes are taken) or magnitudes.
+    """
+    d = values.shape[0]
+    if r >= d or r <= 0:
+        return _range_like(values, max(0, min(r, d)))
+    if type(values) is np.ndarray:
+        module = native()
+        if module is not None:
+            return module.topk(np.ascontiguousarray(values, dtype=np.float32), int(r), threads)
+    a, xp = arrays.adapter(values), arrays.namespace(values)
+    magnitudes = xp.abs(values)
+    cut = a.kth_largest(magnitudes, r)
+    above = a.positions(magnitudes > cut)
+    at = a.positions(magnitudes == cut)[: r - above.shape[0]]
+    return xp.sort(xp.concat([above, at]))
+
+
+def threshold_positions(values, threshold: float, threads: int = 1):
+    """Ascending int64 positions with ``|value| >= threshold`` (compared in float32)."""
+    cut = float(np.float32(threshold))
+    if type(values) is np.ndarray:
+        module = native()
+        if module is not None:
+            return module.threshold(np.ascontiguousarray(values, dtype=np.float32), cut, threads)
+    xp = arrays.namespace(values)
+    return arrays.adapter(values).positions(xp.abs(values) >= cut)
+
+
+def _range_like(values, n: int):
+    """Positions ``0 .. n-1`` as int64 in ``values``' framework and device."""
+    xp = arrays.namespace(values)
+    if type(values) is np.ndarray:
+        return np.arange(n, dtype=np.int64)
+    return xp.arange(n, dtype=xp.int64, device=values.device)
 
 
 def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascending: bool,

@@ -1,4 +1,4 @@
-"""Bloom filter index codec with every DeepReduce policy (spec doc §1.2-§1.7).
+"""Bloom filter index codec with every DeepReduce policy (DeepReduce, Kostopoulou et al., §3 and §4).
 
 The sender inserts the sparsifier's support ``S`` into a Bloom filter; both sides query every
 position of the tensor; the positives ``P`` (ascending) contain ``S`` plus false positives. A

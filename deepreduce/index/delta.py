@@ -1,4 +1,4 @@
-"""SketchML delta-binary key codecs (spec doc §2.5 and, for SKCompress, §1.15).
+"""SketchML delta-binary key codecs (SketchML, Jiang et al., SIGMOD 2018, §4.2; SKCompress its extension).
 
 ``delta``: the sorted keys become gaps (the first from 0), each written little-endian in the
 fewest of 1-4 bytes, with a 2-bit length flag per key (``00`` = 1 byte ... ``11`` = 4 bytes).

@@ -1,4 +1,4 @@
-"""Static byte-level Huffman index codec (spec doc §1.9, Part III.1 item 17).
+"""Static byte-level Huffman index codec (DeepReduce's Huffman baseline).
 
 The code is a deterministic function of ``d_max``, the number of possible indices: count every
 byte value over the little-endian ``w``-byte forms of all integers ``0 .. d_max-1`` (``w = 4``

@@ -1,4 +1,4 @@
-"""Bit-level run-length index codec (spec doc §1.8).
+"""Bit-level run-length index codec (DeepReduce's RLE baseline).
 
 The index set is read as a bitmap of ``d`` bits; its runs alternate zeros and ones and start
 with a run of zeros (0 long when index 0 is selected); the last run ends at ``d``. Payload:

@@ -19,13 +19,18 @@ def count_for(ratio: float, numel: int) -> int:
 class Sparsifier(Component):
     """Selects entries of a flat float32 gradient.
 
-    ``select`` returns the chosen positions as ascending int64; the pipeline takes the values
-    from the (compensated) gradient itself. Randomised sparsifiers draw only from
-    ``ctx.rng(...)``, so every rank and binding makes the same choice for the same input.
+    ``select`` returns the chosen positions as ascending int64, in the framework and on the device
+    of ``flat``; the pipeline takes the values from the (compensated) gradient itself. The
+    built-in sparsifiers are written once on the array namespace (``array_api = True``: NumPy on
+    the host, with C++ kernels where built, or torch tensors on their device); a third-party one
+    that handles NumPy only leaves ``array_api`` False and the pipeline runs it on a host copy.
+    Randomised sparsifiers draw only from ``ctx.rng(...)`` (NumPy generators, the positions
+    moved to the tensor's device), so every rank and binding makes the same choice.
     """
 
     kind = "sparsifier"
     threads = 1  # C++ kernel threads; the pipeline sets its resolved ``threads`` option
+    array_api = False
 
-    def select(self, flat: np.ndarray, ctx: EncodeContext) -> np.ndarray:
+    def select(self, flat, ctx: EncodeContext):
         raise NotImplementedError

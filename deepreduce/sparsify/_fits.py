@@ -1,11 +1,11 @@
-"""Scalar threshold estimators of SIDCo (spec doc §4.3-4.5), shared by every backend.
+"""Scalar threshold estimators of SIDCo (Abdelmoniem et al., MLSys 2021, §3), shared by every backend.
 
-A backend (NumPy here, torch in ``deepreduce.torch.sparsify``) reduces a vector of magnitudes
+A backend (``sidco.ArrayOps`` on any array namespace, ``sidco.NativeOps`` in C++) reduces a vector of magnitudes
 to a few float64 statistics (:class:`Stats`); everything after that -- the fitted parameters,
 the threshold, the per-stage ratios and the stage adaptation -- is plain Python on floats and
 lives only here, so both backends compute the same threshold from the same statistics.
 
-Parameterisations (spec doc §4.3, Part III.4 item 5):
+Parameterisations (SIDCo §3.2):
 
 * exponential: ``|G| ~ Exp(beta)``, ``beta = mean``, ``eta = beta * log(1/delta)``;
 * gamma: ``|G| ~ Gamma(alpha, beta)``, Minka's closed-form shape estimate, threshold from the
@@ -52,7 +52,7 @@ def exponential_threshold(st: Stats, ratio: float) -> Optional[float]:
 
 
 def gamma_shape(st: Stats) -> Optional[float]:
-    """Minka's closed-form approximation of the Gamma shape MLE (spec doc §4.3 (G))."""
+    """Minka's closed-form approximation of the Gamma shape MLE (T. Minka, 'Estimating a Gamma distribution', 2002)."""
     if st.n == 0 or not st.mean > 0.0 or not math.isfinite(st.mean_log):
         return None
     s = math.log(st.mean) - st.mean_log
@@ -109,7 +109,7 @@ def max_stages_for(ratio: float, first_ratio: float) -> int:
 def stage_ratio(m: int, stages: int, ratio: float, first_ratio: float) -> float:
     """Ratio of stage ``m`` (1-based) of ``stages``: ``first_ratio``, then an equal geometric split.
 
-    The product over the stages is ``ratio`` (spec doc §4.4, Part III.4 item 2).
+    The product over the stages is ``ratio`` (SIDCo's multi-stage fitting, §3.3).
     """
     if stages <= 1 or ratio >= first_ratio:
         return ratio
@@ -164,7 +164,7 @@ class StageState:
 
 def adapt_stages(state: StageState, k_avg: float, k: int, tolerance: float, max_stages: int,
                  mode: str) -> int:
-    """New stage count from the window mean ``k_avg`` against ``k`` (spec doc §4.5, III.4.1).
+    """New stage count from the window mean ``k_avg`` against ``k`` (SIDCo's Algorithm 1).
 
     ``paper``: too many selected -> one stage fewer, too few -> one more (Algorithm 1 as
     printed). ``reversed``: the opposite. ``flip``: while outside the tolerance step in the

@@ -5,11 +5,10 @@ import warnings
 
 import numpy as np
 
-from ..backend import kernels
+from ..backend import arrays, kernels
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier, count_for
-from ._topk import topk_positions
 
 RATIO = Param(float, default=0.01, low=0.0, high=1.0, low_open=True, doc="fraction of entries kept")
 
@@ -33,13 +32,14 @@ class NoSparsifier(Sparsifier):
     """
 
     id = "none"
+    array_api = True
 
-    def _validate(self) -> None:
+    def _init_state(self) -> None:
         self._dense_warned: set = set()
 
     def select(self, flat, ctx):
         chosen = kernels.nonzero(flat, self.threads)
-        self.check_density(chosen.size, flat.size, ctx.name)
+        self.check_density(int(chosen.shape[0]), flat.shape[0], ctx.name)
         return chosen
 
     def check_density(self, nonzero: int, numel: int, name: str) -> None:
@@ -63,9 +63,11 @@ class TopK(Sparsifier):
 
     id = "topk"
     PARAMS = {"ratio": RATIO}
+    array_api = True
+
     def select(self, flat, ctx):
         # ties at the cut go to the lowest positions, so every binding selects the same entries
-        return topk_positions(flat, count_for(self.ratio, flat.size), self.threads)
+        return kernels.topk_positions(flat, count_for(self.ratio, flat.shape[0]), self.threads)
 
     def fused_count(self, numel: int) -> int:
         """The Top-r count the pipeline's compensation pass selects for this sparsifier
@@ -83,9 +85,10 @@ class RandomK(Sparsifier):
 
     id = "randomk"
     PARAMS = {"ratio": RATIO}
+    array_api = True
 
     def select(self, flat, ctx):
-        return self.positions(flat.size, ctx)
+        return arrays.adapter(flat).from_numpy(self.positions(flat.shape[0], ctx), like=flat)
 
     def positions(self, numel: int, ctx) -> np.ndarray:
         """The ascending positions drawn for a tensor of ``numel`` entries (used by every binding)."""

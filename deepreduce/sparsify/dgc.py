@@ -11,11 +11,11 @@ import math
 
 import numpy as np
 
+from ..backend import arrays, kernels
 from ..params import Param
 from ..registry import register
 from ..wire.seeding import EncodeContext
 from ._base import Sparsifier, count_for
-from ._topk import threshold_positions, topk_positions
 from .basic import RATIO
 
 
@@ -49,16 +49,18 @@ class DGC(Sparsifier):
         "min_samples": Param(int, default=1000, low=1, high=2**62, doc="lower bound on the sample size"),
     }
 
+    array_api = True
+
     def select(self, flat, ctx):
-        d = flat.size
+        d = flat.shape[0]
         k = count_for(self.ratio, d)
         if k >= d:
-            return np.arange(d, dtype=np.int64)
-        positions = sample_positions(d, self.sample_ratio, self.min_samples, ctx)
-        sample = np.abs(flat[positions])
-        k_s = sample_count(k, sample.size, d)
-        cut = np.partition(sample, sample.size - k_s)[sample.size - k_s]
-        chosen = threshold_positions(flat, cut, self.threads)
-        if chosen.size > k:
-            chosen = chosen[topk_positions(flat[chosen], k, self.threads)]
-        return chosen.astype(np.int64, copy=False)
+            return kernels.topk_positions(flat, d)
+        a, xp = arrays.adapter(flat), arrays.namespace(flat)
+        positions = a.from_numpy(sample_positions(d, self.sample_ratio, self.min_samples, ctx), like=flat)
+        sample = xp.abs(a.gather(flat, positions))
+        cut = a.kth_largest(sample, sample_count(k, sample.shape[0], d))
+        chosen = kernels.threshold_positions(flat, cut, self.threads)
+        if chosen.shape[0] > k:
+            chosen = a.gather(chosen, kernels.topk_positions(a.gather(flat, chosen), k, self.threads))
+        return chosen

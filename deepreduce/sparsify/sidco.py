@@ -1,4 +1,4 @@
-"""SIDCo: thresholds from fitted sparsity-inducing distributions (spec doc §4, Part III.4).
+"""SIDCo: thresholds from fitted sparsity-inducing distributions (Abdelmoniem et al., MLSys 2021).
 
 The gradient magnitudes are modelled as exponential, gamma or generalised Pareto; a threshold
 that a fraction ``ratio`` of them exceeds is computed in closed form from a few moments, in
@@ -9,11 +9,12 @@ share of the remaining ratio, and the last threshold is applied to the original 
 left ``[k (1 - tolerance), k (1 + tolerance)]`` (Algorithm 1; ``adapt`` picks the direction,
 see ``_fits.adapt_stages``).
 
-The algorithm is written once, in :func:`sidco_select`, over a small set of array operations;
-:class:`NumpyOps` provides them here and ``deepreduce.torch.sparsify`` provides the torch ones,
-so both bindings make the same choices from the same float64 statistics.
+The algorithm is written once, in :func:`sidco_select`, over a small set of array operations:
+:class:`ArrayOps` on the array namespace (NumPy without the extension, torch tensors on their
+device) and :class:`NativeOps` through the C++ kernels (NumPy with the extension), so every
+binding makes the same choices from the same float64 statistics.
 
-Engineering choices (spec doc §4.9): exact zeros are excluded from the first-stage fit (the
+Engineering choices (where the paper leaves them open): exact zeros are excluded from the first-stage fit (the
 ratio is rescaled to the non-zero count; when the target covers every non-zero entry they are
 all selected, and when only stage 1's share does, the later stages start from all of them),
 the final selection is ``|g| >= eta`` with ``eta`` rounded to float32 once for every binding
@@ -27,12 +28,11 @@ from typing import Dict
 
 import numpy as np
 
-from ..backend import _native
+from ..backend import _native, arrays, kernels
 from ..params import Param
 from ..registry import register
 from . import _fits
 from ._base import Sparsifier, count_for
-from ._topk import topk_positions
 from .basic import RATIO
 
 # "Every non-zero entry" is |g| >= the smallest normal float32: TensorFlow flushes subnormals to
@@ -41,77 +41,89 @@ from .basic import RATIO
 SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
-def _np_count_at_least(x: np.ndarray, eta: float) -> int:
+def _count_at_least(x, eta: float) -> int:
     """Entries of the magnitudes ``x`` at or above float32 ``eta``."""
-    return int(np.count_nonzero(x >= np.float32(eta)))
+    xp = arrays.namespace(x)
+    return int(xp.count_nonzero(x >= float(np.float32(eta))))
 
 
-def _np_kth_largest(x: np.ndarray, k: int) -> float:
-    """The ``k``-th largest of the magnitudes ``x`` (``1 <= k <= x.size``)."""
-    return float(np.partition(x, x.size - k)[x.size - k])
+def _kth_largest(x, k: int) -> float:
+    """The ``k``-th largest of the magnitudes ``x`` (``1 <= k <= len(x)``)."""
+    return arrays.adapter(x).kth_largest(x, k)
 
 
-class NumpyOps:
-    """The array operations :func:`sidco_select` needs, on NumPy float32 vectors."""
+def _sum64(x) -> float:
+    """The sum of ``x`` accumulated in float64."""
+    xp = arrays.namespace(x)
+    return float(xp.sum(x, dtype=xp.float64))
+
+
+def _sq_dev64(x, mean: float) -> float:
+    """``sum((x - mean)^2)`` in float64."""
+    xp = arrays.namespace(x)
+    dev = xp.astype(x, xp.float64) - mean
+    return float(xp.sum(dev * dev))
+
+
+class ArrayOps:
+    """The array operations :func:`sidco_select` needs, on float32 vectors of any array
+    namespace (NumPy without the C++ extension, torch tensors on their device); float64
+    accumulation, float32 comparisons."""
 
     @staticmethod
     def magnitudes(flat):
-        return np.abs(flat)
+        return arrays.namespace(flat).abs(flat)
 
     @staticmethod
     def first_stats(a, need_var: bool, need_log: bool) -> _fits.Stats:
         """Moments of the non-zero magnitudes (float64 accumulation)."""
-        n = int(np.count_nonzero(a))
+        xp = arrays.namespace(a)
+        n = int(xp.count_nonzero(a))
         if n == 0:
             return _fits.Stats(0, 0.0)
-        mean = float(np.sum(a, dtype=np.float64)) / n
+        mean = _sum64(a) / n
         var = mean_log = float("nan")
-        if need_var:
-            dev = a.astype(np.float64) - mean
-            # the zeros contributed (0 - mean)^2 each; remove them
-            var = (float(np.dot(dev, dev)) - (a.size - n) * mean * mean) / n
+        if need_var:   # the zeros contributed (0 - mean)^2 each; remove them
+            var = (_sq_dev64(a, mean) - (a.shape[0] - n) * mean * mean) / n
         if need_log:
             positive = a[a > 0]
-            mean_log = float(np.sum(np.log(positive.astype(np.float64)))) / n
+            mean_log = float(xp.sum(xp.log(xp.astype(positive, xp.float64)))) / n
         return _fits.Stats(n, mean, var, mean_log)
 
     @staticmethod
     def tail_stats(x, shift: float, need_var: bool) -> _fits.Stats:
         """Moments of ``x - shift`` (``x`` all above ``shift``): the mean moves, the variance does not."""
-        n = int(x.size)
+        n = int(x.shape[0])
         if n == 0:
             return _fits.Stats(0, 0.0)
-        mean = float(np.sum(x, dtype=np.float64)) / n
-        var = float("nan")
-        if need_var:
-            dev = x.astype(np.float64) - mean
-            var = float(np.dot(dev, dev)) / n
+        mean = _sum64(x) / n
+        var = _sq_dev64(x, mean) / n if need_var else float("nan")
         return _fits.Stats(n, mean - shift, var)
 
     @staticmethod
     def exceed(x, eta: float):
-        return x[x > np.float32(eta)]
+        return x[x > float(np.float32(eta))]
 
     @staticmethod
     def size(x) -> int:
-        return int(x.size)
+        return int(x.shape[0])
 
     @staticmethod
     def select(a, eta: float):
-        return np.flatnonzero(a >= np.float32(eta)).astype(np.int64, copy=False)
+        return kernels.threshold_positions(a, eta)
 
     @staticmethod
     def top1(a):
-        return topk_positions(a, 1)
+        return kernels.topk_positions(a, 1)
 
-    count_at_least = staticmethod(_np_count_at_least)
-    kth_largest = staticmethod(_np_kth_largest)
+    count_at_least = staticmethod(_count_at_least)
+    kth_largest = staticmethod(_kth_largest)
 
 
 class NativeOps:
     """The same operations through the C++ kernels (``deepreduce._sidco``): the vectors stay
     signed and every kernel takes magnitudes on the fly, so no ``|g|`` copy is made, and the
-    statistics take one pass. Same float64 statistics and float32 comparisons as NumpyOps."""
+    statistics take one pass. Same float64 statistics and float32 comparisons as ArrayOps."""
 
     def __init__(self, module) -> None:
         self.m = module
@@ -148,11 +160,11 @@ class NativeOps:
 
     @staticmethod
     def top1(a):
-        return topk_positions(np.abs(a), 1)
+        return kernels.topk_positions(a, 1)
 
     # the exceedance vectors are NumPy magnitudes here too (abs_exceed returns |x|)
-    count_at_least = staticmethod(_np_count_at_least)
-    kth_largest = staticmethod(_np_kth_largest)
+    count_at_least = staticmethod(_count_at_least)
+    kth_largest = staticmethod(_kth_largest)
 
 
 def sidco_threshold(ops, a, sparsifier: "SIDCo", stages: int) -> tuple:
@@ -277,6 +289,8 @@ class SIDCo(Sparsifier):
 
             raise ConfigError(f"sparsifier 'sidco': 'stages' ({self.stages}) exceeds 'max_stages' "
                               f"({self.max_stages})")
+
+    def _init_state(self) -> None:
         self._states: Dict[str, _fits.StageState] = {}
         self.last: dict = {}
 
@@ -322,6 +336,8 @@ class SIDCo(Sparsifier):
         """``"c++"`` when the ``deepreduce._sidco`` kernels run, else ``"numpy"``."""
         return "numpy" if _native.load("sidco") is None else "c++"
 
+    array_api = True
+
     def select(self, flat, ctx):
-        module = _native.load("sidco")
-        return sidco_select(NumpyOps if module is None else NativeOps(module), flat, self, ctx)
+        module = _native.load("sidco") if type(flat) is np.ndarray else None
+        return sidco_select(ArrayOps if module is None else NativeOps(module), flat, self, ctx)

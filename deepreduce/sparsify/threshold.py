@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import kernels
 from ..params import Param
 from ..registry import register
 from ._base import Sparsifier
-from ._topk import threshold_positions
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -23,6 +23,7 @@ class ThresholdSparsifier(Sparsifier):
     PARAMS = {"threshold": Param(float, default=1e-3, low=0.0, high=FLOAT32_MAX, low_open=True,
                                  doc="magnitude an entry must reach to be sent (no float32 exceeds "
                                      "3.4028235e38)")}
+    array_api = True
 
     def select(self, flat, ctx):
-        return threshold_positions(flat, self.threshold, self.threads)
+        return kernels.threshold_positions(flat, self.threshold, self.threads)

@@ -1,4 +1,4 @@
-"""GradiVeQ: PCA vector quantisation whose codes can be summed (spec doc §3, Part III.3).
+"""GradiVeQ: PCA vector quantisation whose codes can be summed (Yu, Lin et al., NeurIPS 2018).
 
 Framework-neutral math (NumPy); ``deepreduce.torch.GradiVeQ`` applies it to torch tensors
 inside Horovod's allreduce, ``deepreduce.tensorflow.GradiVeQ`` to TensorFlow tensors (through
@@ -140,7 +140,7 @@ def compressed_dim(eigenvalues: np.ndarray, loss: float) -> int:
 def train_pca(samples: np.ndarray, loss: float) -> Tuple[np.ndarray, np.ndarray]:
     """``(U_d (K x d), eigenvalues)`` from ``L_t x K`` aggregated slice samples.
 
-    Thin SVD of the centred samples in float64 (spec doc §3.3 step 3, the cheaper form when
+    Thin SVD of the centred samples in float64 (the cheaper form when
     ``L_t < K``). Each direction's sign is fixed (largest-magnitude entry positive, first one
     on ties) so equal inputs give the same ``U`` however LAPACK orients its vectors.
     """

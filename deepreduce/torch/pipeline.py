@@ -24,8 +24,7 @@ import torch
 from ..wire import container
 from ..config import ConfigLike, build as build_core
 from ..errors import ConfigError
-from ..pipeline import Pipeline, dtype_error
-from .sparsify import select_torch
+from ..pipeline import Pipeline, dtype_error, select_positions
 
 PATHS = ("auto", "device", "host")
 
@@ -70,7 +69,7 @@ class TorchPipeline:
         A CPU tensor is handed to the core as a zero-copy NumPy view (a float32 contiguous
         gradient is never copied), so the core's C++ kernels do the compensation and the
         selection. On another device the sparsifier runs as torch code on the device (the same
-        positions, ``deepreduce.torch.sparsify``) and the codecs run on the CPU copy (they need
+        positions: the sparsifiers are written on the array namespace) and the codecs run on the CPU copy (they need
         the dense values, e.g. Bloom P0); with error feedback the selection reads the
         compensated gradient the core keeps. The container keeps the tensor's shape (a 0-d
         tensor decodes as 0-d); an integer tensor is refused with the core's message; a sparse
@@ -87,7 +86,7 @@ class TorchPipeline:
 
         def select(compensated: np.ndarray, ctx) -> np.ndarray:
             source = flat_device if stateless else torch.from_numpy(compensated).to(flat_device.device)
-            return select_torch(self.core.sparsifier, source, ctx).cpu().numpy()
+            return select_positions(self.core.sparsifier, source, ctx).cpu().numpy()
 
         host = grad.cpu() if grad.dtype == torch.float64 else flat_device.cpu().reshape(grad.shape)
         payload = self.core.encode(_numpy_view(host), name=name, step=int(step), select=select)

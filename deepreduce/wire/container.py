@@ -74,8 +74,10 @@ def overhead(shape, n: int, index_bytes: int = 0, value_bytes: int = 0, perm_byt
 class Container:
     """The parsed fields of one container (sections as bytes).
 
-    ``digest``: the first 8 bytes of the sender's config digest (``Pipeline`` sets it; a receiver
-    compares it with its own to detect ranks with different configs); None in a v1 container.
+    ``digest``: the first 8 bytes of the sender's config digest (``Pipeline`` sets it; it names the
+    config a container came from in ``deepreduce inspect`` and errors; ranks with different configs
+    are caught before the first collective by ``deepreduce.dist.agreement``, which compares the
+    same digest); None in a v1 container.
     ``version``: the format version it was read from (``pack`` always writes the current one).
     """
 
@@ -161,15 +163,10 @@ def pack(c: Container, like=None):
 
 def _pack_on_device(head: bytes, sections, like):
     """The container as a uint8 tensor on ``like``'s device (see :func:`pack`)."""
-    import torch
-
     a = arrays.adapter(like)
-    parts = [a.from_numpy(np.frombuffer(head, dtype=np.uint8), like)]
-    parts += [s if arrays.is_torch(s) else a.from_numpy(np.frombuffer(bytes(s), dtype=np.uint8), like)
-              for s in sections]
-    body = torch.cat(parts)
-    crc = zlib.crc32(body.cpu().numpy())   # only the compact container crosses to the host
-    return torch.cat([body, a.from_numpy(np.frombuffer(struct.pack("<I", crc), dtype=np.uint8), like)])
+    body = arrays.join_sections([head, *sections], like)
+    crc = zlib.crc32(a.to_numpy(body))   # only the compact container crosses to the host
+    return a.concat_bytes([body, a.from_numpy(np.frombuffer(struct.pack("<I", crc), dtype=np.uint8), like)])
 
 
 def _as_bytes(payload) -> bytes:

@@ -47,6 +47,18 @@ class Communicator(Component):
     def allgather(self, payload: np.ndarray, name: str) -> List[np.ndarray]:
         return self.allgather_async(payload, name).wait()
 
+    def alltoall(self, payloads: List[np.ndarray], name: str) -> List[np.ndarray]:
+        """Send ``payloads[j]`` (uint8, any length, empty too) to rank ``j``; returns what every
+        rank sent to this one, in rank order (the sparse all-reduce's first phase)."""
+        raise CommunicationError(f"communicator {self.id!r} has no alltoall; the sparse all-reduce needs "
+                                 "one (horovod, mpi and torch_distributed have it)")
+
+    def _check_split(self, payloads: List[np.ndarray], name: str) -> np.ndarray:
+        """The payloads of an alltoall as one uint8 array, after checking there is one per rank."""
+        if len(payloads) != self.size:
+            raise CommunicationError(f"alltoall of {name!r} got {len(payloads)} payloads for {self.size} ranks")
+        return np.concatenate([np.ascontiguousarray(p, dtype=np.uint8).reshape(-1) for p in payloads])
+
     def _check_count(self, parts: List[np.ndarray], name: str) -> List[np.ndarray]:
         if len(parts) != self.size:
             raise CommunicationError(f"allgather of {name!r} returned {len(parts)} containers for {self.size} ranks")

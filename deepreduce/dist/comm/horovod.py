@@ -33,7 +33,7 @@ class HorovodCommunicator(Communicator):
     id = "horovod"
     PARAMS = {"framework": Param(str, default="torch", choices=("torch", "tensorflow"))}
 
-    def _validate(self):
+    def _init_state(self):
         self._hvd = None
         self.process_set = None
 
@@ -66,3 +66,22 @@ class HorovodCommunicator(Communicator):
 
         gathered = hvd.allgather(tf.constant(payload), name=name, **kwargs).numpy()
         return Handle(lambda: self._check_count(container.split(gathered), name))
+
+    def alltoall(self, payloads, name):
+        """Horovod's ``alltoall`` with splits (the byte count for every rank)."""
+        from .mpi import _split
+
+        send = self._check_split(payloads, name)
+        counts = [int(np.asarray(p).size) for p in payloads]
+        kwargs = {} if self.process_set is None else {"process_set": self.process_set}
+        if self.framework == "torch":
+            import torch
+
+            received, incoming = self.hvd.alltoall(torch.from_numpy(send), splits=torch.tensor(counts, dtype=torch.int32),
+                                                   name=name, **kwargs)
+            return _split(received.numpy(), incoming.numpy().astype(np.int64))
+        import tensorflow as tf
+
+        received, incoming = self.hvd.alltoall(tf.constant(send), splits=tf.constant(counts, dtype=tf.int32),
+                                               name=name, **kwargs)
+        return _split(received.numpy(), incoming.numpy().astype(np.int64))

@@ -15,7 +15,7 @@ class TorchDistributedCommunicator(Communicator):
 
     id = "torch_distributed"
 
-    def _validate(self):
+    def _init_state(self):
         self.group = None
 
     def _dist(self):

@@ -1,0 +1,173 @@
+"""Sparse all-reduce: aggregation whose per-rank receive volume does not grow with the ranks.
+
+Allgather of containers makes every rank receive and decode N of them. Here the index space of
+a tensor is cut into N contiguous shards, one per rank (Ok-Topk's split-and-reduce, Li & Hoefler,
+PPoPP'22; the owner-side residual is DeepSpeed's "server error"):
+
+1. every rank compensates and selects once over the whole tensor (its pipeline's memory and
+   sparsifier) and encodes the part of its selection that falls in shard ``j`` as its own
+   container (``Pipeline.encode_shards``), sent to rank ``j`` by one alltoall;
+2. the owner decode-sums the N containers of its shard, adds its owner residual, re-selects
+   (``reselect="topk"``: the shard's top ``ratio``, so the result has about k entries;
+   ``"none"``: every non-zero of the sum, the exact union), keeps what it did not send in the
+   owner residual, and encodes the result; one allgather returns every shard to every rank.
+
+Each rank receives about k entries in each phase (k/N from each rank, then k/N from each
+owner) whatever N is, against k(N-1) for the allgather of whole containers. The shard
+boundaries start even and are moved every ``repartition_every`` steps so that each shard holds
+about the same number of the previous aggregate's non-zeros: every rank decoded the same
+aggregate, so every rank computes the same boundaries without a message. Owner-residual mass
+that a move leaves outside a rank's shard travels with that rank's next contribution, so
+nothing is lost: the sum of what was delivered and of both residuals over all ranks equals the
+sum of the gradients (tested).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..backend import kernels
+from ..errors import CommunicationError, ConfigError
+from ..pipeline import Pipeline
+from ..sparsify import count_for
+from . import agreement
+
+RESELECT = ("topk", "none")
+
+
+class SparseAllreduce:
+    """The sparse all-reduce of one pipeline's tensors over one communicator.
+
+    ``reduce(grad, name, step)`` returns the float32 sum over the ranks (the caller averages);
+    ``state_dict()`` holds the owner residuals and shard boundaries (the pipeline holds the
+    per-rank residuals), so a resumed run sends the same bytes. ``ratio``: the re-selection's
+    fraction of each shard (default: the sparsifier's ``ratio``).
+    """
+
+    def __init__(self, pipeline: Pipeline, communicator, reselect: str = "topk",
+                 ratio: Optional[float] = None, repartition_every: int = 8) -> None:
+        if reselect not in RESELECT:
+            raise ConfigError(f"sparse_allreduce: 'reselect' is {reselect!r}; allowed: {', '.join(RESELECT)}")
+        ratio = getattr(pipeline.sparsifier, "ratio", None) if ratio is None else ratio
+        if reselect == "topk" and not (isinstance(ratio, float) and 0.0 < ratio <= 1.0):
+            raise ConfigError("sparse_allreduce: reselect 'topk' needs a 'ratio' in (0, 1] (the sparsifier "
+                              f"{pipeline.sparsifier.id!r} has none)")
+        if isinstance(repartition_every, bool) or not isinstance(repartition_every, int) or repartition_every < 1:
+            raise ConfigError(f"sparse_allreduce: 'repartition_every' must be a positive integer, got "
+                              f"{repartition_every!r}")
+        self.pipeline, self.communicator = pipeline, communicator
+        self.reselect, self.ratio, self.repartition_every = reselect, ratio, repartition_every
+        self._bounds: Dict[str, np.ndarray] = {}
+        self._owner_residuals: Dict[str, np.ndarray] = {}
+        self.received_bytes = {"alltoall": 0, "allgather": 0}
+        self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
+
+    # ------------------------------------------------------------------ the step
+    def reduce(self, grad: np.ndarray, name: str, step: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The sum over the ranks of ``grad`` (flat float32 NumPy, ``name`` and ``step`` alike on
+        every rank), written into ``out`` when given."""
+        flat = np.asarray(grad).reshape(-1)
+        rank, size = self.communicator.rank, self.communicator.size
+        bounds = self._bounds.setdefault(name, even_bounds(flat.shape[0], size))
+        owner = self._owner_residual(name, flat.shape[0])
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        flat = self._with_stranded_mass(flat, owner, lo, hi)
+
+        sent = self.pipeline.encode_shards(flat, name, step, bounds)
+        mine = self.communicator.alltoall(sent, f"deepreduce.sra1.{name}")
+        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
+        shard = self._owner_step(mine, owner, lo, hi, name, step)
+
+        shards = self.communicator.allgather(shard, f"deepreduce.sra2.{name}")
+        self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in shards)
+        if len(shards) != size:
+            raise CommunicationError(f"sparse_allreduce of {name!r}: {len(shards)} shards for {size} ranks")
+        flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
+        target = np.zeros(flat.shape[0], np.float32) if out is None else out.reshape(-1)
+        for j, payload in enumerate(shards):
+            self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
+                                 out=target[int(bounds[j]):int(bounds[j + 1])])
+        if flagged is None and (step + 1) % self.repartition_every == 0:
+            self._bounds[name] = balanced_bounds(kernels.nonzero(target), flat.shape[0], size)
+        return target
+
+    def _owner_residual(self, name: str, numel: int) -> np.ndarray:
+        owner = self._owner_residuals.get(name)
+        if owner is None or owner.shape[0] != numel:
+            owner = self._owner_residuals[name] = np.zeros(numel, np.float32)
+        return owner
+
+    @staticmethod
+    def _with_stranded_mass(flat: np.ndarray, owner: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``flat`` plus the owner residual a boundary move left outside this rank's shard (that
+        mass is sent on with this rank's contribution); ``flat`` itself when there is none."""
+        outside = np.concatenate([owner[:lo], owner[hi:]])
+        if not outside.any():
+            return flat
+        moved = flat.astype(np.float32, copy=True)
+        moved[:lo] += owner[:lo]
+        moved[hi:] += owner[hi:]
+        owner[:lo] = 0.0
+        owner[hi:] = 0.0
+        return moved
+
+    def _owner_step(self, payloads: List[np.ndarray], owner: np.ndarray, lo: int, hi: int,
+                    name: str, step: int) -> np.ndarray:
+        """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
+        m = hi - lo
+        total = self.pipeline.decode_sum(payloads, expected_shape=(m,))
+        if agreement.first_nonfinite(payloads) is not None or not np.isfinite(total).all():
+            return self.pipeline.encode_dense(total, flagged=True)
+        total += owner[lo:hi]
+        if self.reselect == "none":
+            chosen = kernels.nonzero(total)
+        else:
+            chosen = kernels.topk_positions(total, count_for(self.ratio, m))
+        payload, sent, received = self.pipeline.encode_selection(total, chosen, f"{name}#owner", step)
+        total[sent] -= received
+        owner[lo:hi] = total
+        return payload
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Owner residuals and shard boundaries, per tensor (copies)."""
+        return {"owner_residuals": {n: r.copy() for n, r in self._owner_residuals.items()},
+                "bounds": {n: b.copy() for n, b in self._bounds.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; errors name a malformed entry."""
+        if not isinstance(state, dict) or set(state) != {"owner_residuals", "bounds"}:
+            raise ConfigError("sparse_allreduce: checkpoint state must be {'owner_residuals': ..., 'bounds': ...}")
+        residuals, bounds = {}, {}
+        for name, r in state["owner_residuals"].items():
+            r = np.asarray(r)
+            if r.dtype != np.float32 or r.ndim != 1 or not np.isfinite(r).all():
+                raise ConfigError(f"sparse_allreduce: owner residual of {name!r} must be a finite 1-D float32 array")
+            residuals[name] = r.copy()
+        for name, b in state["bounds"].items():
+            b = np.asarray(b, dtype=np.int64)
+            if b.ndim != 1 or b.shape[0] != self.communicator.size + 1 or b[0] != 0 or np.any(np.diff(b) < 0):
+                raise ConfigError(f"sparse_allreduce: shard bounds of {name!r} must rise from 0 in "
+                                  f"{self.communicator.size + 1} steps")
+            bounds[name] = b.copy()
+        self._owner_residuals, self._bounds = residuals, bounds
+
+    def owner_residual(self, name: str) -> Optional[np.ndarray]:
+        """The owner residual held for ``name`` (non-zero only inside this rank's shard)."""
+        return self._owner_residuals.get(name)
+
+
+def even_bounds(numel: int, ranks: int) -> np.ndarray:
+    """``ranks + 1`` boundaries cutting ``[0, numel)`` into shards of (nearly) equal length."""
+    return (np.arange(ranks + 1, dtype=np.int64) * numel) // ranks
+
+
+def balanced_bounds(positions: np.ndarray, numel: int, ranks: int) -> np.ndarray:
+    """Boundaries putting about the same number of ``positions`` (ascending) in every shard;
+    even bounds when there are fewer positions than ranks."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.shape[0] < ranks:
+        return even_bounds(numel, ranks)
+    cuts = positions[(np.arange(1, ranks, dtype=np.int64) * positions.shape[0]) // ranks]
+    return np.concatenate([[0], np.maximum.accumulate(cuts), [numel]]).astype(np.int64)
