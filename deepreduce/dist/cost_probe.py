@@ -26,7 +26,7 @@ from .cost_model import CodecCosts, PowerSGDCosts
 from .linear_fit import fit_nonnegative
 from ..wire.container import unpack
 
-DEFAULT_SIZES = (1 << 18, 1 << 20, 1 << 22)
+DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 #: The second ratio is the config's divided by this.
 RATIO_SPLIT = 4
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
