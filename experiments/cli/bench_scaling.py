@@ -241,6 +241,7 @@ def print_comparison(rows: List[dict]) -> None:
 
 # ---------------------------------------------------------------------------- output
 def print_table(title: str, results: Dict[int, Tuple[dict, object]]) -> None:
+    """One model and bandwidth: a row per N, predicted step ms per method, auto's choices counted."""
     methods = list(next(iter(results.values()))[0])
     width = max(9, *(len(m) for m in methods))
     header = f"{'N':>5} " + " ".join(f"{m:>{width}}" for m in methods) + "  auto's choice (buckets)"
@@ -257,7 +258,7 @@ def check_targets(table: Dict[Tuple[str, float], Dict[int, Tuple[dict, object]]]
     resnet = table.get(("resnet50", 10.0))
     if resnet:
         for codec in sorted({m[3:] for steps, _ in resnet.values() for m in steps if m.startswith("sa:")}):
-            kind = "compact index codec" if codec in COMPACT else "raw indices, outside the target"
+            kind = "compact index codec" if codec in COMPACT else "not a compact index codec: outside the target"
             slower_dense = [n for n, (s, _) in resnet.items() if not s[f"sa:{codec}"] < s["dense"]]
             slower_fp16 = [n for n, (s, _) in resnet.items() if n >= 8 and not s[f"sa:{codec}"] < s["fp16"]]
             lines.append(f"ResNet-50 at 10 Gbit/s, sa:{codec} ({kind}) faster than dense for every N: "
