@@ -1,0 +1,326 @@
+"""What reducing one gradient bucket costs one rank: an alpha-beta link model, the collectives'
+formulas, and the codecs' measured per-element costs.
+
+A message of ``b`` bytes takes ``alpha + b / bandwidth`` seconds (Hockney's alpha-beta model:
+``alpha`` the latency of one message, ``bandwidth`` bytes per second of one link). Links are full
+duplex (a rank sends and receives at once at ``bandwidth``) and the network has no contention
+beyond each rank's own link, the assumptions under which the textbook costs below hold (Thakur,
+Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH", 2005):
+
+* ring all-reduce of ``d`` bytes over ``N`` ranks: ``2(N-1) alpha + 2 (N-1)/N d / bandwidth``
+  (a reduce-scatter then an allgather, each ``N-1`` steps of ``d/N`` bytes);
+* ring allgather of ``p`` bytes from each rank: ``(N-1) alpha + (N-1) p / bandwidth`` (a rank
+  receives every other rank's payload);
+* alltoall by pairwise exchange: ``N-1`` rounds, in round ``j`` the rank sends ``s_j`` bytes to
+  one peer while receiving ``r_j`` from another: ``sum_j (alpha + max(s_j, r_j) / bandwidth)``;
+* sparse all-reduce (Ok-Topk, Li & Hoefler, PPoPP'22; the alltoall/owner/allgather pattern of
+  Bagua's ByteGrad and DeepSpeed's 1-bit Adam): the bucket's index space is cut into ``N``
+  shards of ``d/N`` elements with balanced selections; phase 1 alltoalls each rank's
+  ``k/N``-entry shard containers to the shards' owners, the owner decode-sums its shard, re-selects
+  about ``k/N`` entries and the re-selected shards are allgathered. A rank receives
+  ``2 k (N-1)/N`` entries, Ok-Topk's lower bound, whatever ``N``.
+
+Codec costs are linear fits measured on this machine (:mod:`deepreduce.dist.cost_probe`):
+encoding a ``d``-element tensor costs ``encode_call_s + encode_element_s * d``; decoding one
+received container of a ``d``-element tensor holding ``n`` entries into the sum costs
+``decode_call_s + decode_element_s * d + decode_entry_s * n`` (a Bloom filter is queried at every
+position of the tensor, a raw or Elias-Fano index section is read entry by entry); a container
+holds ``header_bytes + entry_bytes * n`` bytes. Every function is a pure function of its inputs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence, Tuple
+
+from ..errors import ConfigError
+
+#: Latency assumed for one message when none is given: 25 microseconds, a TCP message over
+#: 10-100 Gbit/s Ethernet through an MPI/Gloo stack (RDMA fabrics are lower, about 2-5 us).
+DEFAULT_ALPHA_S = 25e-6
+BITS_PER_GBIT = 1e9
+FLOAT32_BYTES = 4
+FLOAT16_BYTES = 2
+#: PyTorch's PowerSGD hook compresses a matrix only when its factors are this many times smaller.
+POWERSGD_MIN_COMPRESSION_RATE = 2
+
+
+def check_nonnegative(value, name: str) -> float:
+    """``value`` as a float if it is a finite number >= 0, else ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_ranks(ranks) -> int:
+    """``ranks`` if it is an integer >= 1, else ConfigError."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
+    return ranks
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's network link in the alpha-beta model.
+
+    Attributes:
+        alpha_s: seconds of latency per message (the per-step cost of a collective's algorithm).
+        bandwidth: bytes per second the link carries in each direction (beta's inverse).
+    """
+
+    alpha_s: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        check_nonnegative(self.alpha_s, "link alpha_s")
+        if check_nonnegative(self.bandwidth, "link bandwidth") == 0:
+            raise ConfigError("link bandwidth must be > 0 bytes per second, got 0")
+
+    @classmethod
+    def from_gbit(cls, gbit: float, alpha_s: float = DEFAULT_ALPHA_S) -> "Link":
+        """A link of ``gbit`` Gbit/s (10^9 bits per second) and ``alpha_s`` latency."""
+        return cls(alpha_s=alpha_s, bandwidth=check_nonnegative(gbit, "link gbit") * BITS_PER_GBIT / 8)
+
+    def seconds(self, messages: float, nbytes: float) -> float:
+        """Time of ``messages`` latencies and ``nbytes`` bytes through the link."""
+        return messages * self.alpha_s + nbytes / self.bandwidth
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Link":
+        return cls(**_fields(data, ("alpha_s", "bandwidth"), "link"))
+
+
+def fit_link(nbytes: Sequence[float], seconds: Sequence[float], ranks: int) -> Link:
+    """The link whose ring all-reduce formula best fits timed all-reduces of ``nbytes`` bytes
+    over ``ranks`` ranks (least squares on relative error, coefficients kept >= 0): a start-up
+    probe times a few sizes and every rank plans with rank 0's fit."""
+    from .linear_fit import fit_nonnegative
+
+    check_ranks(ranks)
+    if ranks < 2:
+        raise ConfigError("fit_link needs ranks >= 2 (one rank moves no bytes)")
+    steps = 2 * (ranks - 1)
+    columns = [[float(steps)] * len(nbytes), [steps / ranks * float(b) for b in nbytes]]
+    alpha, inverse_bandwidth = fit_nonnegative(columns, seconds, "fit_link seconds")
+    if inverse_bandwidth <= 0:
+        raise ConfigError("fit_link: the timings do not grow with the size; time larger all-reduces")
+    return Link(alpha_s=alpha, bandwidth=1.0 / inverse_bandwidth)
+
+
+# ---------------------------------------------------------------------------- collectives
+def ring_allreduce_s(link: Link, ranks: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` bytes: ``2(N-1) alpha + 2(N-1)/N nbytes / bw``."""
+    n = check_ranks(ranks)
+    return link.seconds(2 * (n - 1), 2 * (n - 1) / n * nbytes)
+
+
+def allgather_s(link: Link, ranks: int, payload_bytes: float) -> float:
+    """Seconds of a ring allgather of ``payload_bytes`` from every rank: ``(N-1)(alpha + p / bw)``."""
+    n = check_ranks(ranks)
+    return link.seconds(n - 1, (n - 1) * payload_bytes)
+
+
+def alltoall_s(link: Link, sent: Sequence[float], received: Sequence[float]) -> float:
+    """Seconds of a pairwise-exchange alltoall with uneven splits, for one rank.
+
+    ``sent[j]`` / ``received[j]``: bytes to / from the ``j``-th other rank (one entry per peer,
+    the rank itself excluded). Round ``j`` costs ``alpha + max(sent[j], received[j]) / bw``.
+    """
+    if len(sent) != len(received):
+        raise ConfigError(f"alltoall: sent has {len(sent)} peers, received {len(received)}")
+    return sum(link.seconds(1, max(s, r)) for s, r in zip(sent, received))
+
+
+# ---------------------------------------------------------------------------- codecs
+@dataclass(frozen=True)
+class CodecCosts:
+    """One deepreduce config's measured costs per rank (see the module docstring for the fits).
+
+    Attributes:
+        name: the config's name (e.g. ``topk_raw``).
+        ratio: fraction of a tensor's elements the sparsifier selects (``k = ratio * d``).
+        encode_call_s, encode_element_s: seconds per encode call and per input element.
+        decode_call_s, decode_element_s, decode_entry_s: seconds to decode one received
+            container into the sum: per container, per element of its tensor, per entry.
+        header_bytes, entry_bytes: a container's fixed bytes and bytes per entry.
+        note: where and how the figures were measured (e.g. "2 cores, load average 7").
+    """
+
+    name: str
+    ratio: float
+    encode_call_s: float
+    encode_element_s: float
+    decode_call_s: float
+    decode_element_s: float
+    decode_entry_s: float
+    header_bytes: float
+    entry_bytes: float
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"codec costs: name must be a non-empty string, got {self.name!r}")
+        if not 0 < check_nonnegative(self.ratio, f"codec {self.name} ratio") <= 1:
+            raise ConfigError(f"codec {self.name}: ratio must be in (0, 1], got {self.ratio!r}")
+        for key in _COST_FIELDS:
+            check_nonnegative(getattr(self, key), f"codec {self.name} {key}")
+        if not isinstance(self.note, str):
+            raise ConfigError(f"codec {self.name}: note must be a string, got {self.note!r}")
+
+    def entries(self, numel: float) -> float:
+        """Entries selected from ``numel`` elements: ``ratio * numel``, at least 1, at most all."""
+        return min(float(numel), max(1.0, self.ratio * numel))
+
+    def encode_s(self, numel: float) -> float:
+        return self.encode_call_s + self.encode_element_s * numel
+
+    def decode_s(self, numel: float, entries: float) -> float:
+        return self.decode_call_s + self.decode_element_s * numel + self.decode_entry_s * entries
+
+    def container_bytes(self, entries: float) -> float:
+        return self.header_bytes + self.entry_bytes * entries
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CodecCosts":
+        return cls(**_fields(data, ("name", "ratio", *_COST_FIELDS, "note"), "codec costs", optional=("note",)))
+
+
+_COST_FIELDS = ("encode_call_s", "encode_element_s", "decode_call_s", "decode_element_s", "decode_entry_s",
+                "header_bytes", "entry_bytes")
+
+
+@dataclass(frozen=True)
+class PowerSGDCosts:
+    """PowerSGD's compute per rank, per unit of work (measured by :mod:`deepreduce.dist.cost_probe`).
+
+    Attributes:
+        mac_s: seconds per multiply-accumulate of its skinny matmuls (``M Q``, ``M^T P``, ``P Q^T``).
+        orth_s: seconds per ``n r^2`` unit of the orthogonalisation of ``P`` (n x r).
+        element_s: seconds per matrix element of the error-feedback add and subtract.
+    """
+
+    mac_s: float
+    orth_s: float
+    element_s: float
+
+    def __post_init__(self) -> None:
+        for key in ("mac_s", "orth_s", "element_s"):
+            check_nonnegative(getattr(self, key), f"powersgd {key}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PowerSGDCosts":
+        return cls(**_fields(data, ("mac_s", "orth_s", "element_s"), "powersgd costs"))
+
+
+# ---------------------------------------------------------------------------- one bucket's reduction
+@dataclass(frozen=True)
+class Cost:
+    """One rank's cost of reducing one bucket one way: compute and link seconds, wire bytes.
+
+    ``received_bytes`` counts what arrives from other ranks; ``sent_bytes`` what leaves this rank.
+    """
+
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    sent_bytes: float
+    received_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.encode_s + self.comm_s + self.decode_s
+
+
+def dense_cost(link: Link, ranks: int, numel: float, itemsize: int = FLOAT32_BYTES) -> Cost:
+    """Ring all-reduce of the bucket as ``itemsize``-byte floats (4: fp32, 2: fp16); casts and the
+    reduction's additions are not modelled (they run at memory speed on the accelerator)."""
+    n = check_ranks(ranks)
+    moved = 2 * (n - 1) / n * numel * itemsize
+    return Cost(0.0, ring_allreduce_s(link, n, numel * itemsize), 0.0, moved, moved)
+
+
+def allgather_cost(link: Link, ranks: int, numel: float, codec: CodecCosts) -> Cost:
+    """Today's aggregation: one container per rank, allgathered; every rank decodes the ``N-1``
+    containers of the others (its own is added from what its encode kept)."""
+    n = check_ranks(ranks)
+    k = codec.entries(numel)
+    payload = codec.container_bytes(k)
+    return Cost(codec.encode_s(numel), allgather_s(link, n, payload), (n - 1) * codec.decode_s(numel, k),
+                (n - 1) * payload, (n - 1) * payload)
+
+
+def sparse_allreduce_cost(link: Link, ranks: int, numel: float, codec: CodecCosts, reselect: bool = True) -> Cost:
+    """Alltoall of ``N`` shard containers, owner decode-sum and re-selection, allgather.
+
+    Phase 1: one selection over the bucket, one container per shard (``k/N`` entries each,
+    Ok-Topk's balanced boundaries assumed), ``N-1`` of them sent, ``N-1`` received and decoded.
+    Phase 2: the owner encodes its ``d/N`` shard (re-selecting about ``k/N`` entries; with
+    ``reselect=False`` the union of the ranks' selections is sent, at most ``min(d/N, k)``
+    entries, the bound used here), the shards are allgathered and ``N-1`` decoded.
+    """
+    n = check_ranks(ranks)
+    k = codec.entries(numel)
+    shard = numel / n
+    shard_entries = k / n
+    union = shard_entries if reselect else min(shard, k)
+    first, second = codec.container_bytes(shard_entries), codec.container_bytes(union)
+    encode = codec.encode_element_s * numel + n * codec.encode_call_s + codec.encode_s(shard)
+    comm = alltoall_s(link, [first] * (n - 1), [first] * (n - 1)) + allgather_s(link, n, second)
+    decode = (n - 1) * (codec.decode_s(shard, shard_entries) + codec.decode_s(shard, union))
+    moved = (n - 1) * (first + second)
+    return Cost(encode, comm, decode, moved, moved)
+
+
+def matrix_view(shape: Sequence[int]) -> Tuple[int, int]:
+    """PowerSGD's 2-D view of a tensor: ``(shape[0], product of the rest)`` (1-D: ``(d, 1)``)."""
+    dims = [int(x) for x in shape] or [1]
+    return dims[0], math.prod(dims[1:])
+
+
+def powersgd_cost(link: Link, ranks: int, shapes: Iterable[Sequence[int]], rank: int,
+                  costs: PowerSGDCosts) -> Cost:
+    """PowerSGD rank ``rank`` on a bucket of tensors of ``shapes`` (Vogels et al., NeurIPS'19, as
+    PyTorch's hook runs it): each compressible matrix ``(n, m)`` sends ``P`` (n x r) and ``Q``
+    (m x r), all ``P`` of the bucket in one all-reduce and all ``Q`` in a second; 1-D tensors and
+    matrices whose factors are not ``POWERSGD_MIN_COMPRESSION_RATE`` times smaller go in a third,
+    dense, all-reduce. Compute: ``3 n m r`` MACs (``M Q``, ``M^T P``, ``P Q^T``), an
+    orthogonalisation of ``n r^2`` and ``2 n m`` elementwise error-feedback operations per matrix.
+    """
+    n_ranks = check_ranks(ranks)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"powersgd rank must be an integer >= 1, got {rank!r}")
+    p_floats = q_floats = dense_floats = 0
+    compute = 0.0
+    for shape in shapes:
+        rows, cols = matrix_view(shape)
+        if len(shape) < 2 or (rows + cols) * rank * POWERSGD_MIN_COMPRESSION_RATE >= rows * cols:
+            dense_floats += rows * cols
+            continue
+        p_floats += rows * rank
+        q_floats += cols * rank
+        compute += costs.mac_s * 3 * rows * cols * rank + costs.orth_s * rows * rank * rank \
+            + costs.element_s * 2 * rows * cols
+    comm = sum(ring_allreduce_s(link, n_ranks, FLOAT32_BYTES * floats)
+               for floats in (p_floats, q_floats, dense_floats) if floats)
+    moved = 2 * (n_ranks - 1) / n_ranks * FLOAT32_BYTES * (p_floats + q_floats + dense_floats)
+    return Cost(compute, comm, 0.0, moved, moved)
+
+
+def _fields(data, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict:
+    """``data``'s entries for ``keys``, refusing a non-dict, a missing or an unknown key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a dict, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data and k not in optional]
+    unknown = sorted(set(map(str, data)) - set(keys))
+    if missing or unknown:
+        raise ConfigError(f"{what}: missing keys {missing}, unknown keys {unknown}")
+    return {k: data[k] for k in keys if k in data}

@@ -1,0 +1,111 @@
+"""Measure a config's codec costs and PowerSGD's compute on this machine, for the cost model.
+
+:func:`measure_codec_costs` runs the library's own pipeline (``deepreduce.build(config)``, its
+``encode`` and ``decode_sum`` on the host path: the C++ kernels where built) on seeded Laplace
+gradients of a few sizes and at two selection ratios (the config's and a quarter of it, which
+separates a decode's per-element cost from its per-entry cost), and fits the per-call,
+per-element and per-entry constants of :class:`~deepreduce.dist.cost_model.CodecCosts`
+(:mod:`deepreduce.dist.linear_fit`). As in ``deepreduce bench-step``, decode times another
+pipeline's container (a peer encoding the negated gradient): a rank's own container is added
+from what its encode kept, so timing it would time that shortcut.
+
+``clock="cpu"`` (the default) times with the process's CPU clock: with one kernel thread it is
+the figure least disturbed by other jobs on a shared machine; ``"wall"`` is right on a quiet one.
+Re-run both functions on the machine that trains; the figures of a busy machine are inflated.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .cost_model import CodecCosts, PowerSGDCosts
+from .linear_fit import fit_nonnegative
+from ..wire.container import unpack
+
+DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: The second ratio is the config's divided by this.
+RATIO_SPLIT = 4
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def _timer(clock: str) -> Callable[[], float]:
+    if clock not in CLOCKS:
+        raise ConfigError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    return CLOCKS[clock]
+
+
+def _median_s(fn: Callable[[int], object], repeat: int, now: Callable[[], float]) -> float:
+    """Median seconds of ``fn(i)`` for ``i`` in ``1..repeat``, after one untimed ``fn(0)``."""
+    fn(0)
+    samples = []
+    for i in range(1, repeat + 1):
+        start = now()
+        fn(i)
+        samples.append(now() - start)
+    return max(statistics.median(samples), 1e-9)
+
+
+def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 3,
+                        seed: int = 0, threads: int = 1, clock: str = "cpu", note: str = "") -> CodecCosts:
+    """Fit ``config``'s (a path, shipped name or dict) encode, decode and container-size costs.
+
+    Its sparsifier must have a ``ratio`` (Top-r and the like). ``threads``: the kernels' threads
+    (1: one rank per core). ``note`` is stored with the figures (say where they were taken).
+    """
+    from ..config import build, load_config
+
+    raw = dict(load_config(config))
+    ratio = raw.get("sparsifier", {}).get("ratio")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise ConfigError(f"measure_codec_costs: the config's sparsifier needs a ratio in (0, 1], got {ratio!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ConfigError(f"measure_codec_costs: repeat must be an integer >= 1, got {repeat!r}")
+    if not sizes or any(isinstance(d, bool) or not isinstance(d, int) or d < 1000 for d in sizes):
+        raise ConfigError(f"measure_codec_costs: sizes must be integers >= 1000, got {list(sizes)!r}")
+    now = _timer(clock)
+    name = name or (config if isinstance(config, str) else "config").rsplit("/", 1)[-1].removesuffix(".yaml")
+    rng = np.random.default_rng(seed)
+    rows = []   # (numel, entries, encode_s, decode_s, container bytes, at the config's ratio)
+    for part in (ratio, ratio / RATIO_SPLIT):
+        variant = dict(raw, threads=threads, sparsifier=dict(raw["sparsifier"], ratio=part))
+        pipe, peer = build(variant), build(variant)
+        for numel in sizes:
+            grad = rng.laplace(size=numel).astype(np.float32)
+            encode_s = _median_s(lambda step: pipe.encode(grad, name=f"probe{numel}", step=step), repeat, now)
+            payload = peer.encode(-grad, name=f"probe{numel}", step=0)
+            out = np.empty(numel, dtype=np.float32)
+            decode_s = _median_s(lambda _: pipe.decode_sum([payload], out=out), repeat, now)
+            entries = unpack(payload).n
+            rows.append((numel, entries, encode_s, decode_s, int(payload.shape[0]), part == ratio))
+    numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))
+    ones = [1.0] * len(rows)
+    encode_call, encode_element = fit_nonnegative([ones, numel], encode, f"{name} encode seconds")
+    decode_call, decode_element, decode_entry = fit_nonnegative([ones, numel, entries], decode,
+                                                                f"{name} decode seconds")
+    own = [i for i, keep in enumerate(at_ratio) if keep]   # sizes at the config's own density
+    header, entry = fit_nonnegative([[1.0] * len(own), [entries[i] for i in own]], [nbytes[i] for i in own],
+                                    f"{name} container bytes")
+    return CodecCosts(name=name, ratio=float(ratio), encode_call_s=encode_call, encode_element_s=encode_element,
+                      decode_call_s=decode_call, decode_element_s=decode_element, decode_entry_s=decode_entry,
+                      header_bytes=header, entry_bytes=entry, note=note)
+
+
+def measure_powersgd_costs(rank: int = 4, shape=(1024, 4608), repeat: int = 3, seed: int = 0,
+                           clock: str = "cpu") -> PowerSGDCosts:
+    """Time PowerSGD's pieces on a ``shape`` matrix with NumPy (float32): the ``M Q`` matmul per
+    multiply-accumulate, ``np.linalg.qr`` of ``P`` per ``n r^2``, an add per element."""
+    now = _timer(clock)
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    matrix = rng.standard_normal((rows, cols), dtype=np.float32)
+    q = rng.standard_normal((cols, rank), dtype=np.float32)
+    p = matrix @ q
+    other = np.empty_like(matrix)
+    mac_s = _median_s(lambda _: matrix @ q, repeat, now) / (rows * cols * rank)
+    orth_s = _median_s(lambda _: np.linalg.qr(p), repeat, now) / (rows * rank * rank)
+    element_s = _median_s(lambda _: np.add(matrix, matrix, out=other), repeat, now) / (rows * cols)
+    return PowerSGDCosts(mac_s=mac_s, orth_s=orth_s, element_s=element_s)

@@ -1,0 +1,381 @@
+"""``deepreduce bench-scaling``: predicted step time from 2 to 1024 ranks, by simulation.
+
+The simulator combines each config's codec costs, measured on this machine by the library's own
+pipeline (:func:`deepreduce.dist.cost_probe.measure_codec_costs`; or read from ``--costs``), with
+the alpha-beta link model of :mod:`deepreduce.dist.cost_model` and the backward timeline of
+:mod:`deepreduce.dist.planner`. For ResNet-50 (the shipped shapes) and a 350M-parameter
+transformer (GPT-2 medium's shapes, :mod:`experiments.models.transformer_shapes`), gradients are
+grouped in backward order into buckets of at most ``--bucket-mb`` MiB; each bucket is ready when
+backward has produced it, and can hide behind the backward compute still to come (the compute is
+spread over the parameters in proportion to their sizes). A rank reduces one bucket at a time.
+The predicted step time is forward + backward + the communication exposed after backward, for:
+
+* ``dense`` and ``fp16``: ring all-reduce of every bucket in fp32 / fp16;
+* ``powersgd4``: PowerSGD rank 4 (two all-reduces of the P and Q factors per bucket, a third for
+  1-D tensors, its matmuls and orthogonalisation timed here with NumPy);
+* ``ag:<config>``: today's allgather of containers, ``sa:<config>``: the sparse all-reduce;
+* ``auto``: the planner's choice per bucket among dense, fp16, ag:* and sa:*.
+
+One table per model and bandwidth (rows: ranks N), then allgather's crossover N against dense
+fp32 (the first N where it is slower) and the issue's targets, checked. ``--plot FILE`` draws
+the tables (needs matplotlib). ``--runs FILE`` checks the model against real runs' per-rank bytes
+(:func:`compare_with_runs`: the hook for the real 2/4/8-rank runs).
+
+    python -m deepreduce bench-scaling --save-costs out/codec_costs.json
+    python -m deepreduce bench-scaling --costs out/codec_costs.json --plot out/scaling.png
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+
+DEFAULT_RANKS = tuple(2 ** i for i in range(1, 11))
+QUICK_RANKS = (2, 8, 64)
+DEFAULT_GBITS = (1.0, 10.0, 25.0, 100.0)
+DEFAULT_CONFIGS = ("topk_raw", "elias_fano", "bf_p0")
+#: The configs whose index codec is compact (fewer bits per index than raw 32-bit positions).
+COMPACT = ("elias_fano", "bf_p0")
+DEFAULT_BUCKET_MB = 25.0          # DDP's default bucket cap
+DEFAULT_PROBE_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+QUICK_PROBE_SIZES = (1 << 13, 1 << 14, 1 << 15)
+POWERSGD_RANK = 4
+AUTO_SLACK = 1.05                 # the issue's bound: auto within 5% of the best fixed choice
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's gradient shapes and the compute of one step on one accelerator (assumed)."""
+
+    title: str
+    shapes: Callable[[], List[Tuple[str, Tuple[int, ...]]]]
+    forward_s: float
+    backward_s: float
+    compute_note: str
+
+
+def _resnet50():
+    from ..models.resnet50_shapes import parameter_shapes
+
+    return parameter_shapes()
+
+
+def _transformer():
+    from ..models.transformer_shapes import parameter_shapes
+
+    return parameter_shapes()
+
+
+MODELS = {
+    "resnet50": ModelSpec("ResNet-50", _resnet50, 0.060, 0.120,
+                          "batch 64 fp32 on a V100-class GPU, about 350 images/s"),
+    "transformer350m": ModelSpec("Transformer 350M (GPT-2 medium shapes)", _transformer, 0.120, 0.240,
+                                 "8 x 1024 tokens, 6 x 355M x 8192 = 17.4 TFLOP at about 50 TFLOP/s"),
+}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench-scaling", help="simulated step time from 2 to 1024 ranks: dense, fp16, "
+                                                         "PowerSGD, allgather, sparse all-reduce and the planner")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)), help="comma-separated rank counts N")
+    parser.add_argument("--gbits", default=",".join(f"{g:g}" for g in DEFAULT_GBITS),
+                        help="comma-separated link bandwidths in Gbit/s")
+    parser.add_argument("--alpha-us", type=float, default=25.0, help="latency of one message, microseconds")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="deepreduce configs (names or paths) for the allgather and sparse all-reduce rows")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, help="bucket cap in MiB")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="nothing hides behind backward: every bucket's reduction is exposed")
+    parser.add_argument("--costs", metavar="JSON", help="codec and PowerSGD costs saved by --save-costs "
+                                                        "(default: measure them now)")
+    parser.add_argument("--save-costs", metavar="JSON", help="write the costs used to this file")
+    parser.add_argument("--probe-sizes", default=",".join(map(str, DEFAULT_PROBE_SIZES)),
+                        help="comma-separated tensor sizes at which codec costs are measured")
+    parser.add_argument("--threads", type=int, default=1, help="kernel threads when measuring codec costs")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measured point (median)")
+    parser.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
+                        help="measure with the process CPU clock (steadier on a busy machine) or wall time")
+    parser.add_argument("--note", default="", help="stored with measured costs: where they were taken")
+    parser.add_argument("--call-us", type=float, default=None, metavar="X",
+                        help="what-if: every container costs X us to encode and X us to decode instead of "
+                             "the measured per-call constants (the per-shard glue of the sparse all-reduce)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"ResNet-50 only, N in {QUICK_RANKS}, 10 Gbit/s, small probe sizes (a smoke run)")
+    parser.add_argument("--plot", metavar="FILE", help="draw step time against N (needs matplotlib)")
+    parser.add_argument("--runs", metavar="JSON", help="real runs' per-rank bytes to check the model against "
+                                                       "(see compare_with_runs)")
+    parser.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------------- inputs
+def model_buckets(shapes, cap_mb: float, backward_s: float):
+    """``[(Bucket, shapes)]`` in backward order (the reverse of the parameters'): consecutive
+    gradients up to ``cap_mb`` MiB of fp32 (one larger than the cap alone); a bucket hides behind
+    the backward compute of the parameters after it, compute being proportional to size."""
+    from deepreduce.dist.buckets import MIB
+    from deepreduce.dist.planner import Bucket
+
+    order = list(reversed(shapes))
+    sizes = [math.prod(shape) for _, shape in order]
+    total, groups, current = sum(sizes), [], []
+    for item, size in zip(order, sizes):
+        if current and 4 * (sum(math.prod(s) for _, s in current) + size) > cap_mb * MIB:
+            groups.append(current)
+            current = []
+        current.append(item)
+    groups.append(current)
+    out, done = [], 0
+    for k, group in enumerate(groups):
+        numel = sum(math.prod(s) for _, s in group)
+        done += numel
+        out.append((Bucket(f"bucket{k}.{group[0][0]}", numel, backward_s * (total - done) / total),
+                    [s for _, s in group]))
+    return out
+
+
+def load_costs(path: str):
+    """(codec costs, PowerSGD costs) from a file written by :func:`save_costs`."""
+    from deepreduce.dist.cost_model import CodecCosts, PowerSGDCosts
+
+    with open(path) as f:
+        data = json.load(f)
+    return [CodecCosts.from_dict(c) for c in data["codecs"]], PowerSGDCosts.from_dict(data["powersgd"])
+
+
+def save_costs(path: str, codecs, powersgd) -> None:
+    with open(path, "w") as f:
+        json.dump({"codecs": [c.to_dict() for c in codecs], "powersgd": powersgd.to_dict()}, f, indent=1)
+
+
+def measure_costs(configs: Sequence[str], args):
+    """Measure every config's codec costs and PowerSGD's compute on this machine."""
+    from deepreduce.dist.cost_probe import measure_codec_costs, measure_powersgd_costs
+
+    sizes = QUICK_PROBE_SIZES if args.quick else tuple(_csv(args.probe_sizes, int, "--probe-sizes"))
+    repeat = 1 if args.quick else args.repeat
+    codecs = [measure_codec_costs(config, sizes=sizes, repeat=repeat, threads=args.threads, clock=args.clock,
+                                  note=args.note) for config in configs]
+    return codecs, measure_powersgd_costs(POWERSGD_RANK, repeat=repeat, clock=args.clock)
+
+
+# ---------------------------------------------------------------------------- simulation
+def simulate(buckets, ranks: int, link, codecs, powersgd, compute_s: float) -> Tuple[Dict[str, float], object]:
+    """(predicted step seconds of every method, auto's plan) for one (model, N, link)."""
+    from deepreduce.dist.cost_model import powersgd_cost
+    from deepreduce.dist.planner import PlanInputs, alternatives, exposed_seconds, plan
+
+    inputs = PlanInputs(tuple(b for b, _ in buckets), ranks, link, tuple(codecs))
+    steps = {}
+    for choice in alternatives(inputs):
+        steps[short_label(choice)] = compute_s + plan(inputs, fixed=choice).exposed_s
+    psgd = [powersgd_cost(link, ranks, shapes, POWERSGD_RANK, powersgd).total_s for _, shapes in buckets]
+    steps[f"powersgd{POWERSGD_RANK}"] = compute_s + exposed_seconds([b.hide_s for b, _ in buckets], psgd)
+    auto = plan(inputs)
+    steps["auto"] = compute_s + auto.exposed_s
+    return steps, auto
+
+
+def short_label(choice) -> str:
+    """``ag:<codec>`` / ``sa:<codec>`` for the coded choices, else the aggregation."""
+    prefix = {"allgather": "ag", "sparse_allreduce": "sa"}.get(choice.aggregation)
+    return choice.aggregation if prefix is None else f"{prefix}:{choice.codec}"
+
+
+def auto_summary(auto_plan) -> str:
+    """The plan's choices, counted: ``sa:elias_fano 4, dense 2``."""
+    counts = Counter(short_label(b.choice) for b in auto_plan.buckets)
+    return ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def crossover(buckets, link, codec, limit: int = 1024):
+    """The first N in 2..limit at which allgather with ``codec`` is predicted slower than dense
+    fp32 ring all-reduce (None: never up to ``limit``)."""
+    from deepreduce.dist.planner import Choice, PlanInputs, plan
+
+    for ranks in range(2, limit + 1):
+        inputs = PlanInputs(tuple(b for b, _ in buckets), ranks, link, (codec,))
+        if plan(inputs, fixed=Choice("allgather", codec.name)).exposed_s > plan(inputs, fixed=Choice("dense")).exposed_s:
+            return ranks
+    return None
+
+
+# ---------------------------------------------------------------------------- the hook for real runs
+def compare_with_runs(runs: Iterable[dict], codecs) -> List[dict]:
+    """Check the model against real runs: one row per run with measured and predicted figures.
+
+    Each run is a dict with ``aggregation`` (dense, fp16, allgather, sparse_allreduce), ``codec``
+    (the config's name, for the coded two), ``ranks``, ``numels`` (the elements of every bucket or
+    tensor reduced per step) and ``received_bytes``: bytes one rank received from the other ranks
+    per step, measured; optionally ``decode_s`` (one rank's decode seconds per step, measured).
+    Predictions come from :func:`deepreduce.dist.planner.choice_cost` (the link does not change
+    bytes or decode work).
+    """
+    from deepreduce.dist.cost_model import Link
+    from deepreduce.dist.planner import Bucket, Choice, PlanInputs, choice_cost
+
+    rows = []
+    for run_ in runs:
+        choice = Choice(run_["aggregation"], run_.get("codec"))
+        buckets = tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(run_["numels"]))
+        inputs = PlanInputs(buckets, run_["ranks"], Link(0.0, 1.0), tuple(codecs))
+        costs = [choice_cost(choice, b.numel, inputs) for b in buckets]
+        row = {"method": choice.label, "ranks": run_["ranks"], "received_bytes": run_["received_bytes"],
+               "predicted_bytes": sum(c.received_bytes for c in costs)}
+        if "decode_s" in run_:
+            row.update(decode_s=run_["decode_s"], predicted_decode_s=sum(c.decode_s for c in costs))
+        rows.append(row)
+    return rows
+
+
+def print_comparison(rows: List[dict]) -> None:
+    print("\nmodel against real runs: per-rank bytes received from other ranks per step")
+    print(f"{'method':<28} {'N':>5} {'measured':>12} {'predicted':>12} {'ratio':>7} {'decode_ms':>10} {'pred_ms':>8}")
+    for r in rows:
+        decode = f"{1e3 * r['decode_s']:>10.2f} {1e3 * r['predicted_decode_s']:>8.2f}" if "decode_s" in r else ""
+        print(f"{r['method']:<28} {r['ranks']:>5} {r['received_bytes']:>12.0f} {r['predicted_bytes']:>12.0f} "
+              f"{r['received_bytes'] / max(r['predicted_bytes'], 1):>7.3f} {decode}")
+
+
+# ---------------------------------------------------------------------------- output
+def print_table(title: str, results: Dict[int, Tuple[dict, object]]) -> None:
+    """One model and bandwidth: a row per N, predicted step ms per method, auto's choices counted."""
+    methods = list(next(iter(results.values()))[0])
+    width = max(9, *(len(m) for m in methods))
+    header = f"{'N':>5} " + " ".join(f"{m:>{width}}" for m in methods) + "  auto's choice (buckets)"
+    print(f"\n{title}")
+    print(header)
+    print("-" * len(header))
+    for ranks, (steps, auto) in results.items():
+        print(f"{ranks:>5} " + " ".join(f"{1e3 * steps[m]:>{width}.1f}" for m in methods) + f"  {auto_summary(auto)}")
+
+
+def check_targets(table: Dict[Tuple[str, float], Dict[int, Tuple[dict, object]]]) -> List[str]:
+    """The issue's simulated targets, each as a line saying whether it holds and where it fails."""
+    lines = []
+    resnet = table.get(("resnet50", 10.0))
+    if resnet:
+        for codec in sorted({m[3:] for steps, _ in resnet.values() for m in steps if m.startswith("sa:")}):
+            kind = "compact index codec" if codec in COMPACT else "not a compact index codec: outside the target"
+            slower_dense = [n for n, (s, _) in resnet.items() if not s[f"sa:{codec}"] < s["dense"]]
+            slower_fp16 = [n for n, (s, _) in resnet.items() if n >= 8 and not s[f"sa:{codec}"] < s["fp16"]]
+            lines.append(f"ResNet-50 at 10 Gbit/s, sa:{codec} ({kind}) faster than dense for every N: "
+                         f"{_verdict(slower_dense)}; faster than fp16 from N = 8: {_verdict(slower_fp16)}")
+    worst, above_dense = 0.0, []
+    for (model, gbit), rows in table.items():
+        for n, (steps, _) in rows.items():
+            fixed = min(v for m, v in steps.items() if m not in ("auto", f"powersgd{POWERSGD_RANK}"))
+            worst = max(worst, steps["auto"] / fixed)
+            if steps["auto"] > steps["dense"]:
+                above_dense.append(f"{model}/{gbit:g}G/N={n}")
+    lines.append(f"auto within {100 * (AUTO_SLACK - 1):.0f}% of the best fixed choice on every cell: "
+                 f"{'holds' if worst <= AUTO_SLACK else 'FAILS'} (worst ratio {worst:.4f})")
+    lines.append(f"auto never slower than dense: {_verdict(above_dense)}")
+    return lines
+
+
+def _verdict(failures: list) -> str:
+    return "holds" if not failures else f"FAILS at {', '.join(map(str, failures))}"
+
+
+def plot(path: str, table, titles: Dict[str, str]) -> None:
+    """Step time against N, one panel per (model, bandwidth), one line per method."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot: matplotlib is not installed; no plot written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(table)
+    columns = len({g for _, g in keys})
+    rows = math.ceil(len(keys) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.6 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        results = table[key]
+        for method in next(iter(results.values()))[0]:
+            ax.plot(list(results), [1e3 * results[n][0][method] for n in results], marker=".",
+                    linewidth=2.5 if method == "auto" else 1.2, label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{titles[key[0]]}, {key[1]:g} Gbit/s", fontsize=9)
+        ax.set_xlabel("ranks N")
+        ax.set_ylabel("predicted step ms")
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def _csv(text: str, cast, option: str) -> list:
+    from deepreduce.errors import ConfigError
+
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ConfigError(f"bench-scaling {option}: expected a comma-separated list, got {text!r}")
+    return values
+
+
+def run(args) -> int:
+    from deepreduce.dist.cost_model import Link, check_nonnegative
+    from deepreduce.errors import ConfigError
+
+    ranks = list(QUICK_RANKS) if args.quick else _csv(args.ranks, int, "--ranks")
+    gbits = [10.0] if args.quick else _csv(args.gbits, float, "--gbits")
+    models = ["resnet50"] if args.quick else _csv(args.models, str, "--models")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ConfigError(f"bench-scaling --models: unknown model {unknown[0]!r}; known: {', '.join(MODELS)}")
+    if min(ranks) < 1 or check_nonnegative(args.bucket_mb, "bench-scaling --bucket-mb") == 0:
+        raise ConfigError("bench-scaling: --ranks must be >= 1 and --bucket-mb > 0")
+    alpha_s = check_nonnegative(args.alpha_us, "bench-scaling --alpha-us") * 1e-6
+    configs = _csv(args.configs, str, "--configs")
+    codecs, powersgd = load_costs(args.costs) if args.costs else measure_costs(configs, args)
+    if args.save_costs:
+        save_costs(args.save_costs, codecs, powersgd)
+    if args.call_us is not None:
+        call_s = check_nonnegative(args.call_us, "bench-scaling --call-us") * 1e-6
+        codecs = [replace(c, encode_call_s=call_s, decode_call_s=call_s) for c in codecs]
+        print(f"what-if --call-us {args.call_us:g}: every container's per-call encode and decode constants set to it")
+    print("codec costs (per rank; fits of deepreduce.build(config).encode/decode_sum on this machine"
+          f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
+    for c in codecs:
+        print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
+              f"decode {1e6 * c.decode_call_s:.1f} us + {1e9 * c.decode_element_s:.3f} ns/elem + "
+              f"{1e9 * c.decode_entry_s:.2f} ns/entry; {c.header_bytes:.0f} B + {c.entry_bytes:.2f} B/entry"
+              f"{'  [' + c.note + ']' if c.note else ''}")
+    print(f"  powersgd{POWERSGD_RANK}: {1e12 * powersgd.mac_s:.1f} ps/MAC, {1e9 * powersgd.orth_s:.2f} ns per n r^2, "
+          f"{1e9 * powersgd.element_s:.2f} ns/elem")
+    table, titles = {}, {}
+    for name in models:
+        spec = MODELS[name]
+        backward = 0.0 if args.no_overlap else spec.backward_s
+        buckets = model_buckets(spec.shapes(), args.bucket_mb, backward)
+        compute = spec.forward_s + spec.backward_s
+        numel = sum(b.numel for b, _ in buckets)
+        titles[name] = spec.title
+        for gbit in gbits:
+            link = Link.from_gbit(gbit, alpha_s)
+            results = {n: simulate(buckets, n, link, codecs, powersgd, compute) for n in ranks}
+            table[(name, gbit)] = results
+            print_table(f"{spec.title}: {numel:,} parameters in {len(buckets)} buckets of <= {args.bucket_mb:g} MiB; "
+                        f"{gbit:g} Gbit/s, alpha {1e6 * alpha_s:g} us; predicted step ms (compute "
+                        f"{1e3 * compute:.0f} ms: {spec.compute_note}; "
+                        f"{'no overlap' if args.no_overlap else 'buckets hide behind later backward'})", results)
+            print("allgather's crossover N against dense fp32: " + ", ".join(
+                f"{c.name} {crossover(buckets, link, c, max(ranks)) or f'> {max(ranks)}'}" for c in codecs))
+    print("\ntargets (issue 23, simulated):")
+    for line in check_targets(table):
+        print(f"  {line}")
+    if args.runs:
+        with open(args.runs) as f:
+            print_comparison(compare_with_runs(json.load(f), codecs))
+    if args.plot:
+        plot(args.plot, table, titles)
+    return 0
