@@ -1,7 +1,7 @@
 """YAML or dict configs -> validated, fully defaulted config dicts -> pipelines.
 
 A config has the sections ``sparsifier``, ``index``, ``value`` and ``memory``, each
-``{id: ..., <parameters>}``, and optionally ``communicator``, ``min_numel``, ``nonfinite``,
+``{id: ..., <parameters>}``, and optionally ``communicator``, ``aggregation``, ``min_numel``, ``nonfinite``,
 ``threads`` and ``max_numel``. :func:`load_config` validates every key against the registry and
 fills in defaults, so ``build(load_config(p.get_config()))`` equals ``p``. Whatever the input
 (a YAML file that is not UTF-8, duplicate keys, an empty section, a list where an id belongs),
@@ -23,7 +23,7 @@ from .errors import ConfigError
 from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option
 
 REQUIRED_SECTIONS = ("sparsifier", "index", "value", "memory")
-OPTIONAL_SECTIONS = ("communicator",)
+OPTIONAL_SECTIONS = ("communicator", "aggregation")
 SCALARS = ("min_numel", "nonfinite", "threads", "max_numel")
 ALLOWED_KEYS = REQUIRED_SECTIONS + OPTIONAL_SECTIONS + SCALARS
 
@@ -140,7 +140,7 @@ def build(source: ConfigLike) -> Pipeline:
     config, components = _validate(_read(source))
     return Pipeline(
         components["sparsifier"], components["index"], components["value"], components["memory"],
-        communicator=components.get("communicator"),
+        communicator=components.get("communicator"), aggregation=components.get("aggregation"),
         min_numel=config["min_numel"], nonfinite=config["nonfinite"], threads=config["threads"],
         max_numel=config["max_numel"],
     )

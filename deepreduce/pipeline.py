@@ -48,6 +48,8 @@ class Pipeline:
     Args:
         sparsifier, index, value, memory: built components (see ``deepreduce.build``).
         communicator: optional communicator component used by the training integrations.
+        aggregation: optional aggregation component (``deepreduce.dist.aggregation``): how the
+            integrations combine the ranks' containers (default: allgather).
         min_numel: tensors with fewer elements travel dense (float32) in the container.
         threads: threads of the C++ kernels (a positive int, or "auto": this host's usable CPUs
             divided by its ranks; see ``deepreduce.backend.parallel``); never changes a byte.
@@ -63,7 +65,7 @@ class Pipeline:
     def __init__(self, sparsifier: Sparsifier, index: IndexCodec, value: ValueCodec, memory: Memory,
                  communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate",
                  threads: parallel.ThreadsOption = parallel.AUTO,
-                 max_numel: int = container.MAX_NUMEL) -> None:
+                 max_numel: int = container.MAX_NUMEL, aggregation=None) -> None:
         check_numel_option("pipeline", "min_numel", min_numel, 0)
         check_numel_option("pipeline", "max_numel", max_numel, 1)
         if nonfinite not in NONFINITE_POLICIES:
@@ -76,6 +78,7 @@ class Pipeline:
         self._fuses_selection = hasattr(type(sparsifier), "fused_count")
         self.memory = memory
         self.communicator = communicator
+        self.aggregation = aggregation
         self.min_numel = min_numel
         self.max_numel = max_numel
         self.nonfinite = nonfinite
@@ -86,6 +89,7 @@ class Pipeline:
         self.stats = CompressionStats()
         wire_config = self.get_config()
         wire_config.pop("communicator", None)
+        wire_config.pop("aggregation", None)   # how containers travel never changes their bytes
         wire_config.pop("threads")  # threads and the receiver's bound never change a byte
         wire_config.pop("max_numel")
         self._digest = config_digest(wire_config)
@@ -109,6 +113,8 @@ class Pipeline:
         }
         if self.communicator is not None:
             config["communicator"] = self.communicator.get_config()
+        if self.aggregation is not None:
+            config["aggregation"] = self.aggregation.get_config()
         return config
 
     def __eq__(self, other: object) -> bool:

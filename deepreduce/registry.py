@@ -13,9 +13,9 @@ from typing import Dict, Tuple, Type
 
 from .errors import ConfigError
 
-KINDS = ("sparsifier", "index", "value", "memory", "communicator")
+KINDS = ("sparsifier", "index", "value", "memory", "communicator", "aggregation")
 _BUILTIN_PACKAGES = ("sparsify", "index", "values", "dist.comm")
-_BUILTIN_MODULES = ("memory",)
+_BUILTIN_MODULES = ("memory", "dist.aggregation")
 
 _classes: Dict[Tuple[str, str], type] = {}
 _wire_ids: Dict[Tuple[str, int], type] = {}

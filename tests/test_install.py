@@ -3,7 +3,9 @@
 A fresh venv sees this machine's torch through a .pth file (as a user's environment would have its
 own); pip builds deepreduce from a copy of the sources with build isolation (pyproject.toml's build
 requirements), so the checkout gets no build outputs. The installed package must leave torch
-alone, carry its compiled extensions and import without Horovod or TensorFlow.
+alone, carry its compiled extensions and the shipped configs (loadable by name), import without
+Horovod or TensorFlow, and hold the library only: the experiment harness (``experiments/``, in
+the sources beside it) is not installed.
 """
 import json
 import os
@@ -27,10 +29,12 @@ class NoHorovodNoTensorFlow(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoHorovodNoTensorFlow())
 import deepreduce, deepreduce.torch, deepreduce.torch.ddp, torch
-from deepreduce import _native
+from deepreduce.backend import _native
+from deepreduce.config import shipped_configs
 natives = sys.argv[1].split(",")
+configs = {name: deepreduce.build(name).get_config()["sparsifier"]["id"] for name in shipped_configs()}
 print(json.dumps({"deepreduce": deepreduce.__file__, "torch": torch.__file__, "torch_version": torch.__version__,
-                  "native": {n: _native.load(n) is not None for n in natives}}))
+                  "native": {n: _native.load(n) is not None for n in natives}, "configs": sorted(configs)}))
 """
 
 
@@ -40,7 +44,7 @@ def copy_sources(dest: Path) -> None:
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
     ignore = shutil.ignore_patterns("*.so", "*.o", "__pycache__", "build")
-    for folder in ("csrc", "deepreduce"):
+    for folder in ("csrc", "deepreduce", "experiments"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
 
 
@@ -68,3 +72,6 @@ def test_pip_install_torch_extra_into_an_environment_that_has_torch(tmp_path):
     assert (result["torch"], result["torch_version"]) == (torch.__file__, torch.__version__)
     assert not (site / "torch").exists()                              # pip left the user's torch alone
     assert result["native"] == {n: True for n in natives}            # the C++ extensions were built
+    shipped = sorted(p.stem for p in (ROOT / "deepreduce" / "configs").glob("*.yaml"))
+    assert result["configs"] == shipped and len(shipped) > 20          # every shipped config by name
+    assert not (site / "experiments").exists()                         # the harness stays in the sources

@@ -59,3 +59,12 @@ def test_sparse_allreduce_on_real_ranks(launcher, ranks, kind):
     out = run_ranks(launcher, "sparse_allreduce.py", kind, np_=ranks, timeout=300).stdout
     for scenario in SCENARIOS:
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
+
+
+def test_horovod_optimizer_with_sparse_allreduce():
+    """``aggregation: {id: sparse_allreduce}`` in the torch Horovod optimizer: equal to the
+    allgather run without re-selection (per tensor and in buckets), trains with it, resumes from
+    a checkpoint byte-identically, and ranks that disagree on the aggregation fail together."""
+    out = run_ranks("horovodrun", "torch_sparse_allreduce.py", timeout=300).stdout
+    for scenario in ("exact", "trains", "resume", "disagree"):
+        assert out.count(f"OK {scenario} ") == 2, (scenario, out[-2000:])

@@ -64,7 +64,11 @@ def compressor_identity(compression) -> Tuple[str, str]:
         config = core.get_config()
         parts = ", ".join(f"{kind} {config[kind]['id']}" for kind in ("sparsifier", "index", "value", "memory"))
         label = f"deepreduce config ({parts}, nonfinite {config['nonfinite']})"
-        return label, core.config_digest[:container.DIGEST_SIZE].hex()
+        digest = core.config_digest[:container.DIGEST_SIZE]
+        if "aggregation" in config:   # not in the wire digest, but the ranks must agree on it
+            label += f" aggregated by {config['aggregation']['id']}"
+            digest = hashlib.blake2b(digest + repr(config["aggregation"]).encode(), digest_size=8).digest()
+        return label, digest.hex()
     if compression is None:
         return "no compression", "0" * 16
     kind = compression if isinstance(compression, type) else type(compression)

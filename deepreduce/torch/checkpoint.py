@@ -39,19 +39,24 @@ def to_numpy(value):
     return value
 
 
-def compression_state_dict(pipeline, compressor, step: int) -> dict:
+def compression_state_dict(pipeline, compressor, step: int, aggregation=None) -> dict:
     """``{"format", "step", "compression"}``: a step counter and what the pipeline (residuals,
-    adaptive state) or summable compressor (e.g. GradiVeQ models) learned, as tensors."""
+    adaptive state) or summable compressor (e.g. GradiVeQ models) learned, as tensors; plus
+    ``"aggregation"`` (the sparse all-reduce's owner residuals and shard bounds) when given."""
     if pipeline is not None:
         learned = to_torch(pipeline.core.state_dict())
     else:
         learned = compressor.state_dict() if hasattr(compressor, "state_dict") else {}
-    return {"format": STATE_FORMAT, "step": step, "compression": learned}
+    out = {"format": STATE_FORMAT, "step": step, "compression": learned}
+    if aggregation is not None:
+        out["aggregation"] = to_torch(aggregation)
+    return out
 
 
-def load_compression_state_dict(pipeline, compressor, state, owner: str) -> int:
-    """Restore :func:`compression_state_dict`'s output; return its step. Errors name ``owner``."""
-    expected = {"format", "step", "compression"}
+def load_compression_state_dict(pipeline, compressor, state, owner: str, aggregation=None) -> int:
+    """Restore :func:`compression_state_dict`'s output; return its step. Errors name ``owner``.
+    ``aggregation``: the sparse all-reduce whose state the checkpoint must hold."""
+    expected = {"format", "step", "compression"} | ({"aggregation"} if aggregation is not None else set())
     if not isinstance(state, dict) or set(state) != expected:
         got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ConfigError(f"{owner}.load_state_dict: expected the keys {sorted(expected)}, got {got}")
@@ -61,6 +66,8 @@ def load_compression_state_dict(pipeline, compressor, state, owner: str) -> int:
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"{owner}.load_state_dict: 'step' must be a non-negative int, got {step!r}")
+    if aggregation is not None:
+        aggregation.load_state_dict(to_numpy(state["aggregation"]))
     if pipeline is not None:
         pipeline.core.load_state_dict(to_numpy(state["compression"]))
     elif hasattr(compressor, "load_state_dict"):

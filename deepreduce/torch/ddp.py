@@ -58,9 +58,11 @@ optimizer state and ``load_state_dict`` it after building the state on resume. A
 sends byte-identical containers to one that never stopped.
 """
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -190,8 +192,9 @@ class DeepReduceState:
         self._communicator.group = self._group
         self._skipped: Dict[int, list] = {}    # step -> [(parameter, (rank, NaN, Inf))] of non-finite containers
         self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
-        self._jobs: "queue.Queue[_Job]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def __repr__(self) -> str:
         what = self.compressor if self.pipeline is None else self.pipeline.get_config()
@@ -245,6 +248,9 @@ class DeepReduceState:
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:   # close(): the worker ends before its process group goes
+                self._jobs.task_done()
+                return
             try:
                 result = self._reduce(job)
                 if job.last:
@@ -433,6 +439,18 @@ class DeepReduceState:
             view.copy_(self.compressor.decompress(summed, ctx).view(view.shape) / self.world_size)
         self.stats["decode_seconds"] += time.perf_counter() - start
 
+    def close(self) -> None:
+        """Stop the worker thread, then release the private process group, in that order (a
+        worker or gloo group left to interpreter teardown can abort the process). Called at
+        exit; call it earlier to release the group while the program goes on."""
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.is_alive():
+            self._jobs.put(None)
+            worker.join()
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     # ------------------------------------------------------------------ stats and checkpoints
     def wait_idle(self) -> None:
         """Block until every queued bucket is finished (DDP's backward already waits for them)."""
@@ -461,6 +479,12 @@ class DeepReduceState:
         stats = state.pop("stats")
         self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState")
         self.stats.update(stats)
+
+
+def _close_at_exit(ref) -> None:
+    state = ref()
+    if state is not None:
+        state.close()
 
 
 def _unwrap(future: torch.futures.Future) -> torch.Tensor:

@@ -108,6 +108,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
         self._copied: set = set()     # parameters of this step already copied into their bucket
         self._communicator = communicator or self._default_communicator()
+        aggregation = None if self._pipeline is None else self._pipeline.core.aggregation
+        self._sparse = None if aggregation is None else aggregation.reducer(self._pipeline.core, self._communicator)
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
@@ -283,8 +285,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return handle, "dense", (now, now)
 
     def _start_allgather(self, name: str, grad: torch.Tensor, step: int):
-        """Encode and start the allgather; return (handle, None, (encode start, encode end))."""
+        """Encode and start the allgather; return (handle, None, (encode start, encode end)).
+        Under the sparse all-reduce nothing starts here: ``synchronize`` reduces these tensors in
+        one order on every rank (ctx ``"sparse"``, handle ``(name, step)``)."""
         start = time.perf_counter()
+        if self._sparse is not None:
+            return (name, step), "sparse", (start, start)
         payload = self._pipeline.encode(grad, name=name, step=step)
         interval = (start, time.perf_counter())
         on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
@@ -303,6 +309,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
             self._times["summable_decode"] += time.perf_counter() - decode_start
             return
+        if ctx == "sparse":
+            return self._finish_sparse(p, *handle)
         if ctx == "dense":   # summed in place in p.grad by Horovod
             self._hvd.synchronize(handle)
             self._times["communication_wait"] += time.perf_counter() - start
@@ -324,6 +332,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             target.div_(len(payloads))
         if isinstance(p, _Bucket):
             with torch.no_grad():
+                for i, q in enumerate(p.params):
+                    q.grad.copy_(p.slice(i).view_as(q))
+
+    def _finish_sparse(self, p, name: str, step: int):
+        """The sparse all-reduce of one parameter's gradient or bucket (host NumPy view)."""
+        target = p.buffer if isinstance(p, _Bucket) else p.grad
+        host = target.detach().reshape(-1).cpu()
+        start = time.perf_counter()
+        summed = self._sparse.reduce(host.numpy(), name, step)
+        self._times["communication_wait"] += time.perf_counter() - start
+        if self._sparse.last_nonfinite is not None:
+            return self._sparse.last_nonfinite
+        with torch.no_grad():
+            target.copy_(torch.from_numpy(summed).view_as(target))
+            if self._op == self._hvd.Average:
+                target.div_(self._communicator.size)
+            if isinstance(p, _Bucket):
                 for i, q in enumerate(p.params):
                     q.grad.copy_(p.slice(i).view_as(q))
 
@@ -355,6 +380,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         nonfinite = {}
         try:
             started = self._wait_for_encodes(wait_start, errors)
+            started.sort(key=lambda entry: (entry[2] == "sparse", entry[1][0] if entry[2] == "sparse" else ""))
             for p, handle, ctx in started:
                 try:
                     found = self._finish(p, handle, ctx)
@@ -445,6 +471,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
                      encode_wait_seconds=self._times["encode_wait"], buckets=len(self._buckets),
                      communication_wait_seconds=self._times["communication_wait"])
+        if self._sparse is not None:
+            stats.update(aggregation="sparse_allreduce", received_bytes=dict(self._sparse.received_bytes))
         return stats
 
     # ----------------------------------------------------------------- checkpoints
@@ -458,7 +486,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._pending or self._copied:
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
         out = super(self.__class__, self).state_dict()
-        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count)
+        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
+                                                   None if self._sparse is None else self._sparse.state_dict())
         return out
 
     def load_state_dict(self, state_dict):
@@ -468,7 +497,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression = state_dict.pop("deepreduce", None)
         if compression is not None:
             self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
-                                                           "DistributedOptimizer")
+                                                           "DistributedOptimizer", self._sparse)
         super(self.__class__, self).load_state_dict(state_dict)
 
 

@@ -1,0 +1,49 @@
+"""How a config's containers are aggregated across ranks: the ``aggregation`` config section.
+
+``allgather`` (the default, DeepReduce's scheme): every rank receives every rank's container
+and decodes all of them; per-rank receive volume and decode work grow with the number of ranks.
+``sparse_allreduce`` (:mod:`deepreduce.dist.sparse_allreduce`): an alltoall of index-space
+shards, the owner re-selects, an allgather returns the shards; per-rank volume does not grow
+with the ranks. The section changes no container byte (it is not part of the wire digest), but
+ranks must agree on it: it is part of the compressor identity every rank compares before the
+first collective (:func:`deepreduce.dist.agreement.compressor_identity`).
+"""
+from __future__ import annotations
+
+from ..params import Component, Param
+from ..registry import register
+from .sparse_allreduce import RESELECT, SparseAllreduce
+
+
+class Aggregation(Component):
+    """Base of the aggregation strategies (config section ``aggregation``)."""
+
+    kind = "aggregation"
+
+    def reducer(self, pipeline, communicator):
+        """The object that reduces one tensor at a time over ``communicator``; None: allgather."""
+        return None
+
+
+@register
+class Allgather(Aggregation):
+    """Every rank's container reaches every rank (the default)."""
+
+    id = "allgather"
+
+
+@register
+class SparseAllreduceAggregation(Aggregation):
+    """Shards by alltoall, owner re-selection with an owner-side residual, shards by allgather."""
+
+    id = "sparse_allreduce"
+    PARAMS = {
+        "reselect": Param(str, default="topk", choices=RESELECT,
+                          doc="owner's re-selection: the shard's top 'ratio' (topk) or every non-zero (none)"),
+        "repartition_every": Param(int, default=8, low=1, high=2**31,
+                                   doc="steps between moves of the shard boundaries"),
+    }
+
+    def reducer(self, pipeline, communicator) -> SparseAllreduce:
+        return SparseAllreduce(pipeline, communicator, reselect=self.reselect,
+                               repartition_every=self.repartition_every)
