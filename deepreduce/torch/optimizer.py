@@ -43,7 +43,8 @@ import torch
 
 from ..dist import agreement, buckets
 from ..dist.comm import Communicator
-from ..errors import CommunicationError, ConfigError, DeepReduceError
+from ..dist.protocol import ReductionProtocol
+from ..errors import ConfigError, DeepReduceError
 from ..pipeline import Pipeline
 from .background import EncodeWorker
 from .checkpoint import compression_state_dict, load_compression_state_dict
@@ -108,8 +109,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
         self._copied: set = set()     # parameters of this step already copied into their bucket
         self._communicator = communicator or self._default_communicator()
-        aggregation = None if self._pipeline is None else self._pipeline.core.aggregation
-        self._sparse = None if aggregation is None else aggregation.reducer(self._pipeline.core, self._communicator)
+        self._protocol = None if self._pipeline is None else \
+            ReductionProtocol(self._pipeline.core, self._communicator, average=op == hvd.Average)
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
@@ -289,18 +290,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Under the sparse all-reduce nothing starts here: ``synchronize`` reduces these tensors in
         one order on every rank (ctx ``"sparse"``, handle ``(name, step)``)."""
         start = time.perf_counter()
-        if self._sparse is not None:
+        if self._protocol.sparse is not None:
             return (name, step), "sparse", (start, start)
         payload = self._pipeline.encode(grad, name=name, step=step)
         interval = (start, time.perf_counter())
         on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
-        return self._communicator.allgather_async(on_host, f"deepreduce.{name}"), None, interval
+        return self._protocol.start(on_host, name), step, interval
 
     def _finish(self, p: torch.Tensor, handle, ctx):
-        """Wait for one collective and write the aggregated gradient into ``p.grad``.
-
-        Returns (rank, NaN count, Inf count) instead, writing nothing, when a rank sent a
-        non-finite container under ``nonfinite: raise`` (every rank then skips the step)."""
+        """Wait for one collective and write the aggregated gradient into ``p.grad`` (or the
+        bucket's gradients). Containers: ``ctx`` is the step; the protocol decides, decodes and
+        averages (a non-finite container of any rank is recorded there, nothing is written)."""
         start = time.perf_counter()
         if self._summable:
             output = self._hvd.synchronize(handle)
@@ -309,46 +309,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
             self._times["summable_decode"] += time.perf_counter() - decode_start
             return
-        if ctx == "sparse":
-            return self._finish_sparse(p, *handle)
         if ctx == "dense":   # summed in place in p.grad by Horovod
             self._hvd.synchronize(handle)
             self._times["communication_wait"] += time.perf_counter() - start
             if self._op == self._hvd.Average:
                 p.grad.div_(self._communicator.size)
             return
-        payloads = handle.wait()
-        self._times["communication_wait"] += time.perf_counter() - start
-        if self._pipeline.core.nonfinite == "raise":
-            nonfinite = agreement.first_nonfinite(payloads)
-            if nonfinite is not None:
-                return nonfinite
         target = p.buffer if isinstance(p, _Bucket) else p.grad
-        try:
-            self._pipeline.decode_sum(payloads, expected_shape=tuple(target.shape), out=target)
-        except CommunicationError as exc:
-            raise CommunicationError(f"{self._label(p)}: {exc}") from exc
-        if self._op == self._hvd.Average:
-            target.div_(len(payloads))
+        if ctx == "sparse":
+            name, step = handle
+            total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), name, step)
+            self._times["communication_wait"] += time.perf_counter() - start
+            if found is not None:
+                self._protocol.skip(name, step, found)
+                return
+            with torch.no_grad():
+                target.copy_(torch.from_numpy(total).view_as(target))
+        else:
+            payloads = handle.wait()
+            self._times["communication_wait"] += time.perf_counter() - start
+            found = self._protocol.finish(
+                payloads, p.name if isinstance(p, _Bucket) else self._names[p], ctx,
+                lambda parts: self._pipeline.decode_sum(parts, expected_shape=tuple(target.shape), out=target),
+                target.div_, self._label(p))
+            if found is not None:
+                return
         if isinstance(p, _Bucket):
             with torch.no_grad():
-                for i, q in enumerate(p.params):
-                    q.grad.copy_(p.slice(i).view_as(q))
-
-    def _finish_sparse(self, p, name: str, step: int):
-        """The sparse all-reduce of one parameter's gradient or bucket (host NumPy view)."""
-        target = p.buffer if isinstance(p, _Bucket) else p.grad
-        host = target.detach().reshape(-1).cpu()
-        start = time.perf_counter()
-        summed = self._sparse.reduce(host.numpy(), name, step)
-        self._times["communication_wait"] += time.perf_counter() - start
-        if self._sparse.last_nonfinite is not None:
-            return self._sparse.last_nonfinite
-        with torch.no_grad():
-            target.copy_(torch.from_numpy(summed).view_as(target))
-            if self._op == self._hvd.Average:
-                target.div_(self._communicator.size)
-            if isinstance(p, _Bucket):
                 for i, q in enumerate(p.params):
                     q.grad.copy_(p.slice(i).view_as(q))
 
@@ -377,18 +364,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = torch.zeros_like(p)
                     self._submit(p)
         errors: List[BaseException] = []
-        nonfinite = {}
         try:
             started = self._wait_for_encodes(wait_start, errors)
+            # the sparse all-reduce runs its collectives now: last, in one order on every rank
             started.sort(key=lambda entry: (entry[2] == "sparse", entry[1][0] if entry[2] == "sparse" else ""))
             for p, handle, ctx in started:
                 try:
-                    found = self._finish(p, handle, ctx)
+                    self._finish(p, handle, ctx)
                 except Exception as exc:  # keep draining the other collectives first
                     errors.append(exc)
-                else:
-                    if found is not None:
-                        nonfinite[p] = found
         finally:
             self._pending.clear()
             self._copied.clear()
@@ -397,18 +381,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._step_count += 1
-        if self._pipeline is not None:
-            if errors or nonfinite:
-                self._pipeline.core.undo_step()
-            else:
-                self._pipeline.core.commit_step()
-        if errors:
+        if self._protocol is not None:
+            order = [self._names[p] for group in self.param_groups for p in group["params"]]
+            self._protocol.end_step(step, errors, order + [b.name for b in self._buckets])
+        elif errors:
             raise errors[0]
-        if nonfinite:
-            order = [p for group in self.param_groups for p in group["params"]] + self._buckets
-            first = next(key for key in order if key in nonfinite)
-            name = first.name if isinstance(first, _Bucket) else self._names[first]
-            raise agreement.nonfinite_error(name, step, *nonfinite[first], more=len(nonfinite) - 1)
         self._steps_communicated += 1
         self._synchronized = True
 
@@ -471,8 +448,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
                      encode_wait_seconds=self._times["encode_wait"], buckets=len(self._buckets),
                      communication_wait_seconds=self._times["communication_wait"])
-        if self._sparse is not None:
-            stats.update(aggregation="sparse_allreduce", received_bytes=dict(self._sparse.received_bytes))
+        sparse = None if self._protocol is None else self._protocol.sparse
+        if sparse is not None:
+            stats.update(aggregation="sparse_allreduce", received_bytes=dict(sparse.received_bytes))
         return stats
 
     # ----------------------------------------------------------------- checkpoints
@@ -487,8 +465,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
         out = super(self.__class__, self).state_dict()
         out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
-                                                   None if self._sparse is None else self._sparse.state_dict())
+                                                   self._sparse_state())
         return out
+
+    def _sparse_state(self):
+        sparse = None if self._protocol is None else self._protocol.sparse
+        return None if sparse is None else sparse.state_dict()
 
     def load_state_dict(self, state_dict):
         """Restore both parts of :meth:`state_dict`; a plain torch optimizer state dict (no
@@ -497,7 +479,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression = state_dict.pop("deepreduce", None)
         if compression is not None:
             self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
-                                                           "DistributedOptimizer", self._sparse)
+                                                           "DistributedOptimizer",
+                                                           None if self._protocol is None else self._protocol.sparse)
         super(self.__class__, self).load_state_dict(state_dict)
 
 

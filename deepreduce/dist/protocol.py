@@ -1,0 +1,108 @@
+"""The reduction protocol every integration runs, framework-free.
+
+One step of data-parallel training reduces each tensor (or bucket) of every rank:
+
+1. **agree** (once per layout): the ranks compare tensors and compressor
+   (:func:`deepreduce.dist.agreement.agree`);
+2. **encode** (the binding: its tensors, its device) and **exchange** by the config's
+   aggregation: the allgather of containers (:meth:`ReductionProtocol.start`), or the sparse
+   all-reduce (:meth:`ReductionProtocol.reduce_sparse`);
+3. **decide**: under ``nonfinite: raise`` a flagged container of any rank skips the step on every
+   rank (:meth:`ReductionProtocol.decide`);
+4. **decode-accumulate** every rank's container into the output and **average**
+   (:meth:`ReductionProtocol.finish`; the binding passes its ``decode_sum`` and divide);
+5. **commit or undo** the step's residual changes and raise the step's first error on every rank
+   (:meth:`ReductionProtocol.end_step`).
+
+The Horovod optimizer (torch), the DDP hook and the TensorFlow reducer are adapters around this
+object: they own hooks, futures, threads and tensors; the steps above are written here once.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import DeepReduceError
+from ..pipeline import Pipeline
+from . import agreement
+
+Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
+
+
+class ReductionProtocol:
+    """The protocol of one pipeline over one communicator (see the module docstring).
+
+    ``average``: divide sums by the number of ranks (``op=Average``). ``sparse`` is the sparse
+    all-reduce when the config's ``aggregation`` asks for it, else None (allgather).
+    """
+
+    def __init__(self, core: Pipeline, communicator, average: bool = True) -> None:
+        self.core, self.communicator, self.average = core, communicator, average
+        aggregation = core.aggregation
+        self.sparse = None if aggregation is None else aggregation.reducer(core, communicator)
+        self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
+
+    # ------------------------------------------------------------------ exchange
+    def start(self, payload, name: str):
+        """Start the allgather of this rank's container of ``name``; ``wait()`` gives every rank's."""
+        return self.communicator.allgather_async(payload, f"deepreduce.{name}")
+
+    def reduce_sparse(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Optional[Found]]:
+        """The sparse all-reduce of a flat float32 host array: (the sum, or the average with
+        ``average``; a non-finite report or None). Every rank must call it for the same tensors
+        in the same order (the adapters sort by name)."""
+        total = self.sparse.reduce(flat, name, step)
+        found = self.sparse.last_nonfinite
+        if found is None and self.average:
+            total /= self.communicator.size
+        return total, found
+
+    # ------------------------------------------------------------------ decide, decode, average
+    def decide(self, payloads: Sequence) -> Optional[Found]:
+        """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
+        return agreement.first_nonfinite(payloads) if self.core.nonfinite == "raise" else None
+
+    def finish(self, payloads: Sequence, name: str, step: int, decode_sum: Callable[[Sequence], object],
+               divide: Callable[[int], None], label: Optional[str] = None) -> Optional[Found]:
+        """Decide, then decode-accumulate every rank's container (``decode_sum(payloads)``, into the
+        binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
+        :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
+        ``name``)."""
+        found = self.decide(payloads)
+        if found is not None:
+            self.skip(name, step, found)
+            return found
+        try:
+            decode_sum(payloads)
+        except DeepReduceError as exc:
+            raise type(exc)(f"{label or name}: {exc}") from exc
+        if self.average:
+            divide(len(payloads))
+        return None
+
+    def skip(self, name: str, step: int, found: Found) -> None:
+        """Record that ``name`` of ``step`` came with a non-finite container (every rank sees it)."""
+        self._skipped.setdefault(step, []).append((name, found))
+
+    # ------------------------------------------------------------------ commit or undo
+    def end_step(self, step: int, errors: Sequence[BaseException] = (),
+                 order: Optional[Sequence[str]] = None) -> None:
+        """After the step's last collective: commit the residual changes, or undo them when the
+        step failed or was skipped, and raise the step's first error (or the same
+        NonFiniteGradientError on every rank, naming the first skipped tensor in ``order``)."""
+        skipped = self._skipped.pop(step, [])
+        self._skipped.clear()   # a step that failed before its end left its entry
+        if errors or skipped:
+            self.core.undo_step()
+        else:
+            self.core.commit_step()
+        if errors:
+            raise errors[0]
+        if skipped:
+            if order is not None:
+                rank_of = {name: i for i, name in enumerate(order)}
+                skipped.sort(key=lambda entry: rank_of.get(entry[0], len(rank_of)))
+            name, found = skipped[0]
+            raise agreement.nonfinite_error(name, step, *found, more=len(skipped) - 1)
+
