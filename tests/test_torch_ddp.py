@@ -49,6 +49,12 @@ def test_lossless_hook_matches_ddp_allreduce_and_ranks_agree(ranks):
     assert 0 < r0["fp16_max_diff"] < 1e-2
 
 
+def test_sparse_allreduce_in_the_hook(ranks):
+    for r in both(ranks, "scenario_sparse_allreduce"):
+        assert max(r["max_diffs"]) < 1e-5          # the exact union equals DDP's all-reduce
+        assert r["resumed_equal"] and r["has_owner_state"]
+
+
 def test_gradiveq_codes_go_through_all_reduce(ranks):
     r0, r1 = both(ranks, "scenario_gradiveq")
     assert r0["compressed"] > 0 and r0["compressed"] == r1["compressed"]   # the conv layer after training

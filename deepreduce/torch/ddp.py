@@ -71,9 +71,10 @@ import torch
 import torch.distributed as dist
 
 from ..dist import agreement
-from ..wire import container
 from ..dist.comm.torch_distributed import TorchDistributedCommunicator
-from ..errors import CommunicationError, ConfigError, DeepReduceError
+from ..dist.protocol import ReductionProtocol
+from ..wire import container
+from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .optimizer import LOSSLESS_CONFIG, named_parameter_map
@@ -188,9 +189,9 @@ class DeepReduceState:
                       "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
         # the private group and the worker that alone issues collectives on it
         self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
-        self._communicator = TorchDistributedCommunicator()    # gathers layouts when ranks disagree
+        self._communicator = TorchDistributedCommunicator()    # layouts when ranks disagree; the sparse all-reduce
         self._communicator.group = self._group
-        self._skipped: Dict[int, list] = {}    # step -> [(parameter, (rank, NaN, Inf))] of non-finite containers
+        self._protocol = None if self.pipeline is None else ReductionProtocol(self.pipeline.core, self._communicator)
         self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
@@ -267,16 +268,17 @@ class DeepReduceState:
             torch.cuda.set_device(device)
         start = time.perf_counter()
         failure, payload, codes = None, None, None
+        sparse = self._protocol is not None and self._protocol.sparse is not None
         try:
             if self.pipeline is None:
                 codes = self._compress(job)
-            else:
+            elif not sparse:   # the sparse all-reduce encodes its shards itself
                 payload = self._encode(job)
         except Exception as exc:  # reported to every rank through the header, raised below
             failure = exc
         self.stats["encode_seconds"] += time.perf_counter() - start
         sent = payload if codes is None else codes[0]
-        nbytes = _FAILED if failure is not None else sent.numel() * sent.element_size()
+        nbytes = _FAILED if failure is not None else 0 if sent is None else sent.numel() * sent.element_size()
         layout = agreement.Layout(self._compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
                                                         for n, v in zip(job.names, job.views)], "parameter")
         headers = self._exchange_headers(job, nbytes, layout, device)
@@ -284,10 +286,12 @@ class DeepReduceState:
         self.stats["buckets"] += 1
         self.stats["dense_bytes"] += 4 * sum(v.numel() for v in job.views)
         self.stats["wire_bytes"] += nbytes
-        if codes is None:
-            self._gather_and_decode(job, payload, headers[:, 0])
-        else:
+        if codes is not None:
             self._reduce_codes(job, *codes)
+        elif sparse:
+            self._reduce_sparse(job)
+        else:
+            self._gather_and_decode(job, payload, headers[:, 0])
         return job.buffer
 
     def _exchange_headers(self, job: _Job, nbytes: int, layout: agreement.Layout, device) -> np.ndarray:
@@ -378,23 +382,32 @@ class DeepReduceState:
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
                                          f"{len(names)} ({_describe(job.names)})")
             per_rank.append(parts)
-        if self.pipeline.core.nonfinite == "raise":
-            skipped = [(name, found) for i, name in enumerate(names)
-                       if (found := agreement.first_nonfinite([parts[i] for parts in per_rank])) is not None]
-            if skipped:       # every rank skips the step; the last bucket raises (_end_step)
-                self._skipped.setdefault(job.step, []).extend(skipped)
-                return
-        targets = self._targets(job)
-        for i, (name, target) in enumerate(zip(names, targets)):
-            try:   # decoded straight into the bucket (on its device on the device path)
-                self.pipeline.decode_sum([parts[i] for parts in per_rank], expected_shape=tuple(target.shape),
-                                         out=target)
-            except DeepReduceError as exc:
-                raise type(exc)(f"parameter {name!r}: {exc}") from exc
-            target.div_(self.world_size)
+        for i, (name, target) in enumerate(zip(names, self._targets(job))):
+            self._protocol.finish(   # decoded straight into the bucket (on its device on the device path)
+                [parts[i] for parts in per_rank], name, job.step,
+                lambda payloads, t=target: self.pipeline.decode_sum(payloads, expected_shape=tuple(t.shape), out=t),
+                target.div_, f"parameter {name!r}")
+        if job.merged is not None:
+            self._copy_back(job, self._targets(job)[0])
+        self.stats["decode_seconds"] += time.perf_counter() - start
+
+    def _reduce_sparse(self, job: _Job) -> None:
+        """Each container's tensor through the sparse all-reduce (host arrays), in name order on
+        every rank; the averages are written back into the bucket."""
+        targets, names = self._targets(job), job.containers()
+        if job.merged is not None:
+            torch.cat([job.views[i].reshape(-1) for i in job.merged[1]], out=targets[0])
+        start = time.perf_counter()
+        for i in sorted(range(len(names)), key=names.__getitem__):
+            target = targets[i]
+            total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), names[i], job.step)
+            if found is not None:
+                self._protocol.skip(names[i], job.step, found)
+                continue
+            target.copy_(torch.from_numpy(total).view(target.shape))
         if job.merged is not None:
             self._copy_back(job, targets[0])
-        self.stats["decode_seconds"] += time.perf_counter() - start
+        self.stats["communication_seconds"] += time.perf_counter() - start
 
     def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
         return self._communicator.allgather(payload, "deepreduce.dist.agreement")
@@ -402,15 +415,8 @@ class DeepReduceState:
     def _end_step(self, job: _Job) -> None:
         """After the step's last bucket: keep its residuals, or, if any rank sent a non-finite
         container under ``nonfinite: raise``, undo them and raise the same error on every rank."""
-        skipped = self._skipped.pop(job.step, [])
-        self._skipped.clear()          # a step that failed before its last bucket left its entry
-        if self.pipeline is None:
-            return
-        if skipped:
-            self.pipeline.core.undo_step()
-            name, found = skipped[0]
-            raise agreement.nonfinite_error(name, job.step, *found, more=len(skipped) - 1)
-        self.pipeline.core.commit_step()
+        if self._protocol is not None:
+            self._protocol.end_step(job.step)
 
     # summable codes -----------------------------------------------------------
     def _compress(self, job: _Job):
@@ -467,7 +473,9 @@ class DeepReduceState:
     def state_dict(self) -> dict:
         """Step counter, residuals and learned compressor state, plus the statistics, for ``torch.save``."""
         self.wait_idle()
-        return dict(compression_state_dict(self.pipeline, self.compressor, self.step), stats=dict(self.stats))
+        sparse = None if self._protocol is None else self._protocol.sparse
+        return dict(compression_state_dict(self.pipeline, self.compressor, self.step,
+                                           None if sparse is None else sparse.state_dict()), stats=dict(self.stats))
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (build the state with the same config first)."""
@@ -477,7 +485,8 @@ class DeepReduceState:
         self.wait_idle()
         state = dict(state)
         stats = state.pop("stats")
-        self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState")
+        self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState",
+                                                None if self._protocol is None else self._protocol.sparse)
         self.stats.update(stats)
 
 

@@ -3,6 +3,7 @@
 ``run(rank, world, port, queue)`` puts ``(rank, results)`` on the queue, results keyed by scenario;
 tests/test_torch_ddp.py checks them. Scenarios that must fail run last, each on a fresh model.
 """
+import copy
 import io
 import os
 import time
@@ -101,6 +102,34 @@ def scenario_lossless(rank):
     ref = flat_params(reference)
     return {"max_diff": float(np.abs(flat_params(hooked) - ref).max()), "params": flat_params(hooked),
             "fp16_max_diff": float(np.abs(flat_params(fp16) - ref).max())}
+
+
+def scenario_sparse_allreduce(rank):
+    """``aggregation: sparse_allreduce`` without re-selection (the exact union) against DDP's own
+    all-reduce, per parameter and in whole buckets; Top-r with re-selection resumes from the
+    state dict (owner residuals included) like the uninterrupted run."""
+    reference, ref_opt, _ = make()
+    train(reference, ref_opt, rank, 3)
+    exact = dict(LOSSLESS, sparsifier={"id": "topk", "ratio": 1.0}, min_numel=0,
+                 aggregation={"id": "sparse_allreduce", "reselect": "none"})
+    diffs = []
+    for per_parameter in (True, False):
+        model, opt, _ = make(exact, per_parameter=per_parameter)
+        train(model, opt, rank, 3)
+        diffs.append(float(np.abs(flat_params(model) - flat_params(reference)).max()))
+    topk = dict(TOPK, aggregation={"id": "sparse_allreduce", "repartition_every": 2})
+    straight, opt, _ = make(topk)
+    train(straight, opt, rank, 4)
+    first, opt, state = make(topk)
+    train(first, opt, rank, 2)
+    saved = (copy.deepcopy(first.module.state_dict()), copy.deepcopy(opt.state_dict()), state.state_dict())
+    resumed, opt2, state2 = make(topk)
+    resumed.module.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    state2.load_state_dict(saved[2])
+    train(resumed, opt2, rank, 2, start=2)
+    return {"max_diffs": diffs, "resumed_equal": bool(np.array_equal(flat_params(straight), flat_params(resumed))),
+            "has_owner_state": "aggregation" in saved[2]}
 
 
 def scenario_gradiveq(rank):
@@ -243,7 +272,7 @@ def scenario_whole_buckets(rank):
             "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
 
 
-SCENARIOS = [scenario_lossless, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
+SCENARIOS = [scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
              scenario_nonfinite, scenario_disagreement]
 
 

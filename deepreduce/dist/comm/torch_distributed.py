@@ -61,3 +61,22 @@ class TorchDistributedCommunicator(Communicator):
             )
 
         return Handle(wait)
+
+    def alltoall(self, payloads, name):
+        """``all_to_all_single`` of the byte counts, then of the bytes with uneven splits (host
+        tensors; on an NCCL group, tensors on this rank's GPU)."""
+        import torch
+
+        from .mpi import _split
+
+        dist = self._dist()
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        send = torch.from_numpy(self._check_split(payloads, name)).to(device)
+        counts = torch.tensor([int(np.asarray(p).size) for p in payloads], dtype=torch.int64, device=device)
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(received, send, output_split_sizes=incoming.tolist(),
+                               input_split_sizes=counts.tolist(), group=self.group)
+        return _split(received.cpu().numpy(), incoming.cpu().numpy())
