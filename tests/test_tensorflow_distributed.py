@@ -43,7 +43,8 @@ def test_two_ranks_ran(result):
     assert result["size"] == 2
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "optimizer", "legacy_optimizer", "allreduce"])
+@pytest.mark.parametrize("mode", ["eager", "function", "optimizer", "legacy_optimizer", "allreduce",
+                                  "sparse_allreduce_eager", "sparse_allreduce_function"])
 def test_raw_codecs_equal_single_process_on_averaged_gradient(result, mode):
     r = result[mode]
     assert r["ranks_identical"]

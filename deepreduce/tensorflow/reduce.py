@@ -38,6 +38,7 @@ import tensorflow as tf
 from ..dist import agreement, buckets, overlap
 from ..wire import container
 from ..dist.comm.horovod import HorovodCommunicator
+from ..dist.protocol import ReductionProtocol
 from ..errors import BackendUnavailableError, ConfigError
 from .pipeline import TFPipeline, build, numpy_op
 
@@ -136,6 +137,8 @@ class Reducer:
         self._communicator = HorovodCommunicator(framework="tensorflow")
         if self.process_set is not self.hvd.global_process_set:
             self._communicator.process_set = self.process_set
+        self._protocol = None if self.pipeline is None else \
+            ReductionProtocol(self.pipeline.core, self._communicator, average=self.op == "average")
 
     def compression_stats(self) -> dict:
         """The pipeline's running statistics (bytes, encode/decode time), or the summable
@@ -214,7 +217,7 @@ class Reducer:
         if not report:
             total = decode()
         else:
-            found = _graph_or_eager(_nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
+            found = _graph_or_eager(self._nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
             skip = found[0] >= 0
 
             def nothing():
@@ -241,6 +244,8 @@ class Reducer:
         order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
         """
         report = reports is not None
+        if self._protocol.sparse is not None:
+            return self._reduce_sparse(grads, names, step, reports)
         if tf.executing_eagerly():
             def chain(i):
                 start = time.perf_counter()
@@ -260,6 +265,38 @@ class Reducer:
         if report:
             reports.extend(found for _, found in results)
         return [total for total, _ in results]
+
+    def _reduce_sparse(self, grads: List[tf.Tensor], names: List[str], step,
+                       reports: Optional[list]) -> List[tf.Tensor]:
+        """Every gradient through the sparse all-reduce (``aggregation: sparse_allreduce``), one
+        op per gradient, chained in name order so every rank runs the collectives alike."""
+        lock, protocol = self.pipeline.lock, self._protocol
+        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
+        out: List[Optional[tf.Tensor]] = [None] * len(grads)
+        found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
+        previous: list = []
+        for i in sorted(range(len(grads)), key=names.__getitem__):
+            def reduce_one(grad, step_value, name=names[i]):
+                with lock:   # the average directly: gradient_predivide_factor would cancel out
+                    flat = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
+                    total, found = protocol.reduce_sparse(flat, name, int(step_value))
+                return (total.reshape(np.shape(grad)),
+                        np.array((-1, 0, 0) if found is None else found, dtype=np.int64))
+
+            with tf.control_dependencies(previous):
+                if tf.executing_eagerly():
+                    total, found = reduce_one(np.asarray(grads[i]), np.asarray(step))
+                    total, found = tf.constant(total), tf.constant(found)
+                else:
+                    total, found = numpy_op(reduce_one, [grads[i], step], [tf.float32, tf.int64],
+                                            "deepreduce_sparse_allreduce")
+                    total = tf.reshape(total, tf.shape(grads[i]))
+            previous = [total]
+            out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
+            found_of[i] = found
+        if reports is not None:
+            reports.extend(found_of)
+        return out
 
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
         """Reduce a list of gradients (None entries stay None).
@@ -350,20 +387,23 @@ class Reducer:
                             "deepreduce.tensorflow")
         _AGREED.add(key)
 
+    def _nonfinite_report(self, gathered: np.ndarray) -> np.ndarray:
+        """(rank, NaN count, Inf count) of the first rank that sent a non-finite container, or (-1, 0, 0)."""
+        found = self._protocol.decide(container.split(gathered))
+        return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+
     def _finish_step(self, reduced: list, reports: list, names: List[str], step) -> list:
         """The gradients, once one op that waits for every report has kept the step's residuals
-        or, where any rank sent a non-finite container, restored them and raised on every rank."""
-        core, lock = self.pipeline.core, self.pipeline.lock
+        or, where any rank sent a non-finite container, restored them and raised on every rank
+        (the protocol's ``end_step``)."""
+        protocol, lock = self._protocol, self.pipeline.lock
 
         def finish(step_value, *found):
             with lock:
-                bad = [(name, f) for name, f in zip(names, found) if int(f[0]) >= 0]
-                if bad:
-                    core.undo_step()
-                    name, (rank, nan, inf) = bad[0]
-                    raise agreement.nonfinite_error(name, int(step_value), int(rank), int(nan), int(inf),
-                                                    more=len(bad) - 1)
-                core.commit_step()
+                for name, f in zip(names, found):
+                    if int(f[0]) >= 0:
+                        protocol.skip(name, int(step_value), tuple(int(v) for v in f))
+                protocol.end_step(int(step_value), order=names)
             return np.int64(0)
 
         step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
@@ -376,12 +416,6 @@ def _numel(tensor: tf.Tensor) -> Optional[int]:
     """Elements of a tensor of static shape, None when its shape is not fully known."""
     shape = tf.TensorShape(tensor.shape)
     return shape.num_elements() if shape.is_fully_defined() else None
-
-
-def _nonfinite_report(gathered: np.ndarray) -> np.ndarray:
-    """(rank, NaN count, Inf count) of the first rank that sent a non-finite container, or (-1, 0, 0)."""
-    found = agreement.first_nonfinite(container.split(gathered))
-    return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
 
 
 def _graph_or_eager(func, inputs: list, dtype, name: str):

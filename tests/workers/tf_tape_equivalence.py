@@ -445,6 +445,11 @@ def main():
     results["optimizer"] = compare(run_optimizer(raw)[0], ref_avg)
     results["legacy_optimizer"] = compare(run_legacy_optimizer(raw), ref_avg)
     results["allreduce"] = compare(run_tape(None, "function")[0], ref_avg)
+    exact_sparse = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "raw"}, "value": {"id": "raw"},
+                    "memory": {"id": "none"}, "min_numel": 0,
+                    "aggregation": {"id": "sparse_allreduce", "reselect": "none"}}
+    results["sparse_allreduce_eager"] = compare(run_tape(exact_sparse, "eager")[0], ref_avg)
+    results["sparse_allreduce_function"] = compare(run_tape(exact_sparse, "function")[0], ref_avg)
     results["local_source"] = local_source_check(raw)
     weights, pipe = run_tape(topk, "function")
     results["topk"] = compare(weights)
