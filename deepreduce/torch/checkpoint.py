@@ -3,16 +3,16 @@
 The core keeps its learned state (residuals, stage counts) as NumPy arrays; a PyTorch checkpoint
 holds tensors. ``to_torch`` / ``to_numpy`` convert nested dicts/lists between the two, leaving
 every other value as it is; ``compression_state_dict`` / ``load_compression_state_dict`` are the
-part of a checkpoint that the DDP hook state and the DistributedOptimizer share.
+part of a checkpoint that the DDP hook state and the DistributedOptimizer share (its layout and
+checks: deepreduce/checkpoint.py).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .. import checkpoint
 from ..errors import ConfigError
-
-STATE_FORMAT = 1
 
 
 def to_torch(value):
@@ -46,21 +46,12 @@ def compression_state_dict(pipeline, compressor, step: int) -> dict:
         learned = to_torch(pipeline.core.state_dict())
     else:
         learned = compressor.state_dict() if hasattr(compressor, "state_dict") else {}
-    return {"format": STATE_FORMAT, "step": step, "compression": learned}
+    return checkpoint.state(step, learned)
 
 
 def load_compression_state_dict(pipeline, compressor, state, owner: str) -> int:
     """Restore :func:`compression_state_dict`'s output; return its step. Errors name ``owner``."""
-    expected = {"format", "step", "compression"}
-    if not isinstance(state, dict) or set(state) != expected:
-        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"{owner}.load_state_dict: expected the keys {sorted(expected)}, got {got}")
-    if state["format"] != STATE_FORMAT:
-        raise ConfigError(f"{owner}.load_state_dict: checkpoint format {state['format']!r}, "
-                          f"this version reads {STATE_FORMAT}")
-    step = state["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"{owner}.load_state_dict: 'step' must be a non-negative int, got {step!r}")
+    step = checkpoint.checked_step(state, owner)
     if pipeline is not None:
         pipeline.core.load_state_dict(to_numpy(state["compression"]))
     elif hasattr(compressor, "load_state_dict"):
