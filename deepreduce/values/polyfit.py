@@ -166,7 +166,7 @@ AUTO_VALUES_PER_SEGMENT = 64
 
 
 def auto_segments(n: int) -> int:
-    """Segments per sign when the config says 0 (``dr_polyfit_auto_segments``).
+    """Segments per sign when the config says 0 (``deepreduce::fit::auto_segments``).
 
     4, plus one per doubling of ``n`` beyond 1,000 values, so the error keeps falling as ``n``
     grows (12 at 255,570 values, 1% of ResNet-50) while the value section stays a few hundred
@@ -185,7 +185,7 @@ def seg_degree(length: int, degree: int) -> int:
 
 
 def encode_numpy(values: np.ndarray, degree: int, max_segments: int, min_points: int, coef_bytes: int):
-    """NumPy twin of ``dr_polyfit_encode``: (permutation, payload)."""
+    """NumPy twin of ``deepreduce::fit::encode``: (permutation, payload)."""
     perm = sort_descending(values)
     y = values[perm].astype(np.float64)
     n = y.size
@@ -263,7 +263,7 @@ def parse_lengths(payload: bytes, count: int, degree: int):
 
 
 def decode_numpy(payload: bytes, count: int, degree: int, coef_bytes: int) -> np.ndarray:
-    """NumPy twin of ``dr_polyfit_decode``: the values in sorted order (float32)."""
+    """NumPy twin of ``deepreduce::fit::decode``: the values in sorted order (float32)."""
     lengths, pos, ncoef = parse_lengths(payload, count, degree)
     if len(payload) - pos != ncoef * coef_bytes:
         raise ContainerError(
