@@ -11,7 +11,7 @@
 
 // The hash pass of the blocked query is compiled twice (AVX2 and baseline); both compute the
 // same integers.
-#include "multiversion.h"
+#include "common/multiversion.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -683,7 +683,7 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
     scratch.chosen.assign(np, 0);
     uint8_t* chosen = scratch.chosen.data();
     size_t nchosen = 0;
-    if (family == Family::blocked) {
+    if (family == Family::BLOCKED) {
         check_blocks(size);
         group_by_block(P, np, size, seed, scratch);
         ConflictSets open;

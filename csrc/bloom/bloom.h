@@ -90,7 +90,7 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
 }  // namespace splitmix
 
 // ------------------------------------------------------------------ policies
-enum class Family { splitmix = 0, blocked = 1 };
+enum class Family { SPLITMIX = 0, BLOCKED = 1 };
 
 // P1: the r entries of P with the smallest priority mix64(draw_seed + (x+1)*GAMMA) (ties by x),
 // written ascending to out. Requires r <= np.

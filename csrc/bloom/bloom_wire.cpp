@@ -58,8 +58,8 @@ Params unpack_params(const uint8_t* params, size_t len) {
     if (p.k < 1 || p.k > MAX_K)
         container_error("Bloom params give k = " + std::to_string(p.k) + "; allowed 1.." + std::to_string(MAX_K));
     p.policy = policy;
-    p.family = family == 1 ? Family::blocked : Family::splitmix;
-    if (p.family == Family::splitmix) {
+    p.family = family == 1 ? Family::BLOCKED : Family::SPLITMIX;
+    if (p.family == Family::SPLITMIX) {
         if (len != SPLITMIX_PARAMS)
             container_error("Bloom params have " + std::to_string(len) + " bytes, expected " +
                             std::to_string(SPLITMIX_PARAMS));
@@ -148,8 +148,8 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
     if (len != p.filter_bytes())
         container_error("Bloom section has " + std::to_string(len) + " bytes, expected " +
                         std::to_string(p.filter_bytes()) + " for " +
-                        (p.family == Family::blocked ? std::to_string(p.size) + " blocks" : "m = " + std::to_string(p.size)));
-    if (p.family == Family::splitmix && p.size % 8 && (section[len - 1] >> (p.size % 8)))
+                        (p.family == Family::BLOCKED ? std::to_string(p.size) + " blocks" : "m = " + std::to_string(p.size)));
+    if (p.family == Family::SPLITMIX && p.size % 8 && (section[len - 1] >> (p.size % 8)))
         container_error("Bloom section has bits set beyond m");
     if (p.size == 0) {
         if (count) container_error("empty Bloom filter cannot carry " + std::to_string(count) + " indices");
@@ -158,7 +158,7 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
     const uint64_t limit = prefix_policy(p.policy) ? count : numel;
     std::vector<uint64_t> P;
     try {
-        if (p.family == Family::blocked)
+        if (p.family == Family::BLOCKED)
             blocked::query(section, p.size, p.k, p.seed, numel, limit, threads, P);
         else
             splitmix::query(section, p.size, p.k, p.seed, numel, limit, threads, P);

@@ -26,18 +26,22 @@ int k_arg(const py::handle& obj) { return static_cast<int>(int_arg(obj, "k", 1, 
 
 // `size` is the block count (blocked) or m (splitmix).
 bl::Family family_arg(const std::string& family) {
-    if (family == "blocked") return bl::Family::blocked;
-    if (family == "splitmix") return bl::Family::splitmix;
+    if (family == "blocked") return bl::Family::BLOCKED;
+    if (family == "splitmix") return bl::Family::SPLITMIX;
     throw py::value_error("family must be 'blocked' or 'splitmix', got '" + family + "'");
 }
 
 uint64_t size_arg(const py::handle& obj, bl::Family family) {
-    return family == bl::Family::blocked ? int_arg(obj, "blocks", 0, bl::blocked::MAX_BLOCKS)
+    return family == bl::Family::BLOCKED ? int_arg(obj, "blocks", 0, bl::blocked::MAX_BLOCKS)
                                          : int_arg(obj, "m", 0, U64_MAX);
 }
 
+// The filter bytes a family's size implies (bloom_wire.h Params::filter_bytes).
 uint64_t filter_bytes(bl::Family family, uint64_t size) {
-    return family == bl::Family::blocked ? size * bl::blocked::BLOCK_BYTES : bl::filter_bytes(size);
+    bl::Params p;
+    p.family = family;
+    p.size = size;
+    return p.filter_bytes();
 }
 
 U64Array to_array(const std::vector<uint64_t>& v) {
@@ -55,7 +59,7 @@ void run_released(F fn) {
 
 // (family, policy, k, size, seed, draw_seed) of bloom.BloomParams.
 py::tuple params_tuple(const bl::Params& p) {
-    return py::make_tuple(p.family == bl::Family::blocked ? "blocked" : "splitmix", bl::POLICIES[p.policy], p.k,
+    return py::make_tuple(p.family == bl::Family::BLOCKED ? "blocked" : "splitmix", bl::POLICIES[p.policy], p.k,
                           p.size, p.seed, p.draw_seed);
 }
 
@@ -71,11 +75,11 @@ PYBIND11_MODULE(_bloom, mod) {
         const int kk = k_arg(k);
         const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
         U64Array idx = index_array(x, "x");
-        if (sz == 0) throw py::value_error(fam == bl::Family::blocked ? "blocks must be positive" : "m must be positive");
+        if (sz == 0) throw py::value_error(fam == bl::Family::BLOCKED ? "blocks must be positive" : "m must be positive");
         U64Array out({idx.size(), static_cast<py::ssize_t>(kk)});
         uint64_t* o = out.mutable_data();
         run_released([&] {
-            if (fam == bl::Family::blocked)
+            if (fam == bl::Family::BLOCKED)
                 bl::blocked::positions(idx.data(), idx.size(), sz, kk, s, o);
             else
                 bl::splitmix::positions(idx.data(), idx.size(), sz, kk, s, o);
@@ -111,11 +115,11 @@ PYBIND11_MODULE(_bloom, mod) {
         if (bits.size() != filter_bytes(fam, sz))
             throw py::value_error("Bloom filter has " + std::to_string(bits.size()) + " bytes, expected " +
                                   std::to_string(filter_bytes(fam, sz)) + " for " +
-                                  (fam == bl::Family::blocked ? "blocks = " : "m = ") + std::to_string(sz));
+                                  (fam == bl::Family::BLOCKED ? "blocks = " : "m = ") + std::to_string(sz));
         std::vector<uint64_t> out;
         const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
         run_released([&] {
-            if (fam == bl::Family::blocked)
+            if (fam == bl::Family::BLOCKED)
                 bl::blocked::query(b, sz, kk, s, dd, lim, t, out, simd);
             else
                 bl::splitmix::query(b, sz, kk, s, dd, lim, t, out);

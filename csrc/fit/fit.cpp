@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "multiversion.h"
+#include "common/multiversion.h"
 
 namespace deepreduce {
 namespace fit {

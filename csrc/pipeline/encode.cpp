@@ -115,6 +115,25 @@ Values encode_values(const EncodeConfig& c, const std::string& name, const std::
 
 }  // namespace
 
+Sparsifier sparsifier_named(const std::string& id) {
+    if (id == "topk") return Sparsifier::TOPK;
+    if (id == "threshold") return Sparsifier::THRESHOLD;
+    fail(ErrorKind::ARGUMENT, "sparsifier '" + id + "' has no C++ stage (topk, threshold)");
+}
+
+IndexCodec index_named(const std::string& id) {
+    if (id == "raw") return IndexCodec::RAW;
+    if (id == "bloom") return IndexCodec::BLOOM;
+    fail(ErrorKind::ARGUMENT, "index codec '" + id + "' has no C++ stage (raw, bloom)");
+}
+
+ValueCodec value_named(const std::string& id) {
+    if (id == "raw") return ValueCodec::RAW;
+    if (id == "fp16") return ValueCodec::FP16;
+    if (id == "polyfit") return ValueCodec::POLYFIT;
+    fail(ErrorKind::ARGUMENT, "value codec '" + id + "' has no C++ stage (raw, fp16, polyfit)");
+}
+
 void EncodeConfig::check() const {
     if (digest.size() != DIGEST_BYTES) fail(ErrorKind::ARGUMENT, "the config digest must have 16 bytes");
     check_threads(threads);

@@ -24,6 +24,12 @@ enum class Sparsifier { TOPK, THRESHOLD };
 enum class IndexCodec { RAW, BLOOM };
 enum class ValueCodec { RAW, FP16, POLYFIT };
 
+// The stage of a core component id ("topk", "bloom", "polyfit", ...); ErrorKind::ARGUMENT for an
+// id the C++ pipeline does not have.
+Sparsifier sparsifier_named(const std::string& id);
+IndexCodec index_named(const std::string& id);
+ValueCodec value_named(const std::string& id);
+
 // One pipeline's encode settings: what deepreduce/backend/native_pipeline.py reads off a core
 // Pipeline's components.
 struct EncodeConfig {

@@ -20,24 +20,16 @@ pl::EncodeConfig encode_config(const py::dict& s) {
     pl::EncodeConfig c;
     c.digest = s["digest"].cast<std::string>();
     c.min_numel = s["min_numel"].cast<int64_t>();
-    const std::string sparsifier = s["sparsifier"].cast<std::string>();
-    if (sparsifier != "topk" && sparsifier != "threshold")
-        throw py::value_error("sparsifier must be 'topk' or 'threshold', got '" + sparsifier + "'");
-    c.sparsifier = sparsifier == "topk" ? pl::Sparsifier::TOPK : pl::Sparsifier::THRESHOLD;
+    c.sparsifier = pl::sparsifier_named(s["sparsifier"].cast<std::string>());
     c.ratio = s["ratio"].cast<double>();
     c.threshold = s["threshold"].cast<float>();
     c.error_feedback = s["error_feedback"].cast<bool>();
-    const std::string index = s["index"].cast<std::string>();
-    if (index != "raw" && index != "bloom") throw py::value_error("index must be 'raw' or 'bloom', got '" + index + "'");
-    c.index = index == "bloom" ? pl::IndexCodec::BLOOM : pl::IndexCodec::RAW;
+    c.index = pl::index_named(s["index"].cast<std::string>());
     c.policy = deepreduce::bloom::policy_code(s["policy"].cast<std::string>());
     c.keys_per_block = s["keys_per_block"].cast<double>();
     c.k = s["k"].cast<int>();
     c.hash_seed = s["hash_seed"].cast<uint64_t>();
-    const std::string value = s["value"].cast<std::string>();
-    if (value != "raw" && value != "fp16" && value != "polyfit")
-        throw py::value_error("value must be 'raw', 'fp16' or 'polyfit', got '" + value + "'");
-    c.value = value == "raw" ? pl::ValueCodec::RAW : value == "fp16" ? pl::ValueCodec::FP16 : pl::ValueCodec::POLYFIT;
+    c.value = pl::value_named(s["value"].cast<std::string>());
     c.degree = s["degree"].cast<int>();
     c.segments = s["segments"].cast<int>();
     c.min_points = s["min_points"].cast<int>();

@@ -3,7 +3,7 @@
 
 #include "bloom/bloom.h"   // mix64 and GAMMA: the one C++ definition of SplitMix64
 #include "common/error.h"
-#include "multiversion.h"
+#include "common/multiversion.h"
 
 #include <algorithm>
 #include <atomic>

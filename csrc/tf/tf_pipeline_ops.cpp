@@ -159,16 +159,15 @@ class EncodeOp : public OpKernel {
         OP_REQUIRES_OK(ctx, ctx->GetAttr("min_points", &config_.min_points));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("coef_bytes", &config_.coef_bytes));
         OP_REQUIRES_OK(ctx, ctx->GetAttr("threads", &config_.threads));
-        config_.sparsifier = sparsifier == "topk" ? pl::Sparsifier::TOPK : pl::Sparsifier::THRESHOLD;
         config_.ratio = bits_to_double(ratio_bits);
-        config_.index = index == "bloom" ? pl::IndexCodec::BLOOM : pl::IndexCodec::RAW;
-        config_.policy = deepreduce::bloom::policy_code(policy);
         config_.keys_per_block = bits_to_double(lam_bits);
         config_.k = static_cast<int>(k);
         config_.hash_seed = static_cast<uint64_t>(hash_seed);
-        config_.value = value == "fp16" ? pl::ValueCodec::FP16
-                        : value == "polyfit" ? pl::ValueCodec::POLYFIT : pl::ValueCodec::RAW;
         try {
+            config_.sparsifier = pl::sparsifier_named(sparsifier);
+            config_.index = pl::index_named(index);
+            config_.value = pl::value_named(value);
+            config_.policy = deepreduce::bloom::policy_code(policy);
             config_.check();
         } catch (const deepreduce::Error& e) {
             ctx->CtxFailure(tensorflow::errors::InvalidArgument(e.what()));
