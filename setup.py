@@ -1,8 +1,8 @@
 """Build and install deepreduce.
 
 Every folder ``csrc/<name>/`` with a ``py_module.cpp`` becomes the pybind11 extension
-``deepreduce._<name>`` (all ``*.cpp`` of the folder except the TensorFlow op files ``tf_*.cpp``,
-which scripts/build_tf_ops.sh compiles against TensorFlow). The extensions are optional at run
+``deepreduce._<name>`` (all ``*.cpp`` of the folder and of the folders it calls, ``CALLS``, except
+the TensorFlow op files ``tf_*.cpp``, which scripts/build_tf_ops.sh compiles against TensorFlow). The extensions are optional at run
 time: if one fails to build, installation continues and deepreduce falls back to its NumPy path
 with a warning that says how to rebuild.
 
@@ -31,6 +31,20 @@ def sanitizer_flags():
             "-fno-omit-frame-pointer", "-g"]
 
 
+#: The other csrc folders whose code an extension calls: their sources are compiled into it too.
+#: (csrc/common holds headers only: the error convention, the argument checks, the thread limit.)
+CALLS = {
+    "bloom": ("container",),   # the varints of the Bloom params
+    "pipeline": ("bloom", "container", "fit", "seeding", "select"),
+}
+
+
+def library_sources(folder):
+    """The plain C++ sources of a csrc folder: neither the pybind11 module nor TensorFlow op files."""
+    return sorted(s for s in glob.glob(os.path.join(folder, "*.cpp"))
+                  if os.path.basename(s) != "py_module.cpp" and not os.path.basename(s).startswith("tf_"))
+
+
 def native_extensions():
     try:
         from pybind11.setup_helpers import Pybind11Extension
@@ -40,11 +54,12 @@ def native_extensions():
     modules = []
     for entry in sorted(glob.glob(os.path.join("csrc", "*", "py_module.cpp"))):
         folder = os.path.dirname(entry)
-        sources = sorted(s for s in glob.glob(os.path.join(folder, "*.cpp"))
-                         if not os.path.basename(s).startswith("tf_"))
+        name = os.path.basename(folder)
+        folders = [folder] + [os.path.join("csrc", other) for other in CALLS.get(name, ())]
+        sources = [entry] + [s for f in folders for s in library_sources(f)]
         modules.append(Pybind11Extension(
-            f"deepreduce._{os.path.basename(folder)}", sources,
-            include_dirs=[folder, "csrc"], cxx_std=17, extra_compile_args=["-O3", *sanitizer_flags()],
+            f"deepreduce._{name}", sources,
+            include_dirs=[*folders, "csrc"], cxx_std=17, extra_compile_args=["-O3", *sanitizer_flags()],
         ))
     return modules
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the TensorFlow custom ops of deepreduce into deepreduce/tensorflow/_deepreduce_ops.so.
 #
-# Compiles every csrc/*/tf_*.cpp (REGISTER_OP + OpKernel; csrc/tf/tf_pipeline_ops.cpp) together
+# Compiles every csrc/*/tf_*.cpp (REGISTER_OP + OpKernel glue; csrc/tf/tf_pipeline_ops.cpp) together
 # with every pure C++ source of csrc/ (each .cpp except the pybind11 modules py_module.cpp: the
-# same kernels and container code the extensions wrap), against the installed TensorFlow with
+# C++ pipeline of csrc/pipeline and the kernels and wire rules it calls, the code the extensions
+# wrap; csrc/common holds headers only), against the installed TensorFlow with
 # its tf.sysconfig compile and link flags, at -O3. Skips the build when the
 # library is newer than every source and header and was built for the same TensorFlow version.
 #

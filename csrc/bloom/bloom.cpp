@@ -3,13 +3,15 @@
 
 #include <algorithm>
 #include <exception>
-#include <stdexcept>
 #include <thread>
 #include <utility>
 
+#include "common/checks.h"
+#include "common/error.h"
+
 // The hash pass of the blocked query is compiled twice (AVX2 and baseline); both compute the
 // same integers.
-#include "multiversion.h"
+#include "common/multiversion.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -24,20 +26,16 @@ namespace bloom {
 namespace {
 
 void check_k(int k) {
-    if (k < 1 || k > MAX_K) throw std::invalid_argument("Bloom filter: k must be in [1, 64]");
-}
-
-void check_threads(int threads) {
-    if (threads < 1 || threads > MAX_THREADS) throw std::invalid_argument("Bloom filter: threads must be in [1, 256]");
+    if (k < 1 || k > MAX_K) fail(ErrorKind::ARGUMENT, "Bloom filter: k must be in [1, 64]");
 }
 
 void check_blocks(uint64_t blocks) {
-    if (blocks > blocked::MAX_BLOCKS) throw std::invalid_argument("Bloom filter: more than 2^31 - 1 blocks");
+    if (blocks > blocked::MAX_BLOCKS) fail(ErrorKind::ARGUMENT, "Bloom filter: more than 2^31 - 1 blocks");
 }
 
 void check_ascending(const uint64_t* P, size_t np, const char* what) {
     for (size_t a = 1; a < np; ++a)
-        if (P[a] <= P[a - 1]) throw std::invalid_argument(std::string(what) + ": positives must be strictly ascending");
+        if (P[a] <= P[a - 1]) fail(ErrorKind::ARGUMENT, std::string(what) + ": positives must be strictly ascending");
 }
 
 inline bool test_bit(const uint8_t* bits, uint64_t j) { return (bits[j >> 3] >> (j & 7)) & 1u; }
@@ -574,7 +572,7 @@ void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8
         }
         active.swap(next);
     }
-    if (nchosen != r) throw std::invalid_argument("Bloom P2: positives do not cover r distinct indices");
+    if (nchosen != r) fail(ErrorKind::ARGUMENT, "Bloom P2: positives do not cover r distinct indices");
 }
 
 }  // namespace
@@ -585,7 +583,7 @@ namespace blocked {
 void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t seed, uint64_t* out) {
     check_k(k);
     check_blocks(blocks);
-    if (blocks == 0 && n) throw std::invalid_argument("Bloom filter: no blocks to place indices in");
+    if (blocks == 0 && n) fail(ErrorKind::ARGUMENT, "Bloom filter: no blocks to place indices in");
     const uint64_t kk = key(seed);
     for (size_t a = 0; a < n; ++a) {
         const uint64_t h = hash(x[a], kk);
@@ -600,7 +598,7 @@ void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed,
     check_blocks(blocks);
     check_threads(threads);
     if (n == 0) return;
-    if (blocks == 0) throw std::invalid_argument("Bloom filter: no blocks to insert indices into");
+    if (blocks == 0) fail(ErrorKind::ARGUMENT, "Bloom filter: no blocks to insert indices into");
     const uint64_t kk = key(seed);
     const int parts = parts_for(n, threads);
     run_parts(n, parts, [&](int, uint64_t lo, uint64_t hi) {
@@ -634,7 +632,7 @@ namespace splitmix {
 
 void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, uint64_t* out) {
     check_k(k);
-    if (m == 0 && n) throw std::invalid_argument("Bloom filter: m must be positive");
+    if (m == 0 && n) fail(ErrorKind::ARGUMENT, "Bloom filter: m must be positive");
     uint64_t keys[MAX_K];
     for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
     for (size_t a = 0; a < n; ++a)
@@ -657,7 +655,7 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
 
 // ---------------------------------------------------------------- policies
 void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out) {
-    if (r > np) throw std::invalid_argument("Bloom P1: more indices requested than positives");
+    if (r > np) fail(ErrorKind::ARGUMENT, "Bloom P1: more indices requested than positives");
     check_ascending(P, np, "Bloom P1");
     if (r == 0) return;
     std::vector<std::pair<uint64_t, uint64_t>> pri(np);
@@ -670,11 +668,11 @@ void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, u
 void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k, uint64_t seed,
                      uint64_t draw_seed, uint64_t* out) {
     check_k(k);
-    if (r > np) throw std::invalid_argument("Bloom P2: more indices requested than positives");
-    if (np >= (uint64_t(1) << 32)) throw std::invalid_argument("Bloom P2: at most 2^32 - 1 positives");
+    if (r > np) fail(ErrorKind::ARGUMENT, "Bloom P2: more indices requested than positives");
+    if (np >= (uint64_t(1) << 32)) fail(ErrorKind::ARGUMENT, "Bloom P2: at most 2^32 - 1 positives");
     check_ascending(P, np, "Bloom P2");
     if (r == 0) return;
-    if (size == 0) throw std::invalid_argument("Bloom P2: empty filter with positives");
+    if (size == 0) fail(ErrorKind::ARGUMENT, "Bloom P2: empty filter with positives");
     thread_local Scratch scratch;
     struct Release {   // keep the scratch for the next call unless it grew too large
         Scratch& s;
@@ -685,7 +683,7 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
     scratch.chosen.assign(np, 0);
     uint8_t* chosen = scratch.chosen.data();
     size_t nchosen = 0;
-    if (family == Family::blocked) {
+    if (family == Family::BLOCKED) {
         check_blocks(size);
         group_by_block(P, np, size, seed, scratch);
         ConflictSets open;

@@ -3,7 +3,8 @@
 //
 // Pure C++ over plain buffers (no Python types), so the pybind11 module (py_module.cpp) and the
 // TensorFlow custom ops wrap the same functions. Every function checks its arguments and reports
-// bad input through a std::invalid_argument, never by reading out of bounds.
+// bad input by throwing deepreduce::Error (common/error.h), never by reading out of bounds;
+// threads are bounded by deepreduce::MAX_THREADS (common/checks.h).
 //
 // Two hash families (documented in docs/bloom.md; deepreduce/index/bloom.py reproduces both in
 // NumPy). All arithmetic is modulo 2^64; mix64 is the SplitMix64 finaliser
@@ -33,7 +34,6 @@ namespace bloom {
 
 constexpr uint64_t GAMMA = 0x9e3779b97f4a7c15ULL;
 constexpr int MAX_K = 64;
-constexpr int MAX_THREADS = 256;
 
 inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -90,7 +90,7 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
 }  // namespace splitmix
 
 // ------------------------------------------------------------------ policies
-enum class Family { splitmix = 0, blocked = 1 };
+enum class Family { SPLITMIX = 0, BLOCKED = 1 };
 
 // P1: the r entries of P with the smallest priority mix64(draw_seed + (x+1)*GAMMA) (ties by x),
 // written ascending to out. Requires r <= np.

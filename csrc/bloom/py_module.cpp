@@ -1,79 +1,47 @@
-// pybind11 bindings of the Bloom kernels (bloom.h) over NumPy buffers and bytes: deepreduce._bloom.
+// pybind11 bindings of the Bloom kernels (bloom.h) and the codec's wire rules (bloom_wire.h) over
+// NumPy buffers and bytes: deepreduce._bloom.
 //
-// Every argument is checked before a kernel runs: integers must be Python/NumPy integers within
-// the documented range (ValueError, or TypeError for a non-integer such as a float), index arrays
-// must be 1-D integer arrays without negative entries (a float array raises TypeError instead of
-// being truncated), filters must have exactly the bytes their size implies. The kernels run
-// without the GIL, on `threads` threads where the work is large enough. The Python codec turns
-// ValueError/TypeError into deepreduce errors.
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-
-#include <stdexcept>
+// Every argument is checked before a kernel runs (common/py_args.h); filters must have exactly
+// the bytes their size implies. The kernels run without the GIL, on `threads` threads where the
+// work is large enough. The Python codec turns ValueError/TypeError into deepreduce errors.
 #include <string>
 #include <vector>
 
 #include "bloom.h"
+#include "bloom_wire.h"
+#include "common/py_args.h"
 
 namespace py = pybind11;
 namespace bl = deepreduce::bloom;
-
-using U64Array = py::array_t<uint64_t, py::array::c_style>;
+using deepreduce::py_args::U64Array;
+using deepreduce::py_args::index_array;
+using deepreduce::py_args::int_arg;
+using deepreduce::py_args::threads_arg;
 
 namespace {
 
 constexpr uint64_t U64_MAX = ~uint64_t(0);
 
-// An integer argument in [lo, hi]; TypeError for non-integers, ValueError out of range.
-uint64_t int_arg(const py::handle& obj, const char* name, uint64_t lo, uint64_t hi) {
-    if (py::isinstance<py::bool_>(obj) || !PyIndex_Check(obj.ptr()))
-        throw py::type_error(std::string(name) + " must be an integer, got " +
-                             std::string(py::str(py::type::of(obj).attr("__name__"))));
-    py::int_ value = py::reinterpret_steal<py::int_>(PyNumber_Index(obj.ptr()));
-    if (!value) throw py::error_already_set();
-    const bool below = PyObject_RichCompareBool(value.ptr(), py::int_(lo).ptr(), Py_LT) == 1;
-    const bool above = PyObject_RichCompareBool(value.ptr(), py::int_(hi).ptr(), Py_GT) == 1;
-    if (below || above)
-        throw py::value_error(std::string(name) + " = " + std::string(py::str(value)) + " is outside [" +
-                              std::to_string(lo) + ", " + std::to_string(hi) + "]");
-    return PyLong_AsUnsignedLongLong(value.ptr());
-}
-
 int k_arg(const py::handle& obj) { return static_cast<int>(int_arg(obj, "k", 1, bl::MAX_K)); }
-int threads_arg(const py::handle& obj) { return static_cast<int>(int_arg(obj, "threads", 1, bl::MAX_THREADS)); }
 
 // `size` is the block count (blocked) or m (splitmix).
 bl::Family family_arg(const std::string& family) {
-    if (family == "blocked") return bl::Family::blocked;
-    if (family == "splitmix") return bl::Family::splitmix;
+    if (family == "blocked") return bl::Family::BLOCKED;
+    if (family == "splitmix") return bl::Family::SPLITMIX;
     throw py::value_error("family must be 'blocked' or 'splitmix', got '" + family + "'");
 }
 
 uint64_t size_arg(const py::handle& obj, bl::Family family) {
-    return family == bl::Family::blocked ? int_arg(obj, "blocks", 0, bl::blocked::MAX_BLOCKS)
+    return family == bl::Family::BLOCKED ? int_arg(obj, "blocks", 0, bl::blocked::MAX_BLOCKS)
                                          : int_arg(obj, "m", 0, U64_MAX);
 }
 
+// The filter bytes a family's size implies (bloom_wire.h Params::filter_bytes).
 uint64_t filter_bytes(bl::Family family, uint64_t size) {
-    return family == bl::Family::blocked ? size * bl::blocked::BLOCK_BYTES : bl::filter_bytes(size);
-}
-
-// A 1-D array of non-negative integers as contiguous uint64.
-U64Array index_array(const py::handle& obj, const char* name) {
-    py::array arr = py::array::ensure(obj);
-    if (!arr) throw py::type_error(std::string(name) + " must be an array of integers");
-    const char kind = arr.dtype().kind();
-    if (kind != 'i' && kind != 'u')
-        throw py::type_error(std::string(name) + " must be an integer array, got dtype " +
-                             std::string(py::str(arr.dtype())));
-    if (arr.ndim() != 1) throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(arr.ndim()) + " dimensions");
-    if (kind == 'i') {
-        py::array_t<int64_t, py::array::c_style | py::array::forcecast> signed_(arr);
-        const int64_t* p = signed_.data();
-        for (py::ssize_t a = 0; a < signed_.size(); ++a)
-            if (p[a] < 0) throw py::value_error(std::string(name) + " must be non-negative, got " + std::to_string(p[a]));
-    }
-    return py::array_t<uint64_t, py::array::c_style | py::array::forcecast>(arr);
+    bl::Params p;
+    p.family = family;
+    p.size = size;
+    return p.filter_bytes();
 }
 
 U64Array to_array(const std::vector<uint64_t>& v) {
@@ -82,20 +50,23 @@ U64Array to_array(const std::vector<uint64_t>& v) {
     return out;
 }
 
-// Runs a kernel without the GIL, turning its std::invalid_argument into ValueError.
+// Runs a kernel without the GIL (its deepreduce::Error reaches Python as ValueError).
 template <class F>
 void run_released(F fn) {
-    try {
-        py::gil_scoped_release release;
-        fn();
-    } catch (const std::invalid_argument& e) {
-        throw py::value_error(e.what());
-    }
+    py::gil_scoped_release release;
+    fn();
+}
+
+// (family, policy, k, size, seed, draw_seed) of bloom.BloomParams.
+py::tuple params_tuple(const bl::Params& p) {
+    return py::make_tuple(p.family == bl::Family::BLOCKED ? "blocked" : "splitmix", bl::POLICIES[p.policy], p.k,
+                          p.size, p.seed, p.draw_seed);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_bloom, mod) {
+    deepreduce::py_args::register_errors();
     mod.doc() = "C++ Bloom filter kernels of deepreduce (hash families documented in docs/bloom.md)";
 
     mod.def("positions", [](py::object x, py::object size, py::object k, py::object seed, const std::string& family) {
@@ -104,11 +75,11 @@ PYBIND11_MODULE(_bloom, mod) {
         const int kk = k_arg(k);
         const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
         U64Array idx = index_array(x, "x");
-        if (sz == 0) throw py::value_error(fam == bl::Family::blocked ? "blocks must be positive" : "m must be positive");
+        if (sz == 0) throw py::value_error(fam == bl::Family::BLOCKED ? "blocks must be positive" : "m must be positive");
         U64Array out({idx.size(), static_cast<py::ssize_t>(kk)});
         uint64_t* o = out.mutable_data();
         run_released([&] {
-            if (fam == bl::Family::blocked)
+            if (fam == bl::Family::BLOCKED)
                 bl::blocked::positions(idx.data(), idx.size(), sz, kk, s, o);
             else
                 bl::splitmix::positions(idx.data(), idx.size(), sz, kk, s, o);
@@ -144,11 +115,11 @@ PYBIND11_MODULE(_bloom, mod) {
         if (bits.size() != filter_bytes(fam, sz))
             throw py::value_error("Bloom filter has " + std::to_string(bits.size()) + " bytes, expected " +
                                   std::to_string(filter_bytes(fam, sz)) + " for " +
-                                  (fam == bl::Family::blocked ? "blocks = " : "m = ") + std::to_string(sz));
+                                  (fam == bl::Family::BLOCKED ? "blocks = " : "m = ") + std::to_string(sz));
         std::vector<uint64_t> out;
         const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
         run_released([&] {
-            if (fam == bl::Family::blocked)
+            if (fam == bl::Family::BLOCKED)
                 bl::blocked::query(b, sz, kk, s, dd, lim, t, out, simd);
             else
                 bl::splitmix::query(b, sz, kk, s, dd, lim, t, out);
@@ -184,4 +155,26 @@ PYBIND11_MODULE(_bloom, mod) {
         return out;
     }, py::arg("positives"), py::arg("r"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("draw_seed"),
        py::arg("family") = "blocked", "policy P2 (conflict sets, Algorithm 1)");
+
+    mod.def("pack_params", [](const std::string& policy, py::object k, py::object blocks, py::object seed,
+                              py::object draw_seed) {
+        bl::Params p;
+        p.policy = bl::policy_code(policy);
+        p.k = k_arg(k);
+        p.size = int_arg(blocks, "blocks", 0, bl::blocked::MAX_BLOCKS);
+        p.seed = int_arg(seed, "seed", 0, U64_MAX);
+        p.draw_seed = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
+        return py::bytes(bl::pack_params(p));
+    }, py::arg("policy"), py::arg("k"), py::arg("blocks"), py::arg("seed"), py::arg("draw_seed"),
+       "the params of a blocked filter (bloom.pack_params)");
+
+    mod.def("unpack_params", [](const py::bytes& params) {
+        const std::string b = params;
+        return params_tuple(bl::unpack_params(reinterpret_cast<const uint8_t*>(b.data()), b.size()));
+    }, py::arg("params"), "(family, policy, k, size, seed, draw_seed) of either family; ValueError with the "
+       "ContainerError text for bad params");
+
+    mod.def("blocks_for", [](py::object r, double keys_per_block) {
+        return bl::blocks_for(int_arg(r, "r", 0, U64_MAX), keys_per_block);
+    }, py::arg("r"), py::arg("keys_per_block"), "the block count of a filter for r indices (bloom.filter_params)");
 }

@@ -3,10 +3,12 @@
 
 #include <cstring>
 
+#include "common/error.h"
+
 namespace deepreduce {
 namespace bitpack {
 namespace {
-constexpr bool kLittleEndian = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;   // 8-byte loads read the stream's order
+constexpr bool HOST_IS_LITTLE_ENDIAN = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;   // 8-byte loads read the stream's order
 }  // namespace
 
 size_t packed_size(uint64_t count, int width) { return static_cast<size_t>((count * width + 7) / 8); }
@@ -30,23 +32,21 @@ void pack(const uint64_t* values, uint64_t count, int width, uint8_t* out) {
     for (int b = 0; 8 * b < filled; ++b) o[b] = static_cast<uint8_t>(acc >> (8 * b));
 }
 
-std::string check(size_t len, int width, uint64_t count) {
-    if (width < 1 || width > 64) return "bit width must be in [1, 64], got " + std::to_string(width);
+void check(size_t len, int width, uint64_t count) {
+    if (width < 1 || width > 64) fail(ErrorKind::CONTAINER, "bit width must be in [1, 64], got " + std::to_string(width));
     const unsigned __int128 bits = static_cast<unsigned __int128>(count) * static_cast<unsigned>(width);
     const unsigned __int128 need = (bits + 7) / 8;
     if (need != len)
-        return "packed section has " + std::to_string(len) + " bytes, expected " +
+        fail(ErrorKind::CONTAINER, "packed section has " + std::to_string(len) + " bytes, expected " +
                std::to_string(static_cast<uint64_t>(need)) + " for " + std::to_string(count) + " entries of " +
-               std::to_string(width) + " bits";
-    return "";
+               std::to_string(width) + " bits");
 }
 
-std::string unpack(const uint8_t* data, size_t len, int width, uint64_t count, uint64_t* out) {
-    std::string err = check(len, width, count);
-    if (!err.empty()) return err;
+void unpack(const uint8_t* data, size_t len, int width, uint64_t count, uint64_t* out) {
+    check(len, width, count);
     const uint64_t mask = width == 64 ? ~uint64_t(0) : (uint64_t(1) << width) - 1;
     uint64_t i = 0;
-    if (width <= 56 && kLittleEndian) {   // one 8-byte window holds every entry (shift <= 7, 7 + 56 <= 63)
+    if (width <= 56 && HOST_IS_LITTLE_ENDIAN) {   // one 8-byte window holds every entry (shift <= 7, 7 + 56 <= 63)
         for (; i < count; ++i) {
             const uint64_t bit = i * static_cast<uint64_t>(width);
             const size_t byte = static_cast<size_t>(bit >> 3);
@@ -69,7 +69,6 @@ std::string unpack(const uint8_t* data, size_t len, int width, uint64_t count, u
         }
         out[i] = v;
     }
-    return "";
 }
 
 }  // namespace bitpack

@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 namespace deepreduce {
 namespace bitpack {
@@ -17,13 +16,13 @@ size_t packed_size(uint64_t count, int width);
 // Pack `count` entries (each below 2^width, width in [1, 64]) into out[0 .. packed_size).
 void pack(const uint64_t* values, uint64_t count, int width, uint8_t* out);
 
-// "" when `len` bytes hold exactly `count` entries of `width` bits (width in [1, 64]), else the
-// ContainerError text of bitpack.unpack. Check before sizing an output from a header's count.
-std::string check(size_t len, int width, uint64_t count);
+// Throws ErrorKind::CONTAINER with bitpack.unpack's text unless `len` bytes hold exactly `count`
+// entries of `width` bits (width in [1, 64]). Check before sizing an output from a header's count.
+void check(size_t len, int width, uint64_t count);
 
-// Unpack `count` entries of `width` bits from `len` bytes into out; "" or check's message (then
+// Unpack `count` entries of `width` bits from `len` bytes into out (check's error first: then
 // nothing is written).
-std::string unpack(const uint8_t* data, size_t len, int width, uint64_t count, uint64_t* out);
+void unpack(const uint8_t* data, size_t len, int width, uint64_t count, uint64_t* out);
 
 }  // namespace bitpack
 }  // namespace deepreduce

@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "common/error.h"
+
 namespace deepreduce {
 namespace container {
 
@@ -154,15 +156,16 @@ uint8_t* varint_put(uint8_t* out, uint64_t v) {
     return out;
 }
 
-std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field, uint64_t& value) {
+uint64_t varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field) {
     const size_t start = pos;
-    value = 0;
+    uint64_t value = 0;
     int shift = 0;
     uint8_t byte = 0;
     bool overflow = false;
     while (true) {
         if (pos >= len)
-            return "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos);
+            fail(ErrorKind::CONTAINER,
+                 "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos));
         byte = buf[pos++];
         const uint64_t group = byte & 0x7F;
         if (shift == 63 && group > 1) overflow = true;   // reported once the varint ends, as varint.py does
@@ -170,13 +173,15 @@ std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::s
         if (!(byte & 0x80)) break;
         shift += 7;
         if (pos - start >= static_cast<size_t>(VARINT_MAX_BYTES))
-            return "container field " + field + " at byte " + std::to_string(start) + " is longer than " +
-                   std::to_string(VARINT_MAX_BYTES) + " bytes";
+            fail(ErrorKind::CONTAINER, "container field " + field + " at byte " + std::to_string(start) +
+                                           " is longer than " + std::to_string(VARINT_MAX_BYTES) + " bytes");
     }
-    if (overflow) return "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1";
+    if (overflow)
+        fail(ErrorKind::CONTAINER, "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1");
     if (byte == 0 && pos - start > 1)
-        return "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form";
-    return "";
+        fail(ErrorKind::CONTAINER,
+             "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form");
+    return value;
 }
 
 uint64_t Header::total() const {
@@ -222,28 +227,32 @@ void pack(Header h, const uint8_t* const data[5], const uint64_t len[5], std::ve
     finish(p, pos + CRC_SIZE);
 }
 
-std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h) {
+void read_header(const uint8_t* buf, size_t len, size_t offset, Header& h) {
     const std::string at = std::to_string(offset);
     const size_t left = len - offset;
-    if (left < 5 + CRC_SIZE) return "truncated container at byte " + at + ": " + std::to_string(left) + " bytes";
+    if (left < 5 + CRC_SIZE)
+        fail(ErrorKind::CONTAINER, "truncated container at byte " + at + ": " + std::to_string(left) + " bytes");
     const uint8_t* p = buf + offset;
     if (std::memcmp(p, MAGIC, 4) != 0)
-        return "not a deepreduce container at byte " + at + ": magic " + bytes_repr(p, 4) + ", expected b'DPRD'";
+        fail(ErrorKind::CONTAINER,
+             "not a deepreduce container at byte " + at + ": magic " + bytes_repr(p, 4) + ", expected b'DPRD'");
     h.version = p[4];
     if (h.version != 1 && h.version != 2)
-        return "container format version " + std::to_string(h.version) +
-               " is not supported (this build reads versions 1 and 2)";
+        fail(ErrorKind::CONTAINER, "container format version " + std::to_string(h.version) +
+                                       " is not supported (this build reads versions 1 and 2)");
     const size_t fixed = h.version == 1 ? V1_FIXED : V2_FIXED;
     if (left < fixed + CRC_SIZE)
-        return "truncated container at byte " + at + ": " + std::to_string(left) + " bytes, the version " +
-               std::to_string(h.version) + " header alone needs " + std::to_string(fixed + CRC_SIZE);
+        fail(ErrorKind::CONTAINER, "truncated container at byte " + at + ": " + std::to_string(left) +
+                                       " bytes, the version " + std::to_string(h.version) + " header alone needs " +
+                                       std::to_string(fixed + CRC_SIZE));
     h.flags = p[5];
     h.index_id = p[6];
     h.value_id = p[7];
     const size_t ndim = p[8];
     h.perm_width = p[9];
     if (ndim > MAX_NDIM)
-        return "container claims " + std::to_string(ndim) + " dimensions; at most " + std::to_string(MAX_NDIM);
+        fail(ErrorKind::CONTAINER,
+             "container claims " + std::to_string(ndim) + " dimensions; at most " + std::to_string(MAX_NDIM));
     h.shape.assign(ndim, 0);
     size_t pos = offset + fixed;
     if (h.version == 1) {
@@ -253,84 +262,80 @@ std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h
         h.reserved = static_cast<uint16_t>(le(p + 14, 2));
         h.n = le(p + 16, 8);
         for (int s = 2; s < 5; ++s) h.lengths[s] = le(p + 24 + 8 * (s - 2), 8);
-        if (len - pos < 8 * ndim) return "truncated container at byte " + at + ": the shape runs past the end";
+        if (len - pos < 8 * ndim)
+            fail(ErrorKind::CONTAINER, "truncated container at byte " + at + ": the shape runs past the end");
         for (size_t a = 0; a < ndim; ++a) h.shape[a] = le(buf + pos + 8 * a, 8);
         pos += 8 * ndim;
     } else {
         h.has_digest = true;
         h.reserved = 0;
         std::memcpy(h.digest, p + 10, DIGEST_SIZE);
-        std::string err = varint_get(buf, len, pos, "n", h.n);
-        for (int s = 0; s < 5 && err.empty(); ++s) err = varint_get(buf, len, pos, LENGTH_FIELDS[s], h.lengths[s]);
-        for (size_t a = 0; a < ndim && err.empty(); ++a)
-            err = varint_get(buf, len, pos, "shape[" + std::to_string(a) + "]", h.shape[a]);
-        if (!err.empty()) return err;
+        h.n = varint_get(buf, len, pos, "n");
+        for (int s = 0; s < 5; ++s) h.lengths[s] = varint_get(buf, len, pos, LENGTH_FIELDS[s]);
+        for (size_t a = 0; a < ndim; ++a) h.shape[a] = varint_get(buf, len, pos, "shape[" + std::to_string(a) + "]");
         for (int s = 0; s < 2; ++s)
             if (h.lengths[s] > MAX_PARAMS)
-                return std::string("container ") + LENGTH_FIELDS[s] + " is " + std::to_string(h.lengths[s]) +
-                       "; at most " + std::to_string(MAX_PARAMS);
+                fail(ErrorKind::CONTAINER, std::string("container ") + LENGTH_FIELDS[s] + " is " +
+                                               std::to_string(h.lengths[s]) + "; at most " + std::to_string(MAX_PARAMS));
     }
     h.size = pos - offset;
-    return "";
 }
 
-std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel, const std::vector<uint64_t>* expected,
-                   uint64_t max_numel, bool* shape_mismatch) {
-    std::string err = read_header(buf, len, 0, h);
-    if (!err.empty()) return err;
+uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uint64_t>* expected, uint64_t max_numel) {
+    read_header(buf, len, 0, h);
     const unsigned __int128 total = total128(h);
     if (total != len)
-        return "container length mismatch: header describes " + u128_string(total) + " bytes, buffer has " +
-               std::to_string(len);
+        fail(ErrorKind::CONTAINER, "container length mismatch: header describes " + u128_string(total) +
+                                       " bytes, buffer has " + std::to_string(len));
     if (crc32(buf, len - CRC_SIZE) != static_cast<uint32_t>(le(buf + len - CRC_SIZE, 4)))
-        return "container checksum mismatch: the buffer is corrupted";
+        fail(ErrorKind::CONTAINER, "container checksum mismatch: the buffer is corrupted");
     if ((h.flags & ~KNOWN_FLAGS) || h.reserved) {
         static const char* hex = "0123456789abcdef";
-        return std::string("container has unknown flags 0x") + hex[h.flags >> 4] + hex[h.flags & 15] +
-               " or non-zero reserved bits";
+        fail(ErrorKind::CONTAINER, std::string("container has unknown flags 0x") + hex[h.flags >> 4] +
+                                       hex[h.flags & 15] + " or non-zero reserved bits");
     }
     // container.check_size
     const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 64;   // beyond it: saturate
     unsigned __int128 count = 1;
     for (uint64_t s : h.shape) count = count == 0 || s == 0 ? 0 : (count * s > cap ? cap : count * s);
     if (expected) {
-        if (h.shape != *expected) {
-            if (shape_mismatch) *shape_mismatch = true;
-            return "container holds a tensor of shape " + shape_string(h.shape) + ", expected " +
-                   shape_string(*expected) + ": ranks disagree about this tensor";
-        }
+        if (h.shape != *expected)
+            fail(ErrorKind::COMMUNICATION, "container holds a tensor of shape " + shape_string(h.shape) +
+                                               ", expected " + shape_string(*expected) +
+                                               ": ranks disagree about this tensor");
     } else if (count > max_numel) {
-        return "container claims a tensor of shape " + shape_string(h.shape) + " (" + product_string(h.shape) +
-               " elements), above max_numel = " + std::to_string(max_numel) +
-               "; pass the expected shape or raise max_numel";
+        fail(ErrorKind::CONTAINER, "container claims a tensor of shape " + shape_string(h.shape) + " (" +
+                                       product_string(h.shape) + " elements), above max_numel = " +
+                                       std::to_string(max_numel) + "; pass the expected shape or raise max_numel");
     }
-    if (count >= cap) return "container shape " + shape_string(h.shape) + " has 2**64 elements or more";
-    numel = static_cast<uint64_t>(count);
+    if (count >= cap)
+        fail(ErrorKind::CONTAINER, "container shape " + shape_string(h.shape) + " has 2**64 elements or more");
+    const uint64_t numel = static_cast<uint64_t>(count);
     if (h.n > numel)
-        return "container claims " + std::to_string(h.n) + " values for a tensor of " + std::to_string(numel) +
-               " elements";
+        fail(ErrorKind::CONTAINER, "container claims " + std::to_string(h.n) + " values for a tensor of " +
+                                       std::to_string(numel) + " elements");
     if (h.permuted() != (h.perm_width > 0) || (!h.permuted() && h.lengths[PERM]))
-        return "container permutation flag, width and section disagree";
+        fail(ErrorKind::CONTAINER, "container permutation flag, width and section disagree");
     if (h.dense() && (h.n != numel || static_cast<unsigned __int128>(h.lengths[VALUE]) != 4 * count ||
                       h.lengths[INDEX] || h.lengths[PERM]))
-        return "dense container sections do not match its shape";
-    return "";
+        fail(ErrorKind::CONTAINER, "dense container sections do not match its shape");
+    return numel;
 }
 
-std::string split(const uint8_t* buf, size_t len, std::vector<std::pair<size_t, size_t>>& parts) {
+std::vector<std::pair<size_t, size_t>> split(const uint8_t* buf, size_t len) {
+    std::vector<std::pair<size_t, size_t>> parts;
     size_t offset = 0;
     while (offset < len) {
         Header h;
-        std::string err = read_header(buf, len, offset, h);
-        if (!err.empty()) return err;
+        read_header(buf, len, offset, h);
         const unsigned __int128 total = total128(h);
         if (offset + total > len)
-            return "truncated container at byte " + std::to_string(offset) + ": needs " + u128_string(total) +
-                   " bytes, " + std::to_string(len - offset) + " remain";
+            fail(ErrorKind::CONTAINER, "truncated container at byte " + std::to_string(offset) + ": needs " +
+                                           u128_string(total) + " bytes, " + std::to_string(len - offset) + " remain");
         parts.emplace_back(offset, static_cast<size_t>(total));
         offset += static_cast<size_t>(total);
     }
-    return "";
+    return parts;
 }
 
 std::string shape_string(const std::vector<uint64_t>& shape) {

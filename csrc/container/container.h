@@ -10,8 +10,9 @@
 //   and the CRC-32 (zlib polynomial) of every byte before it.
 // v1: the same first 10 bytes, then u16 Pi, Pv, reserved, u64 n, Li, Lv, Lp, then u64 dims.
 //
-// Parsing never reads out of bounds; a bad buffer yields an error message (the same text as
-// container.py's ContainerError), never an exception.
+// Parsing never reads out of bounds; a bad buffer throws deepreduce::Error (common/error.h) with
+// the text of container.py's ContainerError (CommunicationError for a shape the receiver did not
+// expect).
 #pragma once
 
 #include <cstddef>
@@ -42,9 +43,9 @@ uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
 size_t varint_size(uint64_t v);
 uint8_t* varint_put(uint8_t* out, uint64_t v);
 
-// varint.decode: the varint at buf[pos] (len bounds the read) into value, pos moved past it;
-// "" or the error naming `field`.
-std::string varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field, uint64_t& value);
+// varint.decode: the varint at buf[pos] (len bounds the read), pos moved past it; the error
+// names `field`.
+uint64_t varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::string& field);
 
 // Index of the sections in Header::lengths (and of the params before them).
 enum Section { INDEX_PARAMS = 0, VALUE_PARAMS = 1, INDEX = 2, VALUE = 3, PERM = 4 };
@@ -83,19 +84,18 @@ void finish(uint8_t* container, size_t total);
 // ranges (params and sections in the order of Section), appended to out.
 void pack(Header h, const uint8_t* const data[5], const uint64_t len[5], std::vector<uint8_t>& out);
 
-// The header of the container that starts at buf[offset] (either version) into h; "" or the error.
-std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h);
+// The header of the container that starts at buf[offset] (either version) into h.
+void read_header(const uint8_t* buf, size_t len, size_t offset, Header& h);
 
 // Parse and check one container of exactly len bytes (container.unpack's checks, check_size
-// included): "" or the error. With `expected`, a header of another shape is refused (and
-// *shape_mismatch set: a CommunicationError in the core); without, one claiming more than
-// max_numel elements. numel (the product of the shape) is written on success.
-std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel,
-                   const std::vector<uint64_t>* expected = nullptr, uint64_t max_numel = ~uint64_t(0),
-                   bool* shape_mismatch = nullptr);
+// included) into h; returns numel, the product of its shape. With `expected`, a header of
+// another shape is refused (ErrorKind::COMMUNICATION); without, one claiming more than
+// max_numel elements.
+uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uint64_t>* expected = nullptr,
+                uint64_t max_numel = ~uint64_t(0));
 
-// (offset, length) of every container in a concatenation (container.split): "" or the error.
-std::string split(const uint8_t* buf, size_t len, std::vector<std::pair<size_t, size_t>>& parts);
+// (offset, length) of every container in a concatenation (container.split).
+std::vector<std::pair<size_t, size_t>> split(const uint8_t* buf, size_t len);
 
 // The shape as Python prints a tuple: "(3, 4)", "(8000,)", "()".
 std::string shape_string(const std::vector<uint64_t>& shape);

@@ -12,17 +12,19 @@
 #include <utility>
 #include <vector>
 
-#include "multiversion.h"
+#include "common/error.h"
+#include "common/multiversion.h"
 
+namespace deepreduce {
+namespace fit {
 namespace {
 
-constexpr int kMaxDegree = 15;
-// Automatic segment count per sign: kAutoSegmentsMin, plus one per doubling of n beyond
-// kAutoSegmentsBase values, at most n / kAutoValuesPerSegment (at least 1): see
-// dr_polyfit_auto_segments.
-constexpr int kAutoSegmentsMin = 4;
-constexpr int64_t kAutoSegmentsBase = 1000;
-constexpr int64_t kAutoValuesPerSegment = 64;
+// Automatic segment count per sign: AUTO_SEGMENTS_MIN, plus one per doubling of n beyond
+// AUTO_SEGMENTS_BASE values, at most n / AUTO_VALUES_PER_SEGMENT (at least 1): see
+// auto_segments.
+constexpr int AUTO_SEGMENTS_MIN = 4;
+constexpr int64_t AUTO_SEGMENTS_BASE = 1000;
+constexpr int64_t AUTO_VALUES_PER_SEGMENT = 64;
 
 inline uint32_t desc_key(float f) {
   uint32_t u;
@@ -102,21 +104,21 @@ inline double abscissa(int64_t i, double h, int64_t len) {
 
 // Recurrence constants A_k = (2k+1)/(k+1), B_k = k/(k+1), each rounded once to double.
 struct Recurrence {
-  double a[kMaxDegree + 1], b[kMaxDegree + 1];
+  double a[MAX_DEGREE + 1], b[MAX_DEGREE + 1];
   Recurrence() {
-    for (int k = 0; k <= kMaxDegree; ++k) {
+    for (int k = 0; k <= MAX_DEGREE; ++k) {
       a[k] = (2.0 * k + 1.0) / (k + 1.0);
       b[k] = static_cast<double>(k) / (k + 1.0);
     }
   }
 };
-const Recurrence kRec;
+const Recurrence REC;
 
 // Legendre P_0..P_deg at t: P_{k+1} = A_k t P_k - B_k P_{k-1}.
 inline void legendre(double t, int deg, double* p) {
   p[0] = 1.0;
   if (deg >= 1) p[1] = t;
-  for (int k = 1; k < deg; ++k) p[k + 1] = kRec.a[k] * t * p[k] - kRec.b[k] * p[k - 1];
+  for (int k = 1; k < deg; ++k) p[k + 1] = REC.a[k] * t * p[k] - REC.b[k] * p[k - 1];
 }
 
 // The curve of one segment at its len abscissae, as float32, in out: sum_j coef[j] P_j(t_i),
@@ -131,7 +133,7 @@ inline void evaluate_points(const double* coef, int64_t len, float* out) {
     double p[D + 1];
     p[0] = 1.0;
     if (D >= 1) p[1] = t;
-    for (int k = 1; k < D; ++k) p[k + 1] = kRec.a[k] * t * p[k] - kRec.b[k] * p[k - 1];
+    for (int k = 1; k < D; ++k) p[k + 1] = REC.a[k] * t * p[k] - REC.b[k] * p[k - 1];
     double acc = coef[0] * p[0];
     for (int j = 1; j <= D; ++j) acc += coef[j] * p[j];
     out[i] = static_cast<float>(acc);
@@ -148,7 +150,7 @@ inline void evaluate_dispatch(std::integer_sequence<int, Ds...>, const double* c
 // Compiled for AVX2 too (no FMA: both clones give the same bits).
 DR_MULTIVERSION
 bool evaluate_segment(const double* coef, int deg, int64_t len, float* out) {
-  evaluate_dispatch(std::make_integer_sequence<int, kMaxDegree + 1>(), coef, deg, len, out);
+  evaluate_dispatch(std::make_integer_sequence<int, MAX_DEGREE + 1>(), coef, deg, len, out);
   uint32_t bad = 0;
   for (int64_t i = 0; i < len; ++i) {
     uint32_t bits;
@@ -162,8 +164,8 @@ bool evaluate_segment(const double* coef, int deg, int64_t len, float* out) {
 // basis functions. M is a template parameter so the compiler unrolls the loops; the
 // floating-point operations and their order are the same for every M (sequential sums).
 template <int M>
-void accumulate(const double* y, int64_t len, double (*G)[kMaxDegree + 1], double* r) {
-  double p[kMaxDegree + 1];
+void accumulate(const double* y, int64_t len, double (*G)[MAX_DEGREE + 1], double* r) {
+  double p[MAX_DEGREE + 1];
   const double h = abscissa_step(len);
   for (int64_t i = 0; i < len; ++i) {
     legendre(abscissa(i, h, len), M - 1, p);
@@ -175,23 +177,23 @@ void accumulate(const double* y, int64_t len, double (*G)[kMaxDegree + 1], doubl
 }
 
 template <int... Ms>
-void accumulate_dispatch(int m, const double* y, int64_t len, double (*G)[kMaxDegree + 1],
+void accumulate_dispatch(int m, const double* y, int64_t len, double (*G)[MAX_DEGREE + 1],
                          double* r, std::integer_sequence<int, Ms...>) {
   ((m == Ms + 1 ? (accumulate<Ms + 1>(y, len, G, r), true) : false) || ...);
 }
 
 // Least squares of y[0..len) in the Legendre basis of degree deg via normal equations
 // (well conditioned on [-1, 1]) and Cholesky, all in double.
-int fit_segment(const double* y, int64_t len, int deg, double* coef) {
+void fit_segment(const double* y, int64_t len, int deg, double* coef) {
   const int m = deg + 1;
-  double G[kMaxDegree + 1][kMaxDegree + 1] = {};
-  double r[kMaxDegree + 1] = {};
-  accumulate_dispatch(m, y, len, G, r, std::make_integer_sequence<int, kMaxDegree + 1>{});
-  double L[kMaxDegree + 1][kMaxDegree + 1] = {};
+  double G[MAX_DEGREE + 1][MAX_DEGREE + 1] = {};
+  double r[MAX_DEGREE + 1] = {};
+  accumulate_dispatch(m, y, len, G, r, std::make_integer_sequence<int, MAX_DEGREE + 1>{});
+  double L[MAX_DEGREE + 1][MAX_DEGREE + 1] = {};
   for (int j = 0; j < m; ++j) {
     double s = G[j][j];
     for (int q = 0; q < j; ++q) s -= L[j][q] * L[j][q];
-    if (!(s > 0.0)) return DR_FIT_E_SINGULAR;
+    if (!(s > 0.0)) fail(ErrorKind::ENCODE, "polyfit normal equations are not positive definite");
     L[j][j] = std::sqrt(s);
     for (int i = j + 1; i < m; ++i) {
       double t = G[i][j];
@@ -199,7 +201,7 @@ int fit_segment(const double* y, int64_t len, int deg, double* coef) {
       L[i][j] = t / L[j][j];
     }
   }
-  double z[kMaxDegree + 1];
+  double z[MAX_DEGREE + 1];
   for (int j = 0; j < m; ++j) {
     double s = r[j];
     for (int q = 0; q < j; ++q) s -= L[j][q] * z[q];
@@ -211,8 +213,7 @@ int fit_segment(const double* y, int64_t len, int deg, double* coef) {
     coef[j] = s / L[j][j];
   }
   for (int j = 0; j < m; ++j)
-    if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
-  return DR_FIT_OK;
+    if (!std::isfinite(coef[j])) fail(ErrorKind::ENCODE, "polyfit coefficient is not finite");
 }
 
 inline void put_u32(uint8_t* out, uint32_t v) {
@@ -229,29 +230,35 @@ inline int seg_degree(int64_t len, int degree) {
 }
 
 bool valid_args(int degree, int coef_bytes) {
-  return degree >= 0 && degree <= kMaxDegree && (coef_bytes == 4 || coef_bytes == 8);
+  return degree >= 0 && degree <= MAX_DEGREE && (coef_bytes == 4 || coef_bytes == 8);
 }
+
+[[noreturn]] void argument_error() {
+  fail(ErrorKind::ARGUMENT,
+       "invalid polyfit argument (degree in [0, 15], coefficient width 4 or 8, segments >= 0, n < 2**32)");
+}
+
+[[noreturn]] void container_error(const std::string& message) { fail(ErrorKind::CONTAINER, message); }
 
 }  // namespace
 
-extern "C" {
-
-const char* dr_fit_error_message(int code) {
-  switch (code) {
-    case DR_FIT_OK: return "ok";
-    case DR_FIT_E_ARG: return "invalid polyfit argument (degree in [0, 15], coefficient width 4 or 8, segments >= 0, n < 2**32)";
-    case DR_FIT_E_CAPACITY: return "polyfit output buffer too small";
-    case DR_FIT_E_LENGTH: return "polyfit payload length does not match its segment table";
-    case DR_FIT_E_SEGMENTS: return "polyfit segment lengths are zero or do not add up to the value count";
-    case DR_FIT_E_SINGULAR: return "polyfit normal equations are not positive definite";
-    case DR_FIT_E_NONFINITE: return "polyfit coefficient is not finite";
-    default: return "unknown polyfit error";
-  }
+std::string pack_params(const Params& p) {
+  return std::string{static_cast<char>(p.degree), static_cast<char>(p.coef_bytes)};
 }
 
-int dr_sort_desc(const float* v, int64_t n, int64_t* perm) {
-  if (n < 0) return DR_FIT_E_ARG;
-  if (n == 0) return DR_FIT_OK;
+Params unpack_params(const uint8_t* params, size_t len) {
+  if (len != PARAMS_BYTES)
+    container_error("polyfit parameters have " + std::to_string(len) + " bytes, expected 2");
+  Params p{params[0], params[1]};
+  if (!valid_args(p.degree, p.coef_bytes))
+    container_error("polyfit parameters invalid: degree " + std::to_string(p.degree) + ", coefficient bytes " +
+                    std::to_string(p.coef_bytes));
+  return p;
+}
+
+void sort_desc(const float* v, int64_t n, int64_t* perm) {
+  if (n < 0) argument_error();
+  if (n == 0) return;
   // LSD radix sort on the 32-bit descending key: 11 + 11 + 10 bits, stable.
   std::vector<uint32_t> keys(n), keys2(n);
   std::vector<int64_t> idx2(n);
@@ -281,35 +288,31 @@ int dr_sort_desc(const float* v, int64_t n, int64_t* perm) {
   }
   // After 3 passes the result lives in idx2 (odd number of swaps).
   if (isrc != perm) std::memcpy(perm, isrc, sizeof(int64_t) * n);
-  return DR_FIT_OK;
 }
 
-int dr_polyfit_auto_segments(int64_t n) {
+int auto_segments(int64_t n) {
   int extra = 0;
-  while (extra < 40 && (static_cast<int64_t>(kAutoSegmentsBase) << extra) < n) ++extra;
-  const int64_t by_size = n / kAutoValuesPerSegment;
-  const int64_t count = kAutoSegmentsMin + extra;
+  while (extra < 40 && (static_cast<int64_t>(AUTO_SEGMENTS_BASE) << extra) < n) ++extra;
+  const int64_t by_size = n / AUTO_VALUES_PER_SEGMENT;
+  const int64_t count = AUTO_SEGMENTS_MIN + extra;
   return static_cast<int>(count < by_size ? count : (by_size > 1 ? by_size : 1));
 }
 
-int64_t dr_polyfit_payload_bound(int64_t n, int degree, int max_segments, int coef_bytes) {
-  if (n < 0 || max_segments < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
-  if (max_segments == 0) max_segments = dr_polyfit_auto_segments(n);
+int64_t payload_bound(int64_t n, int degree, int max_segments, int coef_bytes) {
+  if (n < 0 || max_segments < 0 || !valid_args(degree, coef_bytes)) argument_error();
+  if (max_segments == 0) max_segments = auto_segments(n);
   int64_t segs = 2 * static_cast<int64_t>(max_segments);
   return 4 + segs * (4 + static_cast<int64_t>(degree + 1) * coef_bytes);
 }
 
-int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_segments,
-                          int min_points, int coef_bytes, int64_t* perm, uint8_t* out,
-                          int64_t out_capacity) {
-  if (n < 0 || n > 0xFFFFFFFFLL || max_segments < 0 || min_points < 1 ||
-      !valid_args(degree, coef_bytes))
-    return DR_FIT_E_ARG;
-  if (max_segments == 0) max_segments = dr_polyfit_auto_segments(n);
-  int64_t bound = dr_polyfit_payload_bound(n, degree, max_segments, coef_bytes);
-  if (out_capacity < bound) return DR_FIT_E_CAPACITY;
-  int rc = dr_sort_desc(values, n, perm);
-  if (rc != DR_FIT_OK) return rc;
+int64_t encode(const float* values, int64_t n, int degree, int max_segments, int min_points, int coef_bytes,
+               int64_t* perm, uint8_t* out, int64_t out_capacity) {
+  if (n < 0 || n > 0xFFFFFFFFLL || max_segments < 0 || min_points < 1 || !valid_args(degree, coef_bytes))
+    argument_error();
+  if (max_segments == 0) max_segments = auto_segments(n);
+  const int64_t bound = payload_bound(n, degree, max_segments, coef_bytes);
+  if (out_capacity < bound) fail(ErrorKind::ARGUMENT, "polyfit output buffer too small");
+  sort_desc(values, n, perm);
   std::vector<double> y(n);
   int64_t l = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -329,15 +332,14 @@ int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_se
     w += 4;
   }
   int64_t start = 0;
-  double coef[kMaxDegree + 1];
+  double coef[MAX_DEGREE + 1];
   for (int64_t len : lengths) {
     int deg = seg_degree(len, degree);
-    rc = fit_segment(y.data() + start, len, deg, coef);
-    if (rc != DR_FIT_OK) return rc;
+    fit_segment(y.data() + start, len, deg, coef);
     for (int j = 0; j <= deg; ++j) {
       if (coef_bytes == 4) {
         float f = static_cast<float>(coef[j]);
-        if (!std::isfinite(f)) return DR_FIT_E_NONFINITE;
+        if (!std::isfinite(f)) fail(ErrorKind::ENCODE, "polyfit coefficient is not finite");
         std::memcpy(w, &f, 4);  // little-endian hosts only (x86-64, aarch64)
       } else {
         std::memcpy(w, &coef[j], 8);
@@ -349,59 +351,71 @@ int64_t dr_polyfit_encode(const float* values, int64_t n, int degree, int max_se
   return static_cast<int64_t>(w - out);
 }
 
-}  // extern "C"
-
 namespace {
 
 // The segment table of a payload: its lengths must add up to l and n, and the coefficients
-// after it must take exactly the remaining bytes. Reads only the payload (never n entries), so
-// a count the payload cannot back is refused before anything of n values is allocated.
-int parse_table(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes,
-                std::vector<int64_t>* lengths, int64_t* coef_pos) {
-  if (n < 0 || len < 0 || !valid_args(degree, coef_bytes)) return DR_FIT_E_ARG;
-  if (len < 4) return DR_FIT_E_LENGTH;
+// after it must take exactly the remaining bytes (polyfit.parse_lengths and decode_numpy's length
+// check, with their texts). Reads only the payload (never n entries), so a count the payload
+// cannot back is refused before anything of n values is allocated.
+void parse_table(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes,
+                 std::vector<int64_t>* lengths, int64_t* coef_pos) {
+  if (n < 0 || len < 0 || !valid_args(degree, coef_bytes)) argument_error();
+  if (len < 4) container_error("polyfit value section has " + std::to_string(len) + " bytes; at least 4 expected");
   const int64_t l = get_u32(payload);
-  if (l > n) return DR_FIT_E_SEGMENTS;
+  if (l > n)
+    container_error("polyfit value section claims " + std::to_string(l) + " non-negative values of " +
+                    std::to_string(n));
   int64_t pos = 4;
   int64_t coef_count = 0;
   for (int part = 0; part < 2; ++part) {
     const int64_t total = part == 0 ? l : n - l;
     int64_t sum = 0;
     while (sum < total) {
-      if (pos + 4 > len) return DR_FIT_E_LENGTH;
+      if (pos + 4 > len) container_error("polyfit value section ends inside its segment table");
       int64_t s = get_u32(payload + pos);
       pos += 4;
-      if (s == 0 || s > total - sum) return DR_FIT_E_SEGMENTS;
+      if (s == 0 || s > total - sum) container_error("polyfit segment lengths do not add up to the value count");
       sum += s;
       if (lengths) lengths->push_back(s);
       coef_count += seg_degree(s, degree) + 1;
     }
   }
-  if (len - pos != coef_count * coef_bytes) return DR_FIT_E_LENGTH;
+  if (len - pos != coef_count * coef_bytes)
+    container_error("polyfit value section has " + std::to_string(len) + " bytes, its segment table implies " +
+                    std::to_string(pos + coef_count * coef_bytes));
   if (coef_pos) *coef_pos = pos;
-  return DR_FIT_OK;
 }
 
 }  // namespace
 
-extern "C" {
-
-int dr_polyfit_check(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes) {
-  return parse_table(payload, len, n, degree, coef_bytes, nullptr, nullptr);
+void check_payload(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes) {
+  parse_table(payload, len, n, degree, coef_bytes, nullptr, nullptr);
 }
 
-int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree,
-                      int coef_bytes, float* out) {
+void decode(const uint8_t* payload, int64_t len, int64_t n, int degree, int coef_bytes, float* out) {
   std::vector<int64_t> lengths;
   int64_t pos = 0;
-  const int rc = parse_table(payload, len, n, degree, coef_bytes, &lengths, &pos);
-  if (rc != DR_FIT_OK) return rc;
+  parse_table(payload, len, n, degree, coef_bytes, &lengths, &pos);
   const uint8_t* c = payload + pos;
   int64_t start = 0;
-  double coef[kMaxDegree + 1];
+  double coef[MAX_DEGREE + 1];
+  for (int64_t seglen : lengths) {   // every coefficient is checked before any value is computed
+    const int deg = seg_degree(seglen, degree);
+    for (int j = 0; j <= deg; ++j, c += coef_bytes) {
+      if (coef_bytes == 4) {
+        float f;
+        std::memcpy(&f, c, 4);
+        coef[0] = static_cast<double>(f);
+      } else {
+        std::memcpy(&coef[0], c, 8);
+      }
+      if (!std::isfinite(coef[0])) container_error("polyfit value section holds a non-finite coefficient");
+    }
+  }
+  c = payload + pos;
   for (int64_t seglen : lengths) {
-    int deg = seg_degree(seglen, degree);
-    for (int j = 0; j <= deg; ++j) {
+    const int deg = seg_degree(seglen, degree);
+    for (int j = 0; j <= deg; ++j, c += coef_bytes) {
       if (coef_bytes == 4) {
         float f;
         std::memcpy(&f, c, 4);
@@ -409,13 +423,12 @@ int dr_polyfit_decode(const uint8_t* payload, int64_t len, int64_t n, int degree
       } else {
         std::memcpy(&coef[j], c, 8);
       }
-      if (!std::isfinite(coef[j])) return DR_FIT_E_NONFINITE;
-      c += coef_bytes;
     }
-    if (!evaluate_segment(coef, deg, seglen, out + start)) return DR_FIT_E_NONFINITE;
+    if (!evaluate_segment(coef, deg, seglen, out + start))
+      container_error("polyfit value section decodes to non-finite values");
     start += seglen;
   }
-  return DR_FIT_OK;
 }
 
-}  // extern "C"
+}  // namespace fit
+}  // namespace deepreduce

@@ -2,88 +2,67 @@
 // is released around every kernel. In-place arguments (residual, out) must already be
 // writeable C-contiguous float32 arrays: they are never converted (a copy would lose the write).
 // Index arrays must have an integer dtype (a float array raises TypeError instead of being
-// truncated); threads must be in [1, 256]; bad arguments raise, they never reach a kernel.
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-
+// truncated); threads must be in [1, MAX_THREADS]; bad arguments raise (common/py_args.h), they
+// never reach a kernel.
 #include <algorithm>
-#include <stdexcept>
 #include <string>
 
+#include "common/py_args.h"
 #include "select.h"
 
 namespace py = pybind11;
+namespace sel = deepreduce::select;
+using deepreduce::py_args::FloatInPlace;
+using deepreduce::py_args::in_place_array;
+using deepreduce::py_args::position_array;
 
 namespace {
 
-using FloatIn = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using FloatInPlace = py::array_t<float, py::array::c_style>;
-using IndexIn = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using FloatIn = deepreduce::py_args::FloatArray;
+using IndexIn = deepreduce::py_args::I64Array;
 
-constexpr int kMaxThreads = 256;
-
-int checked_threads(int threads) {
-  if (threads < 1 || threads > kMaxThreads) throw std::invalid_argument("threads must be in [1, 256]");
-  return threads;
-}
-
-// An index argument as int64: integer dtypes only (no silent truncation of floats).
-IndexIn index_arg(const py::array& arr, const char* name) {
-  const char kind = arr.dtype().kind();
-  if (kind != 'i' && kind != 'u')
-    throw py::type_error(std::string(name) + " must be an integer array, got dtype " + std::string(py::str(arr.dtype())));
-  return IndexIn::ensure(arr);
-}
-
-// An in-place float32 argument, checked rather than converted (TypeError names it).
-FloatInPlace in_place_arg(const py::object& obj, const char* name) {
-  if (!FloatInPlace::check_(obj) || !py::cast<py::array>(obj).writeable())
-    throw py::type_error(std::string(name) + " must be a writeable C-contiguous float32 array");
-  return py::reinterpret_borrow<FloatInPlace>(obj);
-}
-
-// (finite, Top-r positions or None): see dr_select::scan.
+// (finite, Top-r positions or None): see sel::scan.
 py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
-  threads = checked_threads(threads);
+  deepreduce::check_threads(threads);
   const int64_t n = g.size();
   float* r = nullptr;
   FloatInPlace res;
   if (!residual.is_none()) {
-    res = in_place_arg(residual, "residual");
-    if (res.size() != n) throw std::invalid_argument("scan: residual and gradient differ in size");
+    res = in_place_array(residual, "residual");
+    if (res.size() != n) throw py::value_error("scan: residual and gradient differ in size");
     r = res.mutable_data();
   }
   const bool select = topk_r > 0 && topk_r < n;
   py::array_t<int64_t> out(select ? topk_r : 0);
   int64_t* o = out.mutable_data();
-  dr_select::Scan result;
+  sel::Scan result;
   {
     py::gil_scoped_release release;
-    result = dr_select::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
+    result = sel::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
   }
-  if (result == dr_select::Scan::kSelected) return py::make_tuple(true, out);
-  return py::make_tuple(result == dr_select::Scan::kFinite, py::none());
+  if (result == sel::Scan::SELECTED) return py::make_tuple(true, out);
+  return py::make_tuple(result == sel::Scan::FINITE, py::none());
 }
 
 py::array_t<int64_t> topk(FloatIn x, int64_t r, int threads) {
-  threads = checked_threads(threads);
+  deepreduce::check_threads(threads);
   const int64_t n = x.size();
-  if (r <= 0 || r >= n) throw std::invalid_argument("topk: r must satisfy 0 < r < n");
+  if (r <= 0 || r >= n) throw py::value_error("topk: r must satisfy 0 < r < n");
   py::array_t<int64_t> out(r);
   int64_t* o = out.mutable_data();
   {
     py::gil_scoped_release release;
-    dr_select::topk(x.data(), n, r, threads, o);
+    sel::topk(x.data(), n, r, threads, o);
   }
   return out;
 }
 
 py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
-  threads = checked_threads(threads);
+  deepreduce::check_threads(threads);
   std::vector<int64_t> found;
   {
     py::gil_scoped_release release;
-    found = dr_select::threshold(x.data(), x.size(), t, threads);
+    found = sel::threshold(x.data(), x.size(), t, threads);
   }
   py::array_t<int64_t> out(static_cast<py::ssize_t>(found.size()));
   if (!found.empty()) std::copy(found.begin(), found.end(), out.mutable_data());
@@ -91,11 +70,11 @@ py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
 }
 
 py::array_t<int64_t> nonzero(FloatIn x, int threads) {
-  threads = checked_threads(threads);
+  deepreduce::check_threads(threads);
   std::vector<int64_t> counts;
   {
     py::gil_scoped_release release;
-    counts = dr_select::nonzero_counts(x.data(), x.size(), threads);
+    counts = sel::nonzero_counts(x.data(), x.size(), threads);
   }
   int64_t total = 0;
   for (int64_t c : counts) total += c;
@@ -103,44 +82,40 @@ py::array_t<int64_t> nonzero(FloatIn x, int threads) {
   int64_t* o = out.mutable_data();
   {
     py::gil_scoped_release release;
-    dr_select::nonzero(x.data(), x.size(), counts, o);
+    sel::nonzero(x.data(), x.size(), counts, o);
   }
   return out;
 }
 
-void check_scatter(const FloatInPlace& out, const IndexIn& idx, const FloatIn& val) {
-  if (idx.size() != val.size()) throw std::invalid_argument("scatter_add: indices and values differ in length");
+void check_scatter(const IndexIn& idx, const FloatIn& val) {
+  if (idx.size() != val.size()) throw py::value_error("scatter_add: indices and values differ in length");
 }
 
 void scatter_add(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
-  threads = checked_threads(threads);
-  FloatInPlace out = in_place_arg(out_obj, "out");
-  IndexIn idx = index_arg(idx_obj, "indices");
-  check_scatter(out, idx, val);
+  deepreduce::check_threads(threads);
+  FloatInPlace out = in_place_array(out_obj, "out");
+  IndexIn idx = position_array(idx_obj, "indices");
+  check_scatter(idx, val);
   float* o = out.mutable_data();
-  std::string error;
-  {
-    py::gil_scoped_release release;
-    error = dr_select::scatter_add_checked(o, out.size(), idx.data(), val.data(), idx.size(), threads);
-  }
-  if (!error.empty()) throw py::value_error(error);
+  py::gil_scoped_release release;
+  sel::scatter_add_checked(o, out.size(), idx.data(), val.data(), idx.size(), threads);
 }
 
 void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
-  threads = checked_threads(threads);
-  FloatInPlace out = in_place_arg(out_obj, "out");
-  IndexIn idx = index_arg(idx_obj, "indices");
-  check_scatter(out, idx, val);
+  deepreduce::check_threads(threads);
+  FloatInPlace out = in_place_array(out_obj, "out");
+  IndexIn idx = position_array(idx_obj, "indices");
+  check_scatter(idx, val);
   float* o = out.mutable_data();
   py::gil_scoped_release release;
-  dr_select::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
+  sel::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
 }
 
 // (norms, levels, receiver's values) of qsgd_encode, or None if a bucket norm is not finite.
 py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t seed, int threads) {
-  threads = checked_threads(threads);
-  if (levels < 1 || levels > 32767) throw std::invalid_argument("qsgd_encode: levels must be in [1, 32767]");
-  if (bucket_size < 1) throw std::invalid_argument("qsgd_encode: bucket_size must be >= 1");
+  deepreduce::check_threads(threads);
+  if (levels < 1 || levels > 32767) throw py::value_error("qsgd_encode: levels must be in [1, 32767]");
+  if (bucket_size < 1) throw py::value_error("qsgd_encode: bucket_size must be >= 1");
   const int64_t n = values.size();
   const int64_t width = std::min<int64_t>(bucket_size, std::max<int64_t>(n, 1));
   py::array_t<float> norms((n + width - 1) / width);
@@ -153,7 +128,7 @@ py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t
   bool finite;
   {
     py::gil_scoped_release release;
-    finite = dr_select::qsgd_encode(values.data(), n, levels, bucket_size, seed, threads, nu, q8, q16, r);
+    finite = sel::qsgd_encode(values.data(), n, levels, bucket_size, seed, threads, nu, q8, q16, r);
   }
   if (!finite) return py::none();
   return py::make_tuple(norms, q, recon);
@@ -162,6 +137,8 @@ py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t
 }  // namespace
 
 PYBIND11_MODULE(_select, m) {
+  deepreduce::py_args::register_errors();
+  m.attr("MAX_THREADS") = deepreduce::MAX_THREADS;   // the one C++ thread limit (common/checks.h)
   m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
           "QSGD encode";
   m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),

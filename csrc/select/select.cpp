@@ -2,27 +2,28 @@
 #include "select.h"
 
 #include "bloom/bloom.h"   // mix64 and GAMMA: the one C++ definition of SplitMix64
-#include "multiversion.h"
+#include "common/error.h"
+#include "common/multiversion.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <stdexcept>
 #include <thread>
 
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
 
-namespace dr_select {
+namespace deepreduce {
+namespace select {
 namespace {
 
-constexpr int64_t kMinPerThread = int64_t{1} << 16;  // below this a thread costs more than it saves
-constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
-constexpr uint32_t kExpMask = 0x7F800000u;
-constexpr int kSubHists = 4;  // interleaved sub-histograms: runs of one bucket do not serialise
+constexpr int64_t MIN_PER_THREAD = int64_t{1} << 16;  // below this a thread costs more than it saves
+constexpr uint32_t ABS_MASK = 0x7FFFFFFFu;
+constexpr uint32_t EXP_MASK = 0x7F800000u;
+constexpr int SUB_HISTS = 4;  // interleaved sub-histograms: runs of one bucket do not serialise
 
 inline uint32_t bits_of(float v) {
   uint32_t u;
@@ -30,19 +31,19 @@ inline uint32_t bits_of(float v) {
   return u;
 }
 
-inline uint32_t magnitude_key(float v) { return bits_of(v) & kAbsMask; }
+inline uint32_t magnitude_key(float v) { return bits_of(v) & ABS_MASK; }
 
-// Chunk c of `chunks` over [0, n), boundaries on multiples of kBlock.
+// Chunk c of `chunks` over [0, n), boundaries on multiples of BLOCK.
 struct Chunks {
   int64_t n;
   int count;
   Chunks(int64_t n_, int threads) : n(n_) {
-    int64_t useful = std::max<int64_t>(1, n / kMinPerThread);
+    int64_t useful = std::max<int64_t>(1, n / MIN_PER_THREAD);
     count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
   }
   int64_t begin(int c) const {
-    int64_t blocks = (n + kBlock - 1) / kBlock;
-    return std::min(n, blocks * c / count * kBlock);
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    return std::min(n, blocks * c / count * BLOCK);
   }
   int64_t end(int c) const { return begin(c + 1); }
 };
@@ -62,30 +63,30 @@ void run_chunks(int count, const std::function<void(int)>& body) {
 
 inline bool block_finite(const float* g, int64_t len) {
   uint32_t bad = 0;
-  for (int64_t i = 0; i < len; ++i) bad |= static_cast<uint32_t>((bits_of(g[i]) & kExpMask) == kExpMask);
+  for (int64_t i = 0; i < len; ++i) bad |= static_cast<uint32_t>((bits_of(g[i]) & EXP_MASK) == EXP_MASK);
   return bad == 0;
 }
 
-// Histogram of the magnitude buckets of x[0..len) into sub-histograms h[kSubHists][kHistSize].
+// Histogram of the magnitude buckets of x[0..len) into sub-histograms h[SUB_HISTS][HIST_SIZE].
 inline void count_buckets(const float* x, int64_t len, uint32_t* h) {
   int64_t i = 0;
-  for (; i + kSubHists <= len; i += kSubHists) {
-    for (int s = 0; s < kSubHists; ++s) ++h[s * kHistSize + (magnitude_key(x[i + s]) >> kHistShift)];
+  for (; i + SUB_HISTS <= len; i += SUB_HISTS) {
+    for (int s = 0; s < SUB_HISTS; ++s) ++h[s * HIST_SIZE + (magnitude_key(x[i + s]) >> HIST_SHIFT)];
   }
-  for (; i < len; ++i) ++h[magnitude_key(x[i]) >> kHistShift];
+  for (; i < len; ++i) ++h[magnitude_key(x[i]) >> HIST_SHIFT];
 }
 
 // Adds the uint32 sub-histograms into out (uint64) and clears them.
 inline void flush_buckets(uint32_t* h, uint64_t* out) {
-  for (int s = 0; s < kSubHists; ++s) {
-    for (int64_t b = 0; b < kHistSize; ++b) {
-      out[b] += h[s * kHistSize + b];
-      h[s * kHistSize + b] = 0;
+  for (int s = 0; s < SUB_HISTS; ++s) {
+    for (int64_t b = 0; b < HIST_SIZE; ++b) {
+      out[b] += h[s * HIST_SIZE + b];
+      h[s * HIST_SIZE + b] = 0;
     }
   }
 }
 
-constexpr int64_t kFlushEvery = int64_t{1} << 30;  // uint32 sub-counters never overflow
+constexpr int64_t FLUSH_EVERY = int64_t{1} << 30;  // uint32 sub-counters never overflow
 // Calls emit(i), in order, for every i in [lo, hi) with keep(x[i]). keep must imply
 // magnitude_key(x[i]) >= low. Selections keep few entries: 16 keys at a time are compared with
 // `low` into a bit mask (SSE2 where available), and only its set bits are visited.
@@ -93,7 +94,7 @@ template <class Keep, class Emit>
 inline void gather(const float* x, int64_t lo, int64_t hi, uint32_t low, Keep keep, Emit emit) {
   int64_t i = lo;
 #ifdef __SSE2__
-  const __m128i abs_mask = _mm_set1_epi32(static_cast<int>(kAbsMask));
+  const __m128i abs_mask = _mm_set1_epi32(static_cast<int>(ABS_MASK));
   const __m128i bound = _mm_set1_epi32(static_cast<int>(low) - 1);  // keys and low are < 2^31
   for (; i + 16 <= hi; i += 16) {
     unsigned mask = 0;
@@ -139,20 +140,20 @@ struct Candidates {
 // The r-th largest of `keys` (1 <= r <= keys.size()) by radix select: a histogram of one digit
 // (11, 11, then the last 9 bits) finds the digit of the cut, and only the keys with that digit
 // move on. Linear and branch-light where nth_element's partitioning mispredicts; below
-// kRadixMin keys, nth_element (the histograms' fixed cost would dominate).
-constexpr size_t kRadixMin = 4096;
+// RADIX_MIN keys, nth_element (the histograms' fixed cost would dominate).
+constexpr size_t RADIX_MIN = 4096;
 uint32_t radix_cut(std::vector<uint32_t> keys, int64_t r) {
-  if (keys.size() < kRadixMin) {
+  if (keys.size() < RADIX_MIN) {
     std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
     return keys[r - 1];
   }
-  constexpr int kShift[3] = {20, 9, 0};
-  constexpr uint32_t kDigits[3] = {2048, 2048, 512};
+  constexpr int SHIFT[3] = {20, 9, 0};
+  constexpr uint32_t DIGITS[3] = {2048, 2048, 512};
   std::vector<int64_t> hist(2048);
   uint32_t prefix = 0;
   for (int level = 0; level < 3; ++level) {
-    const int shift = kShift[level];
-    const uint32_t mask = kDigits[level] - 1;
+    const int shift = SHIFT[level];
+    const uint32_t mask = DIGITS[level] - 1;
     std::fill(hist.begin(), hist.end(), 0);
     for (uint32_t k : keys) ++hist[(k >> shift) & mask];
     uint32_t digit = mask;
@@ -212,23 +213,23 @@ void finish_topk(const Candidates& cand, int64_t r, int64_t* out) {
   });
 }
 
-// The sample: kSampleLen-entry blocks, evenly spaced, 1/kSampleShare of the tensor but at least
+// The sample: SAMPLE_LEN-entry blocks, evenly spaced, 1/SAMPLE_SHARE of the tensor but at least
 // 4 and at most 256 blocks (1,024 to 65,536 entries). Resolving the bound costs a selection over
 // the sample, so it must stay small beside the tensor: a fixed 65,536-entry sample made the
 // fused pass slower than histogram + gather below a few million entries.
-constexpr int64_t kSampleLen = 256, kSampleShare = 16, kMinSampleBlocks = 4, kMaxSampleBlocks = 256;
-static_assert(kFusedMinSize == kSampleShare * kMinSampleBlocks * kSampleLen, "the smallest fused tensor's sample");
+constexpr int64_t SAMPLE_LEN = 256, SAMPLE_SHARE = 16, MIN_SAMPLE_BLOCKS = 4, MAX_SAMPLE_BLOCKS = 256;
+static_assert(FUSED_MIN_SIZE == SAMPLE_SHARE * MIN_SAMPLE_BLOCKS * SAMPLE_LEN, "the smallest fused tensor's sample");
 
 // A key bound that, judging from a sample of evenly spaced blocks of the compensated
 // gradient, about 1.3 r entries reach; 0 when the tensor is too small to sample.
 uint32_t sampled_bound(const float* g, const float* residual, int64_t n, int64_t r) {
-  if (n < kFusedMinSize) return 0;
-  const int64_t blocks = std::clamp(n / (kSampleShare * kSampleLen), kMinSampleBlocks, kMaxSampleBlocks);
+  if (n < FUSED_MIN_SIZE) return 0;
+  const int64_t blocks = std::clamp(n / (SAMPLE_SHARE * SAMPLE_LEN), MIN_SAMPLE_BLOCKS, MAX_SAMPLE_BLOCKS);
   std::vector<uint32_t> sample;
-  sample.reserve(static_cast<size_t>(blocks * kSampleLen));
+  sample.reserve(static_cast<size_t>(blocks * SAMPLE_LEN));
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t start = (n - kSampleLen) * b / (blocks - 1);
-    for (int64_t i = start; i < start + kSampleLen; ++i)
+    const int64_t start = (n - SAMPLE_LEN) * b / (blocks - 1);
+    for (int64_t i = start; i < start + SAMPLE_LEN; ++i)
       sample.push_back(magnitude_key(residual ? residual[i] + g[i] : g[i]));
   }
   const double expected = static_cast<double>(r) * static_cast<double>(sample.size()) / static_cast<double>(n);
@@ -240,17 +241,17 @@ uint32_t sampled_bound(const float* g, const float* residual, int64_t n, int64_t
 
 std::vector<uint64_t> histogram(const float* x, int64_t n, int threads) {
   Chunks chunks(n, threads);
-  std::vector<std::vector<uint64_t>> partial(chunks.count, std::vector<uint64_t>(kHistSize, 0));
+  std::vector<std::vector<uint64_t>> partial(chunks.count, std::vector<uint64_t>(HIST_SIZE, 0));
   run_chunks(chunks.count, [&](int c) {
-    std::vector<uint32_t> sub(kSubHists * kHistSize, 0);
-    for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += kFlushEvery) {
-      count_buckets(x + b, std::min(kFlushEvery, hi - b), sub.data());
+    std::vector<uint32_t> sub(SUB_HISTS * HIST_SIZE, 0);
+    for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += FLUSH_EVERY) {
+      count_buckets(x + b, std::min(FLUSH_EVERY, hi - b), sub.data());
       flush_buckets(sub.data(), partial[c].data());
     }
   });
-  std::vector<uint64_t> hist(kHistSize, 0);
+  std::vector<uint64_t> hist(HIST_SIZE, 0);
   for (const auto& p : partial)
-    for (int64_t b = 0; b < kHistSize; ++b) hist[b] += p[b];
+    for (int64_t b = 0; b < HIST_SIZE; ++b) hist[b] += p[b];
   return hist;
 }
 
@@ -267,8 +268,8 @@ Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int thread
     const int64_t lo = chunks.begin(c), hi = chunks.end(c);
     if (gathering)
       cand.reserve(c, (hi - lo) * (topk_r + topk_r / 2) / n + 64);
-    for (int64_t b = lo; b < hi; b += kBlock) {
-      const int64_t len = std::min(kBlock, hi - b);
+    for (int64_t b = lo; b < hi; b += BLOCK) {
+      const int64_t len = std::min(BLOCK, hi - b);
       if (!block_finite(g + b, len)) {
         finite[c] = 0;
         continue;
@@ -285,36 +286,36 @@ Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int thread
   if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; })) {
     if (residual) {  // take the step out again: only the finite blocks were added
       run_chunks(chunks.count, [&](int c) {
-        for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += kBlock) {
-          const int64_t len = std::min(kBlock, hi - b);
+        for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += BLOCK) {
+          const int64_t len = std::min(BLOCK, hi - b);
           if (!block_finite(g + b, len)) continue;
           float* r = residual + b;
           for (int64_t i = 0; i < len; ++i) r[i] -= g[b + i];
         }
       });
     }
-    return Scan::kNonFinite;
+    return Scan::NON_FINITE;
   }
-  if (!fuse) return Scan::kFinite;
+  if (!fuse) return Scan::FINITE;
   const float* source = residual ? residual : g;
   if (gathering && cand.size() >= topk_r) {
     finish_topk(cand, topk_r, out);
   } else {  // tensor too small to sample, or the sample's bound was too high: select on its own
     topk(source, n, topk_r, threads, out);
   }
-  return Scan::kSelected;
+  return Scan::SELECTED;
 }
 
 void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out) {
   const std::vector<uint64_t> hist = histogram(x, n, threads);
   // The bucket holding the r-th largest magnitude: gather it and everything above.
-  int64_t bucket = kHistSize - 1;
+  int64_t bucket = HIST_SIZE - 1;
   uint64_t above_bucket = 0;
   for (; bucket > 0; --bucket) {
     if (above_bucket + hist[bucket] >= static_cast<uint64_t>(r)) break;
     above_bucket += hist[bucket];
   }
-  const uint32_t low = static_cast<uint32_t>(bucket) << kHistShift;
+  const uint32_t low = static_cast<uint32_t>(bucket) << HIST_SHIFT;
   const int64_t at_or_above = static_cast<int64_t>(above_bucket + hist[bucket]);
   Chunks chunks(n, threads);
   Candidates cand(chunks.count);
@@ -359,28 +360,27 @@ void nonzero(const float* x, int64_t n, const std::vector<int64_t>& counts, int6
   Chunks chunks(n, static_cast<int>(counts.size()));
   std::vector<int64_t> offset(counts.size() + 1, 0);
   for (size_t c = 0; c < counts.size(); ++c) offset[c + 1] = offset[c] + counts[c];
-  constexpr int64_t kRun = 64;
+  constexpr int64_t RUN = 64;
   run_chunks(chunks.count, [&](int c) {
     int64_t i = chunks.begin(c), o = offset[c];
     const int64_t hi = chunks.end(c), end = offset[c + 1];
     // Branch-free: every position is written at o, and kept by advancing o when it is non-zero.
-    // A run of kRun entries advances o at most kRun times, so while kRun slots of this chunk's
+    // A run of RUN entries advances o at most RUN times, so while RUN slots of this chunk's
     // share of out are left its writes stay inside it; the rest is done with a branch.
-    while (i + kRun <= hi && end - o >= kRun) {
-      for (int64_t j = i; j < i + kRun; ++j) {
+    while (i + RUN <= hi && end - o >= RUN) {
+      for (int64_t j = i; j < i + RUN; ++j) {
         out[o] = j;
         o += magnitude_key(x[j]) != 0;
       }
-      i += kRun;
+      i += RUN;
     }
     for (; i < hi; ++i)
       if (magnitude_key(x[i]) != 0) out[o++] = i;
   });
 }
 
-std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n,
-                                int threads) {
-  if (n == 0) return "";
+void scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n, int threads) {
+  if (n == 0) return;
   Chunks chunks(n, threads);
   std::atomic<bool> ordered{true};
   run_chunks(chunks.count, [&](int c) {
@@ -390,12 +390,12 @@ std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, c
     if (!ok) ordered.store(false, std::memory_order_relaxed);
   });
   if (!ordered.load())
-    return "container indices are not strictly ascending although the index codec promises ascending order "
-           "(an index is repeated or out of order)";
+    fail(ErrorKind::CONTAINER,
+         "container indices are not strictly ascending although the index codec promises ascending order "
+         "(an index is repeated or out of order)");
   if (idx[0] < 0 || idx[n - 1] >= numel)
-    return "container index out of range for a tensor of " + std::to_string(numel) + " elements";
+    fail(ErrorKind::CONTAINER, "container index out of range for a tensor of " + std::to_string(numel) + " elements");
   scatter_add(out, idx, val, n, threads);
-  return "";
 }
 
 void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads) {
@@ -478,4 +478,5 @@ bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t
   return finite;
 }
 
-}  // namespace dr_select
+}  // namespace select
+}  // namespace deepreduce

@@ -4,27 +4,28 @@
 // decode.
 //
 // Every kernel splits its input into `threads` chunks of whole blocks and combines the chunks'
-// results in chunk order, so the thread count never changes a result.
+// results in chunk order, so the thread count never changes a result (callers bound threads by
+// deepreduce::check_threads, common/checks.h).
 #pragma once
 #include <cstdint>
-#include <string>
 #include <vector>
 
-namespace dr_select {
+namespace deepreduce {
+namespace select {
 
-constexpr int kHistBits = 11;                 // buckets: top 11 bits of the magnitude pattern
-constexpr int kHistShift = 31 - kHistBits;    // sign bit cleared, so 31 significant bits
-constexpr int64_t kHistSize = int64_t{1} << kHistBits;
-constexpr int64_t kBlock = 4096;              // a non-finite block is never added to a residual
-constexpr int64_t kFusedMinSize = int64_t{1} << 14;  // smaller tensors: no sampled bound
+constexpr int HIST_BITS = 11;                 // buckets: top 11 bits of the magnitude pattern
+constexpr int HIST_SHIFT = 31 - HIST_BITS;    // sign bit cleared, so 31 significant bits
+constexpr int64_t HIST_SIZE = int64_t{1} << HIST_BITS;
+constexpr int64_t BLOCK = 4096;              // a non-finite block is never added to a residual
+constexpr int64_t FUSED_MIN_SIZE = int64_t{1} << 14;  // smaller tensors: no sampled bound
 
-enum class Scan { kNonFinite, kFinite, kSelected };
+enum class Scan { NON_FINITE, FINITE, SELECTED };
 
 // One pass over the gradient g[0..n): checks that it is finite and, with `residual`, adds g into
 // it in place (residual becomes the compensated gradient). If g holds a NaN/Inf, blocks holding
 // one are left alone and the others are taken out again (residual = (residual + g) - g):
-// returns kNonFinite. With 0 < topk_r < n, also writes the Top-r positions of the compensated
-// gradient (as topk) into out and returns kSelected: from kFusedMinSize entries on, a sample of
+// returns NON_FINITE. With 0 < topk_r < n, also writes the Top-r positions of the compensated
+// gradient (as topk) into out and returns SELECTED: from FUSED_MIN_SIZE entries on, a sample of
 // the compensated gradient (1/16 of it, 1,024 to 65,536 entries) gives a magnitude bound about
 // 1.3 r entries reach, the same pass gathers those entries, and the Top-r is resolved among them
 // (if fewer than r reach the bound, or the tensor is smaller, topk runs on its own).
@@ -32,7 +33,7 @@ Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int thread
 
 // Ascending positions of the r entries of largest |x| (0 < r < n): every entry above the r-th
 // largest magnitude, then the entries equal to it, lowest position first. A radix select on the
-// magnitude bit patterns: a histogram of their top kHistBits bits finds the bucket of the cut,
+// magnitude bit patterns: a histogram of their top HIST_BITS bits finds the bucket of the cut,
 // one pass gathers that bucket and above, the cut is resolved among those (a radix select of
 // the candidates' keys, digit by digit). Writes r positions.
 void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out);
@@ -48,9 +49,8 @@ std::vector<int64_t> nonzero_counts(const float* x, int64_t n, int threads);
 void nonzero(const float* x, int64_t n, const std::vector<int64_t>& counts, int64_t* out);
 
 // out[idx[j]] += val[j] for j < n. The checked form first verifies that idx is strictly
-// ascending and inside [0, numel); it returns an error message (nothing written) if not.
-std::string scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n,
-                                int threads);
+// ascending and inside [0, numel); it throws ErrorKind::CONTAINER (nothing written) if not.
+void scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n, int threads);
 void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads);
 
 // QSGD encode (deepreduce/values/qsgd.py: the same float64 arithmetic in the same order, so the
@@ -63,4 +63,5 @@ void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, in
 bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads,
                  float* norms, int8_t* q8, int16_t* q16, float* recon);
 
-}  // namespace dr_select
+}  // namespace select
+}  // namespace deepreduce

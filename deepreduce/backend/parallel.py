@@ -17,7 +17,7 @@ from typing import Union
 from ..errors import ConfigError
 
 AUTO = "auto"
-MAX_THREADS = 256   # the C++ kernels' bound (csrc/bloom/bloom.h MAX_THREADS)
+MAX_THREADS = 256   # the C++ kernels' bound (csrc/common/checks.h MAX_THREADS; tested equal)
 LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE")
 
 ThreadsOption = Union[int, str]

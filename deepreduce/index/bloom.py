@@ -218,11 +218,17 @@ def filter_params(r: int, fpr: float) -> tuple:
     ``k`` and the keys per block ``lam`` maximise ``lam`` subject to ``blocked_fpr(lam, k) <= fpr``;
     ``blocks = ceil(r / lam)`` (``r = 0``: no blocks)."""
     lam, k = filter_shape(fpr)
+    native = _native.load("bloom")
+    if native is not None:   # the rule the TensorFlow ops run (csrc/bloom/bloom_wire.cpp blocks_for)
+        try:
+            return native.blocks_for(r, lam), k
+        except ValueError as exc:
+            raise DeepReduceError(str(exc)) from None
     if not r:
         return 0, k
     blocks = max(1, math.ceil(r / lam))
     if blocks > MAX_BLOCKS:
-        raise DeepReduceError(f"Bloom filter for {r} indices at fpr {fpr} needs {blocks} blocks; at most {MAX_BLOCKS}")
+        raise DeepReduceError(f"Bloom filter for {r} indices needs {blocks} blocks; at most {MAX_BLOCKS}")
     return blocks, k
 
 
@@ -384,10 +390,21 @@ class BloomParams(NamedTuple):
         return self.size * BLOCK_BYTES if self.family == "blocked" else (self.size + 7) // 8
 
 
+# The params rules have one C++ definition (csrc/bloom/bloom_wire.cpp, the one the TensorFlow ops
+# run), called through deepreduce._bloom when it is built; the *_python functions are the fallback
+# (tests check that both give the same bytes, fields and error texts).
 @functools.lru_cache(maxsize=256)   # the same few values for a model's tensors, step after step
 def pack_params(policy: str, k: int, blocks: int, seed: int, draw_seed: int) -> bytes:
     """Blocked-family params: ``0x10 | policy`` u8, k u8, blocks and hash seed as varints, draw seed
     u64 for p1/p2."""
+    native = _native.load("bloom")
+    if native is not None:
+        return native.pack_params(policy, k, blocks, seed, draw_seed)
+    return pack_params_python(policy, k, blocks, seed, draw_seed)
+
+
+def pack_params_python(policy: str, k: int, blocks: int, seed: int, draw_seed: int) -> bytes:
+    """:func:`pack_params` without the extension."""
     out = bytes((BLOCKED << 4 | _POLICY_CODE[policy], k)) + varint.encode(blocks) + varint.encode(seed)
     return out + (_DRAW.pack(draw_seed) if policy in DRAWING else b"")
 
@@ -399,6 +416,17 @@ def unpack_params(params: bytes) -> BloomParams:
 
 @functools.lru_cache(maxsize=256)   # every container of a tensor carries the same params (P0)
 def _unpack_params(params: bytes) -> BloomParams:
+    native = _native.load("bloom")
+    if native is None:
+        return unpack_params_python(params)
+    try:
+        return BloomParams(*native.unpack_params(params))
+    except ValueError as exc:
+        raise ContainerError(str(exc)) from None
+
+
+def unpack_params_python(params: bytes) -> BloomParams:
+    """:func:`unpack_params` without the extension."""
     if len(params) < 2:
         raise ContainerError(f"Bloom params have {len(params)} bytes; at least 2 needed")
     code, k = params[0], params[1]

@@ -1,18 +1,21 @@
 """The TensorFlow custom ops: one op encodes a tensor, one op decodes (and sums) containers.
 
-``scripts/build_tf_ops.sh`` compiles ``csrc/tf/tf_pipeline_ops.cpp`` with every pure C++ source
-of ``csrc/`` (the Top-r/compensation kernels, the Bloom kernels and the container code the
-pybind11 extensions wrap) into ``deepreduce/tensorflow/_deepreduce_ops.so``; ``make setup`` runs it.
+``scripts/build_tf_ops.sh`` compiles ``csrc/tf/tf_pipeline_ops.cpp`` (glue: tensors in and out)
+with every pure C++ source of ``csrc/`` into ``deepreduce/tensorflow/_deepreduce_ops.so``;
+``make setup`` runs it. The ops call the C++ pipeline subset of ``csrc/pipeline``, the functions
+``deepreduce._pipeline`` binds for NumPy:
 
 * ``DeepReduceEncode`` is ``Pipeline.encode`` for one gradient: error feedback fused with the
-  Top-r selection (or followed by threshold selection), the raw or Bloom index codec (every policy), the raw, fp16 or polyfit value
-  codec (with its permutation) and the container, header and CRC included.
+  Top-r selection (or followed by threshold selection), the raw or Bloom index codec (every
+  policy), the raw, fp16 or polyfit value codec (with its permutation) and the container, header
+  and CRC included. It updates the tensor's residual in place, inside its resource variable.
 * ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
 
-They serve the configs whose every stage exists in C++ (:func:`unsupported` says why another
-config does not qualify); every other config runs its encode and its decode as one
-``tf.numpy_function`` stage each over the core (see :mod:`.pipeline`). Nothing here restates a
-codec: the attributes of the ops come from the core pipeline's components.
+They serve the configs whose every stage exists in C++
+(:func:`deepreduce.backend.native_pipeline.unsupported` says why another config does not
+qualify); every other config runs its encode and its decode as one ``tf.numpy_function`` stage
+each over the core (see :mod:`.pipeline`). The attributes of the ops come from the core
+pipeline's components (:func:`deepreduce.backend.native_pipeline.settings`).
 
 :func:`load` returns the op module (cached); if the library is missing or was built against
 another TensorFlow, it raises :class:`~deepreduce.BackendUnavailableError` naming the rebuild
@@ -31,12 +34,9 @@ import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from .. import errors
+from ..backend import native_pipeline
 from ..backend._native import forced_numpy
 from ..errors import BackendUnavailableError
-from ..index import bloom as bloom_codec
-from ..memory import ResidualMemory
-from ..sparsify.basic import TopK
-from ..sparsify.threshold import ThresholdSparsifier
 
 LIBRARY_NAME = "_deepreduce_ops.so"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
@@ -44,9 +44,6 @@ REBUILD_HINT = (
     "rebuild the TensorFlow custom ops against the installed TensorFlow with "
     "`bash scripts/build_tf_ops.sh` (or `make setup`) from the deepreduce project root"
 )
-OPS_INDEX_CODECS = ("raw", "bloom")
-OPS_VALUE_CODECS = ("raw", "fp16", "polyfit")
-OPS_MEMORIES = ("none", "residual")
 #: The int64 statistics vector both ops return (csrc/tf/tf_pipeline_ops.cpp, enum Stat).
 STATS = ("tensors_encoded", "tensors_decoded", "dense_bytes", "wire_bytes", "index_bytes", "value_bytes",
          "permutation_bytes", "header_bytes", "encode_ns", "decode_ns")
@@ -90,19 +87,7 @@ def available() -> bool:
 
 def unsupported(core) -> Optional[str]:
     """Why ``core``'s config cannot run as the two ops (None when it can)."""
-    if type(core.sparsifier) not in (TopK, ThresholdSparsifier):
-        return f"sparsifier {core.sparsifier.id!r} (the ops select Top-r or by threshold)"
-    if core.index.id not in OPS_INDEX_CODECS:
-        return f"index codec {core.index.id!r} (the ops have {', '.join(OPS_INDEX_CODECS)})"
-    if core.value.id not in OPS_VALUE_CODECS:
-        return f"value codec {core.value.id!r} (the ops have {', '.join(OPS_VALUE_CODECS)})"
-    if core.memory.id not in OPS_MEMORIES:
-        return f"memory {core.memory.id!r} (the ops have {', '.join(OPS_MEMORIES)})"
-    if core.nonfinite != "propagate":
-        # the ranks then decide each step together and undo it through the core's journal
-        # (deepreduce.dist.agreement), which holds the core's residuals, not the ops' variables
-        return f"nonfinite: {core.nonfinite!r} (the ops propagate non-finite gradients)"
-    return None
+    return native_pipeline.unsupported(core)
 
 
 def accelerator_for(core) -> Optional["PipelineOps"]:
@@ -151,8 +136,8 @@ class PipelineOps:
     """Runs one core pipeline's encode and decode as the two custom ops.
 
     State stays in TensorFlow: one float32 residual variable per tensor name (empty until the
-    tensor's first finite step, as the core's residual is absent until then) and one int64
-    counter vector of what the ops encoded and decoded, which
+    tensor's first finite step, as the core's residual is absent until then), which the encode op
+    updates in place, and one int64 counter vector of what the ops encoded and decoded, which
     :meth:`TFPipeline.compression_stats` adds to the core's statistics. The variables are created
     outside any ``tf.function`` being traced (``tf.init_scope``), once per name, as
     ``ResourceVariable`` objects: ``tf.Variable`` would refuse a name first met in a later trace
@@ -162,30 +147,27 @@ class PipelineOps:
     def __init__(self, core, module) -> None:
         self.core = core
         self.ops = module
-        self.error_feedback = isinstance(core.memory, ResidualMemory)
-        index = core.index
-        attrs = dict(
-            digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id, error_feedback=self.error_feedback,
-            index=index.id, value=core.value.id, threads=core.threads,
-        )
-        if core.sparsifier.id == "topk":
-            attrs.update(ratio_bits=_int64_bits(float(core.sparsifier.ratio)))
-        else:   # compared in float32, as threshold_positions does
-            attrs.update(threshold=float(np.float32(core.sparsifier.threshold)))
-        if index.id == "bloom":
-            lam, k = bloom_codec.filter_shape(index.fpr)
-            attrs.update(policy=index.policy, keys_per_block_bits=_int64_bits(float(lam)), k=k,
-                         hash_seed=_int64_bits(index.hash_seed))
-        if core.value.id == "polyfit":
-            value = core.value
-            attrs.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
-                         coef_bytes=value.coef_bytes)
+        settings = native_pipeline.settings(core)
+        self.error_feedback = settings["error_feedback"]
+        attrs = {key: settings[key] for key in ("digest", "min_numel", "sparsifier", "threshold", "error_feedback",
+                                                "index", "policy", "k", "value", "degree", "segments",
+                                                "min_points", "coef_bytes", "threads")}
+        # TF has no float64 or uint64 attributes: those travel as the int64 of the same bits
+        attrs.update(ratio_bits=_int64_bits(settings["ratio"]), keys_per_block_bits=_int64_bits(settings["keys_per_block"]),
+                     hash_seed=_int64_bits(settings["hash_seed"]))
         self.encode_attrs = attrs
         self._residuals: Dict[str, tf.Variable] = {}
         self._variables_lock = threading.Lock()
         with tf.init_scope(), tf.device("/cpu:0"):   # the ops run on the CPU: so does their state
             self.counters = ResourceVariable(tf.zeros([len(STATS)], tf.int64), trainable=False,
                                              name="deepreduce_op_counters")
+            # the encode op's residual input without error feedback (never read)
+            self._no_residual = None if self.error_feedback else self._new_residual()
+
+    @staticmethod
+    def _new_residual() -> tf.Variable:
+        return ResourceVariable(tf.zeros([0], tf.float32), shape=tf.TensorShape([None]), trainable=False,
+                                name="deepreduce_residual")
 
     @tf.autograph.experimental.do_not_convert
     def _residual(self, name: str) -> tf.Variable:
@@ -193,27 +175,39 @@ class PipelineOps:
             var = self._residuals.get(name)
             if var is None:
                 with tf.init_scope(), tf.device("/cpu:0"):
-                    var = ResourceVariable(tf.zeros([0], tf.float32), shape=tf.TensorShape([None]),
-                                           trainable=False, name="deepreduce_residual")
+                    var = self._new_residual()
                 self._residuals[name] = var
             return var
 
     def residual(self, name: str) -> Optional[np.ndarray]:
-        """The residual held for ``name`` (float32, flat); None before its first finite step."""
+        """The residual held for ``name`` (a float32 copy, flat); None before its first finite step."""
         var = self._residuals.get(name)
         if var is None or int(tf.size(var)) == 0:
             return None
-        return var.numpy()
+        return np.array(var.numpy(), dtype=np.float32, copy=True)
+
+    def residuals(self) -> Dict[str, np.ndarray]:
+        """Every residual held (copies), by tensor name: the memory part of a checkpoint."""
+        out = {}
+        for name in list(self._residuals):
+            residual = self.residual(name)
+            if residual is not None:
+                out[name] = residual
+        return out
+
+    def load_residuals(self, residuals: Dict[str, np.ndarray]) -> None:
+        """Replace every residual with ``residuals`` (names absent from it start again without one)."""
+        for name in set(self._residuals) | set(residuals):
+            value = residuals.get(name)
+            self._residual(name).assign(np.zeros(0, np.float32) if value is None else
+                                        np.asarray(value, dtype=np.float32).ravel())
 
     @tf.autograph.experimental.do_not_convert
     def encode(self, tensor: tf.Tensor, name: str, step: tf.Tensor) -> tf.Tensor:
-        """One ``DeepReduceEncode`` op (plus the assignment of its new residual and counters)."""
-        residual = self._residual(name) if self.error_feedback else None
-        current = residual.read_value() if residual is not None else tf.zeros([0], tf.float32)
-        payload, new_residual, counts = self._run(self.ops.deep_reduce_encode, tensor, step, current,
-                                                  tensor_name=name, **self.encode_attrs)
-        if residual is not None:
-            residual.assign(new_residual)
+        """One ``DeepReduceEncode`` op (plus the addition of its counts to the counters)."""
+        residual = self._residual(name) if self.error_feedback else self._no_residual
+        payload, counts = self._run(self.ops.deep_reduce_encode, tensor, step, residual.handle,
+                                    tensor_name=name, **self.encode_attrs)
         self.counters.assign_add(counts)
         return payload
 

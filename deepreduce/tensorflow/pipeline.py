@@ -36,6 +36,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from .. import checkpoint
 from ..wire import container
 from ..config import ConfigLike, build as build_core, load_config
 from ..errors import CommunicationError, ConfigError
@@ -142,6 +143,31 @@ class TFPipeline:
             return self._ops.residual(name)
         residual = getattr(self.core.memory, "residual", None)
         return residual(name) if residual is not None else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """``{"format", "step", "compression"}`` (deepreduce/checkpoint.py, as the torch integrations
+        save it): :attr:`iterations` and what the pipeline learned -- the error-feedback residuals
+        (held by the ops' variables or the core) and the components' adaptive state -- as NumPy
+        arrays. Save it with the model (``np.savez``, pickle, or as ``tf.Variable`` values); a
+        pipeline built from the same config and given it through :meth:`load_state_dict` sends
+        byte-identical containers to one that never stopped, with either backend.
+        """
+        with self.lock:
+            learned = self.core.state_dict()
+            if self._ops is not None and self._ops.error_feedback:
+                learned["memory"] = {"residuals": self._ops.residuals()}
+            return checkpoint.state(int(self._iterations.numpy()), learned)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (refused for a checkpoint of another config)."""
+        step = checkpoint.checked_step(state, "TFPipeline")
+        with self.lock:
+            self.core.load_state_dict(state["compression"])   # checks the config digest and every entry
+            if self._ops is not None and self._ops.error_feedback:   # the ops hold the residuals
+                self._ops.load_residuals(state["compression"]["memory"]["residuals"])
+                self.core.memory.reset()
+            self._iterations.assign(step)
 
     # ------------------------------------------------------------------ encode
     def encode(self, tensor, name: str = "", step=0) -> tf.Tensor:

@@ -3,16 +3,16 @@
 The core keeps its learned state (residuals, stage counts) as NumPy arrays; a PyTorch checkpoint
 holds tensors. ``to_torch`` / ``to_numpy`` convert nested dicts/lists between the two, leaving
 every other value as it is; ``compression_state_dict`` / ``load_compression_state_dict`` are the
-part of a checkpoint that the DDP hook state and the DistributedOptimizer share.
+part of a checkpoint that the DDP hook state and the DistributedOptimizer share (its layout and
+checks: deepreduce/checkpoint.py).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .. import checkpoint
 from ..errors import ConfigError
-
-STATE_FORMAT = 1
 
 
 def to_torch(value):
@@ -47,25 +47,13 @@ def compression_state_dict(pipeline, compressor, step: int, aggregation=None) ->
         learned = to_torch(pipeline.core.state_dict())
     else:
         learned = compressor.state_dict() if hasattr(compressor, "state_dict") else {}
-    out = {"format": STATE_FORMAT, "step": step, "compression": learned}
-    if aggregation is not None:
-        out["aggregation"] = to_torch(aggregation)
-    return out
+    return checkpoint.state(step, learned, None if aggregation is None else to_torch(aggregation))
 
 
 def load_compression_state_dict(pipeline, compressor, state, owner: str, aggregation=None) -> int:
     """Restore :func:`compression_state_dict`'s output; return its step. Errors name ``owner``.
     ``aggregation``: the sparse all-reduce whose state the checkpoint must hold."""
-    expected = {"format", "step", "compression"} | ({"aggregation"} if aggregation is not None else set())
-    if not isinstance(state, dict) or set(state) != expected:
-        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"{owner}.load_state_dict: expected the keys {sorted(expected)}, got {got}")
-    if state["format"] != STATE_FORMAT:
-        raise ConfigError(f"{owner}.load_state_dict: checkpoint format {state['format']!r}, "
-                          f"this version reads {STATE_FORMAT}")
-    step = state["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"{owner}.load_state_dict: 'step' must be a non-negative int, got {step!r}")
+    step = checkpoint.checked_step(state, owner, aggregation is not None)
     if aggregation is not None:
         aggregation.load_state_dict(to_numpy(state["aggregation"]))
     if pipeline is not None:

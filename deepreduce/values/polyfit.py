@@ -21,7 +21,8 @@ lengths (positive part until they sum to l, then negative part until they sum to
 coefficients``. For full segments that is ``32 + 32 n_seg + n_seg (degree + 1) w_c`` bits, the
 formula of spec §1.16.
 
-The C++ kernel (``csrc/fit``, module ``deepreduce._fit``) and the NumPy path below perform the
+The C++ kernel (``csrc/fit``, module ``deepreduce._fit``, also the params rule and the decode
+checks with this module's error texts) and the NumPy path below perform the
 same float64 operations in the same order (sequential sums via ``cumsum``, the same recurrence,
 the same Cholesky), so they produce identical payloads; decode uses only + * / and is therefore
 bit-reproducible on every IEEE-754 machine.
@@ -165,7 +166,7 @@ AUTO_VALUES_PER_SEGMENT = 64
 
 
 def auto_segments(n: int) -> int:
-    """Segments per sign when the config says 0 (``dr_polyfit_auto_segments``).
+    """Segments per sign when the config says 0 (``deepreduce::fit::auto_segments``).
 
     4, plus one per doubling of ``n`` beyond 1,000 values, so the error keeps falling as ``n``
     grows (12 at 255,570 values, 1% of ResNet-50) while the value section stays a few hundred
@@ -184,7 +185,7 @@ def seg_degree(length: int, degree: int) -> int:
 
 
 def encode_numpy(values: np.ndarray, degree: int, max_segments: int, min_points: int, coef_bytes: int):
-    """NumPy twin of ``dr_polyfit_encode``: (permutation, payload)."""
+    """NumPy twin of ``deepreduce::fit::encode``: (permutation, payload)."""
     perm = sort_descending(values)
     y = values[perm].astype(np.float64)
     n = y.size
@@ -202,6 +203,40 @@ def encode_numpy(values: np.ndarray, degree: int, max_segments: int, min_points:
         start += length
     head = struct.pack(f"<I{len(lengths)}I", l, *lengths)
     return perm, head + b"".join(coefs)
+
+
+# The params rule has one C++ definition (csrc/fit, the one the TensorFlow ops run), called through
+# deepreduce._fit when it is built; the *_python functions are the fallback (tests compare them).
+def pack_params(degree: int, coef_bytes: int) -> bytes:
+    """``u8 degree | u8 coefficient bytes``."""
+    native = _native.load("fit")
+    return native.pack_params(degree, coef_bytes) if native is not None else pack_params_python(degree, coef_bytes)
+
+
+def pack_params_python(degree: int, coef_bytes: int) -> bytes:
+    """:func:`pack_params` without the extension."""
+    return struct.pack("<BB", degree, coef_bytes)
+
+
+def unpack_params(params: bytes) -> tuple:
+    """``(degree, coef_bytes)`` of checked params; ContainerError names what is wrong."""
+    native = _native.load("fit")
+    if native is None:
+        return unpack_params_python(params)
+    try:
+        return native.unpack_params(bytes(params))
+    except ValueError as exc:
+        raise ContainerError(str(exc)) from None
+
+
+def unpack_params_python(params: bytes) -> tuple:
+    """:func:`unpack_params` without the extension."""
+    if len(params) != 2:
+        raise ContainerError(f"polyfit parameters have {len(params)} bytes, expected 2")
+    degree, coef_bytes = struct.unpack("<BB", params)
+    if degree > MAX_DEGREE or coef_bytes not in _COEF_NP:
+        raise ContainerError(f"polyfit parameters invalid: degree {degree}, coefficient bytes {coef_bytes}")
+    return degree, coef_bytes
 
 
 def parse_lengths(payload: bytes, count: int, degree: int):
@@ -228,7 +263,7 @@ def parse_lengths(payload: bytes, count: int, degree: int):
 
 
 def decode_numpy(payload: bytes, count: int, degree: int, coef_bytes: int) -> np.ndarray:
-    """NumPy twin of ``dr_polyfit_decode``: the values in sorted order (float32)."""
+    """NumPy twin of ``deepreduce::fit::decode``: the values in sorted order (float32)."""
     lengths, pos, ncoef = parse_lengths(payload, count, degree)
     if len(payload) - pos != ncoef * coef_bytes:
         raise ContainerError(
@@ -291,34 +326,24 @@ class PolyFit(ValueCodec):
                 raise DeepReduceError(f"polyfit encode of tensor {ctx.name!r} failed: {exc}") from exc
         else:
             perm, payload = encode_numpy(values, self.degree, self.segments, self.min_points, self.coef_bytes)
-        params = struct.pack("<BB", self.degree, self.coef_bytes)
+        params = pack_params(self.degree, self.coef_bytes)
         try:  # the receiver's values: the fitted curves at the n sorted positions
             curve = self.decode(params, payload, values.size)
         except ContainerError as exc:
             raise DeepReduceError(f"polyfit: the fit of tensor {ctx.name!r} does not decode: {exc}") from exc
         return ValueEncoding(params, payload, perm, in_input_order(curve, perm))
 
-    @staticmethod
-    def _params(params: bytes):
-        if len(params) != 2:
-            raise ContainerError(f"polyfit parameters have {len(params)} bytes, expected 2")
-        degree, coef_bytes = struct.unpack("<BB", params)
-        if degree > MAX_DEGREE or coef_bytes not in _COEF_NP:
-            raise ContainerError(f"polyfit parameters invalid: degree {degree}, coefficient bytes {coef_bytes}")
-        return degree, coef_bytes
-
     def decode(self, params, payload, count):
-        degree, coef_bytes = self._params(params)
+        degree, coef_bytes = unpack_params(params)
         native = self._native
-        parse_lengths(payload, count, degree)   # the segment table backs the count before n values are allocated
-        if native is not None:
+        if native is not None:   # checks the segment table before n values are allocated
             try:
                 return native.decode(bytes(payload), count, degree, coef_bytes)
             except ValueError as exc:
-                raise ContainerError(f"polyfit value section is invalid: {exc}") from exc
+                raise ContainerError(str(exc)) from None
         return decode_numpy(bytes(payload), count, degree, coef_bytes)
 
     @classmethod
     def describe_params(cls, params):
-        degree, coef_bytes = cls._params(params)
+        degree, coef_bytes = unpack_params(params)
         return {"degree": degree, "coef_dtype": "float32" if coef_bytes == 4 else "float64"}

@@ -249,15 +249,16 @@ def _read_header(buf: bytes, offset: int) -> _Header:
 def _native_header(native, buf: bytes, expected_shape=None, max_numel: int = MAX_NUMEL) -> _Header:
     """:func:`_checked_header` by the C++ twin (csrc/container: same checks in the same order, same
     messages): one call instead of a Python loop over varints, paid by every tensor of every
-    step. A header of another shape than the expected one comes back from the twin unchecked
-    beyond that point, and :func:`check_size` reports it."""
+    step. The twin raises CommunicationError itself for a header of another shape than the
+    expected one; an expected shape it cannot take (not integers in ``[0, 2**64)``) is left to
+    :func:`check_size`."""
     expected = _native_shape(expected_shape)
     try:
         version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(
             buf, expected, min(int(max_numel), (1 << 64) - 1))
     except ValueError as exc:
         raise ContainerError(str(exc)) from None
-    if expected is None or shape != expected:   # the bounds and the mismatch, reported as by Python
+    if expected is None:   # the receiver's bounds, reported as by Python
         check_size(shape, n, expected_shape, max_numel)
     size = len(buf) - sum(lengths) - CRC_SIZE
     return _Header(version, flags, iid, vid, width, digest, 0, n, lengths, shape, size)

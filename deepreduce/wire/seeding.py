@@ -4,6 +4,10 @@ Random choices in deepreduce (Random-r, QSGD rounding, Bloom P1/P2 draws) must b
 every rank and in every binding, and must never touch a framework's global RNG. Each one draws
 from its own generator whose seed is a BLAKE2b digest of the pipeline's config digest, the
 tensor name, the step and a purpose string, so two components never share a stream.
+
+The derivation is one rule with one C++ definition (csrc/seeding, the one the TensorFlow ops use):
+:func:`derive_seed` calls it through ``deepreduce._seeding`` when the extension is built, and
+:func:`derive_seed_python` (hashlib) otherwise; tests check that both give the same seeds.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import json
 from typing import Any
 
 import numpy as np
+
+from ..backend import _native
 
 
 def config_digest(config: Any) -> bytes:
@@ -22,6 +28,15 @@ def config_digest(config: Any) -> bytes:
 
 def derive_seed(digest: bytes, name: str, step: int, purpose: str = "") -> int:
     """A 64-bit seed for one (config, tensor, step, purpose); the same on every rank."""
+    native = _native.load("seeding")
+    if native is not None:
+        return native.derive_seed(bytes(digest), name, int(step), purpose)
+    return derive_seed_python(digest, name, step, purpose)
+
+
+def derive_seed_python(digest: bytes, name: str, step: int, purpose: str = "") -> int:
+    """:func:`derive_seed` without the extension: the little-endian uint64 of BLAKE2b-64 of
+    ``digest || name (UTF-8) || 0x00 || step (int64 LE) || purpose (UTF-8)``."""
     h = hashlib.blake2b(digest_size=8)
     h.update(digest)
     h.update(name.encode("utf-8") + b"\x00")

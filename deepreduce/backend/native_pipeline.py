@@ -1,0 +1,61 @@
+"""The C++ pipeline subset (csrc/pipeline): which core pipelines it runs and with what settings.
+
+``csrc/pipeline`` encodes one float32 tensor and decodes (and sums) containers for the configs
+whose every stage exists in C++: Top-r or threshold selection with or without error feedback,
+raw or Bloom indices (every policy), raw, fp16 or polyfit values, non-finite gradients
+propagated. The TensorFlow custom ops (:mod:`deepreduce.tensorflow.ops`) run it, and
+``deepreduce._pipeline`` binds the same functions for NumPy. :func:`settings` reads a core
+pipeline's components into the plain values both take; nothing here restates a codec.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..index import bloom as bloom_codec
+from ..memory import ResidualMemory
+from ..sparsify.basic import TopK
+from ..sparsify.threshold import ThresholdSparsifier
+
+INDEX_CODECS = ("raw", "bloom")
+VALUE_CODECS = ("raw", "fp16", "polyfit")
+MEMORIES = ("none", "residual")
+
+
+def unsupported(core) -> Optional[str]:
+    """Why ``core``'s config cannot run in the C++ pipeline (None when it can)."""
+    if type(core.sparsifier) not in (TopK, ThresholdSparsifier):
+        return f"sparsifier {core.sparsifier.id!r} (the C++ pipeline selects Top-r or by threshold)"
+    if core.index.id not in INDEX_CODECS:
+        return f"index codec {core.index.id!r} (the C++ pipeline has {', '.join(INDEX_CODECS)})"
+    if core.value.id not in VALUE_CODECS:
+        return f"value codec {core.value.id!r} (the C++ pipeline has {', '.join(VALUE_CODECS)})"
+    if core.memory.id not in MEMORIES:
+        return f"memory {core.memory.id!r} (the C++ pipeline has {', '.join(MEMORIES)})"
+    if core.nonfinite != "propagate":
+        # the ranks then decide each step together and undo it through the core's journal
+        # (deepreduce.dist.agreement), which holds the core's residuals, not the binding's
+        return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
+    return None
+
+
+def settings(core) -> dict:
+    """The encode settings of ``core`` (csrc/pipeline/pipeline.h EncodeConfig) as plain values:
+    every key, with the defaults of the stages the config does not use."""
+    out = dict(digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id,
+               ratio=0.0, threshold=0.0, error_feedback=isinstance(core.memory, ResidualMemory),
+               index=core.index.id, policy="p0", keys_per_block=0.0, k=1, hash_seed=0,
+               value=core.value.id, degree=5, segments=0, min_points=6, coef_bytes=4, threads=core.threads)
+    if core.sparsifier.id == "topk":
+        out["ratio"] = float(core.sparsifier.ratio)
+    else:   # compared in float32, as threshold_positions does
+        out["threshold"] = float(np.float32(core.sparsifier.threshold))
+    if core.index.id == "bloom":
+        lam, k = bloom_codec.filter_shape(core.index.fpr)
+        out.update(policy=core.index.policy, keys_per_block=float(lam), k=k, hash_seed=core.index.hash_seed)
+    if core.value.id == "polyfit":
+        value = core.value
+        out.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
+                   coef_bytes=value.coef_bytes)
+    return out
