@@ -87,7 +87,7 @@ def test_unreadable_description_is_a_message_not_a_crash():
     good = layout()
 
     def allgather(payload):
-        return [payload, agreement._wrap(b"{not json")]
+        return [payload, agreement.wrap_bytes(b"{not json")]
 
     assert "rank 1 sent an unreadable description" in agreement.explain(good, allgather)
 

@@ -64,7 +64,8 @@ def test_sparse_allreduce_on_real_ranks(launcher, ranks, kind):
 def test_horovod_optimizer_with_sparse_allreduce():
     """``aggregation: {id: sparse_allreduce}`` in the torch Horovod optimizer: equal to the
     allgather run without re-selection (per tensor and in buckets), trains with it, resumes from
-    a checkpoint byte-identically, and ranks that disagree on the aggregation fail together."""
+    a checkpoint byte-identically, ranks that disagree on the aggregation fail together, and the
+    ``auto`` plan follows the link and is the same on every rank."""
     out = run_ranks("horovodrun", "torch_sparse_allreduce.py", timeout=300).stdout
-    for scenario in ("exact", "trains", "resume", "disagree"):
+    for scenario in ("exact", "trains", "resume", "disagree", "auto"):
         assert out.count(f"OK {scenario} ") == 2, (scenario, out[-2000:])

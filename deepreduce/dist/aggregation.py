@@ -4,7 +4,9 @@
 and decodes all of them; per-rank receive volume and decode work grow with the number of ranks.
 ``sparse_allreduce`` (:mod:`deepreduce.dist.sparse_allreduce`): an alltoall of index-space
 shards, the owner re-selects, an allgather returns the shards; per-rank volume does not grow
-with the ranks. The section changes no container byte (it is not part of the wire digest), but
+with the ranks. ``auto`` (:mod:`deepreduce.dist.auto`): a planner picks, per tensor or bucket,
+dense or fp16 all-reduce, the allgather or the sparse all-reduce, from measured costs, the link
+and the backward timeline. The section changes no container byte (it is not part of the wire digest), but
 ranks must agree on it: it is part of the compressor identity every rank compares before the
 first collective (:func:`deepreduce.dist.agreement.compressor_identity`).
 """
@@ -22,6 +24,10 @@ class Aggregation(Component):
 
     def reducer(self, pipeline, communicator):
         """The object that reduces one tensor at a time over ``communicator``; None: allgather."""
+        return None
+
+    def planner(self, pipeline, communicator):
+        """The run-time planner choosing each tensor's aggregation; None: one aggregation for all."""
         return None
 
 
@@ -47,3 +53,27 @@ class SparseAllreduceAggregation(Aggregation):
     def reducer(self, pipeline, communicator) -> SparseAllreduce:
         return SparseAllreduce(pipeline, communicator, reselect=self.reselect,
                                repartition_every=self.repartition_every)
+
+
+@register
+class AutoAggregation(SparseAllreduceAggregation):
+    """Per tensor or bucket, the aggregation the planner predicts fastest (see
+    :mod:`deepreduce.dist.auto`); ``reselect`` and ``repartition_every`` apply where it picks the
+    sparse all-reduce."""
+
+    id = "auto"
+    PARAMS = {
+        **SparseAllreduceAggregation.PARAMS,
+        "bandwidth_gbit": Param(float, default=0.0, low=0.0, high=1e6,
+                                doc="link bandwidth in Gbit/s; 0: measured by a probe at the first plan"),
+        "latency_us": Param(float, default=25.0, low=0.0, high=1e7, doc="latency of one message (with bandwidth_gbit)"),
+        "replan_every": Param(int, default=500, low=0, high=2**31,
+                              doc="steps between re-measurements (0: plan once, after the first step)"),
+        "drift": Param(float, default=0.25, low=0.0, high=1e6, low_open=True,
+                       doc="relative change of a predicted time that triggers a new plan"),
+    }
+
+    def planner(self, pipeline, communicator):
+        from .auto import AutoPlanner
+
+        return AutoPlanner(self, pipeline, communicator)

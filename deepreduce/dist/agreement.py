@@ -28,7 +28,6 @@ containers gathers them (Horovod splits an allgather by container headers).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -97,14 +96,14 @@ class Layout:
         self.compressor_digest = _digest64("\0".join(self.compressor).encode("utf-8"))
 
 
-def _wrap(data: bytes) -> np.ndarray:
+def wrap_bytes(data: bytes) -> np.ndarray:
     """Bytes as a dense container (padded to whole float32 entries), so communicators carry them."""
     data = data + b"\0" * (-len(data) % 4)
     return container.pack(container.Container(shape=(len(data) // 4,), n=len(data) // 4, index_id=0, value_id=0,
                                               flags=container.FLAG_DENSE, value_section=data))
 
 
-def _unwrap(payload) -> bytes:
+def unwrap_bytes(payload) -> bytes:
     return bytes(container.unpack(payload).value_section).rstrip(b"\0")
 
 
@@ -114,7 +113,7 @@ def agree(layout: Layout, allgather: Allgather, where: str) -> None:
     Raises CommunicationError, the same on every rank, when any rank's layout differs.
     """
     record = np.array([layout.digest], dtype="<i8").tobytes()
-    digests = [_unwrap(part) for part in allgather(_wrap(record))]
+    digests = [unwrap_bytes(part) for part in allgather(wrap_bytes(record))]
     if any(d != digests[0] for d in digests):
         raise CommunicationError(f"{where}: {explain(layout, allgather)}; every rank must train the same "
                                  "model with the same compression")
@@ -126,9 +125,9 @@ def explain(layout: Layout, allgather: Allgather) -> str:
     Every rank must call it (every rank that saw differing digests does).
     """
     described = []
-    for rank, part in enumerate(allgather(_wrap(layout.description))):
+    for rank, part in enumerate(allgather(wrap_bytes(layout.description))):
         try:
-            entry = json.loads(_unwrap(part).decode("utf-8"))
+            entry = json.loads(unwrap_bytes(part).decode("utf-8"))
             entry = {"compressor": [str(v) for v in entry["compressor"]],
                      "tensors": [(str(n), list(s), str(d)) for n, s, d in entry["tensors"]]}
         except (ValueError, KeyError, TypeError) as exc:

@@ -111,6 +111,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._communicator = communicator or self._default_communicator()
         self._protocol = None if self._pipeline is None else \
             ReductionProtocol(self._pipeline.core, self._communicator, average=op == hvd.Average)
+        aggregation = None if self._pipeline is None else self._pipeline.core.aggregation
+        self._auto = None if aggregation is None else aggregation.planner(self._pipeline.core, self._communicator)
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
@@ -215,6 +217,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._copy_into_bucket(p)
             return
         name, grad, step = self._names[p], p.grad, self._step_count
+        if self._auto is not None and not self._summed_dense(grad):
+            self._auto.ready(name, grad.numel())
 
         def start():
             try:
@@ -240,6 +244,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bucket.waiting:
             return
         step = self._step_count
+        if self._auto is not None:
+            self._auto.ready(bucket.name, bucket.buffer.numel())
 
         def start():
             try:
@@ -285,17 +291,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = self._hvd.allreduce_async_(grad, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs)
         return handle, "dense", (now, now)
 
+    def _route(self, name: str) -> str:
+        """How ``name`` travels: the ``auto`` plan's choice, else the config's aggregation."""
+        if self._auto is not None:
+            return self._auto.choice(name)
+        return "allgather" if self._protocol.sparse is None else "sparse_allreduce"
+
     def _start_allgather(self, name: str, grad: torch.Tensor, step: int):
-        """Encode and start the allgather; return (handle, None, (encode start, encode end)).
+        """Encode and start the allgather; return (handle, step, (encode start, encode end)).
         Under the sparse all-reduce nothing starts here: ``synchronize`` reduces these tensors in
-        one order on every rank (ctx ``"sparse"``, handle ``(name, step)``)."""
+        one order on every rank (ctx ``"sparse"``, handle ``(name, step)``); the ``auto`` plan may
+        send a tensor by dense or fp16 all-reduce instead (its residual travels with it)."""
         start = time.perf_counter()
-        if self._protocol.sparse is not None:
+        route = self._route(name)
+        if route == "sparse_allreduce":
             return (name, step), "sparse", (start, start)
+        if route in ("dense", "fp16"):
+            self._flush_residual(name, grad)
+            if route == "dense":
+                return self._start_dense_allreduce(name, grad)
+            half = grad.to(torch.float16)
+            kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+            return self._hvd.allreduce_async_(half, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs), \
+                ("fp16", half), (start, time.perf_counter())
         payload = self._pipeline.encode(grad, name=name, step=step)
         interval = (start, time.perf_counter())
         on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
         return self._protocol.start(on_host, name), step, interval
+
+    def _flush_residual(self, name: str, grad: torch.Tensor) -> None:
+        """Add ``name``'s error-feedback residual into ``grad`` and clear it (a tensor the plan
+        moved to a dense all-reduce sends what compression had held back)."""
+        residual = getattr(self._pipeline.core.memory, "residual", lambda _: None)(name)
+        if residual is not None and residual.any():
+            with torch.no_grad():
+                grad.add_(torch.from_numpy(residual).view_as(grad).to(grad.device, grad.dtype))
+            residual[...] = 0.0
 
     def _finish(self, p: torch.Tensor, handle, ctx):
         """Wait for one collective and write the aggregated gradient into ``p.grad`` (or the
@@ -309,14 +340,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
             self._times["summable_decode"] += time.perf_counter() - decode_start
             return
-        if ctx == "dense":   # summed in place in p.grad by Horovod
+        target = p.buffer if isinstance(p, _Bucket) else p.grad
+        if ctx == "dense" or (isinstance(ctx, tuple) and ctx[0] == "fp16"):   # summed by Horovod in place
             self._hvd.synchronize(handle)
             self._times["communication_wait"] += time.perf_counter() - start
-            if self._op == self._hvd.Average:
-                p.grad.div_(self._communicator.size)
-            return
-        target = p.buffer if isinstance(p, _Bucket) else p.grad
-        if ctx == "sparse":
+            with torch.no_grad():
+                if ctx != "dense":
+                    target.copy_(ctx[1].view_as(target))
+                if self._op == self._hvd.Average:
+                    target.div_(self._communicator.size)
+        elif ctx == "sparse":
             name, step = handle
             total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), name, step)
             self._times["communication_wait"] += time.perf_counter() - start
@@ -357,6 +390,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         wait_start = time.perf_counter()
         step = self._step_count
+        if self._auto is not None:
+            self._auto.backward_done()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p not in self._pending and p not in self._copied:
@@ -386,6 +421,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._protocol.end_step(step, errors, order + [b.name for b in self._buckets])
         elif errors:
             raise errors[0]
+        if self._auto is not None:
+            table = self._auto.end_step(step)
+            if table is not None and self._communicator.rank == 0:
+                print(f"deepreduce auto aggregation, after step {step}:\n{table}", flush=True)
         self._steps_communicated += 1
         self._synchronized = True
 
@@ -450,7 +489,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      communication_wait_seconds=self._times["communication_wait"])
         sparse = None if self._protocol is None else self._protocol.sparse
         if sparse is not None:
-            stats.update(aggregation="sparse_allreduce", received_bytes=dict(sparse.received_bytes))
+            stats.update(aggregation=self._pipeline.core.aggregation.id, received_bytes=dict(sparse.received_bytes))
+        if self._auto is not None:
+            stats.update(self._auto.stats())
         return stats
 
     # ----------------------------------------------------------------- checkpoints

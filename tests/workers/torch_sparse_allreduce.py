@@ -4,7 +4,8 @@
   allgather run parameter for parameter (per tensor and in 1 MiB buckets);
 * ``trains``: Top-r 10% with re-selection lowers the loss like the allgather run does;
 * ``resume``: a checkpoint (optimizer state dict, owner residuals included) resumes byte-identically;
-* ``disagree``: ranks that disagree on the aggregation fail together with a clear error.
+* ``disagree``: ranks that disagree on the aggregation fail together with a clear error;
+* ``auto``: the planner's choices follow the link (fast: dense; slow: compressed), agree across ranks.
 """
 import io
 
@@ -47,7 +48,7 @@ def train(config, steps=6, bucket_cap_mb=None, net=None, state=None, data=None):
 
 
 def with_aggregation(config, **aggregation):
-    return dict(config, aggregation=dict(id="sparse_allreduce", **aggregation))
+    return dict(config, aggregation=dict({"id": "sparse_allreduce"}, **aggregation))
 
 
 def exact():
@@ -95,6 +96,22 @@ def disagree():
         raise AssertionError("ranks with different aggregations trained together")
 
 
-for scenario in (exact, trains, resume, disagree):
+def auto():
+    """``aggregation: auto``: a very fast link plans every tensor dense, a very slow one compressed;
+    a probed link plans too; every rank holds the same plan; training goes on under each."""
+    plans = {}
+    for label, gbit in (("fast", 1e5), ("slow", 1e-3), ("probed", 0.0)):
+        net, opt, losses = train(with_aggregation(TOPK, bandwidth_gbit=gbit, id="auto"), data=batches(2) * 3)
+        stats = opt.compression_stats()
+        assert stats["plans_made"] == 1 and stats["plan"], stats
+        plans[label] = stats["plan"]
+        assert losses[-1] < losses[0], losses
+        everyone = hvd.allgather_object(sorted(stats["plan"].items()))
+        assert all(p == everyone[0] for p in everyone), everyone
+    assert set(plans["fast"].values()) == {"dense"}, plans["fast"]
+    assert set(plans["slow"].values()) <= {"allgather", "sparse_allreduce"}, plans["slow"]
+
+
+for scenario in (exact, trains, resume, disagree, auto):
     scenario()
     print(f"OK {scenario.__name__} {hvd.rank()}", flush=True)
