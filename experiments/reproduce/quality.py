@@ -235,7 +235,8 @@ def _notes(result: Result, runs: Dict[str, Dict[str, dict]], budget: Budget, mod
         f"{budget.profile_steps} profiled steps after the budget, max over ranks, PyTorch hooks timed with "
         "HookTimer, deepreduce from its DDP state's counters (its encoding runs on a worker thread and may "
         "overlap backward); compute = step - codec - communication")
-    result.notes.append(f"PowerSGD: PyTorch's PowerSGDState with start_powerSGD_iter="
+    result.notes.append(f"every method runs as one DDP bucket holding the whole gradient (no overlap with "
+                        f"backward); PowerSGD: PyTorch's PowerSGDState with start_powerSGD_iter="
                         f"{torch_hooks.START_POWERSGD_ITER} (its default of 1000 exceeds the budget)")
 
 

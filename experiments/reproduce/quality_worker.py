@@ -3,7 +3,8 @@
 Started by :mod:`experiments.reproduce.quality` (inside a network namespace, ``ip netns exec``),
 one process per rank, joined by torch.distributed (gloo over TCP). For each method it rebuilds
 the same seeded :class:`~experiments.lm.model.TransformerLM`, wraps it in
-``DistributedDataParallel`` and registers the method's communication hook:
+``DistributedDataParallel`` with one bucket for the whole gradient (so the hook runs once per step,
+after backward, for every method alike) and registers the method's communication hook:
 
 * ``{"ddp_hook": "allreduce" | "fp16" | "powersgd"}``: PyTorch's own hooks as PyTorch ships
   them (:mod:`experiments.reproduce.torch_hooks`; ``allreduce`` is DDP's default behaviour);
@@ -133,7 +134,11 @@ def train_method(args, name: str, method, data, config, val, emit) -> None:
 
     torch.manual_seed(args.seed)
     model = TransformerLM(config)
-    ddp = DistributedDataParallel(model)
+    # One bucket for the whole gradient: PowerSGD issues its second all_reduce from a future's
+    # callback, which gloo runs on its own thread, so with several buckets those collectives could
+    # reach the group in a different order on each rank. Every method gets the same single bucket.
+    whole_mib = math.ceil(4 * sum(p.numel() for p in model.parameters()) / 2 ** 20) + 1
+    ddp = DistributedDataParallel(model, bucket_cap_mb=whole_mib)
     split = TorchHookSplit(ddp, method) if torch_hooks.is_hook(method) else DeepReduceSplit(ddp, method)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
