@@ -18,7 +18,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("reproduce", help="reproduce a paper experiment: table + plots")
     parser.add_argument("experiment", choices=EXPERIMENTS)
     parser.add_argument("--out", required=True, help="directory for the table and the plots")
-    parser.add_argument("--quick", action="store_true", help="tiny inputs, a few seconds to a minute (what tests run)")
+    parser.add_argument("--quick", action="store_true", help="a short version: tiny inputs or budgets, seconds to a few minutes")
     parser.add_argument("--epochs", type=int, default=None, help="fig7: epochs per configuration")
     parser.add_argument("--configs", default=None, help="fig10: directory of YAML configs (default: the repository's configs/)")
     parser.add_argument("--iterations", type=int, default=None, help="fig11: measured iterations per run")
