@@ -187,6 +187,7 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     for net, _ in BANDWIDTHS:
         _rows(result, net, runs[net])
     _notes(result, runs, budget, model, data)
+    _targets(result)
     result.extra.update(runs=runs, budget=asdict(budget), model=model.to_dict())
     _plot(result, runs, out_dir)
     return result
@@ -239,6 +240,27 @@ def _notes(result: Result, runs: Dict[str, Dict[str, dict]], budget: Budget, mod
     result.notes.append(f"every method runs as one DDP bucket holding the whole gradient (no overlap with "
                         f"backward); PowerSGD: PyTorch's PowerSGDState with start_powerSGD_iter="
                         f"{torch_hooks.START_POWERSGD_ITER} (its default of 1000 exceeds the budget)")
+
+
+def _targets(result: Result) -> None:
+    """The issue's targets, met or missed by how much, as notes."""
+    deepreduce = [r for r in result.rows if isinstance(METHODS[r["method"]], str)]
+    if not deepreduce:
+        return
+    missed = sorted({f"{r['method']} {r['vs_dense_pct']:+.1f}%" for r in deepreduce if not r["within_2pct"]})
+    result.notes.append("target, final loss within 2% of dense: " + (f"missed by {', '.join(missed)}" if missed
+                                                                     else "met by every deepreduce config"))
+    for net, _ in BANDWIDTHS:
+        rows = {r["method"]: r for r in result.rows if r["network"] == net}
+        reached = [r for r in deepreduce if r["network"] == net and r["time_to_dense_s"] is not None]
+        if not reached:
+            result.notes.append(f"{net}: no deepreduce config reached the dense run's final loss")
+            continue
+        best = min(reached, key=lambda r: r["time_to_dense_s"])
+        others = ", ".join(f"{name} {rows[name]['time_to_dense_s']:.1f} s" if rows[name]["time_to_dense_s"]
+                           else f"{name} not reached" for name in ("dense", "fp16", "powersgd4") if name in rows)
+        result.notes.append(f"{net}: best deepreduce config {best['method']} reaches the dense final loss in "
+                            f"{best['time_to_dense_s']:.1f} s ({best['speedup']:.2f}x dense); {others}")
 
 
 def _plot(result: Result, runs: Dict[str, Dict[str, dict]], out_dir: str) -> None:
