@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -224,6 +225,4 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without running gloo's destructors (see fig11_worker): both ranks passed the last barrier.
-    import os
-
     os._exit(code)
