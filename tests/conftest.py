@@ -46,3 +46,7 @@ def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int
 @pytest.fixture
 def tmp_out(tmp_path):
     return tmp_path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes minutes (deselect with -m 'not slow' where CI time is tight)")

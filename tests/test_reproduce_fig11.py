@@ -8,6 +8,7 @@ shaped and measures over loopback, and this test checks that report.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -16,7 +17,7 @@ from experiments.reproduce import fig11, torch_hooks
 
 
 def _our_namespaces():
-    if not fig11.shutil.which("ip"):
+    if not shutil.which("ip"):
         return set()
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
     return {line.split()[0] for line in out.splitlines() if line.startswith(("drns0-", "drns1-", "drprobe"))}

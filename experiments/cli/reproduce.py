@@ -3,7 +3,8 @@
 Prints the experiment's table, writes ``<experiment>.md``/``.json`` and its PNG plots into
 ``DIR``. Experiments: fig6 (Bloom policies vs FPR), fig10 (per-config volume and time on one
 ResNet-20 layer), table2 (inherently sparse recommender), fig7 (2-rank convergence), fig11
-(time per iteration over a shaped network between two network namespaces; needs root).
+(time per iteration over a shaped network between two network namespaces; needs root), quality
+(time to accuracy of a language model over the same shaped network; needs root).
 """
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("reproduce", help="reproduce a paper experiment: table + plots")
     parser.add_argument("experiment", choices=EXPERIMENTS)
     parser.add_argument("--out", required=True, help="directory for the table and the plots")
-    parser.add_argument("--quick", action="store_true", help="tiny inputs, a few seconds to a minute (what tests run)")
+    parser.add_argument("--quick", action="store_true", help="a short version: tiny inputs or budgets, seconds to a few minutes")
     parser.add_argument("--epochs", type=int, default=None, help="fig7: epochs per configuration")
     parser.add_argument("--configs", default=None, help="fig10: directory of YAML configs (default: the repository's configs/)")
     parser.add_argument("--iterations", type=int, default=None, help="fig11: measured iterations per run")
     parser.add_argument("--accumulate", type=int, default=None,
                         help="fig11: micro-batches accumulated per iteration (the paper uses 10)")
+    parser.add_argument("--methods", default=None,
+                        help="fig7, quality: comma-separated methods to run (default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="quality: training steps per method")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -33,7 +37,8 @@ def run(args) -> int:
     module = get(args.experiment)
     options = {"quick": args.quick, "show_progress": not args.no_progress}
     wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
-              "accumulate": args.accumulate}
+              "accumulate": args.accumulate, "steps": args.steps,
+              "methods": [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None}
     accepted = inspect.signature(module.run).parameters
     options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})
     start = time.perf_counter()

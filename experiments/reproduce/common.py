@@ -128,6 +128,34 @@ def progress(iterable, desc: str, total: Optional[int] = None, enabled: bool = T
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
+class _PlainBar:
+    """A minimal stand-in for a manual tqdm bar: ``update(n)`` prints a counter every few seconds."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n, self._last = total, desc, 0, 0.0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last > 5 or self.n >= self.total:
+            print(f"{self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
+            self._last = now
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A bar advanced by ``update(n)`` (tqdm when installed), or None when disabled; ``close()`` it."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainBar(total, desc)
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
 # ---------------------------------------------------------------------------- plots
 def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend, or None when not installed."""

@@ -27,19 +27,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from . import torch_hooks
 from .common import Result, named_config, no_plot_note, progress, pyplot, save_figure
+from .netns import ShapedLink, launch_ranks, master_addr, namespaces_available, python_module
 
-NS_ADDRS = ("10.213.0.1", "10.213.0.2")   # a private /30 that exists only inside the namespaces
-PREFIX = 30
 BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9), ("10gbit", 10e9))
 TOPR10 = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
           "memory": {"id": "residual"}}
@@ -54,160 +47,22 @@ METHODS = [
     ("PowerSGD rank 4 (torch DDP hook)", torch_hooks.spec("powersgd", 4)),
     ("fp16 (torch DDP hook)", torch_hooks.spec("fp16")),
 ]
-CMD_TIMEOUT = 20.0
-
-
-def _ip(*args: str, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _check(proc: subprocess.CompletedProcess, what: str) -> None:
-    if proc.returncode != 0:
-        raise RuntimeError(f"fig11: {what} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
-
-
-def namespaces_available() -> Tuple[bool, str]:
-    """Whether this process can create network namespaces and veth pairs, and if not, why."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False, "not running as root (network namespaces need CAP_SYS_ADMIN)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"'{tool}' not found (install iproute2)"
-    probe = f"drprobe{uuid.uuid4().hex[:8]}"
-    try:
-        proc = _ip("netns", "add", probe)
-        if proc.returncode != 0:
-            return False, f"'ip netns add' failed: {proc.stderr.strip()}"
-        return True, "ok"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"'ip netns add' failed: {exc}"
-    finally:
-        try:
-            _ip("netns", "del", probe)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-
-
-class ShapedLink:
-    """Two network namespaces joined by a veth pair; ``shape(rate)`` sets tbf on both ends.
-
-    Use as a context manager: the namespaces (and with them the veth pair and its qdiscs) are
-    deleted on exit, whatever happened inside.
-    """
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
-        self.ns = (f"drns0-{tag}", f"drns1-{tag}")
-        self.dev = (f"drv0{tag}", f"drv1{tag}")   # <= 15 characters
-        self.created: List[str] = []
-
-    def __enter__(self) -> "ShapedLink":
-        try:
-            for ns in self.ns:
-                _check(_ip("netns", "add", ns), f"ip netns add {ns}")
-                self.created.append(ns)
-            _check(_ip("link", "add", self.dev[0], "netns", self.ns[0], "type", "veth",
-                       "peer", "name", self.dev[1], "netns", self.ns[1]), "creating the veth pair")
-            for ns, dev, addr in zip(self.ns, self.dev, NS_ADDRS):
-                _check(_ip("-n", ns, "addr", "add", f"{addr}/{PREFIX}", "dev", dev), f"address on {dev}")
-                _check(_ip("-n", ns, "link", "set", dev, "up"), f"bringing {dev} up")
-                _check(_ip("-n", ns, "link", "set", "lo", "up"), f"bringing lo up in {ns}")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def shape(self, rate_bits: float) -> None:
-        """Token bucket at ``rate_bits`` bit/s on both ends.
-
-        The bucket holds 0.5 ms of traffic (at least 16 KiB): tokens saved while a rank computes
-        let that much pass at line rate, so a small bucket keeps the link honest.
-        """
-        burst = max(int(rate_bits / 8 * 0.0005), 16 * 1024)
-        for ns, dev in zip(self.ns, self.dev):
-            proc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                                   "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms"],
-                                  capture_output=True, text=True, timeout=CMD_TIMEOUT)
-            _check(proc, f"tc tbf on {dev}")
-
-    def qdisc(self) -> str:
-        proc = subprocess.run(["ip", "netns", "exec", self.ns[0], "tc", "qdisc", "show", "dev", self.dev[0]],
-                              capture_output=True, text=True, timeout=CMD_TIMEOUT)
-        return proc.stdout.strip()
-
-    def close(self) -> None:
-        for ns in reversed(self.created):
-            try:
-                _ip("netns", "del", ns)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.created = []
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def run_workers(link: Optional[ShapedLink], port: int, methods, iterations: int, warmup: int, quick: bool,
                 out_json: str, log_prefix: str, timeout: float, accumulate: int = 1) -> dict:
     """Start rank 0 and rank 1 (inside the namespaces when ``link`` is given), wait, return rank 0's JSON."""
-    addr = NS_ADDRS[0] if link is not None else "127.0.0.1"
-    base = [sys.executable, "-m", "experiments.reproduce.fig11_worker", "--init", f"tcp://{addr}:{port}",
-            "--world", "2", "--methods", json.dumps(methods), "--iterations", str(iterations),
-            "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2)), "--accumulate", str(accumulate)]
+    base = python_module("experiments.reproduce.fig11_worker", "--init", f"tcp://{master_addr(link)}:{port}",
+                         "--world", "2", "--methods", json.dumps(methods), "--iterations", str(iterations),
+                         "--warmup", str(warmup), "--timeout", str(max(60.0, timeout / 2)),
+                         "--accumulate", str(accumulate))
     if quick:
         base += ["--quick", "--batch", "512"]
-    # Both ranks share this host: LOCAL_WORLD_SIZE makes deepreduce's threads: auto give each its share.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2")
     if os.path.exists(out_json):
         os.remove(out_json)           # never report an earlier run's figures
-    procs, logs = [], []
-    try:
-        for rank in (0, 1):
-            cmd = base + ["--rank", str(rank)] + (["--out", out_json] if rank == 0 else [])
-            rank_env = dict(env)
-            if link is not None:
-                cmd = ["ip", "netns", "exec", link.ns[rank]] + cmd
-                rank_env["GLOO_SOCKET_IFNAME"] = link.dev[rank]
-            else:
-                rank_env["GLOO_SOCKET_IFNAME"] = "lo"
-            log = open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8")
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env,
-                                          start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for rank, proc in enumerate(procs):
-            left = deadline - time.monotonic()
-            try:
-                code = proc.wait(timeout=max(1.0, left))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"fig11: rank {rank} ran past {timeout:.0f}s (logs: {log_prefix}.rank*.log)")
-            if code != 0:
-                raise RuntimeError(f"fig11: rank {rank} exited with {code}: {_tail(f'{log_prefix}.rank{rank}.log')}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                proc.wait(timeout=CMD_TIMEOUT)
-        for log in logs:
-            log.close()
+    commands = [base + ["--rank", str(rank)] + (["--out", out_json] if rank == 0 else []) for rank in (0, 1)]
+    launch_ranks(link, commands, log_prefix, timeout, "fig11")
     with open(out_json, encoding="utf-8") as handle:
         return json.load(handle)
-
-
-def _tail(path: str, n: int = 1500) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()[-n:]
-    except OSError:
-        return "(no log)"
 
 
 def run(out_dir: str, quick: bool = False, iterations: int = None, show_progress: bool = True,

@@ -26,6 +26,7 @@ import time
 from typing import Dict, Optional
 
 from .common import Result, default_configs_dir, named_config, no_plot_note, progress, pyplot, save_figure
+from .netns import package_root
 
 # label -> the project's config file (configs/<name>.yaml); None = Horovod allreduce.
 METHODS: Dict[str, Optional[str]] = {
@@ -67,7 +68,7 @@ def launch(label: str, config: Optional[str], out_dir: str, epochs: int, max_ste
     else:
         cmd += ["--config", config]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")])))
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     log_path = os.path.join(out_dir, f"fig7_{slug}.log")
     if os.path.exists(metrics):
@@ -124,10 +125,6 @@ def kill_tree(root: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass      # gone meanwhile, or not ours to signal
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(out_dir: str, quick: bool = False, epochs: int = None, methods=None, timeout: float = None,

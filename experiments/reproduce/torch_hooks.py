@@ -56,18 +56,22 @@ def warmup_iterations(method: dict) -> int:
     return START_POWERSGD_ITER + 1 if method["ddp_hook"] == "powersgd" else 0
 
 
-def register(model, method: dict, timer: "HookTimer"):
-    """Register the hook of ``method`` (timed by ``timer``) on the DDP ``model``; return its state."""
+def make(method: dict):
+    """PyTorch's ``(state, hook)`` for ``method``, as ``model.register_comm_hook`` takes them."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     kind = method["ddp_hook"]
     if kind == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=method["rank"],
                                             start_powerSGD_iter=START_POWERSGD_ITER)
-        hook = powerSGD_hook.powerSGD_hook
-    else:
-        state = None                       # the default process group
-        hook = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.allreduce_hook
+        return state, powerSGD_hook.powerSGD_hook
+    # the default process group
+    return None, default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.allreduce_hook
+
+
+def register(model, method: dict, timer: "HookTimer"):
+    """Register the hook of ``method`` (timed by ``timer``) on the DDP ``model``; return its state."""
+    state, hook = make(method)
     model.register_comm_hook(state, timer.wrap(hook))
     return state
 
