@@ -61,6 +61,7 @@ class SparseAllreduce:
         self._bounds: Dict[str, np.ndarray] = {}
         self._owner_residuals: Dict[str, np.ndarray] = {}
         self.received_bytes = {"alltoall": 0, "allgather": 0}
+        self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
 
     # ------------------------------------------------------------------ the step
@@ -75,9 +76,11 @@ class SparseAllreduce:
         flat = self._with_stranded_mass(flat, owner, lo, hi)
 
         sent = self.pipeline.encode_shards(flat, name, step, bounds)
+        self.sent_bytes += sum(int(p.shape[0]) for p in sent)
         mine = self.communicator.alltoall(sent, f"deepreduce.sra1.{name}")
         self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
         shard = self._owner_step(mine, owner, lo, hi, name, step)
+        self.sent_bytes += int(shard.shape[0])
 
         shards = self.communicator.allgather(shard, f"deepreduce.sra2.{name}")
         self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in shards)

@@ -397,7 +397,7 @@ class DeepReduceState:
         targets, names = self._targets(job), job.containers()
         if job.merged is not None:
             torch.cat([job.views[i].reshape(-1) for i in job.merged[1]], out=targets[0])
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), self._protocol.sparse.sent_bytes
         for i in sorted(range(len(names)), key=names.__getitem__):
             target = targets[i]
             total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), names[i], job.step)
@@ -408,6 +408,8 @@ class DeepReduceState:
         if job.merged is not None:
             self._copy_back(job, targets[0])
         self.stats["communication_seconds"] += time.perf_counter() - start
+        self.stats["wire_bytes"] += self._protocol.sparse.sent_bytes - sent
+        self.stats["collective_bytes"] += self._protocol.sparse.sent_bytes - sent
 
     def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
         return self._communicator.allgather(payload, "deepreduce.dist.agreement")

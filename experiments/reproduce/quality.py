@@ -39,7 +39,8 @@ from .common import Result, named_config, no_plot_note, progress_bar, pyplot, sa
 from .netns import ShapedLink, launch_ranks, master_addr, namespaces_available, python_module
 
 BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9))
-# name -> a PyTorch DDP hook spec, or the name of a shipped deepreduce config.
+# name -> a PyTorch DDP hook spec, or the name of a shipped deepreduce config (``name@aggregation``:
+# that config with the given aggregation, e.g. the sparse all-reduce).
 METHODS: Dict[str, object] = {
     "dense": torch_hooks.spec("allreduce"),
     "fp16": torch_hooks.spec("fp16"),
@@ -50,6 +51,8 @@ METHODS: Dict[str, object] = {
     "qsgd": "qsgd",
     "sidco_exp": "sidco_exp",
     "dgc": "dgc",
+    "topk_raw@sparse_allreduce": "topk_raw@sparse_allreduce",
+    "elias_fano@sparse_allreduce": "elias_fano@sparse_allreduce",
 }
 BASELINE = "dense"
 TOLERANCE = 0.02          # the target: final loss within 2% of dense
@@ -87,9 +90,12 @@ def _specs(names: List[str], result: Result, configs_dir: Optional[str]) -> list
     for name in names:
         method = METHODS[name]
         if isinstance(method, str):
-            method = named_config(method, result, configs_dir)
+            stem, _, aggregation = method.partition("@")
+            method = named_config(stem, result, configs_dir)
             if method is None:
                 continue            # a codec not in this build: noted, go on
+            if aggregation:
+                method = dict(method, aggregation={"id": aggregation})
         specs.append([name, method])
     return specs
 
