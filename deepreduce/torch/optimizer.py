@@ -89,7 +89,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, process_set, communicator, background, path="auto",
                  bucket_cap_mb=None):
-        super(self.__class__, self).__init__(params)
+        self._optimizer_class.__init__(self, params)
         hvd = _horovod()
         self._hvd = hvd
         self._op = op
@@ -165,7 +165,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def add_param_group(self, param_group) -> None:
-        super(self.__class__, self).add_param_group(param_group)
+        self._optimizer_class.add_param_group(self, param_group)
         self._agreed = False         # the ranks compare their parameters again before the next step
 
     # ----------------------------------------------------------------- communication
@@ -459,12 +459,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise DeepReduceError("optimizer.step() called after synchronize() without skip_synchronize()")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        return self._optimizer_class.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending or self._copied:
             raise DeepReduceError("optimizer.zero_grad() called after backward() but before step() or synchronize()")
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        return self._optimizer_class.zero_grad(self, set_to_none=set_to_none)
 
     # ----------------------------------------------------------------- stats
     def compression_stats(self) -> dict:
@@ -504,7 +504,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._pending or self._copied:
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
-        out = super(self.__class__, self).state_dict()
+        out = self._optimizer_class.state_dict(self)
         out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
                                                    self._sparse_state())
         return out
@@ -522,7 +522,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
                                                            "DistributedOptimizer",
                                                            None if self._protocol is None else self._protocol.sparse)
-        super(self.__class__, self).load_state_dict(state_dict)
+        self._optimizer_class.load_state_dict(self, state_dict)
 
 
 def named_parameter_map(named_parameters) -> Dict[torch.Tensor, str]:
@@ -589,5 +589,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    cls._optimizer_class = optimizer.__class__   # the wrapped optimizer's methods, however cls is subclassed
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb)
