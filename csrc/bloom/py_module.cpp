@@ -184,4 +184,25 @@ PYBIND11_MODULE(_bloom, mod) {
         return out;
     }, py::arg("positives"), py::arg("r"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("draw_seed"),
        py::arg("family") = "blocked", "policy P2 (conflict sets, Algorithm 1)");
+
+    mod.def("positive_limit", [](py::bytes data, py::object size, py::object k, py::object r, py::object d,
+                                 const std::string& family, bool conflict) {
+        const bl::Family fam = family_arg(family);
+        const uint64_t sz = size_arg(size, fam);
+        const int kk = k_arg(k);
+        const uint64_t rr = int_arg(r, "r", 0, U64_MAX);
+        const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
+        std::string bits = data;
+        if (bits.size() != filter_bytes(fam, sz))
+            throw py::value_error("Bloom filter has " + std::to_string(bits.size()) + " bytes, expected " +
+                                  std::to_string(filter_bytes(fam, sz)) + " for " +
+                                  (fam == bl::Family::blocked ? "blocks = " : "m = ") + std::to_string(sz));
+        uint64_t limit = 0;
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
+        run_released([&] { limit = bl::positive_limit(fam, b, sz, kk, rr, dd, conflict); });
+        return limit;
+    }, py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("r"), py::arg("d"), py::arg("family") = "blocked",
+       py::arg("conflict") = false,
+       "the most positives among [0, d) accepted from a filter claiming r keys (bloom.h); conflict=True "
+       "adds P2's checks (ValueError)");
 }

@@ -34,6 +34,10 @@ constexpr size_t CRC_SIZE = 4;
 constexpr size_t V1_FIXED = 48;
 constexpr size_t V2_FIXED = 18;
 constexpr int VARINT_MAX_BYTES = 10;
+// container.MAX_TENSOR_NUMEL: no tensor has more elements (NumPy, torch and TensorFlow refuse or
+// abort on shapes whose byte size or strides reach 2^63); it also bounds the product of the
+// non-zero dimensions of a 0-element tensor.
+constexpr uint64_t MAX_TENSOR_NUMEL = uint64_t(1) << 60;
 
 // zlib's CRC-32 of n bytes, continuing from `crc` (0 to start).
 uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
@@ -89,7 +93,9 @@ std::string read_header(const uint8_t* buf, size_t len, size_t offset, Header& h
 // Parse and check one container of exactly len bytes (container.unpack's checks, check_size
 // included): "" or the error. With `expected`, a header of another shape is refused (and
 // *shape_mismatch set: a CommunicationError in the core); without, one claiming more than
-// max_numel elements. numel (the product of the shape) is written on success.
+// max_numel elements (or, for a 0-element tensor, non-zero dimensions multiplying to more than
+// max_numel; max_numel is capped at MAX_TENSOR_NUMEL). numel (the product of the shape) is written
+// on success.
 std::string unpack(const uint8_t* buf, size_t len, Header& h, uint64_t& numel,
                    const std::vector<uint64_t>* expected = nullptr, uint64_t max_numel = ~uint64_t(0),
                    bool* shape_mismatch = nullptr);

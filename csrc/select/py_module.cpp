@@ -132,8 +132,18 @@ void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, i
   IndexIn idx = index_arg(idx_obj, "indices");
   check_scatter(out, idx, val);
   float* o = out.mutable_data();
-  py::gil_scoped_release release;
-  dr_select::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
+  const int64_t* ix = idx.data();
+  const int64_t n = idx.size(), size = out.size();
+  int64_t bad = -1;   // the first index outside [0, size): checked here, so no caller can write out of bounds
+  {
+    py::gil_scoped_release release;
+    for (int64_t j = 0; j < n && bad < 0; ++j)
+      if (ix[j] < 0 || ix[j] >= size) bad = j;
+    if (bad < 0) dr_select::scatter_add(o, ix, val.data(), n, threads);
+  }
+  if (bad >= 0)
+    throw py::value_error("scatter_add: index " + std::to_string(ix[bad]) + " at " + std::to_string(bad) +
+                          " is outside [0, " + std::to_string(size) + ")");
 }
 
 // (norms, levels, receiver's values) of qsgd_encode, or None if a bucket norm is not finite.
@@ -174,7 +184,8 @@ PYBIND11_MODULE(_select, m) {
   m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
         "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
   m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
-        py::arg("threads"), "out[indices] += values for indices the caller has checked (distinct, in range)");
+        py::arg("threads"), "out[indices] += values for distinct indices in any order (the range is checked: "
+        "ValueError, nothing written; distinctness is the caller's)");
   m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
         py::arg("threads"), "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "
         "or None if a bucket norm is not finite (deepreduce/values/qsgd.py, the same bytes)");

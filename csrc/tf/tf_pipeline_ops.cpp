@@ -503,9 +503,12 @@ Failure decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t
         return {};
     }
     const bool prefix = p.policy == 0 || p.policy == 4 || p.policy == 1;   // naive, leftmost, p0
-    const uint64_t limit = prefix ? n : numel;
+    const bl::Family family = p.blocked ? bl::Family::blocked : bl::Family::splitmix;
+    uint64_t limit = n;
     std::vector<uint64_t> P;
     try {
+        const uint64_t bound = bl::positive_limit(family, section, p.size, p.k, n, numel, p.policy == 3);
+        if (!prefix) limit = bound;
         if (p.blocked)
             bl::blocked::query(section, p.size, p.k, p.seed, numel, limit, threads, P);
         else
@@ -520,6 +523,10 @@ Failure decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t
     if (npos < n)
         return container_error("Bloom filter has " + std::to_string(npos) + " positives, fewer than the " +
                                std::to_string(n) + " values sent");
+    if (npos > limit && !prefix)
+        return container_error("Bloom " + std::string(wr::BLOOM_POLICIES[p.policy]) + " filter has more than " +
+                               std::to_string(limit) + " positives: more than a filter holding " + std::to_string(n) +
+                               " keys has at its own false-positive rate");
     out.resize(n);
     uint64_t* o = reinterpret_cast<uint64_t*>(out.data());
     size_t offset = 0;
@@ -527,7 +534,7 @@ Failure decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t
         if (p.policy == 2)
             bl::select_random(P.data(), P.size(), n, p.draw_seed, o);
         else if (p.policy == 3)
-            bl::select_conflict(p.blocked ? bl::Family::blocked : bl::Family::splitmix, P.data(), P.size(), n,
+            bl::select_conflict(family, P.data(), P.size(), n,
                                 p.size, p.k, p.seed, p.draw_seed, o);
         else {
             if (p.policy == 6) offset = npos - n;
