@@ -138,3 +138,9 @@ def decode_everywhere(path: str, shapes) -> None:
             except DeepReduceError as exc:
                 outcome = f"{type(exc).__name__}: {exc}"
             print(f"{binding} {shape}: {outcome}", flush=True)
+
+
+def zero_element_container(shape) -> bytes:
+    """A CRC-valid container of a 0-element tensor of ``shape`` (some dimensions may be huge)."""
+    _, payload = valid_container(RECEIVER)
+    return rewrite(payload, shape=tuple(shape), n=0, index_section=b"", value_section=b"").tobytes()
