@@ -19,7 +19,7 @@ import yaml
 from .wire import container
 from .backend import parallel
 from . import registry
-from .errors import ConfigError
+from .errors import ConfigError, quote
 from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option
 
 REQUIRED_SECTIONS = ("sparsifier", "index", "value", "memory")
@@ -28,6 +28,13 @@ SCALARS = ("min_numel", "nonfinite", "threads", "max_numel")
 ALLOWED_KEYS = REQUIRED_SECTIONS + OPTIONAL_SECTIONS + SCALARS
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Pipeline]
+
+#: Limits checked before a config's values are validated or formatted. A shipped config is under
+#: 1 KiB, about 20 values deep 3; a YAML alias bomb (anchors nesting anchors) is a few hundred bytes
+#: whose value expands to billions of items, so the expanded size is what is bounded.
+MAX_CONFIG_BYTES = 64 << 10
+MAX_CONFIG_DEPTH = 16
+MAX_CONFIG_ITEMS = 10_000
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -44,7 +51,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if repeated:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {quote(key)}",
                     key_node.start_mark)
         return super().construct_mapping(node, deep)
 
@@ -52,7 +59,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _read_yaml(path: str):
     try:
         with open(path, "rb") as handle:
-            text = handle.read().decode("utf-8")
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES} bytes; a config is a few "
+                              "hundred bytes")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not UTF-8 text: {exc}") from exc
     except OSError as exc:
@@ -63,6 +74,38 @@ def _read_yaml(path: str):
         raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from exc
     except RecursionError as exc:
         raise ConfigError(f"config file {path!r} nests too deeply") from exc
+
+
+def check_extent(value, where: str) -> None:
+    """Refuse a config value nested deeper than :data:`MAX_CONFIG_DEPTH` or holding more than
+    :data:`MAX_CONFIG_ITEMS` items once every shared part (a YAML alias, a Python object reached
+    twice) is counted at each place it appears, or holding itself. Work: one visit per distinct
+    object (sizes are memoised), so a structure that would expand to billions of items is
+    measured, and refused, in time linear in what was read."""
+    sizes, open_ = {}, set()
+
+    def size(node, depth: int) -> int:
+        if not isinstance(node, (dict, list, tuple, set)):
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise ConfigError(f"{where} holds itself (a recursive alias)")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where} nests deeper than {MAX_CONFIG_DEPTH} levels")
+        open_.add(key)
+        total = 1
+        for item in (node.items() if isinstance(node, dict) else node):
+            total += sum(size(part, depth + 1) for part in item) if isinstance(node, dict) else size(item, depth + 1)
+            if total > MAX_CONFIG_ITEMS:
+                raise ConfigError(f"{where} expands to more than {MAX_CONFIG_ITEMS} items "
+                                  "(YAML aliases counted where they are used)")
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    size(value, 0)
 
 
 def shipped_configs() -> List[str]:
@@ -84,6 +127,7 @@ def _read(source: ConfigLike) -> dict:
     if isinstance(source, Pipeline):
         return source.get_config()
     if isinstance(source, Mapping):
+        check_extent(source, "config")
         return copy.deepcopy(dict(source))
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
@@ -92,6 +136,7 @@ def _read(source: ConfigLike) -> dict:
                 raise ConfigError(f"config file {path!r} does not exist")
             path = _shipped_path(path)
         data = _read_yaml(path)
+        check_extent(data, f"config file {path!r}")
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
         return dict(data)
@@ -111,7 +156,7 @@ def _validate(raw: dict) -> Tuple[dict, dict]:
     """(normalised config, the components it built): each component is built once, here."""
     unknown = [key for key in raw if key not in ALLOWED_KEYS]
     if unknown:
-        raise ConfigError(f"config: unknown key {unknown[0]!r}; allowed keys: {', '.join(ALLOWED_KEYS)}")
+        raise ConfigError(f"config: unknown key {quote(unknown[0])}; allowed keys: {', '.join(ALLOWED_KEYS)}")
     missing = [s for s in REQUIRED_SECTIONS if s not in raw]
     if missing:
         raise ConfigError(f"config: missing section {missing[0]!r}; required sections: {', '.join(REQUIRED_SECTIONS)}")
@@ -127,7 +172,7 @@ def _validate(raw: dict) -> Tuple[dict, dict]:
     out["min_numel"] = check_numel_option("config", "min_numel", raw.get("min_numel", DEFAULT_MIN_NUMEL), 0)
     nonfinite = raw.get("nonfinite", "propagate")
     if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"config: 'nonfinite' is {nonfinite!r}; allowed: {', '.join(NONFINITE_POLICIES)}")
+        raise ConfigError(f"config: 'nonfinite' is {quote(nonfinite)}; allowed: {', '.join(NONFINITE_POLICIES)}")
     out["nonfinite"] = nonfinite
     out["threads"] = parallel.check_threads(raw.get("threads", parallel.AUTO))
     out["max_numel"] = check_numel_option("config", "max_numel", raw.get("max_numel", container.MAX_NUMEL), 1)

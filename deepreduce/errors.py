@@ -2,8 +2,26 @@
 
 Every error the library raises on purpose derives from :class:`DeepReduceError`, so a training
 script can catch compression problems without catching unrelated bugs. The subclasses say which
-stage failed; their messages name the offending key, id, tensor or byte offset.
+stage failed; their messages name the offending key, id, tensor or byte offset, and quote a
+user's value through :func:`quote` (a short prefix, whatever the value).
 """
+import reprlib
+
+#: The most characters of a value an error message quotes.
+QUOTE_CHARS = 60
+_QUOTER = reprlib.Repr()   # attributes, not keywords: Repr takes keywords from Python 3.12 on
+_QUOTER.maxlevel = 2
+_QUOTER.maxtuple = _QUOTER.maxlist = _QUOTER.maxdict = _QUOTER.maxset = _QUOTER.maxfrozenset = 4
+_QUOTER.maxdeque = _QUOTER.maxarray = 4
+_QUOTER.maxstring = _QUOTER.maxlong = _QUOTER.maxother = QUOTE_CHARS
+
+
+def quote(value) -> str:
+    """``repr(value)`` cut to at most :data:`QUOTE_CHARS` characters, in bounded work: nested
+    containers are shown two levels deep with four items each (``reprlib``), so a config value
+    that expands to millions of items (a YAML alias bomb) is never formatted in full."""
+    text = _QUOTER.repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS - 3] + "..."
 
 
 class DeepReduceError(Exception):

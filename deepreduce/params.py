@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, quote
 
 _MISSING = object()
 
@@ -54,30 +54,30 @@ class Param:
         where = f"{owner}: parameter {key!r}"
         if self.kind is bool:
             if not isinstance(value, bool):
-                raise ConfigError(f"{where} must be true or false, got {value!r}")
+                raise ConfigError(f"{where} must be true or false, got {quote(value)}")
             return value
         if self.kind is str:
             if not isinstance(value, str):
-                raise ConfigError(f"{where} must be a string, got {value!r}")
+                raise ConfigError(f"{where} must be a string, got {quote(value)}")
         elif self.kind is int:
             if isinstance(value, bool) or not isinstance(value, (int,)) and not (
                 isinstance(value, float) and value.is_integer()
             ):
-                raise ConfigError(f"{where} must be an integer, got {value!r}")
+                raise ConfigError(f"{where} must be an integer, got {quote(value)}")
             value = int(value)
         elif self.kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{where} must be a number, got {value!r}")
+                raise ConfigError(f"{where} must be a number, got {quote(value)}")
             value = float(value)
             if not math.isfinite(value):
-                raise ConfigError(f"{where} must be finite, got {value!r}")
+                raise ConfigError(f"{where} must be finite, got {quote(value)}")
         if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"{where} is {value!r}; allowed: {self.allowed()}")
+            raise ConfigError(f"{where} is {quote(value)}; allowed: {self.allowed()}")
         if self.kind in (int, float):
             too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
             too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
             if too_low or too_high:
-                raise ConfigError(f"{where} is {value!r}; allowed: {self.allowed()}")
+                raise ConfigError(f"{where} is {quote(value)}; allowed: {self.allowed()}")
         return value
 
 
@@ -86,7 +86,7 @@ def resolve(owner: str, declared: Mapping[str, Param], given: Mapping[str, Any])
     unknown = sorted(set(given) - set(declared))
     if unknown:
         allowed = ", ".join(sorted(declared)) or "none"
-        raise ConfigError(f"{owner}: unknown parameter {unknown[0]!r}; allowed parameters: {allowed}")
+        raise ConfigError(f"{owner}: unknown parameter {quote(unknown[0])}; allowed parameters: {allowed}")
     out = {}
     for key, param in declared.items():
         if key in given:

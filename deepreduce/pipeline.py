@@ -21,7 +21,7 @@ from .wire import bitpack, container
 from . import registry
 from .wire.own_containers import OwnContainers
 from .errors import (
-    CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError,
+    CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError, quote,
 )
 from .index import IndexCodec
 from .journal import StepJournal
@@ -34,9 +34,6 @@ from .values import ValueCodec
 NONFINITE_POLICIES = ("propagate", "raise")
 _STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")
 DEFAULT_MIN_NUMEL = 1000
-#: No tensor has more elements: 2**62 float32 fill a 64-bit address space. ``min_numel`` and
-#: ``max_numel`` above it are refused as absurd.
-MAX_TENSOR_NUMEL = 1 << 62
 #: What a decoder may raise on bad bytes that is not yet a DeepReduceError (re-raised as one).
 _DECODE_ERRORS = (ValueError, IndexError, OverflowError, TypeError, KeyError, ArithmeticError,
                   RuntimeError, struct.error, zlib.error)
@@ -516,10 +513,11 @@ class Pipeline:
 
 
 def check_numel_option(owner: str, key: str, value, low: int) -> int:
-    """``value`` if it is an integer element count in ``[low, 2**62]``, else ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_TENSOR_NUMEL:
-        raise ConfigError(f"{owner}: {key!r} must be an integer in [{low}, 2**62] (no tensor has more "
-                          f"than 2**62 elements), got {value!r}")
+    """``value`` if it is an integer element count in ``[low, 2**60]``, else ConfigError (no tensor
+    has more elements: ``container.MAX_TENSOR_NUMEL``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= container.MAX_TENSOR_NUMEL:
+        raise ConfigError(f"{owner}: {key!r} must be an integer in [{low}, 2**60] (no tensor has more "
+                          f"than 2**60 elements), got {quote(value)}")
     return value
 
 

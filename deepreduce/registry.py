@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 from typing import Dict, Tuple, Type
 
-from .errors import ConfigError
+from .errors import ConfigError, quote
 
 KINDS = ("sparsifier", "index", "value", "memory", "communicator", "aggregation")
 _BUILTIN_PACKAGES = ("sparsify", "index", "values", "dist.comm")
@@ -69,7 +69,7 @@ def get_class(kind: str, id_: str) -> type:
         return _classes[(kind, id_)]
     except KeyError:
         raise ConfigError(
-            f"{kind}: unknown id {id_!r}; allowed ids: {', '.join(ids(kind))}"
+            f"{kind}: unknown id {quote(id_)}; allowed ids: {', '.join(ids(kind))}"
         ) from None
 
 
@@ -89,13 +89,13 @@ def create(kind: str, config) -> object:
     if isinstance(config, str):
         config = {"id": config}
     if not isinstance(config, dict):
-        raise ConfigError(f"{kind}: expected a mapping with an 'id' key, got {config!r}")
+        raise ConfigError(f"{kind}: expected a mapping with an 'id' key, got {quote(config)}")
     if "id" not in config:
         raise ConfigError(f"{kind}: missing 'id'; allowed ids: {', '.join(ids(kind))}")
     if not isinstance(config["id"], str):
-        raise ConfigError(f"{kind}: 'id' must be a string, got {config['id']!r}; allowed ids: {', '.join(ids(kind))}")
+        raise ConfigError(f"{kind}: 'id' must be a string, got {quote(config['id'])}; allowed ids: {', '.join(ids(kind))}")
     bad = [key for key in config if not isinstance(key, str)]
     if bad:
-        raise ConfigError(f"{kind} {config['id']!r}: parameter names must be strings, got {bad[0]!r}")
+        raise ConfigError(f"{kind} {config['id']!r}: parameter names must be strings, got {quote(bad[0])}")
     params = {k: v for k, v in config.items() if k != "id"}
     return get_class(kind, config["id"])(**params)

@@ -2,7 +2,12 @@
 #include "bloom.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -695,6 +700,83 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
     size_t o = 0;
     for (size_t a = 0; a < np; ++a)
         if (chosen[a]) out[o++] = P[a];
+}
+
+// ---------------------------------------------------------------- receiver bounds
+namespace {
+
+// x^k by k multiplications: the same bits as the Python twin's loop.
+double power(double x, int k) {
+    double t = 1.0;
+    for (int i = 0; i < k; ++i) t *= x;
+    return t;
+}
+
+uint64_t popcount(const uint8_t* p, uint64_t n) {
+    uint64_t count = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        std::memcpy(&w, p + i, 8);
+        count += static_cast<uint64_t>(__builtin_popcountll(w));
+    }
+    for (; i < n; ++i) count += static_cast<uint64_t>(__builtin_popcount(p[i]));
+    return count;
+}
+
+std::string number(double x) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3g", x);
+    return buf;
+}
+
+}  // namespace
+
+uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k, uint64_t r, uint64_t d,
+                        bool conflict) {
+    check_k(k);
+    uint64_t set_bits = 0;
+    double rate = 0;
+    unsigned __int128 m = size;
+    if (family == Family::BLOCKED) {
+        check_blocks(size);
+        m *= blocked::BLOCK_BITS;
+        std::array<uint64_t, blocked::BLOCK_BITS + 1> hist{};   // blocks by their set bits
+        for (uint64_t b = 0; b < size; ++b) {
+            const uint64_t c = popcount(bits + b * blocked::BLOCK_BYTES, blocked::BLOCK_BYTES);
+            ++hist[c];
+            set_bits += c;
+        }
+        double sum = 0;
+        for (uint64_t c = 0; c <= blocked::BLOCK_BITS; ++c)
+            if (hist[c]) sum += static_cast<double>(hist[c]) * power(static_cast<double>(c) / 512.0, k);
+        if (size) rate = sum / static_cast<double>(size);
+    } else {
+        set_bits = popcount(bits, filter_bytes(size));
+        if (size) rate = power(static_cast<double>(set_bits) / static_cast<double>(size), k);
+    }
+    if (static_cast<unsigned __int128>(set_bits) > static_cast<unsigned __int128>(k) * r)
+        fail(ErrorKind::ARGUMENT, "Bloom filter has " + std::to_string(set_bits) + " bits set; " + std::to_string(r) +
+                                      " keys of k = " + std::to_string(k) + " hashes set at most " +
+                                      std::to_string(static_cast<unsigned __int128>(k) * r > ~uint64_t(0)
+                                                         ? ~uint64_t(0) : k * r));
+    if (conflict) {
+        const std::string keys = "Bloom P2 filter claims " + std::to_string(r) + " keys";
+        if (k * rate > MAX_PROBE_RATE)
+            fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes at its false-positive rate " +
+                                          number(rate) + ": k * rate above 2, a filter far fuller than its k was chosen for");
+        if (k >= 2 && static_cast<unsigned __int128>(k) * r > MAX_PROBES_PER_BIT * m)
+            fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes in " +
+                                          std::to_string(static_cast<uint64_t>(m)) +
+                                          " bits: k * r above twice the bits, beyond any encoder's sizing");
+        if (static_cast<unsigned __int128>(r) > static_cast<unsigned __int128>(MAX_KEYS_PER_SET_BIT) * set_bits)
+            fail(ErrorKind::ARGUMENT, keys + " on " + std::to_string(set_bits) +
+                                          " set bits: more than 64 keys per set bit, beyond any encoder's sizing");
+    }
+    const double extra = POSITIVE_MARGIN * rate * static_cast<double>(d);
+    if (extra >= static_cast<double>(d)) return d;
+    const unsigned __int128 limit = static_cast<unsigned __int128>(r) + static_cast<uint64_t>(std::ceil(extra)) +
+                                    POSITIVE_SLACK;
+    return limit > d ? d : static_cast<uint64_t>(limit);
 }
 
 }  // namespace bloom

@@ -102,5 +102,30 @@ void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, u
 void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k,
                      uint64_t seed, uint64_t draw_seed, uint64_t* out);
 
+// ------------------------------------------------------------------ receiver bounds
+// Constants of positive_limit (docs/reliability.md, "Bloom filters: positives and work").
+constexpr double POSITIVE_MARGIN = 2.0;        // accepted false positives: this times the expected ...
+constexpr uint64_t POSITIVE_SLACK = 64;        // ... plus this many
+constexpr double MAX_PROBE_RATE = 2.0;         // P2: k * rate at most this
+constexpr uint64_t MAX_PROBES_PER_BIT = 2;     // P2 with k >= 2: k * r at most this times m
+constexpr uint64_t MAX_KEYS_PER_SET_BIT = 64;  // P2: r at most this times the set bits
+
+// The receiver's bound on a filter that claims to hold r keys (at most r: the header's count, which
+// for P0 is |P|). The filter's own false-positive rate is the chance that the k probes of a position
+// never inserted all hit set bits: the mean over blocks of (set bits / 512)^k (blocked),
+// (set bits / m)^k (splitmix). An honest filter has its r keys plus Binomial(d - r, rate) false
+// positives among d positions, so the receiver accepts at most
+//   min(d, r + ceil(POSITIVE_MARGIN * rate * d) + POSITIVE_SLACK)
+// positives: the return value (the query's limit). A filter with more than k * r set bits is
+// refused (each set bit is a probe of one of the r keys). With `conflict` (P2: its conflict sets hold
+// k |P| (bit, positive) pairs, visited in about r / set bits passes) it also refuses a filter no
+// encoder sizes: k * rate > MAX_PROBE_RATE, k >= 2 with k * r > MAX_PROBES_PER_BIT * m, or
+// r > MAX_KEYS_PER_SET_BIT * set bits. Errors are ErrorKind::ARGUMENT with the core's text (the
+// codec, bloom_wire.h decode, reports them as ContainerError "Bloom decode: ..."; deepreduce/index/
+// bloom.py positive_limit is the twin for the NumPy and torch paths). `bits` is the whole filter:
+// 64 * size bytes (blocked) or filter_bytes(size) (splitmix).
+uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k, uint64_t r, uint64_t d,
+                        bool conflict);
+
 }  // namespace bloom
 }  // namespace deepreduce

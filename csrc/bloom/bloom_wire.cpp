@@ -155,9 +155,12 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
         if (count) container_error("empty Bloom filter cannot carry " + std::to_string(count) + " indices");
         return {};
     }
-    const uint64_t limit = prefix_policy(p.policy) ? count : numel;
     std::vector<uint64_t> P;
     try {
+        // The filter's own bound (and P2's refusals) for every policy; the prefix policies need
+        // only the first `count` positives.
+        uint64_t limit = positive_limit(p.family, section, p.size, p.k, count, numel, p.policy == P2);
+        if (prefix_policy(p.policy)) limit = count;
         if (p.family == Family::BLOCKED)
             blocked::query(section, p.size, p.k, p.seed, numel, limit, threads, P);
         else
@@ -169,6 +172,10 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
         if (npos < count)
             container_error("Bloom filter has " + std::to_string(npos) + " positives, fewer than the " +
                             std::to_string(count) + " values sent");
+        if (npos > limit && !prefix_policy(p.policy))
+            container_error("Bloom " + std::string(POLICIES[p.policy]) + " filter has more than " +
+                            std::to_string(limit) + " positives: more than a filter holding " + std::to_string(count) +
+                            " keys has at its own false-positive rate");
         return choose(p, P, static_cast<size_t>(count));
     } catch (const Error& e) {   // a kernel's refusal of what the container says, as the codec words it
         if (e.kind() == ErrorKind::CONTAINER) throw;

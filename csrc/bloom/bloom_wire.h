@@ -65,7 +65,8 @@ Encoded encode(const uint64_t* positions, size_t r, uint64_t numel, int policy, 
                uint64_t hash_seed, uint64_t draw_seed, int threads);
 
 // BloomIndex.decode: the `count` positions a container's params and filter section stand for
-// (ErrorKind::CONTAINER, with the core's text, if they cannot).
+// (ErrorKind::CONTAINER, with the core's text, if they cannot). The query is bounded by
+// positive_limit (bloom.h) first, so the work is bounded by what the filter's own rate allows.
 std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uint8_t* section, size_t len,
                              uint64_t count, uint64_t numel, int threads);
 

@@ -44,6 +44,16 @@ uint64_t filter_bytes(bl::Family family, uint64_t size) {
     return p.filter_bytes();
 }
 
+// The bytes of a filter argument, which must be exactly the filter of its family and size.
+std::string filter_arg(const py::bytes& data, bl::Family family, uint64_t size) {
+    std::string bits = data;
+    if (bits.size() != filter_bytes(family, size))
+        throw py::value_error("Bloom filter has " + std::to_string(bits.size()) + " bytes, expected " +
+                              std::to_string(filter_bytes(family, size)) + " for " +
+                              (family == bl::Family::BLOCKED ? "blocks = " : "m = ") + std::to_string(size));
+    return bits;
+}
+
 U64Array to_array(const std::vector<uint64_t>& v) {
     U64Array out(static_cast<py::ssize_t>(v.size()));
     if (!v.empty()) std::copy(v.begin(), v.end(), out.mutable_data());
@@ -111,11 +121,7 @@ PYBIND11_MODULE(_bloom, mod) {
         const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
         const uint64_t lim = int_arg(limit, "limit", 0, U64_MAX);
         const int t = threads_arg(threads);
-        std::string bits = data;
-        if (bits.size() != filter_bytes(fam, sz))
-            throw py::value_error("Bloom filter has " + std::to_string(bits.size()) + " bytes, expected " +
-                                  std::to_string(filter_bytes(fam, sz)) + " for " +
-                                  (fam == bl::Family::BLOCKED ? "blocks = " : "m = ") + std::to_string(sz));
+        const std::string bits = filter_arg(data, fam, sz);
         std::vector<uint64_t> out;
         const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
         run_released([&] {
@@ -177,4 +183,21 @@ PYBIND11_MODULE(_bloom, mod) {
     mod.def("blocks_for", [](py::object r, double keys_per_block) {
         return bl::blocks_for(int_arg(r, "r", 0, U64_MAX), keys_per_block);
     }, py::arg("r"), py::arg("keys_per_block"), "the block count of a filter for r indices (bloom.filter_params)");
+
+    mod.def("positive_limit", [](py::bytes data, py::object size, py::object k, py::object r, py::object d,
+                                 const std::string& family, bool conflict) {
+        const bl::Family fam = family_arg(family);
+        const uint64_t sz = size_arg(size, fam);
+        const int kk = k_arg(k);
+        const uint64_t rr = int_arg(r, "r", 0, U64_MAX);
+        const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
+        const std::string bits = filter_arg(data, fam, sz);
+        uint64_t limit = 0;
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
+        run_released([&] { limit = bl::positive_limit(fam, b, sz, kk, rr, dd, conflict); });
+        return limit;
+    }, py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("r"), py::arg("d"), py::arg("family") = "blocked",
+       py::arg("conflict") = false,
+       "the most positives among [0, d) accepted from a filter claiming r keys (bloom.h positive_limit); "
+       "conflict=True adds P2's checks (ValueError)");
 }

@@ -296,8 +296,14 @@ uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uin
     }
     // container.check_size
     const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 64;   // beyond it: saturate
-    unsigned __int128 count = 1;
-    for (uint64_t s : h.shape) count = count == 0 || s == 0 ? 0 : (count * s > cap ? cap : count * s);
+    unsigned __int128 count = 1, extent = 1;   // extent: the product of the non-zero dimensions
+    std::vector<uint64_t> nonzero;
+    for (uint64_t s : h.shape) {
+        count = count == 0 || s == 0 ? 0 : (count * s > cap ? cap : count * s);
+        if (s) extent = extent * s > cap ? cap : extent * s;
+        if (s) nonzero.push_back(s);
+    }
+    if (max_numel > MAX_TENSOR_NUMEL) max_numel = MAX_TENSOR_NUMEL;
     if (expected) {
         if (h.shape != *expected)
             fail(ErrorKind::COMMUNICATION, "container holds a tensor of shape " + shape_string(h.shape) +
@@ -307,6 +313,11 @@ uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uin
         fail(ErrorKind::CONTAINER, "container claims a tensor of shape " + shape_string(h.shape) + " (" +
                                        product_string(h.shape) + " elements), above max_numel = " +
                                        std::to_string(max_numel) + "; pass the expected shape or raise max_numel");
+    } else if (extent > max_numel) {
+        fail(ErrorKind::CONTAINER, "container claims a 0-element tensor of shape " + shape_string(h.shape) +
+                                       " whose non-zero dimensions multiply to " + product_string(nonzero) +
+                                       ", above max_numel = " + std::to_string(max_numel) +
+                                       "; no framework holds such a shape");
     }
     if (count >= cap)
         fail(ErrorKind::CONTAINER, "container shape " + shape_string(h.shape) + " has 2**64 elements or more");

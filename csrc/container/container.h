@@ -35,6 +35,10 @@ constexpr size_t CRC_SIZE = 4;
 constexpr size_t V1_FIXED = 48;
 constexpr size_t V2_FIXED = 18;
 constexpr int VARINT_MAX_BYTES = 10;
+// container.MAX_TENSOR_NUMEL: no tensor has more elements (NumPy, torch and TensorFlow refuse or
+// abort on shapes whose byte size or strides reach 2^63); it also bounds the product of the
+// non-zero dimensions of a 0-element tensor.
+constexpr uint64_t MAX_TENSOR_NUMEL = uint64_t(1) << 60;
 
 // zlib's CRC-32 of n bytes, continuing from `crc` (0 to start).
 uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
@@ -90,7 +94,8 @@ void read_header(const uint8_t* buf, size_t len, size_t offset, Header& h);
 // Parse and check one container of exactly len bytes (container.unpack's checks, check_size
 // included) into h; returns numel, the product of its shape. With `expected`, a header of
 // another shape is refused (ErrorKind::COMMUNICATION); without, one claiming more than
-// max_numel elements.
+// max_numel elements, or, for a 0-element tensor, one whose non-zero dimensions multiply to more
+// than max_numel (max_numel is capped at MAX_TENSOR_NUMEL in both cases).
 uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uint64_t>* expected = nullptr,
                 uint64_t max_numel = ~uint64_t(0));
 

@@ -108,7 +108,7 @@ void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, i
   check_scatter(idx, val);
   float* o = out.mutable_data();
   py::gil_scoped_release release;
-  sel::scatter_add(o, idx.data(), val.data(), idx.size(), threads);
+  sel::scatter_add_in_range(o, out.size(), idx.data(), val.data(), idx.size(), threads);
 }
 
 // (norms, levels, receiver's values) of qsgd_encode, or None if a bucket norm is not finite.
@@ -151,7 +151,8 @@ PYBIND11_MODULE(_select, m) {
   m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
         "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
   m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
-        py::arg("threads"), "out[indices] += values for indices the caller has checked (distinct, in range)");
+        py::arg("threads"), "out[indices] += values for distinct indices in any order (the range is checked: "
+        "ValueError, nothing written; distinctness is the caller's)");
   m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
         py::arg("threads"), "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "
         "or None if a bucket norm is not finite (deepreduce/values/qsgd.py, the same bytes)");

@@ -405,6 +405,14 @@ void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, in
   });
 }
 
+void scatter_add_in_range(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n, int threads) {
+  for (int64_t j = 0; j < n; ++j)
+    if (idx[j] < 0 || idx[j] >= numel)
+      fail(ErrorKind::ARGUMENT, "scatter_add: index " + std::to_string(idx[j]) + " at " + std::to_string(j) +
+                                    " is outside [0, " + std::to_string(numel) + ")");
+  scatter_add(out, idx, val, n, threads);
+}
+
 namespace {
 
 // qsgd.bucket_norms for one bucket: float64 squares padded with zeros to `width`, summed by

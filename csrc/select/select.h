@@ -52,6 +52,10 @@ void nonzero(const float* x, int64_t n, const std::vector<int64_t>& counts, int6
 // ascending and inside [0, numel); it throws ErrorKind::CONTAINER (nothing written) if not.
 void scatter_add_checked(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n, int threads);
 void scatter_add(float* out, const int64_t* idx, const float* val, int64_t n, int threads);
+// out[idx[j]] += val[j] for distinct idx in any order, after checking every idx is inside
+// [0, numel): ErrorKind::ARGUMENT "scatter_add: index i at j is outside [0, numel)" (the first
+// such j; nothing written) if not. Distinctness is the caller's.
+void scatter_add_in_range(float* out, int64_t numel, const int64_t* idx, const float* val, int64_t n, int threads);
 
 // QSGD encode (deepreduce/values/qsgd.py: the same float64 arithmetic in the same order, so the
 // same bytes): per bucket of `bucket` values (min(bucket, n) when larger) the float32 L2 norm

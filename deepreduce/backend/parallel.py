@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 
 AUTO = "auto"
 MAX_THREADS = 256   # the C++ kernels' bound (csrc/common/checks.h MAX_THREADS; tested equal)
@@ -45,7 +45,7 @@ def check_threads(value: ThreadsOption, owner: str = "config") -> ThreadsOption:
     if isinstance(value, str) and value == AUTO:
         return AUTO
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
-        raise ConfigError(f"{owner}: 'threads' must be an integer in [1, {MAX_THREADS}] or 'auto', got {value!r}")
+        raise ConfigError(f"{owner}: 'threads' must be an integer in [1, {MAX_THREADS}] or 'auto', got {quote(value)}")
     return value
 
 

@@ -46,6 +46,7 @@ from ._base import IndexCodec, IndexEncoding, sorted_pairs
 POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")
 _POLICY_CODE = {name: code for code, name in enumerate(POLICIES)}
 DRAWING = ("p1", "p2")
+PREFIX = ("naive", "leftmost", "p0")   # the receiver needs only the first `count` positives
 MAX_K = 64
 #: The lowest ``fpr`` a config may ask for: at 1e-12 a filter expects one false positive in 2**40
 #: queried positions (a tensor of 4 TiB of float32); a lower rate buys nothing on any tensor that
@@ -456,12 +457,88 @@ def unpack_params_python(params: bytes) -> BloomParams:
     return BloomParams("blocked", policy, k, blocks, seed, draw_seed)
 
 
-def check_positives(policy: str, npos: int, count: int) -> None:
-    """The receiver's check that the filter backs the header's value count."""
+# ---------------------------------------------------------------------------------- receiver bounds
+# The constants of positive_limit (csrc/bloom/bloom.h; docs/reliability.md, "Bloom filters:
+# positives and work").
+POSITIVE_MARGIN = 2.0        # accepted false positives: this times the expected ...
+POSITIVE_SLACK = 64          # ... plus this many
+MAX_PROBE_RATE = 2.0         # P2: k * rate at most this
+MAX_PROBES_PER_BIT = 2       # P2 with k >= 2: k * r at most this times m
+MAX_KEYS_PER_SET_BIT = 64    # P2: r at most this times the set bits
+_POPCOUNT = np.array([bin(v).count("1") for v in range(256)], dtype=np.uint8)
+
+
+def _power(x: float, k: int) -> float:
+    """x**k by k multiplications: the same bits as the C++ twin."""
+    t = 1.0
+    for _ in range(k):
+        t *= x
+    return t
+
+
+def positive_limit(section, size: int, k: int, r: int, d: int, family: str = "blocked",
+                   conflict: bool = False, like=None) -> int:
+    """The most positives among ``[0, d)`` the receiver accepts from a filter claiming at most
+    ``r`` keys (the header's count), and the refusal (ValueError) of a filter no encoder writes:
+    the twin of ``bloom::positive_limit`` (csrc/bloom/bloom.h) for the NumPy and torch paths.
+
+    The filter's own false-positive rate is the chance that the ``k`` probes of a position never
+    inserted all hit set bits: the mean over blocks of ``(set bits / 512)**k`` (blocked),
+    ``(set bits / m)**k`` (splitmix). An honest filter has its ``r`` keys plus Binomial(d - r,
+    rate) false positives, so at most ``min(d, r + ceil(2 rate d) + 64)`` are accepted; it has at
+    most ``k r`` set bits (each one a probe of a key). P2's
+    conflict sets hold ``k |P|`` pairs visited in about ``r / set bits`` passes: it also needs
+    ``k rate <= 2``, ``k r <= 2 m`` when ``k >= 2``, and ``r <= 64`` set bits.
+    """
+    a = arrays.adapter(like)
+    packed = a.from_section(section, "<u1", like)
+    xp = arrays.namespace(packed)
+    lut = a.from_numpy(_POPCOUNT, packed)
+    ones = a.gather(lut, a.index(a.words(packed)))   # set bits per byte
+    if family == "blocked":
+        m = size * BLOCK_BITS
+        per_block = a.to_numpy(xp.sum(xp.reshape(ones, (size, BLOCK_BYTES)), axis=1, dtype=xp.int64))
+        hist = np.bincount(per_block, minlength=BLOCK_BITS + 1).tolist()   # blocks by their set bits
+        set_bits = sum(c * n for c, n in enumerate(hist))
+        total = 0.0
+        for c, n in enumerate(hist):
+            if n:
+                total += float(n) * _power(c / 512.0, k)
+        rate = total / float(size) if size else 0.0
+    else:
+        m = size
+        set_bits = int(xp.sum(ones, dtype=xp.int64))
+        rate = _power(float(set_bits) / float(size), k) if size else 0.0
+    if set_bits > k * r:   # ValueError, as the C++ module raises (the codec reports it as ContainerError)
+        raise ValueError(f"Bloom filter has {set_bits} bits set; {r} keys of k = {k} hashes set at most "
+                         f"{min(k * r, MASK64)}")
+    if conflict:   # ValueError, as the C++ module raises (the codec reports both as ContainerError)
+        keys = f"Bloom P2 filter claims {r} keys"
+        if k * rate > MAX_PROBE_RATE:
+            raise ValueError(f"{keys} with k = {k} hashes at its false-positive rate {rate:.3g}: k * rate "
+                                 "above 2, a filter far fuller than its k was chosen for")
+        if k >= 2 and k * r > MAX_PROBES_PER_BIT * m:
+            raise ValueError(f"{keys} with k = {k} hashes in {m} bits: k * r above twice the bits, beyond "
+                                 "any encoder's sizing")
+        if r > MAX_KEYS_PER_SET_BIT * set_bits:
+            raise ValueError(f"{keys} on {set_bits} set bits: more than 64 keys per set bit, beyond any "
+                                 "encoder's sizing")
+    extra = POSITIVE_MARGIN * rate * float(d)
+    if extra >= float(d):
+        return d
+    return min(d, r + math.ceil(extra) + POSITIVE_SLACK)
+
+
+def check_positives(policy: str, npos: int, count: int, limit: int) -> None:
+    """The receiver's check that the filter backs the header's value count (``limit``: the
+    query's, :func:`positive_limit` for the policies that take every positive)."""
     if policy == "p0" and npos != count:
         raise ContainerError(f"Bloom P0 filter has {npos}{'+' if npos > count else ''} positives, header says {count}")
     if npos < count:
         raise ContainerError(f"Bloom filter has {npos} positives, fewer than the {count} values sent")
+    if npos > limit and policy not in PREFIX:
+        raise ContainerError(f"Bloom {policy} filter has more than {limit} positives: more than a filter holding "
+                             f"{count} keys has at its own false-positive rate")
 
 
 class _errors:
@@ -513,6 +590,11 @@ class BloomIndex(IndexCodec):
         if native is not None:
             return native.query(payload, p.size, p.k, p.seed, d, limit, self.threads, p.family)
         return query(payload, p.size, p.k, p.seed, d, limit, p.family, like)
+
+    def _positive_limit(self, native, p: BloomParams, payload, r: int, d: int) -> int:
+        if native is not None:
+            return native.positive_limit(payload, p.size, p.k, r, d, p.family, p.policy == "p2")
+        return positive_limit(payload, p.size, p.k, r, d, p.family, p.policy == "p2", payload)
 
     def _select(self, native, p: BloomParams, P, r: int):
         policy, npos = p.policy, P.shape[0]
@@ -578,10 +660,12 @@ class BloomIndex(IndexCodec):
             if count:
                 raise ContainerError(f"empty Bloom filter cannot carry {count} indices")
             return a.from_numpy(np.zeros(0, dtype=np.int64), payload)
-        limit = count if p.policy in ("naive", "leftmost", "p0") else numel
         with _errors(ContainerError, "Bloom decode"):
+            limit = self._positive_limit(native, p, payload, count, numel)
+            if p.policy in PREFIX:
+                limit = count
             P = self._query(native, p, payload, numel, limit, payload)
-            check_positives(p.policy, P.shape[0], count)
+            check_positives(p.policy, P.shape[0], count, limit)
             return a.index(self._select(native, p, P, count))
 
     @classmethod

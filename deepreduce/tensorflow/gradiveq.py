@@ -138,7 +138,7 @@ class GradiVeQ(gv.Settings):
                         state.model, state.window = model, None
                         self.stats["trainings"] += 1
             state.t += 1
-            return np.ascontiguousarray(out, dtype=np.float32)
+            return np.asarray(out, dtype=np.float32, order="C")   # 0-d stays 0-d
 
     # ---------------------------------------------------------------- Horovod contract
     def compress(self, tensor):

@@ -207,7 +207,7 @@ class TFPipeline:
 
         def _decode(buf: np.ndarray) -> np.ndarray:
             with lock:
-                return np.ascontiguousarray(core.decode(buf, shape), dtype=np.float32)
+                return np.asarray(core.decode(buf, shape), dtype=np.float32, order="C")   # 0-d stays 0-d
 
         return self._decode_op(payload, shape, None, True, _decode, "deepreduce_decode")
 
@@ -226,7 +226,7 @@ class TFPipeline:
             if count is not None and len(parts) != count:
                 raise CommunicationError(f"allgather returned {len(parts)} containers for {count} ranks")
             with lock:
-                return np.ascontiguousarray(core.decode_sum(parts, shape), dtype=np.float32)
+                return np.asarray(core.decode_sum(parts, shape), dtype=np.float32, order="C")
 
         return self._decode_op(gathered, shape, count, False, _decode_sum, "deepreduce_decode_sum")
 

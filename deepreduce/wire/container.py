@@ -56,6 +56,10 @@ CRC_SIZE = 4
 #: shape (2**28 elements: 1 GiB of float32); ``Pipeline(max_numel=...)`` / the ``max_numel`` config
 #: key change it.
 MAX_NUMEL = 1 << 28
+#: The most elements any tensor may have, and the highest ``max_numel``: 2**60 float32 are 4 EiB,
+#: and NumPy, torch and TensorFlow refuse (or abort on) shapes whose byte size or strides reach 2**63.
+#: It also bounds the product of the non-zero dimensions of a 0-element tensor.
+MAX_TENSOR_NUMEL = 1 << 60
 
 _V1 = struct.Struct("<4sBBBBBBHHHQQQQ")   # 48 bytes, then 8 per dimension
 _V2 = struct.Struct("<4sBBBBBB8s")        # 18 bytes, then varints
@@ -255,7 +259,7 @@ def _native_header(native, buf: bytes, expected_shape=None, max_numel: int = MAX
     expected = _native_shape(expected_shape)
     try:
         version, flags, iid, vid, width, digest, n, lengths, shape = native.unpack_header(
-            buf, expected, min(int(max_numel), (1 << 64) - 1))
+            buf, expected, min(int(max_numel), MAX_TENSOR_NUMEL))
     except ValueError as exc:
         raise ContainerError(str(exc)) from None
     if expected is None:   # the receiver's bounds, reported as by Python
@@ -280,10 +284,13 @@ def _native_shape(expected_shape) -> Optional[Tuple[int, ...]]:
 
 def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: int = MAX_NUMEL) -> None:
     """Refuse a header whose tensor is not the one the receiver expects, or (without an expected
-    shape) claims more than ``max_numel`` elements, before anything is allocated for it."""
-    numel = 1
+    shape) claims more than ``max_numel`` elements (capped at :data:`MAX_TENSOR_NUMEL`; for a
+    0-element tensor: non-zero dimensions multiplying to more), before anything is allocated for it."""
+    max_numel = min(max_numel, MAX_TENSOR_NUMEL)
+    numel = extent = 1   # extent: the product of the non-zero dimensions (numel unless one is 0)
     for s in shape:
         numel *= s
+        extent *= s or 1
     if expected_shape is not None:
         try:
             expected = tuple(int(s) for s in expected_shape)
@@ -298,6 +305,11 @@ def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: i
         raise ContainerError(
             f"container claims a tensor of shape {shape} ({numel} elements), above max_numel = {max_numel}; "
             "pass the expected shape or raise max_numel"
+        )
+    elif extent > max_numel:
+        raise ContainerError(
+            f"container claims a 0-element tensor of shape {shape} whose non-zero dimensions multiply to "
+            f"{extent}, above max_numel = {max_numel}; no framework holds such a shape"
         )
     if n > numel:
         raise ContainerError(f"container claims {n} values for a tensor of {numel} elements")

@@ -5,10 +5,13 @@ the fuzzer explores what lies behind the checksum: the header fields, every inde
 codec (chosen by the container's wire ids, so one receiver reaches every decoder), their C++
 kernels (built with AddressSanitizer and UBSan by ``make fuzz``) and the v1 and v2 layouts.
 Per input it calls ``inspect``, ``split``, ``decode`` without and with the expected shape and
-``decode_sum``; anything but a DeepReduceError, and a NaN/Inf decoded from a container without
-the non-finite flag, is a finding (atheris stops and writes the input to the artifact prefix).
+``decode_sum``, and with ``FUZZ_TF=1`` the TensorFlow decode op (``DeepReduceDecode``, without
+and with the expected shape) when TensorFlow and the ops load; anything but a DeepReduceError,
+and a NaN/Inf decoded from a container without the non-finite flag, is a finding (atheris stops
+and writes the input to the artifact prefix).
 
     python tests/fuzz/fuzz_decoders.py -max_total_time=60 build/fuzz/corpus tests/fuzz_corpus
+    FUZZ_TF=1 python tests/fuzz/fuzz_decoders.py ...   # the TF op too
     python tests/fuzz/fuzz_decoders.py --write-corpus tests/fuzz_corpus   # the seed set
 """
 import glob
@@ -47,6 +50,22 @@ def write_corpus(folder: str) -> None:
                 out.write(np.load(v1)["payload"].tobytes())
 
 
+def tf_decoder(receiver):
+    """decode(payload, expected shape or None) through the TensorFlow op, eagerly (an op error
+    comes back as the deepreduce error it names); None without ``FUZZ_TF=1``, TensorFlow or the ops."""
+    if os.environ.get("FUZZ_TF") != "1":
+        return None
+    try:
+        import tensorflow as tf
+        from deepreduce.tensorflow import ops
+
+        op = ops.PipelineOps(receiver, ops.load())
+    except Exception as exc:   # absent or not built: say so once, fuzz the rest
+        print(f"fuzz_decoders: TF op not fuzzed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+    return lambda payload, shape: op.decode(tf.constant(payload), shape, None, True).numpy()
+
+
 def main() -> None:
     import atheris
 
@@ -61,6 +80,8 @@ def main() -> None:
     # nonfinite: raise, so a decode_sum whose finite summands overflow raises instead of giving Inf
     config = deepreduce.load_config(os.path.join(ROOT, "configs", "topk_raw.yaml"))
     receiver = deepreduce.build({**config, "nonfinite": "raise", "max_numel": LIMIT})
+    # the ops propagate non-finite values (ops.unsupported): a receiver of its own for them
+    tf_decode = tf_decoder(deepreduce.build({**config, "max_numel": LIMIT}))
 
     def check_finite(info, out):
         if out is not None and not info.get("nonfinite") and not np.isfinite(out).all():
@@ -83,6 +104,9 @@ def main() -> None:
         check_finite(info, attempt(lambda: receiver.decode(payload)))
         check_finite(info, attempt(lambda: receiver.decode(payload, expected_shape=EXPECTED)))
         check_finite(info, attempt(lambda: receiver.decode_sum([payload, payload], expected_shape=EXPECTED)))
+        if tf_decode is not None:
+            check_finite(info, attempt(lambda: tf_decode(payload, None)))
+            check_finite(info, attempt(lambda: tf_decode(payload, EXPECTED)))
 
     atheris.Setup(sys.argv, one_input)
     atheris.Fuzz()
