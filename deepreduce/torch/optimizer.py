@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Union
@@ -95,6 +96,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._predivide = gradient_predivide_factor
         self._process_set = process_set
+        # Horovod's semantics: a rank outside the process set takes no part in its collectives
+        # and applies its own gradients (no hooks, synchronize() returns at once)
+        self._member = process_set is None or bool(process_set.included())
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._summable = _is_summable_compressor(compression)
         if self._summable:
@@ -119,6 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step_count = 0
         self._should_synchronize = True
         self._synchronized = False
+        self._warned_resynchronize = False
         self._times = {"encode": 0.0, "encode_hidden": 0.0, "encode_wait": 0.0, "communication_wait": 0.0,
                        "summable_decode": 0.0}
         self._steps_communicated = 0
@@ -137,6 +142,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return comm
 
     def _register_hooks(self) -> None:
+        if not self._member:
+            return
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -355,6 +362,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         NonFiniteGradientError here: nothing is written to the optimizer's step, and the
         residuals are restored, so catching it and going on skips the step (see README).
         """
+        if not self._member:
+            self._synchronized = True
+            return
         wait_start = time.perf_counter()
         step = self._step_count
         for group in self.param_groups:
@@ -415,12 +425,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                raise DeepReduceError("optimizer.step() called after synchronize() without skip_synchronize()")
+        """Synchronize (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step.
+
+        As in Horovod, ``step()`` after an explicit ``synchronize()`` outside
+        ``skip_synchronize()`` warns (once per optimizer) and synchronizes again. A step that
+        initialises the optimizer's state (:meth:`_initialising_state`) is local: no collective.
+        """
+        if self._should_synchronize and not self._initialising_state():
+            if self._synchronized and not self._warned_resynchronize:
+                self._warned_resynchronize = True
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(); the gradients are reduced again, which slows training. "
+                              "Use `with optimizer.skip_synchronize(): optimizer.step()` after synchronize().",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def _initialising_state(self) -> bool:
+        """Whether this ``step()`` is the local one by which Horovod initialises optimizer state.
+
+        ``hvd.broadcast_optimizer_state`` gives a rank whose optimizer has no state yet (a fresh
+        rank, while rank 0 resumed from a checkpoint) zero gradients directly, without backward,
+        and calls ``step()`` on that rank alone; a collective there would wait forever for ranks
+        that never join. Recognised as: no backward pass handed over a gradient since the last
+        step, the optimizer holds no state, and every gradient exists and is all zero. Averaging
+        such gradients would leave them unchanged, so the local step is exactly the collective
+        one's result, and it leaves the compression state (step counter, residuals) untouched.
+        """
+        if self._pending or self._copied or any(d != self.backward_passes_per_step for d in self._delay.values()):
+            return False
+        if any(self.state.get(p) for group in self.param_groups for p in group["params"]):
+            return False
+        grads = [p.grad for p in self._delay]
+        return all(g is not None and not _any_nonzero(g) for g in grads)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending or self._copied:
@@ -482,6 +520,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                            "DistributedOptimizer",
                                                            None if self._protocol is None else self._protocol.sparse)
         super(self.__class__, self).load_state_dict(state_dict)
+
+
+def _any_nonzero(grad: torch.Tensor) -> bool:
+    values = grad.coalesce().values() if grad.is_sparse else grad
+    return bool(values.any())
 
 
 def named_parameter_map(named_parameters) -> Dict[torch.Tensor, str]:
