@@ -40,6 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Union
 
+import numpy as np
 import torch
 
 from ..dist import agreement, buckets
@@ -50,6 +51,7 @@ from ..pipeline import Pipeline
 from .background import EncodeWorker
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .pipeline import TorchPipeline, build
+from .sparse import entries, from_entries
 
 LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
                    "memory": {"id": "none"}}
@@ -89,7 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, process_set, communicator, background, path="auto",
-                 bucket_cap_mb=None):
+                 bucket_cap_mb=None, sparse_as_dense=False):
         super(self.__class__, self).__init__(params)
         hvd = _horovod()
         self._hvd = hvd
@@ -120,6 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[Union[torch.Tensor, _Bucket], Future] = {}   # a parameter or a bucket
         self._hook_handles: List = []
+        self._sparse_as_dense = sparse_as_dense
+        self._densified: Dict[torch.Tensor, int] = {}   # sparse_as_dense: parameter -> its gradient's sparse_dim
         self._step_count = 0
         self._should_synchronize = True
         self._synchronized = False
@@ -218,6 +222,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._agreed:
             self._agree()
+        if p.grad.is_sparse:
+            self._check_sparse(p)
+            if self._sparse_as_dense:   # as Horovod: reduced dense, handed back sparse (see _finish)
+                self._densified[p] = p.grad.sparse_dim()
+                p.grad = p.grad.to_dense()
         if p in self._bucket_of:
             self._copy_into_bucket(p)
             return
@@ -225,6 +234,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         def start():
             try:
+                if grad.is_sparse:
+                    return self._start_entries(name, grad, step)
                 if self._summable:
                     return self._start_allreduce(name, grad)
                 if self._summed_dense(grad):
@@ -235,6 +246,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise
 
         self._pending[p] = self._worker.submit(start)
+
+    def _check_sparse(self, p: torch.Tensor) -> None:
+        """Refuse a sparse gradient where it cannot travel as entries (unless ``sparse_as_dense``)."""
+        if self._sparse_as_dense:
+            return
+        where = ("a summable compressor reduces dense codes" if self._summable else
+                 "it is in a bucket (bucket_cap_mb)" if p in self._bucket_of else
+                 "the sparse all-reduce reduces dense tensors" if self._protocol.sparse is not None else None)
+        if where is not None:
+            raise ConfigError(f"parameter {self._names[p]!r} has a sparse gradient, but {where}: "
+                              "pass sparse_as_dense=True")
+
+    def _start_entries(self, name: str, grad: torch.Tensor, step: int):
+        """Encode a sparse COO gradient's entries (:mod:`deepreduce.torch.sparse`) and start the
+        allgather; ctx ``("entries", step)``."""
+        start = time.perf_counter()
+        positions, values = entries(grad)
+        payload = self._pipeline.core.encode_entries(positions, values, tuple(grad.shape), name=name, step=step)
+        return self._protocol.start(payload, name), ("entries", step), (start, time.perf_counter())
+
+    def _finish_entries(self, p: torch.Tensor, payloads, step: int) -> None:
+        """Sum every rank's entries of ``p``'s sparse gradient (averaged under ``op=Average``)
+        into a new coalesced sparse ``p.grad`` of the same sparse dimensions."""
+        summed = []
+        found = self._protocol.finish(
+            payloads, self._names[p], step,
+            lambda parts: summed.append(self._pipeline.core.decode_entries(parts, tuple(p.grad.shape))),
+            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), self._label(p))
+        if found is None:
+            p.grad = from_entries(*summed[0], like=p.grad)
 
     def _copy_into_bucket(self, p: torch.Tensor) -> None:
         """Copy ``p``'s finished gradient into its bucket; hand the bucket to the worker once it
@@ -322,6 +363,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._op == self._hvd.Average:
                 p.grad.div_(self._communicator.size)
             return
+        if isinstance(ctx, tuple):   # ("entries", step): a sparse gradient
+            payloads = handle.wait()
+            self._times["communication_wait"] += time.perf_counter() - start
+            self._finish_entries(p, payloads, ctx[1])
+            return
         target = p.buffer if isinstance(p, _Bucket) else p.grad
         if ctx == "sparse":
             name, step = handle
@@ -384,6 +430,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception as exc:  # keep draining the other collectives first
                     errors.append(exc)
         finally:
+            for p, sparse_dim in self._densified.items():
+                p.grad = p.grad.to_sparse(sparse_dim)
+            self._densified.clear()
             self._pending.clear()
             self._copied.clear()
             for bucket in self._buckets:
@@ -565,9 +614,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
     (YAML path or dict), a built pipeline, or a Horovod-style summable compressor; None sends
     gradients losslessly. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``. ``num_groups`` and
-    ``groups`` (tensor fusion grouping) are accepted for compatibility; every tensor travels as
-    its own container; ``sparse_as_dense`` is accepted and has no effect, since gradients are
-    always compressed from their dense form. ``communicator`` overrides the config's (default: Horovod allgather).
+    ``groups`` are refused with a ConfigError (:func:`deepreduce.dist.buckets.refuse_groups`: use
+    ``bucket_cap_mb``). Sparse COO gradients (``nn.Embedding(sparse=True)``) travel as their
+    touched entries and come back sparse (:mod:`deepreduce.torch.sparse`); ``sparse_as_dense=True``
+    reduces them dense and hands them back sparse, as Horovod does. ``process_set``: as Horovod's,
+    ranks outside the set apply their own gradients. ``communicator`` overrides the config's (default: Horovod allgather).
     ``background`` (default True) encodes on a worker thread while backward goes on; False encodes
     inside the backward hook (identical bytes; simpler to debug). ``path`` ("auto", "device",
     "host"; see ``deepreduce.torch.pipeline``): where the codecs run; "auto" compresses CUDA
@@ -590,6 +641,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                           f"got {backward_passes_per_step!r}")
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
+    buckets.refuse_groups(num_groups, groups, "DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb)
+               gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb,
+               sparse_as_dense)

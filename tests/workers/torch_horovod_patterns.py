@@ -1,12 +1,15 @@
 """Horovod's own usage patterns with deepreduce's optimizer in place of Horovod's (one rank).
 
-``python torch_horovod_patterns.py <scenario>`` under mpirun; each rank prints one line
-``RESULT <json>``. The config is lossless, so every difference from Horovod is a behaviour:
+``python torch_horovod_patterns.py <scenario> <folder>`` under mpirun; each rank writes its
+result to ``<folder>/rank<r>.json``. The config is lossless, so every difference from Horovod is a behaviour:
 
 - ``resume``: rank 0 resumes optimizer state from a checkpoint, the others start fresh, then
   ``hvd.broadcast_optimizer_state`` (SGD momentum, Adam, Adagrad) must return quickly, leave the
   ranks with equal state, and training must go on equal to ``hvd.DistributedOptimizer``'s.
 - ``synchronize``: ``step()`` after ``synchronize()`` without ``skip_synchronize()`` warns once.
+- ``sparse``: ``nn.Embedding(sparse=True)`` / ``EmbeddingBag(sparse=True)`` with SparseAdam and
+  with SGD: the gradients travel as entries and equal Horovod's sparse allgather exactly
+  (``sparse_as_dense=True`` too); a Top-r config still trains the ranks alike.
 - ``process_set`` (3 ranks): ranks 0 and 1 form the set; rank 2 is outside it and applies its own
   gradient, as with Horovod.
 
@@ -123,6 +126,56 @@ def scenario_synchronize() -> dict:
     return {"warnings": len(messages), "params_agree": same_on_every_rank(flat(net))}
 
 
+SPARSE_CASES = {
+    "embedding_sparse_adam": (lambda: nn.Embedding(1000, 16, sparse=True),
+                              lambda params: torch.optim.SparseAdam(params, lr=0.01), {}),
+    "embedding_bag_sgd": (lambda: nn.EmbeddingBag(1000, 16, mode="sum", sparse=True),
+                          lambda params: torch.optim.SGD(params, lr=0.1), {}),
+    "embedding_sgd_sparse_as_dense": (lambda: nn.Embedding(1000, 16, sparse=True),
+                                      lambda params: torch.optim.SGD(params, lr=0.1), {"sparse_as_dense": True}),
+}
+
+
+def sparse_training(layer, make_opt, wrap, steps: int = 3):
+    """(parameters after ``steps`` steps, the first step's reduced gradient (dense), whether the
+    optimizer got it sparse)."""
+    torch.manual_seed(0)
+    net = layer()
+    opt = wrap(make_opt(net.parameters()), net)
+    for i in range(steps):
+        g = torch.Generator().manual_seed(10 * i + hvd.rank())
+        ids = torch.randint(0, 1000, (8, 4), generator=g)     # repeats within and across ranks
+        target = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        out = net(ids) if isinstance(net, nn.EmbeddingBag) else net(ids).sum(1)
+        ((out - target) ** 2).sum().backward()
+        opt.step()
+        if i == 0:
+            first, layout = net.weight.grad.coalesce().to_dense(), net.weight.grad.is_sparse
+    return flat(net), first, layout
+
+
+def scenario_sparse() -> dict:
+    out = {}
+    for label, (layer, make_opt, kwargs) in SPARSE_CASES.items():
+        ours, ours_grad, ours_sparse = sparse_training(layer, make_opt, lambda o, net: drt.DistributedOptimizer(
+            o, named_parameters=net.named_parameters(), compression="none_raw", **kwargs))
+        theirs, theirs_grad, theirs_sparse = sparse_training(layer, make_opt, lambda o, net: hvd.DistributedOptimizer(
+            o, named_parameters=net.named_parameters(), **kwargs))
+        # Horovod hands SGD its allgathered entries uncoalesced, and SGD adds repeated rows one
+        # by one, ours summed: the parameters may differ in the last bit there (SparseAdam
+        # coalesces first), the reduced gradient is the same
+        out[label] = {"grad_equals_horovod": torch.equal(ours_grad, theirs_grad),
+                      "params_equal_horovod": torch.equal(ours, theirs),
+                      "params_max_diff": float((ours - theirs).abs().max()), "grad_sparse": [ours_sparse, theirs_sparse]}
+    topk = {"sparsifier": {"id": "topk", "ratio": 0.25}, "index": "delta", "value": "raw", "memory": "none"}
+    params, _, _ = sparse_training(SPARSE_CASES["embedding_sparse_adam"][0], SPARSE_CASES["embedding_sparse_adam"][1],
+                                lambda o, net: drt.DistributedOptimizer(o, named_parameters=net.named_parameters(),
+                                                                        compression=topk))
+    out["topk_params_agree"] = same_on_every_rank(params)
+    return out
+
+
 def scenario_process_set() -> dict:
     members = hvd.ProcessSet([0, 1])
     hvd.init(process_sets=[members])    # re-initialising with the set is Horovod's documented way
@@ -149,7 +202,8 @@ def main() -> None:
         hvd.init()
     torch.set_num_threads(1)
     result = globals()[f"scenario_{scenario}"]()
-    print("RESULT " + json.dumps(dict(result, rank=hvd.rank())), flush=True)
+    with open(os.path.join(sys.argv[2], f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(dict(result, rank=hvd.rank()), f)
     watchdog.disarm()
 
 
