@@ -82,6 +82,7 @@ from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build
+from .sparse import entries, from_entries
 
 _FAILED = -1          # header size of a rank whose encoder raised
 # what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
@@ -280,6 +281,11 @@ class DeepReduceState:
         self._connect()
         buffer = bucket.buffer()
         params = bucket.parameters()
+        if buffer.is_sparse:   # DDP's sparse path: one parameter, its COO gradient
+            if self.pipeline is None or self._protocol.sparse is not None:
+                raise ConfigError(f"parameter {self._name(params[0])!r} has a sparse gradient: a summable compressor "
+                                  "or the sparse all-reduce needs dense ones (build the model with sparse=False)")
+            return self._queue(bucket, buffer, [buffer], [self._name(params[0])], merged=None)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset:offset + p.numel()].view(p.shape))
@@ -288,9 +294,12 @@ class DeepReduceState:
             raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                      f"{offset}: cannot cut it into per-parameter gradients")
         names = [self._name(p) for p in params]
+        return self._queue(bucket, buffer, views, names, None if self.per_parameter else self._merged(names, views))
+
+    def _queue(self, bucket: dist.GradBucket, buffer: torch.Tensor, views, names, merged) -> torch.futures.Future:
         job = _Job(buffer, views, names, self.step, bucket.is_last(),
                    torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future(),
-                   None if self.per_parameter else self._merged(names, views))
+                   merged)
         if bucket.is_last():
             self.step += 1
         if self._worker is None:
@@ -355,6 +364,8 @@ class DeepReduceState:
         elif sparse:
             self._reduce_sparse(job)
         else:
+            if job.buffer.is_sparse:
+                return self._gather_entries(job, payload, headers[:, 0])
             self._gather_and_decode(job, payload, headers[:, 0])
         return job.buffer
 
@@ -390,6 +401,11 @@ class DeepReduceState:
 
     # containers --------------------------------------------------------------
     def _encode(self, job: _Job) -> torch.Tensor:
+        if job.buffer.is_sparse:
+            positions, values = entries(job.buffer)
+            payload = self.pipeline.core.encode_entries(positions, values, tuple(job.buffer.shape), name=job.names[0],
+                                                        step=job.step)
+            return torch.from_numpy(payload).to(job.buffer.device)
         if job.merged is None:
             parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
         else:
@@ -428,7 +444,9 @@ class DeepReduceState:
             view.copy_(scratch[at:at + view.numel()].view(view.shape))
             at += view.numel()
 
-    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
+    def _gather(self, payload: torch.Tensor, sizes: np.ndarray) -> List[torch.Tensor]:
+        """Every rank's bytes of the bucket: one ``all_gather`` of the payloads padded to the
+        longest (``sizes``: each rank's byte count, from the headers)."""
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
         padded[:payload.numel()] = payload
@@ -437,11 +455,28 @@ class DeepReduceState:
         dist.all_gather(gathered, padded, group=self._group)
         self.stats["communication_seconds"] += time.perf_counter() - start
         self.stats["collective_bytes"] += longest
+        return [data[:int(size)] for data, size in zip(gathered, sizes)]
+
+    def _gather_entries(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
+        """A sparse bucket (DDP puts each sparse gradient in a bucket of its own): every rank's
+        entries summed and averaged into a coalesced COO gradient (:mod:`deepreduce.torch.sparse`)."""
+        gathered = self._gather(payload, sizes)
+        start = time.perf_counter()
+        summed, shape = [], tuple(job.buffer.shape)
+        self._protocol.finish(
+            [data.cpu().numpy() for data in gathered], job.names[0], job.step,
+            lambda parts: summed.append(self.pipeline.core.decode_entries(parts, shape)),
+            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), f"parameter {job.names[0]!r}")
+        self.stats["decode_seconds"] += time.perf_counter() - start
+        return from_entries(*summed[0], like=job.buffer) if summed else job.buffer
+
+    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
+        gathered = self._gather(payload, sizes)
         start = time.perf_counter()
         per_rank = []
         names = job.containers()
-        for rank, (data, size) in enumerate(zip(gathered, sizes)):
-            parts = container.split(data[:int(size)])   # a device tensor is split into device slices
+        for rank, data in enumerate(gathered):
+            parts = container.split(data)   # a device tensor is split into device slices
             if len(parts) != len(names):
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
                                          f"{len(names)} ({_describe(job.names)})")
