@@ -47,3 +47,21 @@ def test_sparse_embedding_gradients_travel_as_entries_and_equal_horovods_sparse_
             assert r["params_equal_horovod"] if case.endswith("adam") else r["params_max_diff"] < 1e-5, (case, r)
             assert rank[case]["grad_sparse"] == [True, True], (case, rank)   # the layout the optimizer gets
         assert rank["topk_params_agree"]
+
+
+@pytest.mark.parametrize("kwargs", [{"num_groups": 2}, {"groups": 2}, {"groups": []}])
+def test_num_groups_and_groups_are_refused_with_a_clear_error(kwargs):
+    import horovod.torch as hvd
+    import torch
+
+    import deepreduce.torch as drt
+    from deepreduce.dist.buckets import refuse_groups
+    from deepreduce.errors import ConfigError
+
+    hvd.init()
+    net = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="num_groups/groups .* bucket_cap_mb"):
+        drt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+    with pytest.raises(ConfigError, match="DistributedGradientTape: num_groups/groups"):
+        refuse_groups(kwargs.get("num_groups", 0), kwargs.get("groups"), "DistributedGradientTape")
+    refuse_groups(0, None, "defaults pass")
