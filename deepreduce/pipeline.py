@@ -237,6 +237,73 @@ class Pipeline:
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
+    def encode_entries(self, positions, values, shape: Sequence[int], name: str = "", step: int = 0) -> np.ndarray:
+        """Compress a gradient given by its touched entries (a torch sparse COO gradient, a TF
+        ``IndexedSlices``): ascending distinct flat ``positions`` into a tensor of ``shape`` and
+        their float32 ``values``. The positions go straight to the index codec and the values to
+        the value codec; no dense tensor is made (Bloom policies other than ``naive`` read values
+        at their false positives, so they get a dense copy). Sparsifier ``none`` sends every touched
+        entry, zeros included, so the receivers see the rows the sender touched; another sparsifier
+        selects among the touched values. Error feedback needs the whole tensor: a config with a
+        memory is refused (send such gradients with ``sparse_as_dense=True``).
+        """
+        start = time.perf_counter()
+        if self.memory.id != "none":
+            raise ConfigError(f"gradient {name!r} is sparse, but memory {self.memory.id!r} keeps a residual of the "
+                              "whole tensor: use memory 'none' for sparse gradients, or sparse_as_dense=True")
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        shape, numel = tuple(int(n) for n in shape), math.prod(int(n) for n in shape)
+        if positions.shape != values.shape or positions.ndim != 1:
+            raise DeepReduceError(f"encode_entries {name!r}: {positions.shape[0]} positions, {values.shape} values")
+        if self._journal is not None:
+            self._journal.save(name)
+        if not _all_finite(values) or numel < self.min_numel:   # rare or tiny: the dense path
+            dense = np.zeros(numel, dtype=np.float32)
+            dense[positions] = values
+            return self.encode(dense.reshape(shape), name=name, step=step)
+        ctx = self.context(name, step)
+        if self.sparsifier.id != "none":
+            keep = select_positions(self.sparsifier, values, ctx)
+            positions, values = positions[keep], values[keep]
+        if getattr(self.index, "policy", "naive") == "naive":
+            lookup = np.broadcast_to(np.float32(0), (numel,))   # shape and namespace only: no memory
+        else:
+            lookup = np.zeros(numel, dtype=np.float32)
+            lookup[positions] = values
+        c, _, _ = self._encode_pairs(positions, values, lookup, shape, ctx)
+        c.digest = self._wire_digest
+        payload = container.pack(c)
+        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
+        return payload
+
+    def decode_entries(self, payloads: Sequence, expected_shape: Sequence[int]):
+        """The sum of several containers (one per rank) as (ascending distinct flat positions,
+        float32 sums there), without a dense tensor: what :meth:`encode_entries` senders need.
+        Ranks' entries at one position are added in rank order."""
+        shape = tuple(int(n) for n in expected_shape)
+        lookup = np.broadcast_to(np.float32(0), (math.prod(shape),))
+        positions, values = [], []
+        for rank, payload in enumerate(payloads):
+            start = time.perf_counter()
+            try:
+                c = self._unpack(payload, shape)
+                if c.dense:
+                    dense = np.frombuffer(c.value_section, dtype="<f4")
+                    _check_finite(c, dense, "dense section")
+                    where = np.flatnonzero(dense)
+                    idx, val = where, dense[where]
+                else:
+                    idx, val, _ = self._entries(c, lookup)
+                    idx, val = _distinct_in_bounds(np.asarray(idx, dtype=np.int64), np.asarray(val), lookup.shape[0])
+            except DeepReduceError as exc:
+                raise type(exc)(f"rank {rank}: {exc}") from exc
+            positions.append(idx)
+            values.append(val.astype(np.float32, copy=False))
+            self.stats.tensors_decoded += 1
+            self.stats.decode_seconds += time.perf_counter() - start
+        return _sum_entries(np.concatenate(positions), np.concatenate(values))
+
     def encode_shards(self, grad, name: str, step: int, bounds: Sequence[int]) -> list:
         """One container per contiguous shard ``[bounds[j], bounds[j+1])`` of one gradient (the
         first phase of the sparse all-reduce, :mod:`deepreduce.dist.sparse_allreduce`).
@@ -316,9 +383,12 @@ class Pipeline:
 
     def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None, on_torch: bool = False):
         """(container, positions, the receiver's values at those positions)."""
-        compensated = comp.flat
         indices = self._select(comp, ctx, select)
-        values = compensated[indices]
+        return self._encode_pairs(indices, comp.flat[indices], comp.flat, shape, ctx, on_torch)
+
+    def _encode_pairs(self, indices, values, compensated, shape, ctx: EncodeContext, on_torch: bool = False):
+        """:meth:`_encode_sparse` after selection: the chosen positions and their values through
+        the index and value codecs (``compensated``: the tensor the index codec may read)."""
         perm_width, perm_section = 0, b""
         if on_torch:
             index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
@@ -424,7 +494,6 @@ class Pipeline:
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
         """
-        on_torch = arrays.is_torch(out)
         a = arrays.adapter(out)
         if c.dense:
             dense = a.from_section(c.value_section, "<f4", out)
@@ -436,6 +505,19 @@ class Pipeline:
             if check_sum and not _all_finite(out):
                 raise _sum_overflow()
             return
+        indices, values, keeps_order = self._entries(c, out)
+        if not accumulate:
+            out[...] = 0.0
+        kernels.scatter_add(out, indices, values, not keeps_order, self.threads)
+        if check_sum and not _all_finite(out[indices]):
+            raise _sum_overflow()
+
+    def _entries(self, c: container.Container, out):
+        """(positions, values in index order, whether the index codec kept the sender's order) of
+        a sparse container, decoded like ``out`` (NumPy, or torch on its device) and checked:
+        counts, finiteness, the permutation. ``out.shape[0]`` is the tensor's element count."""
+        on_torch = arrays.is_torch(out)
+        a = arrays.adapter(out)
         index_codec, value_codec = self._codec("index", c.index_id), self._codec("value", c.value_id)
         numel = out.shape[0]   # the header's element count (decode_sum checked the shapes)
         try:
@@ -463,11 +545,7 @@ class Pipeline:
             in_index_order = arrays.namespace(values).empty_like(values)
             in_index_order[a.from_numpy(perm, out)] = values
             values = in_index_order
-        if not accumulate:
-            out[...] = 0.0
-        kernels.scatter_add(out, indices, values, not index_codec.keeps_order, self.threads)
-        if check_sum and not _all_finite(out[indices]):
-            raise _sum_overflow()
+        return indices, values, index_codec.keeps_order
 
     def _add_own(self, own, out: np.ndarray, accumulate: bool, check_sum: bool) -> None:
         """:meth:`_decode_into` for this rank's own container (see :mod:`deepreduce.wire.own_containers`)."""
@@ -510,6 +588,26 @@ class Pipeline:
         s.permutation_bytes += len(c.perm_section)
         s.header_bytes += nbytes - len(c.index_section) - len(c.value_section) - len(c.perm_section)
         s.encode_seconds += seconds
+
+
+def _distinct_in_bounds(indices: np.ndarray, values: np.ndarray, numel: int):
+    """One container's entries sorted by position; ContainerError for a position out of
+    ``[0, numel)`` or given twice (a corrupt container)."""
+    order = np.argsort(indices, kind="stable")
+    indices, values = indices[order], values[order]
+    if indices.shape[0] and (indices[0] < 0 or indices[-1] >= numel or np.any(indices[1:] == indices[:-1])):
+        raise ContainerError(f"container positions are out of [0, {numel}) or repeated")
+    return indices, values
+
+
+def _sum_entries(positions: np.ndarray, values: np.ndarray):
+    """(distinct ascending positions, the sum of the values at each), adding in the given order."""
+    order = np.argsort(positions, kind="stable")
+    positions, values = positions[order], values[order]
+    if positions.shape[0] == 0:
+        return positions, values
+    starts = np.flatnonzero(np.r_[True, positions[1:] != positions[:-1]])
+    return positions[starts], np.add.reduceat(values, starts).astype(np.float32, copy=False)
 
 
 def check_numel_option(owner: str, key: str, value, low: int) -> int:

@@ -38,7 +38,7 @@ import deepreduce.tensorflow as drtf  # noqa: E402
 from experiments import gradients  # noqa: E402
 
 PER_TENSOR = "tf.function, per-tensor program order"
-DEFAULT_CONFIGS = ["configs/topk_raw.yaml", "configs/bf_p0.yaml", "configs/qsgd.yaml"]
+DEFAULT_CONFIGS = ["topk_raw", "bf_p0", "qsgd"]
 MODES = [("eager, sequential", False), ("eager, 2 workers", 2), ("eager, 4 workers (default)", True),
          ("eager, 8 workers", 8), ("tf.function", False), (PER_TENSOR, False)]
 

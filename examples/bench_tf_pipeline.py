@@ -30,8 +30,8 @@ import deepreduce  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
 from deepreduce.tensorflow import ops  # noqa: E402
 
-DEFAULT_CONFIGS = ["configs/topk_raw.yaml", "configs/bf_naive.yaml", "configs/bf_p0.yaml", "configs/bf_p1.yaml",
-                   "configs/bf_p2.yaml", "configs/polyfit.yaml"]
+DEFAULT_CONFIGS = ["topk_raw", "bf_naive", "bf_p0", "bf_p1",
+                   "bf_p2", "polyfit"]
 SHAPE = (64, 64, 3, 3)
 
 

@@ -2,7 +2,7 @@
 
 Run with N ranks under Horovod, e.g.::
 
-    horovodrun -np 2 -H localhost:2 python examples/train_keras.py --config configs/topk_raw.yaml
+    horovodrun -np 2 -H localhost:2 python examples/train_keras.py --config topk_raw
     horovodrun -np 2 -H localhost:2 python examples/train_keras.py --baseline    # hvd.allreduce, no compression
 
 The model, data, schedule and per-epoch line are examples/train_tf.py's

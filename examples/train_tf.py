@@ -2,7 +2,7 @@
 
 Run with N ranks under Horovod, e.g.::
 
-    horovodrun -np 2 -H localhost:2 python examples/train_tf.py --config configs/topk_raw.yaml
+    horovodrun -np 2 -H localhost:2 python examples/train_tf.py --config topk_raw
     horovodrun -np 2 -H localhost:2 python examples/train_tf.py --baseline     # hvd.allreduce, no compression
 
 A custom training loop: a ``tf.function`` train step that wraps its tape in

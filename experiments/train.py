@@ -2,7 +2,7 @@
 
 Run with N ranks under Horovod, e.g.::
 
-    horovodrun -np 2 -H localhost:2 python -m experiments.train --config configs/topk_raw.yaml
+    horovodrun -np 2 -H localhost:2 python -m experiments.train --config topk_raw
 
 Each epoch rank 0 prints the training loss (averaged over ranks), the test accuracy, the relative
 data volume (bytes this job put on the wire over dense float32 bytes, averaged over ranks) and
@@ -47,7 +47,7 @@ TORCH_HOOKS = ("fp16", "powersgd")
 def add_common_arguments(parser: argparse.ArgumentParser, baseline_help: str, threads_help: str
                          ) -> argparse.ArgumentParser:
     """The options every training job takes (this one, examples/train_tf.py, examples/train_keras.py)."""
-    parser.add_argument("--config", default="configs/topk_raw.yaml", help="DeepReduce config (YAML)")
+    parser.add_argument("--config", default="topk_raw", help="DeepReduce config: a shipped name or a YAML path")
     parser.add_argument("--baseline", action="store_true", help=baseline_help)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")

@@ -28,7 +28,9 @@ def launch_env() -> dict:
 
 
 def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``tests/workers/<script>`` on ``np_`` ranks with ``horovodrun`` or ``mpirun``; fail with its output."""
+    """Run ``tests/workers/<script>`` on ``np_`` ranks with ``horovodrun`` or ``mpirun``; fail with its
+    output, also when the job outlives ``timeout`` seconds (workers arm ``watchdog.arm`` below that,
+    so a hang shows each rank's stacks)."""
     if launcher == "horovodrun":
         cmd = [_bin("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}"]
     elif launcher == "mpirun":
@@ -36,11 +38,19 @@ def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int
     else:
         raise ValueError(launcher)
     cmd += [sys.executable, str(WORKERS / script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang)\nstdout:\n{_text(exc.stdout)[-4000:]}\n"
+                    f"stderr:\n{_text(exc.stderr)[-8000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                     f"stderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 @pytest.fixture

@@ -46,6 +46,17 @@ def check_bucket_cap_for(cap_mb, summable: bool, owner: str):
     return cap_mb
 
 
+def refuse_groups(num_groups, groups, owner: str) -> None:
+    """A ConfigError for Horovod's ``num_groups``/``groups`` (fixed groups of tensors reduced by one
+    grouped allreduce). deepreduce does not take them: grouping tensors into one container changes
+    what a sparsifier selects over, so it is asked for explicitly with ``bucket_cap_mb`` (groups of
+    consecutive tensors in backward order); the defaults (0, None) pass."""
+    if num_groups or groups is not None:
+        raise ConfigError(f"{owner}: num_groups/groups (Horovod's grouped allreduce) are not supported: each "
+                          "gradient travels as its own container; to send several as one container use "
+                          "bucket_cap_mb=<MiB> (consecutive parameters in backward order)")
+
+
 def plan(sizes: Sequence[int], cap_bytes: float, itemsize: int = 4) -> List[List[int]]:
     """Group tensors of ``sizes`` elements, taken in the given order, into buckets of consecutive
     tensors holding at most ``cap_bytes`` (``itemsize`` bytes an element), filled greedily.

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ..errors import ConfigError
 from .optimizer import DistributedOptimizer
 from .reduce import import_horovod
 
@@ -63,12 +64,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``model.fit`` builds the model and the optimizer before calling ``on_train_begin``, so every
     rank takes its first step from the same weights and optimizer state (Horovod's callback
     broadcasts only after the first batch).
+
+    Horovod's arguments: ``device`` is accepted for compatibility (the broadcast runs where the
+    variables are); ``local_variables`` (a variable or a collection of them) stay as each rank
+    has them, as Horovod's ``register_local_var``. ``process_set``: broadcast within that set.
     """
 
-    def __init__(self, root_rank: int = 0, process_set=None) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None, process_set=None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
+        if local_variables is None:
+            local_variables = []
+        elif isinstance(local_variables, (tf.Variable, keras.Variable)):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        if not all(isinstance(v, (tf.Variable, keras.Variable)) for v in local_variables):
+            raise ConfigError("BroadcastGlobalVariablesCallback: local_variables must be variables "
+                              "(tf.Variable or keras.Variable), or a collection of them")
+        self._local = {id(v) for v in local_variables}
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None) -> None:
@@ -80,6 +94,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
             variables += list(optimizer.variables)
+        variables = [v for v in variables if id(v) not in self._local]
         broadcast_variables(variables, self.root_rank, self.process_set, name="global_variables")
         self.broadcast_done = True
 

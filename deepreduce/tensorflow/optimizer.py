@@ -137,7 +137,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     ``background``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape` (eager
     reductions run each tensor's chain on worker threads unless ``False``); ``bucket_cap_mb``:
     as for the tape (gradients in buckets of at most that many MiB, one container each).
-    ``device_*`` and ``groups`` are accepted for compatibility and have no effect here.
+    ``device_*`` are accepted for compatibility and have no effect here; ``num_groups``/``groups``
+    are passed to Horovod's own wrapper where it takes over (legacy optimizer, no deepreduce
+    config) and refused otherwise (:func:`deepreduce.dist.buckets.refuse_groups`).
     For a Keras optimizer a new optimizer of the same class and config is returned (its state
     starts empty, as with Horovod's Keras wrapper).
     """
@@ -158,6 +160,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
             process_set=hvd.global_process_set if process_set is None else process_set,
             scale_local_gradients=scale_local_gradients)
+    buckets.refuse_groups(num_groups, groups, "DistributedOptimizer")
     kwargs = dict(op=op, process_set=process_set, gradient_predivide_factor=gradient_predivide_factor,
                   sparse_as_dense=sparse_as_dense, background=background, bucket_cap_mb=bucket_cap_mb)
     reducer = Reducer(None, hvd_compression=compression, **kwargs) if summable else \

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -288,8 +289,22 @@ def build(config: ConfigLike, backend: str = "auto") -> TFPipeline:
 
 
 _shared_lock = threading.Lock()
-_shared_by_digest: Dict[Tuple[str, str], TFPipeline] = {}
-_shared_by_core: Dict[int, TFPipeline] = {}   # id(core) -> pipeline (which holds the core)
+# per place of the pipelines' variables (see _shared_here): (by config digest, by id(core))
+_shared_eager: Tuple[Dict[Tuple[str, str], TFPipeline], Dict[int, TFPipeline]] = ({}, {})
+_shared_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _shared_here():
+    """The shared pipelines whose variables can be used here: a pipeline's variables live where
+    ``tf.init_scope`` puts them, the eager context (eager steps and every ``tf.function`` trace)
+    or a ``tf.compat.v1`` graph; a step run eagerly and then built in a graph needs one of each."""
+    with tf.init_scope():
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if graph is None:
+        return _shared_eager
+    if graph not in _shared_in_graph:
+        _shared_in_graph[graph] = ({}, {})
+    return _shared_in_graph[graph]
 
 
 def config_digest(config: ConfigLike) -> str:
@@ -307,19 +322,22 @@ def shared(config: ConfigLike, backend: str = "auto") -> TFPipeline:
     the same pipeline, so its residuals, statistics and ``iterations`` variable are created
     once. A TFPipeline is returned as is; a core Pipeline maps to one TFPipeline per object
     (by identity); a path or dict maps to one per normalised config (by :func:`config_digest`),
-    so two equal configs share state. Shared pipelines live as long as the process. Two models trained in one process with equal configs
+    so two equal configs share state. Shared pipelines live as long as the process (those of a
+    ``tf.compat.v1`` graph as long as the graph: a step run eagerly and then built in a graph
+    gets a pipeline in each, :func:`_shared_here`). Two models trained in one process with equal configs
     therefore need separately built pipelines (:func:`build`) or distinct tensor names.
     """
     if isinstance(config, TFPipeline):
         return config
     with _shared_lock:
+        by_digest, by_core = _shared_here()
         if isinstance(config, Pipeline):
-            pipe = _shared_by_core.get(id(config))
+            pipe = by_core.get(id(config))
             if pipe is None or pipe.core is not config:
-                pipe = _shared_by_core[id(config)] = TFPipeline(config, backend=backend)
+                pipe = by_core[id(config)] = TFPipeline(config, backend=backend)
             return pipe
         key = (config_digest(config), backend)
-        pipe = _shared_by_digest.get(key)
+        pipe = by_digest.get(key)
         if pipe is None:
-            pipe = _shared_by_digest[key] = TFPipeline(build_core(config), backend=backend)
+            pipe = by_digest[key] = TFPipeline(build_core(config), backend=backend)
         return pipe

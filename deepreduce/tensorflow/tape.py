@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..errors import ConfigError
+from ..dist import buckets
 from .pipeline import TFPipeline, shared
 from .reduce import Reducer, is_summable_compressor
 
@@ -121,12 +121,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             then selects over the bucket).
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
-    the host. ``num_groups``/``groups`` are accepted: every gradient travels in its own
-    allgather, which Horovod's tensor fusion batches. ``sparse_as_dense`` is implied: an
+    the host. ``num_groups``/``groups`` are refused with a ``ConfigError``
+    (:func:`deepreduce.dist.buckets.refuse_groups`: use ``bucket_cap_mb``). ``sparse_as_dense`` is implied: an
     ``IndexedSlices`` gradient is densified and the sparsifier finds its non-zeros.
     """
-    if groups is not None and not (isinstance(groups, list) or groups > 0):
-        raise ConfigError("groups should be a non-negative integer or a list of lists of variables")
+    buckets.refuse_groups(num_groups, groups, "DistributedGradientTape")
     reducer = make_reducer(compression, op=op, process_set=process_set,
                            gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
                            background=background, bucket_cap_mb=bucket_cap_mb)

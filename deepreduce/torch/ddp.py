@@ -55,7 +55,10 @@ dropped).
 Checkpoints: ``state.state_dict()`` holds the step counter, the error-feedback residuals and any
 learned compressor state (SIDCo stage counts, GradiVeQ models); save it beside the model and
 optimizer state and ``load_state_dict`` it after building the state on resume. A resumed run
-sends byte-identical containers to one that never stopped.
+sends byte-identical containers to one that never stopped. The state object also pickles
+(``torch.save(state)``, as PyTorch's ``PowerSGDState``): process groups, the worker and its queue
+stay behind and are made again in the loading process; ``register(model, state=loaded)`` binds it
+to the restored model's parameters.
 """
 
 import atexit
@@ -79,8 +82,11 @@ from ..pipeline import Pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build
+from .sparse import entries, from_entries
 
 _FAILED = -1          # header size of a rank whose encoder raised
+# what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
+_PROCESS_LOCAL = ("_group", "_communicator", "_protocol", "_jobs", "_worker", "_flats", "process_group")
 
 
 class FP16Compressor:
@@ -181,21 +187,76 @@ class DeepReduceState:
         label, digest = agreement.compressor_identity(self.compressor or self.pipeline)
         self._compressor_id = (label if per_parameter else label + " (whole buckets)", digest)
         self._names = None if named_parameters is None else named_parameter_map(named_parameters)
+        self._unbound: Optional[List[str]] = None   # an unpickled state's names, until bind()
         self._auto_names: Dict[torch.Tensor, str] = {}
         # state
         self.step = 0
         # statistics
         self.stats = {"buckets": 0, "dense_bytes": 0, "wire_bytes": 0, "collective_bytes": 0,
                       "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
-        # the private group and the worker that alone issues collectives on it
-        self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
-        self._communicator = TorchDistributedCommunicator()    # layouts when ranks disagree; the sparse all-reduce
-        self._communicator.group = self._group
-        self._protocol = None if self.pipeline is None else ReductionProtocol(self.pipeline.core, self._communicator)
+        # the private group (made by _connect, once per process, so that an unpickled state makes
+        # its own), the communicator and protocol over it, and the worker that alone issues
+        # collectives on it
+        self._group = None
+        self._communicator, self._protocol = self._make_protocol()
         self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         atexit.register(_close_at_exit, weakref.ref(self))
+        self._connect()
+
+    def _make_protocol(self):
+        """(communicator, protocol); the communicator gets its process group in :meth:`_connect`."""
+        communicator = TorchDistributedCommunicator()    # layouts when ranks disagree; the sparse all-reduce
+        return communicator, None if self.pipeline is None else ReductionProtocol(self.pipeline.core, communicator)
+
+    def _connect(self) -> None:
+        """Make the private process group over the ranks of ``process_group`` if this process has
+        none yet (every rank gets here at the same point: construction, or an unpickled state's
+        first bucket)."""
+        if self._group is not None:
+            return
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+        self._communicator.group = self._group
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        """Everything but what belongs to this process: the process groups, the worker thread
+        and its queue, the communicator and the merge buffers (as PyTorch's ``PowerSGDState``
+        leaves out its process group). Parameters do not survive pickling: their names are
+        kept, and :meth:`bind` attaches them to a model's parameters again."""
+        self.wait_idle()
+        state = {k: v for k, v in self.__dict__.items() if k not in _PROCESS_LOCAL}
+        sparse = None if self._protocol is None else self._protocol.sparse
+        state["_sparse_state"] = None if sparse is None else sparse.state_dict()
+        if self._names is not None:
+            state["_names"], state["_unbound"] = None, list(self._names.values())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A pickled state in this process: over the default process group (as
+        ``PowerSGDState``), with its private group made on the first bucket. Call :meth:`bind`
+        (or ``register(model, state=...)``) first when it was built with ``named_parameters``."""
+        state = dict(state)
+        sparse_state = state.pop("_sparse_state")
+        self.__dict__.update(state)
+        self.process_group, self._group = None, None
+        self._communicator, self._protocol = self._make_protocol()
+        if sparse_state is not None:
+            self._protocol.sparse.load_state_dict(sparse_state)
+        self._flats, self._jobs, self._worker, self._auto_names = {}, queue.Queue(), None, {}
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def bind(self, named_parameters) -> None:
+        """Name the parameters again after unpickling: ``model.named_parameters()`` of the model
+        the hook is registered on (the names must be the pickled state's)."""
+        mapping = named_parameter_map(named_parameters)
+        if self._unbound is not None and sorted(self._unbound) != sorted(mapping.values()):
+            missing = sorted(set(self._unbound) - set(mapping.values()))[:4]
+            raise ConfigError(f"DeepReduceState.bind: the parameters' names differ from the pickled state's "
+                              f"(missing: {missing}); pass the named_parameters of the same model")
+        self._names, self._unbound = mapping, None
 
     def __repr__(self) -> str:
         what = self.compressor if self.pipeline is None else self.pipeline.get_config()
@@ -203,6 +264,9 @@ class DeepReduceState:
 
     # ------------------------------------------------------------------ the hook's side
     def _name(self, param: torch.Tensor) -> str:
+        if self._unbound is not None:
+            raise ConfigError("DeepReduceState was unpickled: call state.bind(model.named_parameters()) (or "
+                              "deepreduce.torch.ddp.register(model, state=state)) before training")
         if self._names is None:
             return self._auto_names.setdefault(param, f"param.{len(self._auto_names)}")
         name = self._names.get(param)
@@ -214,8 +278,14 @@ class DeepReduceState:
 
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Queue one bucket for the worker; return the future DDP waits on."""
+        self._connect()
         buffer = bucket.buffer()
         params = bucket.parameters()
+        if buffer.is_sparse:   # DDP's sparse path: one parameter, its COO gradient
+            if self.pipeline is None or self._protocol.sparse is not None:
+                raise ConfigError(f"parameter {self._name(params[0])!r} has a sparse gradient: a summable compressor "
+                                  "or the sparse all-reduce needs dense ones (build the model with sparse=False)")
+            return self._queue(bucket, buffer, [buffer], [self._name(params[0])], merged=None)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset:offset + p.numel()].view(p.shape))
@@ -224,9 +294,12 @@ class DeepReduceState:
             raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                      f"{offset}: cannot cut it into per-parameter gradients")
         names = [self._name(p) for p in params]
+        return self._queue(bucket, buffer, views, names, None if self.per_parameter else self._merged(names, views))
+
+    def _queue(self, bucket: dist.GradBucket, buffer: torch.Tensor, views, names, merged) -> torch.futures.Future:
         job = _Job(buffer, views, names, self.step, bucket.is_last(),
                    torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future(),
-                   None if self.per_parameter else self._merged(names, views))
+                   merged)
         if bucket.is_last():
             self.step += 1
         if self._worker is None:
@@ -291,6 +364,8 @@ class DeepReduceState:
         elif sparse:
             self._reduce_sparse(job)
         else:
+            if job.buffer.is_sparse:
+                return self._gather_entries(job, payload, headers[:, 0])
             self._gather_and_decode(job, payload, headers[:, 0])
         return job.buffer
 
@@ -326,6 +401,11 @@ class DeepReduceState:
 
     # containers --------------------------------------------------------------
     def _encode(self, job: _Job) -> torch.Tensor:
+        if job.buffer.is_sparse:
+            positions, values = entries(job.buffer)
+            payload = self.pipeline.core.encode_entries(positions, values, tuple(job.buffer.shape), name=job.names[0],
+                                                        step=job.step)
+            return torch.from_numpy(payload).to(job.buffer.device)
         if job.merged is None:
             parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
         else:
@@ -364,7 +444,9 @@ class DeepReduceState:
             view.copy_(scratch[at:at + view.numel()].view(view.shape))
             at += view.numel()
 
-    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
+    def _gather(self, payload: torch.Tensor, sizes: np.ndarray) -> List[torch.Tensor]:
+        """Every rank's bytes of the bucket: one ``all_gather`` of the payloads padded to the
+        longest (``sizes``: each rank's byte count, from the headers)."""
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
         padded[:payload.numel()] = payload
@@ -373,11 +455,28 @@ class DeepReduceState:
         dist.all_gather(gathered, padded, group=self._group)
         self.stats["communication_seconds"] += time.perf_counter() - start
         self.stats["collective_bytes"] += longest
+        return [data[:int(size)] for data, size in zip(gathered, sizes)]
+
+    def _gather_entries(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
+        """A sparse bucket (DDP puts each sparse gradient in a bucket of its own): every rank's
+        entries summed and averaged into a coalesced COO gradient (:mod:`deepreduce.torch.sparse`)."""
+        gathered = self._gather(payload, sizes)
+        start = time.perf_counter()
+        summed, shape = [], tuple(job.buffer.shape)
+        self._protocol.finish(
+            [data.cpu().numpy() for data in gathered], job.names[0], job.step,
+            lambda parts: summed.append(self.pipeline.core.decode_entries(parts, shape)),
+            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), f"parameter {job.names[0]!r}")
+        self.stats["decode_seconds"] += time.perf_counter() - start
+        return from_entries(*summed[0], like=job.buffer) if summed else job.buffer
+
+    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
+        gathered = self._gather(payload, sizes)
         start = time.perf_counter()
         per_rank = []
         names = job.containers()
-        for rank, (data, size) in enumerate(zip(gathered, sizes)):
-            parts = container.split(data[:int(size)])   # a device tensor is split into device slices
+        for rank, data in enumerate(gathered):
+            parts = container.split(data)   # a device tensor is split into device slices
             if len(parts) != len(names):
                 raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
                                          f"{len(names)} ({_describe(job.names)})")
@@ -508,11 +607,12 @@ def deepreduce_hook(state: DeepReduceState, bucket: dist.GradBucket) -> torch.fu
 
 
 def register(model: torch.nn.Module, compression=None, process_group=None, path: str = "auto",
-             per_parameter: bool = True) -> DeepReduceState:
+             per_parameter: bool = True, state: Optional[DeepReduceState] = None) -> DeepReduceState:
     """Build a :class:`DeepReduceState` for a DDP ``model`` and register the hook; return the state.
 
     ``compression``, ``path`` and ``per_parameter`` as for DeepReduceState; ``process_group``
-    defaults to the model's.
+    defaults to the model's. ``state``: register this state instead (e.g. an unpickled one, which
+    is bound to the model's parameters; the other arguments must then be left out).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -523,7 +623,12 @@ def register(model: torch.nn.Module, compression=None, process_group=None, path:
     if existing:
         raise ConfigError(f"this DDP model already has a communication hook ({existing[0][0].__qualname__}); "
                           "DDP accepts one per model")
-    state = DeepReduceState(model.process_group if process_group is None else process_group, compression,
-                            model.module.named_parameters(), path, per_parameter)
+    if state is not None:
+        if compression is not None or process_group is not None:
+            raise ConfigError("deepreduce.torch.ddp.register: pass either state= or compression/process_group")
+        state.bind(model.module.named_parameters())
+    else:
+        state = DeepReduceState(model.process_group if process_group is None else process_group, compression,
+                                model.module.named_parameters(), path, per_parameter)
     model.register_comm_hook(state, deepreduce_hook)
     return state

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Union
 
+import numpy as np
 import torch
 
 from ..dist import agreement, buckets
@@ -49,6 +51,7 @@ from ..pipeline import Pipeline
 from .background import EncodeWorker
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .pipeline import TorchPipeline, build
+from .sparse import entries, from_entries
 
 LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
                    "memory": {"id": "none"}}
@@ -88,13 +91,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, process_set, communicator, background, path="auto",
-                 bucket_cap_mb=None):
+                 bucket_cap_mb=None, sparse_as_dense=False):
         self._optimizer_class.__init__(self, params)
         hvd = _horovod()
         self._hvd = hvd
         self._op = op
         self._predivide = gradient_predivide_factor
         self._process_set = process_set
+        # Horovod's semantics: a rank outside the process set takes no part in its collectives
+        # and applies its own gradients (no hooks, synchronize() returns at once)
+        self._member = process_set is None or bool(process_set.included())
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._summable = _is_summable_compressor(compression)
         if self._summable:
@@ -118,9 +124,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[Union[torch.Tensor, _Bucket], Future] = {}   # a parameter or a bucket
         self._hook_handles: List = []
+        self._sparse_as_dense = sparse_as_dense
+        self._densified: Dict[torch.Tensor, int] = {}   # sparse_as_dense: parameter -> its gradient's sparse_dim
         self._step_count = 0
         self._should_synchronize = True
         self._synchronized = False
+        self._warned_resynchronize = False
         self._times = {"encode": 0.0, "encode_hidden": 0.0, "encode_wait": 0.0, "communication_wait": 0.0,
                        "summable_decode": 0.0}
         self._steps_communicated = 0
@@ -139,6 +148,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return comm
 
     def _register_hooks(self) -> None:
+        if not self._member:
+            return
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -213,6 +224,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._agreed:
             self._agree()
+        if p.grad.is_sparse:
+            self._check_sparse(p)
+            if self._sparse_as_dense:   # as Horovod: reduced dense, handed back sparse (see _finish)
+                self._densified[p] = p.grad.sparse_dim()
+                p.grad = p.grad.to_dense()
         if p in self._bucket_of:
             self._copy_into_bucket(p)
             return
@@ -222,6 +238,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         def start():
             try:
+                if grad.is_sparse:
+                    return self._start_entries(name, grad, step)
                 if self._summable:
                     return self._start_allreduce(name, grad)
                 if self._summed_dense(grad):
@@ -232,6 +250,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise
 
         self._pending[p] = self._worker.submit(start)
+
+    def _check_sparse(self, p: torch.Tensor) -> None:
+        """Refuse a sparse gradient where it cannot travel as entries (unless ``sparse_as_dense``)."""
+        if self._sparse_as_dense:
+            return
+        where = ("a summable compressor reduces dense codes" if self._summable else
+                 "it is in a bucket (bucket_cap_mb)" if p in self._bucket_of else
+                 "the sparse all-reduce reduces dense tensors" if self._protocol.sparse is not None else None)
+        if where is not None:
+            raise ConfigError(f"parameter {self._names[p]!r} has a sparse gradient, but {where}: "
+                              "pass sparse_as_dense=True")
+
+    def _start_entries(self, name: str, grad: torch.Tensor, step: int):
+        """Encode a sparse COO gradient's entries (:mod:`deepreduce.torch.sparse`) and start the
+        allgather; ctx ``("entries", step)``."""
+        start = time.perf_counter()
+        positions, values = entries(grad)
+        payload = self._pipeline.core.encode_entries(positions, values, tuple(grad.shape), name=name, step=step)
+        return self._protocol.start(payload, name), ("entries", step), (start, time.perf_counter())
+
+    def _finish_entries(self, p: torch.Tensor, payloads, step: int) -> None:
+        """Sum every rank's entries of ``p``'s sparse gradient (averaged under ``op=Average``)
+        into a new coalesced sparse ``p.grad`` of the same sparse dimensions."""
+        summed = []
+        found = self._protocol.finish(
+            payloads, self._names[p], step,
+            lambda parts: summed.append(self._pipeline.core.decode_entries(parts, tuple(p.grad.shape))),
+            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), self._label(p))
+        if found is None:
+            p.grad = from_entries(*summed[0], like=p.grad)
 
     def _copy_into_bucket(self, p: torch.Tensor) -> None:
         """Copy ``p``'s finished gradient into its bucket; hand the bucket to the worker once it
@@ -349,6 +397,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     target.copy_(ctx[1].view_as(target))
                 if self._op == self._hvd.Average:
                     target.div_(self._communicator.size)
+        elif isinstance(ctx, tuple):   # ("entries", step): a sparse gradient
+            payloads = handle.wait()
+            self._times["communication_wait"] += time.perf_counter() - start
+            self._finish_entries(p, payloads, ctx[1])
+            return
         elif ctx == "sparse":
             name, step = handle
             total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), name, step)
@@ -388,6 +441,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         NonFiniteGradientError here: nothing is written to the optimizer's step, and the
         residuals are restored, so catching it and going on skips the step (see README).
         """
+        if not self._member:
+            self._synchronized = True
+            return
         wait_start = time.perf_counter()
         step = self._step_count
         if self._auto is not None:
@@ -409,6 +465,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception as exc:  # keep draining the other collectives first
                     errors.append(exc)
         finally:
+            for p, sparse_dim in self._densified.items():
+                p.grad = p.grad.to_sparse(sparse_dim)
+            self._densified.clear()
             self._pending.clear()
             self._copied.clear()
             for bucket in self._buckets:
@@ -454,12 +513,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                raise DeepReduceError("optimizer.step() called after synchronize() without skip_synchronize()")
+        """Synchronize (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step.
+
+        As in Horovod, ``step()`` after an explicit ``synchronize()`` outside
+        ``skip_synchronize()`` warns (once per optimizer) and synchronizes again. A step that
+        initialises the optimizer's state (:meth:`_initialising_state`) is local: no collective.
+        """
+        if self._should_synchronize and not self._initialising_state():
+            if self._synchronized and not self._warned_resynchronize:
+                self._warned_resynchronize = True
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(); the gradients are reduced again, which slows training. "
+                              "Use `with optimizer.skip_synchronize(): optimizer.step()` after synchronize().",
+                              stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return self._optimizer_class.step(self, closure)
+
+    def _initialising_state(self) -> bool:
+        """Whether this ``step()`` is the local one by which Horovod initialises optimizer state.
+
+        ``hvd.broadcast_optimizer_state`` gives a rank whose optimizer has no state yet (a fresh
+        rank, while rank 0 resumed from a checkpoint) zero gradients directly, without backward,
+        and calls ``step()`` on that rank alone; a collective there would wait forever for ranks
+        that never join. Recognised as: no backward pass handed over a gradient since the last
+        step, the optimizer holds no state, and every gradient exists and is all zero. Averaging
+        such gradients would leave them unchanged, so the local step is exactly the collective
+        one's result, and it leaves the compression state (step counter, residuals) untouched.
+        """
+        if self._pending or self._copied or any(d != self.backward_passes_per_step for d in self._delay.values()):
+            return False
+        if any(self.state.get(p) for group in self.param_groups for p in group["params"]):
+            return False
+        grads = [p.grad for p in self._delay]
+        return all(g is not None and not _any_nonzero(g) for g in grads)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending or self._copied:
@@ -525,6 +612,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_class.load_state_dict(self, state_dict)
 
 
+def _any_nonzero(grad: torch.Tensor) -> bool:
+    values = grad.coalesce().values() if grad.is_sparse else grad
+    return bool(values.any())
+
+
 def named_parameter_map(named_parameters) -> Dict[torch.Tensor, str]:
     """``{parameter: name}`` from (name, parameter) pairs; a ConfigError for malformed pairs or
     duplicate names (the DDP hook state uses it too)."""
@@ -563,9 +655,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
     (YAML path or dict), a built pipeline, or a Horovod-style summable compressor; None sends
     gradients losslessly. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``. ``num_groups`` and
-    ``groups`` (tensor fusion grouping) are accepted for compatibility; every tensor travels as
-    its own container; ``sparse_as_dense`` is accepted and has no effect, since gradients are
-    always compressed from their dense form. ``communicator`` overrides the config's (default: Horovod allgather).
+    ``groups`` are refused with a ConfigError (:func:`deepreduce.dist.buckets.refuse_groups`: use
+    ``bucket_cap_mb``). Sparse COO gradients (``nn.Embedding(sparse=True)``) travel as their
+    touched entries and come back sparse (:mod:`deepreduce.torch.sparse`); ``sparse_as_dense=True``
+    reduces them dense and hands them back sparse, as Horovod does. ``process_set``: as Horovod's,
+    ranks outside the set apply their own gradients. ``communicator`` overrides the config's (default: Horovod allgather).
     ``background`` (default True) encodes on a worker thread while backward goes on; False encodes
     inside the backward hook (identical bytes; simpler to debug). ``path`` ("auto", "device",
     "host"; see ``deepreduce.torch.pipeline``): where the codecs run; "auto" compresses CUDA
@@ -588,7 +682,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
                           f"got {backward_passes_per_step!r}")
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
+    buckets.refuse_groups(num_groups, groups, "DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     cls._optimizer_class = optimizer.__class__   # the wrapped optimizer's methods, however cls is subclassed
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb)
+               gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb,
+               sparse_as_dense)
