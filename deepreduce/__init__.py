@@ -8,13 +8,17 @@ Quick use::
     dense = pipe.decode(payload)                               # float32, grad's shape
 """
 from .config import build, load_config
-from .wire.container import inspect
 from .errors import (
-    BackendUnavailableError, CommunicationError, ConfigError, ContainerError, DeepReduceError,
+    BackendUnavailableError,
+    CommunicationError,
+    ConfigError,
+    ContainerError,
+    DeepReduceError,
     NonFiniteGradientError,
 )
 from .pipeline import Pipeline
 from .stats import CompressionStats
+from .wire.container import inspect
 
 __version__ = "0.1.0"
 

@@ -16,11 +16,11 @@ from typing import Any, List, Mapping, Tuple, Union
 
 import yaml
 
-from .wire import container
-from .backend import parallel
 from . import registry
+from .backend import parallel
 from .errors import ConfigError, quote
 from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option
+from .wire import container
 
 REQUIRED_SECTIONS = ("sparsifier", "index", "value", "memory")
 OPTIONAL_SECTIONS = ("communicator", "aggregation")

@@ -16,20 +16,25 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .backend import arrays, kernels, parallel
-from .wire import bitpack, container
 from . import registry
-from .wire.own_containers import OwnContainers
+from .backend import arrays, kernels, parallel
 from .errors import (
-    CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError, quote,
+    CommunicationError,
+    ConfigError,
+    ContainerError,
+    DeepReduceError,
+    NonFiniteGradientError,
+    quote,
 )
 from .index import IndexCodec
 from .journal import StepJournal
 from .memory import Compensated, Memory
-from .wire.seeding import EncodeContext, config_digest
 from .sparsify import Sparsifier
 from .stats import CompressionStats
 from .values import ValueCodec
+from .wire import bitpack, container
+from .wire.own_containers import OwnContainers
+from .wire.seeding import EncodeContext, config_digest
 
 NONFINITE_POLICIES = ("propagate", "raise")
 _STATEFUL_PARTS = ("sparsifier", "index", "value", "memory")

@@ -31,8 +31,8 @@ from experiments import runtime  # noqa: E402
 
 runtime.apply_defaults()   # before hvd.init(), as the training jobs do
 
-import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
 from experiments import gradients  # noqa: E402

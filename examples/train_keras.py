@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
+from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics  # noqa: E402,E501
+from experiments.tf_job import start as start_job
 
 
 def shard_batches(x, y, rank: int, size: int, batch_size: int, steps: int, seed: int):

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics, start as start_job  # noqa: E402,E501
+from experiments.tf_job import cosine_lr, epoch_line, epoch_record, run_job, save_metrics  # noqa: E402,E501
+from experiments.tf_job import start as start_job
 
 
 def train(args: argparse.Namespace) -> List[dict]:
@@ -34,8 +35,8 @@ def train(args: argparse.Namespace) -> List[dict]:
     tf, hvd, keras, model, base_lr = job.tf, job.hvd, job.keras, job.model, job.base_lr
     x_train, y_train, x_test, y_test = job.x_train, job.y_train, job.x_test, job.y_test
     import deepreduce.tensorflow as drtf
-    from experiments.digits import shard
     from deepreduce.tensorflow.keras import broadcast_variables
+    from experiments.digits import shard
 
     broadcast_variables(model.variables, root_rank=0)   # start every rank from rank 0's weights
     # weight decay inside the optimizer, after the reduction (as torch's SGD): it is not communicated

@@ -103,6 +103,7 @@ def _decoder(binding: str):
     if binding.startswith("torch"):
         try:
             import torch
+
             from deepreduce.torch.pipeline import TorchPipeline
         except ImportError:
             return None
@@ -111,6 +112,7 @@ def _decoder(binding: str):
                                              expected_shape=shape, device="cpu")
     try:
         import tensorflow as tf
+
         from deepreduce.tensorflow import ops
         op = ops.PipelineOps(pipe, ops.load())
     except Exception:   # no TensorFlow, or the ops are not built

@@ -1,7 +1,7 @@
 """deepreduce bench-stages: every stage is timed, and the peer's containers are decoded in full."""
+from deepreduce.config import build
 from experiments import gradients
 from experiments.cli.bench_stages import measure
-from deepreduce.config import build
 
 
 def test_receiver_decodes_the_peers_containers_in_full():

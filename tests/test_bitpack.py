@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepreduce.backend import _native
-from deepreduce.wire import bitpack
 from deepreduce.errors import ContainerError
+from deepreduce.wire import bitpack
 
 BACKENDS = ["c++", "numpy"]
 

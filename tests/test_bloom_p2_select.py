@@ -9,7 +9,8 @@ kernel's per-thread scratch.
 """
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deepreduce.backend import _native
 from deepreduce.index import bloom as bl

@@ -1,6 +1,7 @@
 """The bucket plan of deepreduce.dist.buckets (the 2-rank optimizer test is in test_multirank.py)."""
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepreduce.dist import buckets
 from deepreduce.errors import ConfigError

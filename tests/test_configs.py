@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import yaml
 
+from deepreduce.config import build, load_config
 from deepreduce.wire import container
 from experiments import gradients
-from deepreduce.config import build, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

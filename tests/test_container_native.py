@@ -5,12 +5,12 @@ import os
 import zlib
 from unittest import mock
 
-import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from deepreduce.wire import container
 from deepreduce.errors import ContainerError, DeepReduceError
+from deepreduce.wire import container
 
 native = pytest.importorskip("deepreduce._container", reason="needs the C++ extensions (make setup)")
 

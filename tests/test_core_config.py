@@ -3,8 +3,7 @@ import pytest
 import yaml
 
 import deepreduce
-from deepreduce import ConfigError, DeepReduceError
-from deepreduce import registry
+from deepreduce import ConfigError, DeepReduceError, registry
 
 BASE = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": {"id": "raw"}, "value": {"id": "raw"},
         "memory": {"id": "residual"}}

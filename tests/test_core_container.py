@@ -6,7 +6,8 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deepreduce
 from deepreduce import ContainerError

@@ -4,11 +4,21 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepreduce.dist.cost_model import (
-    CodecCosts, Link, PowerSGDCosts, allgather_cost, allgather_s, alltoall_s, dense_cost, fit_link,
-    powersgd_cost, ring_allreduce_s, sparse_allreduce_cost,
+    CodecCosts,
+    Link,
+    PowerSGDCosts,
+    allgather_cost,
+    allgather_s,
+    alltoall_s,
+    dense_cost,
+    fit_link,
+    powersgd_cost,
+    ring_allreduce_s,
+    sparse_allreduce_cost,
 )
 from deepreduce.dist.cost_probe import measure_codec_costs, measure_powersgd_costs
 from deepreduce.dist.linear_fit import fit_nonnegative

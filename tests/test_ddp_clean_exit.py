@@ -2,7 +2,6 @@
 without any explicit clean-up, must all exit 0 (the hook's worker thread is stopped and its
 private process group released at exit, in that order; an abort here was "terminate called
 without an active exception")."""
-import os
 import socket
 import subprocess
 import sys

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import deepreduce
-from deepreduce.wire import container
 from deepreduce.index import bloom
+from deepreduce.wire import container
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "golden", "*.npz")))

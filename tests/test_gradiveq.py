@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepreduce.summable import gradiveq as gv
 from deepreduce.errors import ConfigError
+from deepreduce.summable import gradiveq as gv
 from deepreduce.torch.gradiveq import GradiVeQ
 
 

@@ -3,7 +3,6 @@ import json
 import re
 
 import pytest
-
 from conftest import run_ranks
 
 

@@ -4,7 +4,6 @@ watchdog); the launch itself is bounded by ``run_ranks``' timeout."""
 import json
 
 import pytest
-
 from conftest import run_ranks
 
 

@@ -16,13 +16,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hostile import CONFIGS, NUMEL, config_name, pack_v1, valid_container
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import deepreduce
-from deepreduce.wire import container
 from deepreduce.errors import DeepReduceError
-
-from hostile import CONFIGS, NUMEL, config_name, pack_v1, valid_container
+from deepreduce.wire import container
 
 LIMIT = 1 << 16                 # the receivers' max_numel in these tests
 MEMORY_FACTOR = 40              # bytes allocated per byte of expected tensor (float32) or payload

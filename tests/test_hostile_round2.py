@@ -5,17 +5,15 @@ decoded in a child process under a 3 GiB address-space limit and a timeout throu
 binding present: the NumPy core, the torch host path, the torch device path (CPU tensors) and
 the TensorFlow decode op. A crash, an abort or a foreign exception fails the child and the test.
 """
-import os
 
 import numpy as np
 import pytest
+from hostile import bloom_container, run_bounded, zero_element_container
 
 import deepreduce
 from deepreduce.backend import _native
 from deepreduce.errors import ConfigError, ContainerError, quote
 from deepreduce.index import bloom
-
-from hostile import BINDINGS, bloom_container, run_bounded, zero_element_container
 
 BIG = 1 << 24            # the issue's legitimate (2**24,) layer
 MID = 1 << 20            # the accepted worst cases, kept small enough for a loaded test machine

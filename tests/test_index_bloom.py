@@ -4,13 +4,14 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import deepreduce
 from deepreduce.backend import _native
-from deepreduce.wire import container, varint
 from deepreduce.errors import ContainerError, DeepReduceError
 from deepreduce.index import bloom as bl
+from deepreduce.wire import container, varint
 from deepreduce.wire.seeding import EncodeContext
 
 NATIVE = _native.load("bloom")

@@ -3,12 +3,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deepreduce
-from deepreduce.wire import container, huffman_code
 from deepreduce.errors import DeepReduceError
 from deepreduce.index import delta, elias_fano, huffman, rle
+from deepreduce.wire import container, huffman_code
 from deepreduce.wire.seeding import EncodeContext
 
 CODECS = {"rle": rle.RunLengthIndex, "huffman": huffman.HuffmanIndex, "delta": delta.DeltaIndex,

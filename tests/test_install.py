@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import ROOT
 
 CHECK = r"""

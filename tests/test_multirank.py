@@ -1,6 +1,5 @@
 """Real multi-process runs: 2 ranks under horovodrun and under mpirun."""
 import pytest
-
 from conftest import run_ranks
 
 

@@ -2,7 +2,8 @@
 import threading
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepreduce.dist import overlap
 from deepreduce.errors import ConfigError

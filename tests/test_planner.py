@@ -6,13 +6,24 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepreduce.cli import main
 from deepreduce.dist.cost_model import CodecCosts, Link
 from deepreduce.dist.planner import (
-    SLACK_TOLERANCE_S, Bucket, Choice, PlanInputs, alternatives, buckets_from_timeline, choice_cost, drift,
-    exposed_seconds, format_plan, needs_replan, plan,
+    SLACK_TOLERANCE_S,
+    Bucket,
+    Choice,
+    PlanInputs,
+    alternatives,
+    buckets_from_timeline,
+    choice_cost,
+    drift,
+    exposed_seconds,
+    format_plan,
+    needs_replan,
+    plan,
 )
 from deepreduce.errors import ConfigError
 from experiments.cli.bench_scaling import compare_with_runs

@@ -10,14 +10,14 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hostile import CONFIGS, NUMEL, ROOT, gradient, pack_v1, rewrite, run_bounded, valid_container
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import deepreduce
-from deepreduce.wire import container
 from deepreduce import registry
 from deepreduce.errors import CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError
-
-from hostile import CONFIGS, NUMEL, ROOT, gradient, pack_v1, rewrite, run_bounded, valid_container
+from deepreduce.wire import container
 
 TOPK_RAW = os.path.join(ROOT, "configs", "topk_raw.yaml")
 BF_P2 = os.path.join(ROOT, "configs", "bf_p2.yaml")
@@ -346,7 +346,8 @@ def test_tensorflow_binding_refuses_integers_and_reports_overflow():
 
 def test_tensorflow_decode_op_has_the_same_bounds_and_finiteness_check():
     tf = pytest.importorskip("tensorflow")
-    from deepreduce.tensorflow import ops, pipeline as tf_pipeline
+    from deepreduce.tensorflow import ops
+    from deepreduce.tensorflow import pipeline as tf_pipeline
 
     try:
         ops.load()

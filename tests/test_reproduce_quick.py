@@ -6,10 +6,11 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from experiments import corpus as corpus_mod
 from deepreduce.cli import main
+from experiments import corpus as corpus_mod
 from experiments.recsys_data import ZipfConfig, generate
 from experiments.reproduce import common, fig6, fig10, get, table2
 from experiments.reproduce.fig11_worker import fuse, unfuse

@@ -2,7 +2,8 @@
 whatever the thread count."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepreduce import ContainerError
 from deepreduce.backend import _native, kernels

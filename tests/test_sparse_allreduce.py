@@ -5,9 +5,9 @@ residuals with it, an uneven split, receive volume under 3k entries, and checkpo
 (tests/workers/sparse_allreduce.py)."""
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import deepreduce
-from conftest import run_ranks
 from deepreduce.dist.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 

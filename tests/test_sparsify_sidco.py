@@ -6,8 +6,8 @@ import pytest
 
 from deepreduce import registry
 from deepreduce.errors import ConfigError
-from deepreduce.wire.seeding import EncodeContext, config_digest
 from deepreduce.sparsify import _fits
+from deepreduce.wire.seeding import EncodeContext, config_digest
 
 D = 400_000
 
@@ -143,7 +143,7 @@ def test_config_round_trip():
 
 def test_native_kernels_match_numpy_path(monkeypatch):
     from deepreduce.backend import _native
-    from deepreduce.sparsify.sidco import NativeOps, ArrayOps
+    from deepreduce.sparsify.sidco import ArrayOps, NativeOps
 
     module = _native.load("sidco")
     if module is None:

@@ -4,7 +4,8 @@ kernels; a NumPy-only sparsifier runs on a host copy (and DGC/threshold basics).
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepreduce import registry
 from deepreduce.pipeline import select_positions

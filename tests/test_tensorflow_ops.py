@@ -17,9 +17,9 @@ tf = pytest.importorskip("tensorflow")
 
 import deepreduce  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
-from deepreduce.wire import container  # noqa: E402
 from deepreduce.index import bloom as bloom_codec  # noqa: E402
 from deepreduce.tensorflow import ops  # noqa: E402
+from deepreduce.wire import container  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,7 +187,8 @@ def test_encode_errors_keep_their_class():
     assert drtf.build(strict).backend == "numpy_function"
 
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 _PROPERTY_PIPES = {}
 

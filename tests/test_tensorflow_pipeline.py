@@ -199,8 +199,8 @@ def test_tf_jobs_take_the_torch_jobs_options():
     """One definition of the common job options: the TF jobs parse them as the torch job does."""
     import argparse
 
-    from experiments import train as torch_job
     from experiments import tf_job as job
+    from experiments import train as torch_job
 
     argv = ["--config", "configs/bf_p2.yaml", "--epochs", "3", "--lr", "0.1", "--max-steps", "5", "--seed", "4",
             "--threads", "2", "--metrics-json", "m.json", "--baseline"]

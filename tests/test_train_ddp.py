@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, launch_env
+
 from experiments.reproduce import fig7
 
 EPOCHS, STEPS, CONFIG = 2, 8, "configs/topk_raw.yaml"

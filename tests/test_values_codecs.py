@@ -7,12 +7,12 @@ import zlib
 import numpy as np
 import pytest
 
-from deepreduce.wire import bitpack, container
 from deepreduce import registry
 from deepreduce.config import build
 from deepreduce.errors import ContainerError, DeepReduceError
-from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values import polyfit as polyfit_mod
+from deepreduce.wire import bitpack, container
+from deepreduce.wire.seeding import EncodeContext
 
 CTX = EncodeContext(b"\x00" * 16, "layer", 3)
 

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from experiments import gradients
 from deepreduce.cli import main
 from deepreduce.errors import ConfigError, DeepReduceError
+from experiments import gradients
 
 
 def test_committed_file_holds_the_fig10_conv_gradient():

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce.wire import huffman_code as hc
 from deepreduce.errors import ContainerError
+from deepreduce.wire import huffman_code as hc
 
 
 def test_paper_example():

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepreduce.wire import container
 from deepreduce import registry
 from deepreduce.config import build
+from deepreduce.wire import container
 
 LOSSLESS_INDEX = {"raw", "rle", "huffman", "delta", "delta_huffman", "elias_fano"}
 LOSSLESS_VALUE = {"raw", "deflate"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments import gradients
-from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.dexp import DExpFit
-from deepreduce.values.polyfit import PolyFit, fit_segment, evaluate_segment
+from deepreduce.values.polyfit import PolyFit, evaluate_segment, fit_segment
+from deepreduce.wire.seeding import EncodeContext
+from experiments import gradients
 
 CTX = EncodeContext(b"\x00" * 16, "conv", 0)
 

@@ -8,8 +8,8 @@ import pytest
 
 from deepreduce.backend import kernels
 from deepreduce.errors import DeepReduceError
-from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.qsgd import QSGD
+from deepreduce.wire.seeding import EncodeContext
 
 DIGEST = b"\x11" * 16
 
@@ -76,7 +76,8 @@ def test_levels_never_exceed_s_and_zero_buckets_decode_to_zero():
 
 native = pytest.importorskip("deepreduce._select", reason="needs the C++ extensions (make setup)")
 
-from hypothesis import example, given, settings, strategies as st  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 def _encode_both(u, levels, bucket, threads=1, name="w", step=3):

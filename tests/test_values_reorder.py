@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepreduce.wire import bitpack, container
 from deepreduce import registry
 from deepreduce.errors import ContainerError
 from deepreduce.index import IndexCodec, IndexEncoding
@@ -13,6 +12,7 @@ from deepreduce.memory import NoMemory
 from deepreduce.pipeline import Pipeline
 from deepreduce.sparsify.basic import TopK
 from deepreduce.values import ValueCodec, ValueEncoding
+from deepreduce.wire import bitpack, container
 
 
 class AscendingSetIndex(IndexCodec):

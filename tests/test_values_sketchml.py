@@ -6,10 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce.wire.seeding import EncodeContext
 from deepreduce.values.sketchml import (
-    SketchML, SketchMLHuffman, minmax_insert, minmax_query, quantile_buckets, sketch_hash,
+    SketchML,
+    SketchMLHuffman,
+    minmax_insert,
+    minmax_query,
+    quantile_buckets,
+    sketch_hash,
 )
+from deepreduce.wire.seeding import EncodeContext
 
 CTX = EncodeContext(b"\x00" * 16, "w", 0)
 

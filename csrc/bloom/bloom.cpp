@@ -43,7 +43,9 @@ void check_ascending(const uint64_t* P, size_t np, const char* what) {
         if (P[a] <= P[a - 1]) fail(ErrorKind::ARGUMENT, std::string(what) + ": positives must be strictly ascending");
 }
 
-inline bool test_bit(const uint8_t* bits, uint64_t j) { return (bits[j >> 3] >> (j & 7)) & 1u; }
+inline bool test_bit(const uint8_t* bits, uint64_t j) {
+    return (bits[j >> 3] >> (j & 7)) & 1u;
+}
 
 // Work below this many items per thread is not worth a thread.
 constexpr uint64_t MIN_PER_THREAD = uint64_t(1) << 16;
@@ -185,7 +187,7 @@ void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t k
 // Same integers, same positives. Needs blocks <= 2^27 (word offsets fit a signed 32-bit gather).
 #define DR_AVX2 __attribute__((target("avx2,popcnt")))
 
-DR_AVX2 inline __m256i mul64(__m256i a, uint64_t c) {   // a * c mod 2^64 in each 64-bit lane
+DR_AVX2 inline __m256i mul64(__m256i a, uint64_t c) {  // a * c mod 2^64 in each 64-bit lane
     const __m256i lo = _mm256_set1_epi64x(static_cast<int64_t>(c & 0xffffffffu));
     const __m256i hi = _mm256_set1_epi64x(static_cast<int64_t>(c >> 32));
     const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), lo), _mm256_mul_epu32(a, hi));
@@ -224,7 +226,7 @@ DR_AVX2 inline void compress_store(uint32_t* dst, __m256i v, int mask) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(v, perm));
 }
 
-DR_AVX2 inline __m256i probe_words(const int* words, __m256i word_base, __m256i p) {   // bit p of each block, in bit 0
+DR_AVX2 inline __m256i probe_words(const int* words, __m256i word_base, __m256i p) {  // bit p of each block, in bit 0
     const __m256i w = _mm256_i32gather_epi32(words, _mm256_add_epi32(word_base, _mm256_srli_epi32(p, 5)), 4);
     return _mm256_srlv_epi32(w, _mm256_and_si256(p, _mm256_set1_epi32(31)));
 }
@@ -239,9 +241,10 @@ DR_AVX2 size_t further_probes_avx2(const int* words, int k, size_t c, const uint
     size_t c2 = 0;
     for (size_t a = 0; a < c; a += 8) {
         // lanes past c hold stale entries: read block 0 for them, drop them from the mask
-        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<size_t>(c - a, 8))), lanes);
-        const __m256i word_base = _mm256_and_si256(
-            valid, _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + a)), 4));
+        const __m256i valid =
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<size_t>(c - a, 8))), lanes);
+        const __m256i word_base =
+            _mm256_and_si256(valid, _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + a)), 4));
         __m256i ga = _mm256_load_si256(reinterpret_cast<const __m256i*>(g + a));
         __m256i ok = one;
         for (int j = 2; j < k; ++j) {
@@ -251,7 +254,7 @@ DR_AVX2 size_t further_probes_avx2(const int* words, int k, size_t c, const uint
         }
         const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(valid, _mm256_slli_epi32(ok, 31))));
         const __m256i offsets = _mm256_load_si256(reinterpret_cast<const __m256i*>(cand + a));
-        compress_store(cand + c2, offsets, mask);   // c2 <= a: writes only what was read
+        compress_store(cand + c2, offsets, mask);  // c2 <= a: writes only what was read
         c2 += static_cast<size_t>(_mm_popcnt_u32(static_cast<unsigned>(mask)));
     }
     return c2;
@@ -277,14 +280,15 @@ DR_AVX2 void hash_batch_avx2(uint64_t z0, size_t n, uint64_t blocks, const uint8
                                      _mm256_srli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(hb, 32), vblocks), 32)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(g0 + i), low_words(ha, hb));
         if (prefetch)
-            for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch) + uint64_t(blk[i + j]) * 64, _MM_HINT_T0);
+            for (int j = 0; j < 8; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(prefetch) + uint64_t(blk[i + j]) * 64, _MM_HINT_T0);
     }
 }
 
 DR_AVX2 void blocked_query_range_avx2(const uint8_t* bits, uint64_t blocks, int k, uint64_t key, uint64_t lo,
                                       uint64_t hi, uint64_t limit, std::vector<uint64_t>& out) {
     alignas(64) uint32_t hblk[BATCH], hg[BATCH];
-    alignas(64) uint32_t blk[BATCH + 8], g[BATCH + 8], cand[BATCH + 8];   // + 8: compress_store's spill
+    alignas(64) uint32_t blk[BATCH + 8], g[BATCH + 8], cand[BATCH + 8];  // + 8: compress_store's spill
     const int* words = reinterpret_cast<const int*>(bits);
     const uint8_t* prefetch = blocks * blocked::BLOCK_BYTES > (uint64_t(256) << 10) ? bits : nullptr;
     const __m256i mul = _mm256_set1_epi32(static_cast<int>(blocked::PROBE_MUL));
@@ -317,14 +321,15 @@ bool avx2_query_usable(uint64_t blocks) {
     return cpu && blocks <= (uint64_t(1) << 27);
 }
 #else
-bool avx2_query_usable(uint64_t) { return false; }
+bool avx2_query_usable(uint64_t) {
+    return false;
+}
 #endif
 
 // Insert idx[lo, hi) into the blocked filter `bits`; ATOMIC when other threads insert at once.
 // The arguments are plain locals, so the byte stores cannot make the compiler reload them.
 template <bool ATOMIC>
-void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks, int k, uint64_t key,
-                  uint8_t* bits) {
+void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks, int k, uint64_t key, uint8_t* bits) {
     for (uint64_t a = lo; a < hi; ++a) {
         const uint64_t h = blocked::hash(idx[a], key);
         uint8_t* blk = bits + blocked::block(h, blocks) * blocked::BLOCK_BYTES;
@@ -341,8 +346,8 @@ void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks
 }
 
 // ---------------------------------------------------------------- SplitMix64 family
-void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t* keys, uint64_t lo,
-                          uint64_t hi, uint64_t limit, std::vector<uint64_t>& out) {
+void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t* keys, uint64_t lo, uint64_t hi,
+                          uint64_t limit, std::vector<uint64_t>& out) {
     // Blocks of candidates: hash function 0 over the block, then each further function over the
     // survivors only (early exit at the first zero bit), compacting without branches.
     uint64_t buf[BATCH];
@@ -393,14 +398,15 @@ struct ConflictSets {
 constexpr size_t SCRATCH_KEEP = size_t(16) << 20;
 
 struct Scratch {
-    std::vector<uint32_t> g0, member;          // positives grouped by block: sorted by (block, member)
-    std::vector<uint32_t> ends;                // where each non-empty block's group ends, ascending
+    std::vector<uint32_t> g0, member;  // positives grouped by block: sorted by (block, member)
+    std::vector<uint32_t> ends;        // where each non-empty block's group ends, ascending
     std::vector<uint32_t> hashed_block, hashed_g0, bucket;
-    std::vector<uint8_t> chosen;               // one flag per positive
+    std::vector<uint8_t> chosen;  // one flag per positive
 
     size_t bytes() const {
         return 4 * (ends.capacity() + g0.capacity() + member.capacity() + hashed_block.capacity() +
-                    hashed_g0.capacity() + bucket.capacity()) + chosen.capacity();
+                    hashed_g0.capacity() + bucket.capacity()) +
+               chosen.capacity();
     }
 };
 
@@ -429,7 +435,7 @@ void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed
             s.g0[at] = hg[a];
             s.member[at] = static_cast<uint32_t>(a);
         }
-        s.ends.clear();   // bucket[b] is now the end of block b's group, bucket[b - 1] its start
+        s.ends.clear();  // bucket[b] is now the end of block b's group, bucket[b - 1] its start
         for (uint64_t b = 0; b < blocks; ++b)
             if (bucket[b] != (b ? bucket[b - 1] : 0)) s.ends.push_back(bucket[b]);
     } else {
@@ -456,7 +462,7 @@ void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t*
         uint32_t g = s.g0[e];
         for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) pairs.push_back(uint64_t(g >> 23) << 32 | s.member[e]);
     }
-    std::sort(pairs.begin(), pairs.end());   // by (bit, member); a member repeating a bit counts once
+    std::sort(pairs.begin(), pairs.end());  // by (bit, member); a member repeating a bit counts once
     pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
     for (size_t j = 0; j < pairs.size();) {
         const uint64_t p = pairs[j] >> 32;
@@ -477,7 +483,7 @@ bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* cho
     std::vector<uint64_t> pairs;
     const uint32_t* g0 = s.g0.data();
     const uint32_t* member = s.member.data();
-    size_t n = nchosen;   // a local: the compiler cannot keep it in a register across byte stores
+    size_t n = nchosen;  // a local: the compiler cannot keep it in a register across byte stores
     for (size_t b = 0, lo = 0; b < s.ends.size(); lo = s.ends[b++]) {
         const size_t hi = s.ends[b];
         uint64_t touched[BITS / 64] = {};
@@ -492,7 +498,7 @@ bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* cho
                 touched[p >> 6] |= uint64_t(1) << (p & 63);
             }
         }
-        size_t ns = 0;   // the block's singleton owners, ascending bit (branch-free compaction)
+        size_t ns = 0;  // the block's singleton owners, ascending bit (branch-free compaction)
         for (uint32_t w = 0; w < BITS / 64; ++w) {
             for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
                 const uint32_t p = w * 64 + static_cast<uint32_t>(__builtin_ctzll(bits));
@@ -543,10 +549,10 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
 void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8_t* chosen, size_t& nchosen) {
     const size_t nsets = sets.size.size();
     const uint32_t max_size = nsets ? *std::max_element(sets.size.begin(), sets.size.end()) : 0;
-    std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);   // stable counting sort by size
+    std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);  // stable counting sort by size
     for (size_t s = 0; s < nsets; ++s) ++by_size[sets.size[s] + 1];
     for (size_t z = 1; z < by_size.size(); ++z) by_size[z] += by_size[z - 1];
-    std::vector<uint32_t> active(nsets);   // by (size, bit): the sets are in ascending bit order
+    std::vector<uint32_t> active(nsets);  // by (size, bit): the sets are in ascending bit order
     for (size_t s = 0; s < nsets; ++s) active[by_size[sets.size[s]]++] = static_cast<uint32_t>(s);
 
     std::vector<uint32_t> next;
@@ -562,7 +568,7 @@ void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8
             for (const uint32_t* e = first; e < last; ++e)
                 if (!chosen[*e]) ++ncand, only = *e;
             if (ncand == 0) continue;
-            if (ncand > 1) {   // draw among the candidates (ascending), keep the set for the next pass
+            if (ncand > 1) {  // draw among the candidates (ascending), keep the set for the next pass
                 ++draw;
                 size_t pick = static_cast<size_t>(splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand));
                 for (const uint32_t* e = first;; ++e)
@@ -622,12 +628,15 @@ void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t 
     if (blocks == 0 || d == 0) return;
     const uint64_t kk = key(seed);
     const bool avx2 = simd && avx2_query_usable(blocks);
-    query_by_ranges(d, limit, threads, [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+    query_by_ranges(
+        d, limit, threads,
+        [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
 #if DR_AVX2_QUERY
-        if (avx2) return blocked_query_range_avx2(bits, blocks, k, kk, lo, hi, lim, o);
+            if (avx2) return blocked_query_range_avx2(bits, blocks, k, kk, lo, hi, lim, o);
 #endif
-        blocked_query_range(bits, blocks, k, kk, lo, hi, lim, o);
-    }, out);
+            blocked_query_range(bits, blocks, k, kk, lo, hi, lim, o);
+        },
+        out);
 }
 
 }  // namespace blocked
@@ -651,9 +660,12 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
     if (m == 0 || d == 0) return;
     uint64_t keys[MAX_K];
     for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
-    query_by_ranges(d, limit, threads, [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
-        splitmix_query_range(bits, m, k, keys, lo, hi, lim, o);
-    }, out);
+    query_by_ranges(
+        d, limit, threads,
+        [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+            splitmix_query_range(bits, m, k, keys, lo, hi, lim, o);
+        },
+        out);
 }
 
 }  // namespace splitmix
@@ -679,7 +691,7 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
     if (r == 0) return;
     if (size == 0) fail(ErrorKind::ARGUMENT, "Bloom P2: empty filter with positives");
     thread_local Scratch scratch;
-    struct Release {   // keep the scratch for the next call unless it grew too large
+    struct Release {  // keep the scratch for the next call unless it grew too large
         Scratch& s;
         ~Release() {
             if (s.bytes() > SCRATCH_KEEP) s = Scratch{};
@@ -740,7 +752,7 @@ uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k
     if (family == Family::BLOCKED) {
         check_blocks(size);
         m *= blocked::BLOCK_BITS;
-        std::array<uint64_t, blocked::BLOCK_BITS + 1> hist{};   // blocks by their set bits
+        std::array<uint64_t, blocked::BLOCK_BITS + 1> hist{};  // blocks by their set bits
         for (uint64_t b = 0; b < size; ++b) {
             const uint64_t c = popcount(bits + b * blocked::BLOCK_BYTES, blocked::BLOCK_BYTES);
             ++hist[c];
@@ -755,15 +767,16 @@ uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k
         if (size) rate = power(static_cast<double>(set_bits) / static_cast<double>(size), k);
     }
     if (static_cast<unsigned __int128>(set_bits) > static_cast<unsigned __int128>(k) * r)
-        fail(ErrorKind::ARGUMENT, "Bloom filter has " + std::to_string(set_bits) + " bits set; " + std::to_string(r) +
-                                      " keys of k = " + std::to_string(k) + " hashes set at most " +
-                                      std::to_string(static_cast<unsigned __int128>(k) * r > ~uint64_t(0)
-                                                         ? ~uint64_t(0) : k * r));
+        fail(ErrorKind::ARGUMENT,
+             "Bloom filter has " + std::to_string(set_bits) + " bits set; " + std::to_string(r) +
+                 " keys of k = " + std::to_string(k) + " hashes set at most " +
+                 std::to_string(static_cast<unsigned __int128>(k) * r > ~uint64_t(0) ? ~uint64_t(0) : k * r));
     if (conflict) {
         const std::string keys = "Bloom P2 filter claims " + std::to_string(r) + " keys";
         if (k * rate > MAX_PROBE_RATE)
             fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes at its false-positive rate " +
-                                          number(rate) + ": k * rate above 2, a filter far fuller than its k was chosen for");
+                                          number(rate) +
+                                          ": k * rate above 2, a filter far fuller than its k was chosen for");
         if (k >= 2 && static_cast<unsigned __int128>(k) * r > MAX_PROBES_PER_BIT * m)
             fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes in " +
                                           std::to_string(static_cast<uint64_t>(m)) +
@@ -774,8 +787,8 @@ uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k
     }
     const double extra = POSITIVE_MARGIN * rate * static_cast<double>(d);
     if (extra >= static_cast<double>(d)) return d;
-    const unsigned __int128 limit = static_cast<unsigned __int128>(r) + static_cast<uint64_t>(std::ceil(extra)) +
-                                    POSITIVE_SLACK;
+    const unsigned __int128 limit =
+        static_cast<unsigned __int128>(r) + static_cast<uint64_t>(std::ceil(extra)) + POSITIVE_SLACK;
     return limit > d ? d : static_cast<uint64_t>(limit);
 }
 

@@ -42,7 +42,9 @@ inline uint64_t mix64(uint64_t z) {
 }
 
 // Number of bytes of a filter of m bits, without overflow for any m.
-inline uint64_t filter_bytes(uint64_t m) { return m / 8 + (m % 8 != 0); }
+inline uint64_t filter_bytes(uint64_t m) {
+    return m / 8 + (m % 8 != 0);
+}
 
 // ------------------------------------------------------------------ blocked family (v2)
 namespace blocked {
@@ -52,10 +54,18 @@ constexpr uint64_t BLOCK_BYTES = 64;
 constexpr uint32_t PROBE_MUL = 0x5bd1e995u;
 constexpr uint64_t MAX_BLOCKS = (uint64_t(1) << 31) - 1;
 
-inline uint64_t key(uint64_t seed) { return mix64(seed + GAMMA); }
-inline uint64_t hash(uint64_t x, uint64_t key) { return mix64(key + x * GAMMA); }
-inline uint64_t block(uint64_t h, uint64_t blocks) { return ((h >> 32) * blocks) >> 32; }
-inline uint32_t next_probe(uint32_t g) { return g * PROBE_MUL; }
+inline uint64_t key(uint64_t seed) {
+    return mix64(seed + GAMMA);
+}
+inline uint64_t hash(uint64_t x, uint64_t key) {
+    return mix64(key + x * GAMMA);
+}
+inline uint64_t block(uint64_t h, uint64_t blocks) {
+    return ((h >> 32) * blocks) >> 32;
+}
+inline uint32_t next_probe(uint32_t g) {
+    return g * PROBE_MUL;
+}
 
 // Global bit positions bit_0..bit_{k-1} of n indices, row-major (n x k).
 void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t seed, uint64_t* out);
@@ -66,8 +76,8 @@ void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed,
 // The first min(|P|, limit + 1) positives P of [0, d), ascending, into `out` (`threads` threads;
 // the result does not depend on the thread count). `simd`: use the AVX2 code where the CPU has it
 // (same result; false forces the portable loop, for tests that compare the two).
-void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit,
-           int threads, std::vector<uint64_t>& out, bool simd = true);
+void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
+           std::vector<uint64_t>& out, bool simd = true);
 
 }  // namespace blocked
 
@@ -77,8 +87,12 @@ namespace splitmix {
 inline uint64_t mulhi64(uint64_t a, uint64_t b) {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * b) >> 64);
 }
-inline uint64_t hash_key(uint64_t seed, int i) { return mix64(seed + static_cast<uint64_t>(i + 1) * GAMMA); }
-inline uint64_t position(uint64_t x, uint64_t key, uint64_t m) { return mulhi64(mix64(key + x * GAMMA), m); }
+inline uint64_t hash_key(uint64_t seed, int i) {
+    return mix64(seed + static_cast<uint64_t>(i + 1) * GAMMA);
+}
+inline uint64_t position(uint64_t x, uint64_t key, uint64_t m) {
+    return mulhi64(mix64(key + x * GAMMA), m);
+}
 
 // Positions h_0..h_{k-1} of n indices, row-major (n x k).
 void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, uint64_t* out);
@@ -99,8 +113,8 @@ void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, u
 // P2 (Algorithm 1, reading documented in docs/bloom.md): r entries of P written ascending to
 // out. Requires r <= np, P strictly ascending and the full positive set of the filter;
 // `size` is m (splitmix) or the block count (blocked).
-void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k,
-                     uint64_t seed, uint64_t draw_seed, uint64_t* out);
+void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k, uint64_t seed,
+                     uint64_t draw_seed, uint64_t* out);
 
 // ------------------------------------------------------------------ receiver bounds
 // Constants of positive_limit (docs/reliability.md, "Bloom filters: positives and work").

@@ -4,14 +4,14 @@
 #include <cmath>
 
 #include "common/error.h"
-#include "container.h"   // the varints of the params
+#include "container.h"  // the varints of the params
 
 namespace deepreduce {
 namespace bloom {
 
 namespace {
 
-constexpr int FAMILY_COUNT = 2;   // the family code in the params' high nibble: splitmix 0, blocked 1
+constexpr int FAMILY_COUNT = 2;  // the family code in the params' high nibble: splitmix 0, blocked 1
 constexpr size_t SPLITMIX_PARAMS = 26;
 constexpr size_t DRAW_BYTES = 8;
 
@@ -21,7 +21,9 @@ uint64_t u64_le(const uint8_t* p) {
     return v;
 }
 
-[[noreturn]] void container_error(const std::string& message) { fail(ErrorKind::CONTAINER, message); }
+[[noreturn]] void container_error(const std::string& message) {
+    fail(ErrorKind::CONTAINER, message);
+}
 
 }  // namespace
 
@@ -51,7 +53,8 @@ Params unpack_params(const uint8_t* params, size_t len) {
     const int code = params[0], family = code >> 4, policy = code & 0x0F;
     if (family >= FAMILY_COUNT || policy >= POLICY_COUNT) {
         static const char* hex = "0123456789abcdef";
-        container_error(std::string("Bloom params name unknown family/policy code 0x") + hex[code >> 4] + hex[code & 15]);
+        container_error(std::string("Bloom params name unknown family/policy code 0x") + hex[code >> 4] +
+                        hex[code & 15]);
     }
     Params p;
     p.k = params[1];
@@ -98,7 +101,8 @@ uint64_t blocks_for(uint64_t r, double keys_per_block) {
 std::vector<uint64_t> choose(const Params& p, const std::vector<uint64_t>& P, size_t r) {
     const size_t np = P.size();
     switch (p.policy) {
-        case P0: return P;
+        case P0:
+            return P;
         case P1:
         case P2: {
             std::vector<uint64_t> out(r);
@@ -109,7 +113,7 @@ std::vector<uint64_t> choose(const Params& p, const std::vector<uint64_t>& P, si
                 select_conflict(p.family, P.data(), np, r, p.size, p.k, p.seed, p.draw_seed, out.data());
             return out;
         }
-        default: {   // a window of r positives: naive and leftmost the first, middle, rightmost the last
+        default: {  // a window of r positives: naive and leftmost the first, middle, rightmost the last
             if (r > np) fail(ErrorKind::ARGUMENT, "Bloom policy window: more indices requested than positives");
             const size_t offset = p.policy == RIGHTMOST ? np - r : p.policy == MIDDLE ? (np - r) / 2 : 0;
             return std::vector<uint64_t>(P.begin() + offset, P.begin() + offset + r);
@@ -132,11 +136,11 @@ Encoded encode(const uint64_t* positions, size_t r, uint64_t numel, int policy, 
     try {
         if (r > 0) {
             blocked::build(positions, r, p.size, p.k, p.seed, out.filter.data(), threads);
-            const bool first_r = policy == NAIVE || policy == LEFTMOST;   // the sender knows r: no need to look further
+            const bool first_r = policy == NAIVE || policy == LEFTMOST;  // the sender knows r: no need to look further
             blocked::query(out.filter.data(), p.size, p.k, p.seed, numel, first_r ? r : numel, threads, P);
         }
         out.chosen = choose(p, P, r);
-    } catch (const Error& e) {   // a kernel's refusal, as the codec words it
+    } catch (const Error& e) {  // a kernel's refusal, as the codec words it
         fail(ErrorKind::ENCODE, std::string("Bloom encode: ") + e.what());
     }
     return out;
@@ -146,9 +150,10 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
                              uint64_t count, uint64_t numel, int threads) {
     const Params p = unpack_params(params, params_len);
     if (len != p.filter_bytes())
-        container_error("Bloom section has " + std::to_string(len) + " bytes, expected " +
-                        std::to_string(p.filter_bytes()) + " for " +
-                        (p.family == Family::BLOCKED ? std::to_string(p.size) + " blocks" : "m = " + std::to_string(p.size)));
+        container_error(
+            "Bloom section has " + std::to_string(len) + " bytes, expected " + std::to_string(p.filter_bytes()) +
+            " for " +
+            (p.family == Family::BLOCKED ? std::to_string(p.size) + " blocks" : "m = " + std::to_string(p.size)));
     if (p.family == Family::SPLITMIX && p.size % 8 && (section[len - 1] >> (p.size % 8)))
         container_error("Bloom section has bits set beyond m");
     if (p.size == 0) {
@@ -177,7 +182,7 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
                             std::to_string(limit) + " positives: more than a filter holding " + std::to_string(count) +
                             " keys has at its own false-positive rate");
         return choose(p, P, static_cast<size_t>(count));
-    } catch (const Error& e) {   // a kernel's refusal of what the container says, as the codec words it
+    } catch (const Error& e) {  // a kernel's refusal of what the container says, as the codec words it
         if (e.kind() == ErrorKind::CONTAINER) throw;
         container_error(std::string("Bloom decode: ") + e.what());
     }

@@ -26,18 +26,24 @@ extern const char* const POLICIES[POLICY_COUNT];
 // The code of a policy name; ErrorKind::ARGUMENT for an unknown one.
 int policy_code(const std::string& name);
 // p1 and p2 carry a draw seed.
-inline bool draws(int policy) { return policy == P1 || policy == P2; }
+inline bool draws(int policy) {
+    return policy == P1 || policy == P2;
+}
 // The receiver queries only the first `count` positives for these policies (the header's value count).
-inline bool prefix_policy(int policy) { return policy == NAIVE || policy == LEFTMOST || policy == P0; }
+inline bool prefix_policy(int policy) {
+    return policy == NAIVE || policy == LEFTMOST || policy == P0;
+}
 
 struct Params {
     Family family = Family::BLOCKED;
     int policy = P0;
     int k = 0;
-    uint64_t size = 0;        // blocks (blocked) or m (splitmix)
+    uint64_t size = 0;  // blocks (blocked) or m (splitmix)
     uint64_t seed = 0;
-    uint64_t draw_seed = 0;   // 0 unless draws(policy)
-    uint64_t filter_bytes() const { return family == Family::BLOCKED ? size * blocked::BLOCK_BYTES : bloom::filter_bytes(size); }
+    uint64_t draw_seed = 0;  // 0 unless draws(policy)
+    uint64_t filter_bytes() const {
+        return family == Family::BLOCKED ? size * blocked::BLOCK_BYTES : bloom::filter_bytes(size);
+    }
 };
 
 // bloom.pack_params: the params of a blocked filter.

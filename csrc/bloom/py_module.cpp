@@ -13,16 +13,18 @@
 
 namespace py = pybind11;
 namespace bl = deepreduce::bloom;
-using deepreduce::py_args::U64Array;
 using deepreduce::py_args::index_array;
 using deepreduce::py_args::int_arg;
 using deepreduce::py_args::threads_arg;
+using deepreduce::py_args::U64Array;
 
 namespace {
 
 constexpr uint64_t U64_MAX = ~uint64_t(0);
 
-int k_arg(const py::handle& obj) { return static_cast<int>(int_arg(obj, "k", 1, bl::MAX_K)); }
+int k_arg(const py::handle& obj) {
+    return static_cast<int>(int_arg(obj, "k", 1, bl::MAX_K));
+}
 
 // `size` is the block count (blocked) or m (splitmix).
 bl::Family family_arg(const std::string& family) {
@@ -69,8 +71,8 @@ void run_released(F fn) {
 
 // (family, policy, k, size, seed, draw_seed) of bloom.BloomParams.
 py::tuple params_tuple(const bl::Params& p) {
-    return py::make_tuple(p.family == bl::Family::BLOCKED ? "blocked" : "splitmix", bl::POLICIES[p.policy], p.k,
-                          p.size, p.seed, p.draw_seed);
+    return py::make_tuple(p.family == bl::Family::BLOCKED ? "blocked" : "splitmix", bl::POLICIES[p.policy], p.k, p.size,
+                          p.seed, p.draw_seed);
 }
 
 }  // namespace
@@ -79,125 +81,151 @@ PYBIND11_MODULE(_bloom, mod) {
     deepreduce::py_args::register_errors();
     mod.doc() = "C++ Bloom filter kernels of deepreduce (hash families documented in docs/bloom.md)";
 
-    mod.def("positions", [](py::object x, py::object size, py::object k, py::object seed, const std::string& family) {
-        const bl::Family fam = family_arg(family);
-        const uint64_t sz = size_arg(size, fam);
-        const int kk = k_arg(k);
-        const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
-        U64Array idx = index_array(x, "x");
-        if (sz == 0) throw py::value_error(fam == bl::Family::BLOCKED ? "blocks must be positive" : "m must be positive");
-        U64Array out({idx.size(), static_cast<py::ssize_t>(kk)});
-        uint64_t* o = out.mutable_data();
-        run_released([&] {
-            if (fam == bl::Family::BLOCKED)
-                bl::blocked::positions(idx.data(), idx.size(), sz, kk, s, o);
-            else
-                bl::splitmix::positions(idx.data(), idx.size(), sz, kk, s, o);
-        });
-        return out;
-    }, py::arg("x"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("family") = "blocked",
-       "bit positions of every x (an (n, k) uint64 array); size = blocks (blocked) or m (splitmix)");
+    mod.def(
+        "positions",
+        [](py::object x, py::object size, py::object k, py::object seed, const std::string& family) {
+            const bl::Family fam = family_arg(family);
+            const uint64_t sz = size_arg(size, fam);
+            const int kk = k_arg(k);
+            const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
+            U64Array idx = index_array(x, "x");
+            if (sz == 0)
+                throw py::value_error(fam == bl::Family::BLOCKED ? "blocks must be positive" : "m must be positive");
+            U64Array out({idx.size(), static_cast<py::ssize_t>(kk)});
+            uint64_t* o = out.mutable_data();
+            run_released([&] {
+                if (fam == bl::Family::BLOCKED)
+                    bl::blocked::positions(idx.data(), idx.size(), sz, kk, s, o);
+                else
+                    bl::splitmix::positions(idx.data(), idx.size(), sz, kk, s, o);
+            });
+            return out;
+        },
+        py::arg("x"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("family") = "blocked",
+        "bit positions of every x (an (n, k) uint64 array); size = blocks (blocked) or m (splitmix)");
 
-    mod.def("build", [](py::object indices, py::object blocks, py::object k, py::object seed, py::object threads) {
-        const uint64_t nb = int_arg(blocks, "blocks", 0, bl::blocked::MAX_BLOCKS);
-        const int kk = k_arg(k);
-        const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
-        const int t = threads_arg(threads);
-        U64Array idx = index_array(indices, "indices");
-        if (nb == 0 && idx.size() > 0) throw py::value_error("blocks must be positive to insert indices");
-        std::string bits(nb * bl::blocked::BLOCK_BYTES, '\0');
-        uint8_t* b = reinterpret_cast<uint8_t*>(&bits[0]);
-        run_released([&] { bl::blocked::build(idx.data(), idx.size(), nb, kk, s, b, t); });
-        return py::bytes(bits);
-    }, py::arg("indices"), py::arg("blocks"), py::arg("k"), py::arg("seed"), py::arg("threads") = 1,
-       "the blocked filter bytes (64 per block) holding the given indices");
+    mod.def(
+        "build",
+        [](py::object indices, py::object blocks, py::object k, py::object seed, py::object threads) {
+            const uint64_t nb = int_arg(blocks, "blocks", 0, bl::blocked::MAX_BLOCKS);
+            const int kk = k_arg(k);
+            const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
+            const int t = threads_arg(threads);
+            U64Array idx = index_array(indices, "indices");
+            if (nb == 0 && idx.size() > 0) throw py::value_error("blocks must be positive to insert indices");
+            std::string bits(nb * bl::blocked::BLOCK_BYTES, '\0');
+            uint8_t* b = reinterpret_cast<uint8_t*>(&bits[0]);
+            run_released([&] { bl::blocked::build(idx.data(), idx.size(), nb, kk, s, b, t); });
+            return py::bytes(bits);
+        },
+        py::arg("indices"), py::arg("blocks"), py::arg("k"), py::arg("seed"), py::arg("threads") = 1,
+        "the blocked filter bytes (64 per block) holding the given indices");
 
-    mod.def("query", [](py::bytes data, py::object size, py::object k, py::object seed, py::object d,
-                        py::object limit, py::object threads, const std::string& family, bool simd) {
-        const bl::Family fam = family_arg(family);
-        const uint64_t sz = size_arg(size, fam);
-        const int kk = k_arg(k);
-        const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
-        const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
-        const uint64_t lim = int_arg(limit, "limit", 0, U64_MAX);
-        const int t = threads_arg(threads);
-        const std::string bits = filter_arg(data, fam, sz);
-        std::vector<uint64_t> out;
-        const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
-        run_released([&] {
-            if (fam == bl::Family::BLOCKED)
-                bl::blocked::query(b, sz, kk, s, dd, lim, t, out, simd);
-            else
-                bl::splitmix::query(b, sz, kk, s, dd, lim, t, out);
-        });
-        return to_array(out);
-    }, py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("d"), py::arg("limit"),
-       py::arg("threads") = 1, py::arg("family") = "blocked", py::arg("simd") = true,
-       "the first min(|P|, limit + 1) positives P in [0, d), ascending; simd=False forces the portable "
-       "loop of the blocked family (the same result as its AVX2 code)");
+    mod.def(
+        "query",
+        [](py::bytes data, py::object size, py::object k, py::object seed, py::object d, py::object limit,
+           py::object threads, const std::string& family, bool simd) {
+            const bl::Family fam = family_arg(family);
+            const uint64_t sz = size_arg(size, fam);
+            const int kk = k_arg(k);
+            const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
+            const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
+            const uint64_t lim = int_arg(limit, "limit", 0, U64_MAX);
+            const int t = threads_arg(threads);
+            const std::string bits = filter_arg(data, fam, sz);
+            std::vector<uint64_t> out;
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
+            run_released([&] {
+                if (fam == bl::Family::BLOCKED)
+                    bl::blocked::query(b, sz, kk, s, dd, lim, t, out, simd);
+                else
+                    bl::splitmix::query(b, sz, kk, s, dd, lim, t, out);
+            });
+            return to_array(out);
+        },
+        py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("d"), py::arg("limit"),
+        py::arg("threads") = 1, py::arg("family") = "blocked", py::arg("simd") = true,
+        "the first min(|P|, limit + 1) positives P in [0, d), ascending; simd=False forces the portable "
+        "loop of the blocked family (the same result as its AVX2 code)");
 
-    mod.def("select_random", [](py::object positives, py::object r, py::object draw_seed) {
-        U64Array P = index_array(positives, "positives");
-        const uint64_t rr = int_arg(r, "r", 0, static_cast<uint64_t>(P.size()));
-        const uint64_t draw = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
-        U64Array out(static_cast<py::ssize_t>(rr));
-        uint64_t* o = out.mutable_data();
-        run_released([&] { bl::select_random(P.data(), P.size(), rr, draw, o); });
-        return out;
-    }, py::arg("positives"), py::arg("r"), py::arg("draw_seed"), "policy P1");
+    mod.def(
+        "select_random",
+        [](py::object positives, py::object r, py::object draw_seed) {
+            U64Array P = index_array(positives, "positives");
+            const uint64_t rr = int_arg(r, "r", 0, static_cast<uint64_t>(P.size()));
+            const uint64_t draw = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
+            U64Array out(static_cast<py::ssize_t>(rr));
+            uint64_t* o = out.mutable_data();
+            run_released([&] { bl::select_random(P.data(), P.size(), rr, draw, o); });
+            return out;
+        },
+        py::arg("positives"), py::arg("r"), py::arg("draw_seed"), "policy P1");
 
-    mod.def("select_conflict", [](py::object positives, py::object r, py::object size, py::object k,
-                                  py::object seed, py::object draw_seed, const std::string& family) {
-        const bl::Family fam = family_arg(family);
-        U64Array P = index_array(positives, "positives");
-        const uint64_t rr = int_arg(r, "r", 0, static_cast<uint64_t>(P.size()));
-        const uint64_t sz = size_arg(size, fam);
-        const int kk = k_arg(k);
-        const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
-        const uint64_t draw = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
-        U64Array out(static_cast<py::ssize_t>(rr));
-        uint64_t* o = out.mutable_data();
-        run_released([&] { bl::select_conflict(fam, P.data(), P.size(), rr, sz, kk, s, draw, o); });
-        return out;
-    }, py::arg("positives"), py::arg("r"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("draw_seed"),
-       py::arg("family") = "blocked", "policy P2 (conflict sets, Algorithm 1)");
+    mod.def(
+        "select_conflict",
+        [](py::object positives, py::object r, py::object size, py::object k, py::object seed, py::object draw_seed,
+           const std::string& family) {
+            const bl::Family fam = family_arg(family);
+            U64Array P = index_array(positives, "positives");
+            const uint64_t rr = int_arg(r, "r", 0, static_cast<uint64_t>(P.size()));
+            const uint64_t sz = size_arg(size, fam);
+            const int kk = k_arg(k);
+            const uint64_t s = int_arg(seed, "seed", 0, U64_MAX);
+            const uint64_t draw = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
+            U64Array out(static_cast<py::ssize_t>(rr));
+            uint64_t* o = out.mutable_data();
+            run_released([&] { bl::select_conflict(fam, P.data(), P.size(), rr, sz, kk, s, draw, o); });
+            return out;
+        },
+        py::arg("positives"), py::arg("r"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("draw_seed"),
+        py::arg("family") = "blocked", "policy P2 (conflict sets, Algorithm 1)");
 
-    mod.def("pack_params", [](const std::string& policy, py::object k, py::object blocks, py::object seed,
-                              py::object draw_seed) {
-        bl::Params p;
-        p.policy = bl::policy_code(policy);
-        p.k = k_arg(k);
-        p.size = int_arg(blocks, "blocks", 0, bl::blocked::MAX_BLOCKS);
-        p.seed = int_arg(seed, "seed", 0, U64_MAX);
-        p.draw_seed = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
-        return py::bytes(bl::pack_params(p));
-    }, py::arg("policy"), py::arg("k"), py::arg("blocks"), py::arg("seed"), py::arg("draw_seed"),
-       "the params of a blocked filter (bloom.pack_params)");
+    mod.def(
+        "pack_params",
+        [](const std::string& policy, py::object k, py::object blocks, py::object seed, py::object draw_seed) {
+            bl::Params p;
+            p.policy = bl::policy_code(policy);
+            p.k = k_arg(k);
+            p.size = int_arg(blocks, "blocks", 0, bl::blocked::MAX_BLOCKS);
+            p.seed = int_arg(seed, "seed", 0, U64_MAX);
+            p.draw_seed = int_arg(draw_seed, "draw_seed", 0, U64_MAX);
+            return py::bytes(bl::pack_params(p));
+        },
+        py::arg("policy"), py::arg("k"), py::arg("blocks"), py::arg("seed"), py::arg("draw_seed"),
+        "the params of a blocked filter (bloom.pack_params)");
 
-    mod.def("unpack_params", [](const py::bytes& params) {
-        const std::string b = params;
-        return params_tuple(bl::unpack_params(reinterpret_cast<const uint8_t*>(b.data()), b.size()));
-    }, py::arg("params"), "(family, policy, k, size, seed, draw_seed) of either family; ValueError with the "
-       "ContainerError text for bad params");
+    mod.def(
+        "unpack_params",
+        [](const py::bytes& params) {
+            const std::string b = params;
+            return params_tuple(bl::unpack_params(reinterpret_cast<const uint8_t*>(b.data()), b.size()));
+        },
+        py::arg("params"),
+        "(family, policy, k, size, seed, draw_seed) of either family; ValueError with the "
+        "ContainerError text for bad params");
 
-    mod.def("blocks_for", [](py::object r, double keys_per_block) {
-        return bl::blocks_for(int_arg(r, "r", 0, U64_MAX), keys_per_block);
-    }, py::arg("r"), py::arg("keys_per_block"), "the block count of a filter for r indices (bloom.filter_params)");
+    mod.def(
+        "blocks_for",
+        [](py::object r, double keys_per_block) { return bl::blocks_for(int_arg(r, "r", 0, U64_MAX), keys_per_block); },
+        py::arg("r"), py::arg("keys_per_block"), "the block count of a filter for r indices (bloom.filter_params)");
 
-    mod.def("positive_limit", [](py::bytes data, py::object size, py::object k, py::object r, py::object d,
-                                 const std::string& family, bool conflict) {
-        const bl::Family fam = family_arg(family);
-        const uint64_t sz = size_arg(size, fam);
-        const int kk = k_arg(k);
-        const uint64_t rr = int_arg(r, "r", 0, U64_MAX);
-        const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
-        const std::string bits = filter_arg(data, fam, sz);
-        uint64_t limit = 0;
-        const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
-        run_released([&] { limit = bl::positive_limit(fam, b, sz, kk, rr, dd, conflict); });
-        return limit;
-    }, py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("r"), py::arg("d"), py::arg("family") = "blocked",
-       py::arg("conflict") = false,
-       "the most positives among [0, d) accepted from a filter claiming r keys (bloom.h positive_limit); "
-       "conflict=True adds P2's checks (ValueError)");
+    mod.def(
+        "positive_limit",
+        [](py::bytes data, py::object size, py::object k, py::object r, py::object d, const std::string& family,
+           bool conflict) {
+            const bl::Family fam = family_arg(family);
+            const uint64_t sz = size_arg(size, fam);
+            const int kk = k_arg(k);
+            const uint64_t rr = int_arg(r, "r", 0, U64_MAX);
+            const uint64_t dd = int_arg(d, "d", 0, U64_MAX);
+            const std::string bits = filter_arg(data, fam, sz);
+            uint64_t limit = 0;
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
+            run_released([&] { limit = bl::positive_limit(fam, b, sz, kk, rr, dd, conflict); });
+            return limit;
+        },
+        py::arg("bits"), py::arg("size"), py::arg("k"), py::arg("r"), py::arg("d"), py::arg("family") = "blocked",
+        py::arg("conflict") = false,
+        "the most positives among [0, d) accepted from a filter claiming r keys (bloom.h positive_limit); "
+        "conflict=True adds P2's checks (ValueError)");
 }

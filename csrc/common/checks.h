@@ -21,8 +21,8 @@ inline void check_range(const char* name, uint64_t value, uint64_t lo, uint64_t 
 
 inline void check_threads(int threads) {
     if (threads < 1 || threads > MAX_THREADS)
-        fail(ErrorKind::ARGUMENT, "threads = " + std::to_string(threads) + " is outside [1, " +
-                                      std::to_string(MAX_THREADS) + "]");
+        fail(ErrorKind::ARGUMENT,
+             "threads = " + std::to_string(threads) + " is outside [1, " + std::to_string(MAX_THREADS) + "]");
 }
 
 }  // namespace deepreduce

@@ -17,30 +17,36 @@
 namespace deepreduce {
 
 enum class ErrorKind {
-    ARGUMENT,        // a caller passed an argument out of its documented range (ValueError)
-    CONTAINER,       // a received buffer is not a valid container (ContainerError)
-    COMMUNICATION,   // ranks disagree: shapes, counts, residual sizes (CommunicationError)
-    ENCODE,          // a tensor cannot be encoded as configured (DeepReduceError)
+    ARGUMENT,       // a caller passed an argument out of its documented range (ValueError)
+    CONTAINER,      // a received buffer is not a valid container (ContainerError)
+    COMMUNICATION,  // ranks disagree: shapes, counts, residual sizes (CommunicationError)
+    ENCODE,         // a tensor cannot be encoded as configured (DeepReduceError)
 };
 
 class Error : public std::invalid_argument {
- public:
+  public:
     Error(ErrorKind kind, const std::string& message) : std::invalid_argument(message), kind_(kind) {}
     ErrorKind kind() const noexcept { return kind_; }
     // The deepreduce (or Python) class name of the kind.
     const char* kind_name() const noexcept {
         switch (kind_) {
-            case ErrorKind::CONTAINER: return "ContainerError";
-            case ErrorKind::COMMUNICATION: return "CommunicationError";
-            case ErrorKind::ENCODE: return "DeepReduceError";
-            default: return "ValueError";
+            case ErrorKind::CONTAINER:
+                return "ContainerError";
+            case ErrorKind::COMMUNICATION:
+                return "CommunicationError";
+            case ErrorKind::ENCODE:
+                return "DeepReduceError";
+            default:
+                return "ValueError";
         }
     }
 
- private:
+  private:
     ErrorKind kind_;
 };
 
-[[noreturn]] inline void fail(ErrorKind kind, const std::string& message) { throw Error(kind, message); }
+[[noreturn]] inline void fail(ErrorKind kind, const std::string& message) {
+    throw Error(kind, message);
+}
 
 }  // namespace deepreduce

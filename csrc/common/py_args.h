@@ -53,7 +53,7 @@ inline uint64_t int_arg(const py::handle& obj, const char* name, uint64_t lo, ui
     if (!value) throw py::error_already_set();
     const bool below = PyObject_RichCompareBool(value.ptr(), py::int_(lo).ptr(), Py_LT) == 1;
     const bool above = PyObject_RichCompareBool(value.ptr(), py::int_(hi).ptr(), Py_GT) == 1;
-    if (below || above)   // the text of check_range, for values beyond 64 bits too
+    if (below || above)  // the text of check_range, for values beyond 64 bits too
         throw py::value_error(std::string(name) + " = " + std::string(py::str(value)) + " is outside [" +
                               std::to_string(lo) + ", " + std::to_string(hi) + "]");
     return PyLong_AsUnsignedLongLong(value.ptr());
@@ -80,7 +80,7 @@ inline U64Array index_array(const py::handle& obj, const char* name) {
             if (p[a] < 0)
                 throw py::value_error(std::string(name) + " must be non-negative, got " + std::to_string(p[a]));
     }
-    return py::array_t<uint64_t, py::array::c_style | py::array::forcecast>(arr);
+    return py::array_t < uint64_t, py::array::c_style | py::array::forcecast > (arr);
 }
 
 // An array of signed positions, as contiguous int64 (integer dtypes only; the kernel checks ranges).
@@ -89,7 +89,7 @@ inline I64Array position_array(const py::array& arr, const char* name) {
     if (kind != 'i' && kind != 'u')
         throw py::type_error(std::string(name) + " must be an integer array, got dtype " +
                              std::string(py::str(arr.dtype())));
-    return py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    return py::array_t < int64_t, py::array::c_style | py::array::forcecast > ::ensure(arr);
 }
 
 // An in-place float32 argument, checked rather than converted.

@@ -55,13 +55,13 @@ std::string u128_string(unsigned __int128 v) {
 
 // The exact product of the dimensions in decimal (for messages about shapes beyond 2^64 elements).
 std::string product_string(const std::vector<uint64_t>& shape) {
-    std::vector<uint32_t> digits{1};   // base 1e9, least significant first
+    std::vector<uint32_t> digits{1};  // base 1e9, least significant first
     for (uint64_t s : shape) {
         const uint64_t parts[3] = {s % 1000000000ULL, (s / 1000000000ULL) % 1000000000ULL, s / 1000000000000000000ULL};
         std::vector<uint64_t> acc(digits.size() + 3, 0);
         for (size_t i = 0; i < digits.size(); ++i) {
             for (int j = 0; j < 3; ++j) {
-                const uint64_t product = static_cast<uint64_t>(digits[i]) * parts[j];   // < 1e18
+                const uint64_t product = static_cast<uint64_t>(digits[i]) * parts[j];  // < 1e18
                 acc[i + j] += product % 1000000000ULL;
                 acc[i + j + 1] += product / 1000000000ULL;
             }
@@ -129,8 +129,8 @@ uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc) {
     while (n >= 8) {
         const uint32_t lo = c ^ static_cast<uint32_t>(le(data, 4));
         const uint32_t hi = static_cast<uint32_t>(le(data + 4, 4));
-        c = T[7][lo & 0xFF] ^ T[6][(lo >> 8) & 0xFF] ^ T[5][(lo >> 16) & 0xFF] ^ T[4][lo >> 24] ^
-            T[3][hi & 0xFF] ^ T[2][(hi >> 8) & 0xFF] ^ T[1][(hi >> 16) & 0xFF] ^ T[0][hi >> 24];
+        c = T[7][lo & 0xFF] ^ T[6][(lo >> 8) & 0xFF] ^ T[5][(lo >> 16) & 0xFF] ^ T[4][lo >> 24] ^ T[3][hi & 0xFF] ^
+            T[2][(hi >> 8) & 0xFF] ^ T[1][(hi >> 16) & 0xFF] ^ T[0][hi >> 24];
         data += 8;
         n -= 8;
     }
@@ -168,7 +168,7 @@ uint64_t varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::stri
                  "truncated container: field " + field + " runs past the end at byte " + std::to_string(pos));
         byte = buf[pos++];
         const uint64_t group = byte & 0x7F;
-        if (shift == 63 && group > 1) overflow = true;   // reported once the varint ends, as varint.py does
+        if (shift == 63 && group > 1) overflow = true;  // reported once the varint ends, as varint.py does
         value |= group << shift;
         if (!(byte & 0x80)) break;
         shift += 7;
@@ -177,7 +177,8 @@ uint64_t varint_get(const uint8_t* buf, size_t len, size_t& pos, const std::stri
                                            " is longer than " + std::to_string(VARINT_MAX_BYTES) + " bytes");
     }
     if (overflow)
-        fail(ErrorKind::CONTAINER, "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1");
+        fail(ErrorKind::CONTAINER,
+             "container field " + field + " at byte " + std::to_string(start) + " exceeds 2**64 - 1");
     if (byte == 0 && pos - start > 1)
         fail(ErrorKind::CONTAINER,
              "container field " + field + " at byte " + std::to_string(start) + " is not in its shortest form");
@@ -211,7 +212,9 @@ size_t write_header(const Header& h, uint8_t* out) {
     return static_cast<size_t>(p - out);
 }
 
-void finish(uint8_t* c, size_t total) { put_le(c + total - CRC_SIZE, crc32(c, total - CRC_SIZE), 4); }
+void finish(uint8_t* c, size_t total) {
+    put_le(c + total - CRC_SIZE, crc32(c, total - CRC_SIZE), 4);
+}
 
 void pack(Header h, const uint8_t* const data[5], const uint64_t len[5], std::vector<uint8_t>& out) {
     for (int s = 0; s < 5; ++s) h.lengths[s] = len[s];
@@ -276,7 +279,8 @@ void read_header(const uint8_t* buf, size_t len, size_t offset, Header& h) {
         for (int s = 0; s < 2; ++s)
             if (h.lengths[s] > MAX_PARAMS)
                 fail(ErrorKind::CONTAINER, std::string("container ") + LENGTH_FIELDS[s] + " is " +
-                                               std::to_string(h.lengths[s]) + "; at most " + std::to_string(MAX_PARAMS));
+                                               std::to_string(h.lengths[s]) + "; at most " +
+                                               std::to_string(MAX_PARAMS));
     }
     h.size = pos - offset;
 }
@@ -295,8 +299,8 @@ uint64_t unpack(const uint8_t* buf, size_t len, Header& h, const std::vector<uin
                                        hex[h.flags & 15] + " or non-zero reserved bits");
     }
     // container.check_size
-    const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 64;   // beyond it: saturate
-    unsigned __int128 count = 1, extent = 1;   // extent: the product of the non-zero dimensions
+    const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 64;  // beyond it: saturate
+    unsigned __int128 count = 1, extent = 1;  // extent: the product of the non-zero dimensions
     std::vector<uint64_t> nonzero;
     for (uint64_t s : h.shape) {
         count = count == 0 || s == 0 ? 0 : (count * s > cap ? cap : count * s);

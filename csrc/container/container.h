@@ -60,13 +60,13 @@ struct Header {
     uint8_t index_id = 0;
     uint8_t value_id = 0;
     uint8_t perm_width = 0;
-    bool has_digest = true;           // false for v1 (no digest field)
+    bool has_digest = true;  // false for v1 (no digest field)
     uint8_t digest[DIGEST_SIZE] = {};
-    uint16_t reserved = 0;            // v1 only
+    uint16_t reserved = 0;  // v1 only
     uint64_t n = 0;
-    uint64_t lengths[5] = {};         // Pi, Pv, Li, Lv, Lp
+    uint64_t lengths[5] = {};  // Pi, Pv, Li, Lv, Lp
     std::vector<uint64_t> shape;
-    size_t size = 0;                  // header bytes before the index params (set by parse / write)
+    size_t size = 0;  // header bytes before the index params (set by parse / write)
 
     bool dense() const { return flags & FLAG_DENSE; }
     bool permuted() const { return flags & FLAG_PERMUTED; }

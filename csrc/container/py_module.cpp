@@ -93,7 +93,7 @@ py::bytes bit_pack(const py::array_t<uint64_t, py::array::c_style>& values, int 
 py::array_t<uint64_t> bit_unpack(const py::buffer& data, int width, uint64_t count) {
     py::buffer_info info;
     const Bytes b = bytes_arg(data, info, "data");
-    deepreduce::bitpack::check(b.size, width, count);   // before sizing the output from count
+    deepreduce::bitpack::check(b.size, width, count);  // before sizing the output from count
     py::array_t<uint64_t> out(static_cast<py::ssize_t>(count));
     uint64_t* o = out.mutable_data();
     py::gil_scoped_release release;

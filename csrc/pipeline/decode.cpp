@@ -20,11 +20,13 @@ namespace {
 
 namespace ct = container;
 
-[[noreturn]] void container_error(const std::string& message) { fail(ErrorKind::CONTAINER, message); }
+[[noreturn]] void container_error(const std::string& message) {
+    fail(ErrorKind::CONTAINER, message);
+}
 
 // The positions of a sparse container (the core's index codecs raw and bloom).
-std::vector<int64_t> decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t* section,
-                                    uint64_t numel, int threads) {
+std::vector<int64_t> decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t* section, uint64_t numel,
+                                    int threads) {
     const uint64_t n = h.n;
     if (h.index_id == 0) {
         const uint64_t width = numel <= (uint64_t(1) << 32) ? 4 : 8;
@@ -52,7 +54,7 @@ std::vector<int64_t> decode_indices(const ct::Header& h, const uint8_t* params, 
 std::vector<float> decode_values(const ct::Header& h, const uint8_t* params, const uint8_t* section) {
     const uint64_t n = h.n, len = h.lengths[ct::VALUE];
     std::vector<float> out;
-    if (h.value_id == 2) {   // PolyFit.decode
+    if (h.value_id == 2) {  // PolyFit.decode
         const fit::Params p = fit::unpack_params(params, h.lengths[ct::VALUE_PARAMS]);
         fit::check_payload(section, static_cast<int64_t>(len), static_cast<int64_t>(n), p.degree, p.coef_bytes);
         out.resize(n);
@@ -116,16 +118,15 @@ void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int 
         return;
     }
     const std::vector<int64_t> indices = decode_indices(h, params, sections, numel, threads);
-    std::vector<float> values =
-        decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX]);
+    std::vector<float> values = decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX]);
     check_finite(h, values.data(), values.size(), "values");
     if (h.permuted()) unpermute(h, sections + h.lengths[ct::INDEX] + h.lengths[ct::VALUE], values);
     const int64_t n = static_cast<int64_t>(h.n);
-    if (h.index_id == 1) {   // Bloom: strictly ascending, checked by the kernel
+    if (h.index_id == 1) {  // Bloom: strictly ascending, checked by the kernel
         select::scatter_add_checked(target, static_cast<int64_t>(numel), indices.data(), values.data(), n, threads);
         return;
     }
-    if (n) {   // kernels.check_indices(ascending=False)
+    if (n) {  // kernels.check_indices(ascending=False)
         std::vector<int64_t> sorted(indices);
         std::sort(sorted.begin(), sorted.end());
         for (int64_t j = 1; j < n; ++j)
@@ -158,7 +159,7 @@ size_t decode_sum(const DecodeConfig& c, const uint8_t* buf, size_t len, const T
             ct::Header h;
             const uint64_t numel = ct::unpack(buf + parts[rank].first, parts[rank].second, h,
                                               have_shape ? &expected : nullptr, c.max_numel);
-            if (!target) {   // the first container gives the shape every other one must have
+            if (!target) {  // the first container gives the shape every other one must have
                 target = tensor(h.shape, numel);
                 std::fill(target, target + numel, 0.0f);
                 expected = h.shape;

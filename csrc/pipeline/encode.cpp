@@ -25,7 +25,9 @@ namespace ct = container;
 constexpr size_t DIGEST_BYTES = 16;
 
 // The tensor as the core's messages name it (Python's repr of a plain name).
-std::string who(const std::string& name) { return "tensor '" + name + "'"; }
+std::string who(const std::string& name) {
+    return "tensor '" + name + "'";
+}
 
 // sparsify._base.count_for: floor(ratio * numel), at least 1, at most numel.
 int64_t count_for(double ratio, int64_t numel) {
@@ -59,7 +61,7 @@ struct Values {
     std::vector<float> received;
     std::vector<uint8_t> section;
     std::string params;
-    std::vector<int64_t> order;   // polyfit: section value j belongs to sent[order[j]]
+    std::vector<int64_t> order;  // polyfit: section value j belongs to sent[order[j]]
     uint8_t id = 0;
 };
 
@@ -69,7 +71,7 @@ Values encode_values(const EncodeConfig& c, const std::string& name, const std::
     v.received = sent;
     if (c.value == ValueCodec::RAW) {
         v.section.resize(4 * sent.size());
-        if (m) std::memcpy(v.section.data(), sent.data(), 4 * sent.size());   // little-endian float32
+        if (m) std::memcpy(v.section.data(), sent.data(), 4 * sent.size());  // little-endian float32
         return v;
     }
     if (c.value == ValueCodec::FP16) {
@@ -90,7 +92,7 @@ Values encode_values(const EncodeConfig& c, const std::string& name, const std::
         }
         return v;
     }
-    v.id = 2;   // polyfit
+    v.id = 2;  // polyfit
     const fit::Params params{c.degree, c.coef_bytes};
     v.params = fit::pack_params(params);
     v.order.resize(m);
@@ -103,7 +105,7 @@ Values encode_values(const EncodeConfig& c, const std::string& name, const std::
     } catch (const Error& e) {
         fail(ErrorKind::ENCODE, "polyfit encode of " + who(name) + " failed: " + e.what());
     }
-    std::vector<float> curve(m);   // the receiver's values: the fitted curves
+    std::vector<float> curve(m);  // the receiver's values: the fitted curves
     try {
         fit::decode(v.section.data(), static_cast<int64_t>(v.section.size()), m, c.degree, c.coef_bytes, curve.data());
     } catch (const Error& e) {
@@ -164,7 +166,7 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
     const select::Scan scan = select::scan(g, res, n, select_r ? r : 0, c.threads, positions.data());
     const bool finite = scan != select::Scan::NON_FINITE;
     const float* comp = res && finite ? res : g;
-    if (!res && c.error_feedback && finite && n > 0) {   // the first residual is the gradient
+    if (!res && c.error_feedback && finite && n > 0) {  // the first residual is the gradient
         res = new_residual(n);
         std::memcpy(res, g, sizeof(float) * n);
         comp = res;
@@ -173,13 +175,13 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
     ct::Header h;
     std::memcpy(h.digest, c.digest.data(), ct::DIGEST_SIZE);
     h.shape = shape;
-    if (!finite || !sparse) {   // dense: the gradient as it is (non-finite) or the compensated one
+    if (!finite || !sparse) {  // dense: the gradient as it is (non-finite) or the compensated one
         h.flags = finite ? ct::FLAG_DENSE : ct::FLAG_DENSE | ct::FLAG_NONFINITE;
         h.n = static_cast<uint64_t>(n);
         h.lengths[ct::VALUE] = 4 * static_cast<uint64_t>(n);
         uint8_t* out = start_container(h, "", "", payload);
-        if (n) std::memcpy(out + h.size, finite ? comp : g, 4 * n);   // little-endian float32
-        if (finite && res) std::fill(res, res + n, 0.0f);              // sent exactly
+        if (n) std::memcpy(out + h.size, finite ? comp : g, 4 * n);  // little-endian float32
+        if (finite && res) std::fill(res, res + n, 0.0f);            // sent exactly
         ct::finish(out, static_cast<size_t>(h.total()));
         return h;
     }
@@ -194,7 +196,7 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
         select::topk(comp, n, r, c.threads, positions.data());
     }
     const size_t count = positions.size();
-    const uint64_t* ascending = reinterpret_cast<const uint64_t*>(positions.data());   // non-negative
+    const uint64_t* ascending = reinterpret_cast<const uint64_t*>(positions.data());  // non-negative
 
     // the index codec: which positions carry values, and the values
     std::string index_params;
@@ -214,7 +216,7 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
         bloom_chosen.swap(e.chosen);
         chosen = reinterpret_cast<const int64_t*>(bloom_chosen.data());
         sent.resize(bloom_chosen.size());
-        const int64_t* source = c.policy == bloom::NAIVE ? positions.data() : chosen;   // naive: the support's values
+        const int64_t* source = c.policy == bloom::NAIVE ? positions.data() : chosen;  // naive: the support's values
         for (size_t j = 0; j < sent.size(); ++j) sent[j] = comp[source[j]];
         h.index_id = 1;
         h.lengths[ct::INDEX] = filter.size();
@@ -241,19 +243,20 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
     uint8_t* section = out + h.size + index_params.size() + v.params.size();
     if (c.index == IndexCodec::BLOOM) {
         std::copy(filter.begin(), filter.end(), section);
-    } else {   // raw indices, in the order of the values
+    } else {  // raw indices, in the order of the values
         const bool narrow = h.lengths[ct::INDEX] == 4 * static_cast<uint64_t>(m);
         const bool reordered = !v.order.empty();
         for (int64_t j = 0; j < m; ++j) {
             const uint64_t x = static_cast<uint64_t>(chosen[reordered ? v.order[j] : j]);
-            std::memcpy(section + (narrow ? 4 : 8) * j, &x, narrow ? 4 : 8);   // little-endian
+            std::memcpy(section + (narrow ? 4 : 8) * j, &x, narrow ? 4 : 8);  // little-endian
         }
     }
     section += h.lengths[ct::INDEX];
     std::copy(v.section.begin(), v.section.end(), section);
     section += h.lengths[ct::VALUE];
-    if (permuted)   // the order's entries are non-negative positions
-        bitpack::pack(reinterpret_cast<const uint64_t*>(v.order.data()), static_cast<uint64_t>(m), h.perm_width, section);
+    if (permuted)  // the order's entries are non-negative positions
+        bitpack::pack(reinterpret_cast<const uint64_t*>(v.order.data()), static_cast<uint64_t>(m), h.perm_width,
+                      section);
     ct::finish(out, static_cast<size_t>(h.total()));
 
     // Memory.settle: residual[chosen] -= what the receiver reconstructs

@@ -33,19 +33,19 @@ ValueCodec value_named(const std::string& id);
 // One pipeline's encode settings: what deepreduce/backend/native_pipeline.py reads off a core
 // Pipeline's components.
 struct EncodeConfig {
-    std::string digest;                 // Pipeline.config_digest (16 bytes; the header carries 8)
-    int64_t min_numel = 0;              // smaller tensors travel dense
+    std::string digest;     // Pipeline.config_digest (16 bytes; the header carries 8)
+    int64_t min_numel = 0;  // smaller tensors travel dense
     Sparsifier sparsifier = Sparsifier::TOPK;
-    double ratio = 0;                   // Top-r: r = count_for(ratio, numel)
-    float threshold = 0;                // threshold: |x| >= threshold, compared in float32
-    bool error_feedback = false;        // residual memory (ResidualMemory)
+    double ratio = 0;             // Top-r: r = count_for(ratio, numel)
+    float threshold = 0;          // threshold: |x| >= threshold, compared in float32
+    bool error_feedback = false;  // residual memory (ResidualMemory)
     IndexCodec index = IndexCodec::RAW;
-    int policy = 1;                     // Bloom: bloom::Policy
-    double keys_per_block = 0;          // Bloom: filter_shape's lam
-    int k = 1;                          // Bloom: probes per index
-    uint64_t hash_seed = 0;             // Bloom: hash seed
+    int policy = 1;             // Bloom: bloom::Policy
+    double keys_per_block = 0;  // Bloom: filter_shape's lam
+    int k = 1;                  // Bloom: probes per index
+    uint64_t hash_seed = 0;     // Bloom: hash seed
     ValueCodec value = ValueCodec::RAW;
-    int degree = 5, segments = 0, min_points = 6, coef_bytes = 4;   // polyfit
+    int degree = 5, segments = 0, min_points = 6, coef_bytes = 4;  // polyfit
     int threads = 1;
 
     // ErrorKind::ARGUMENT for settings no core pipeline has.
@@ -66,9 +66,9 @@ container::Header encode(const EncodeConfig& config, const std::string& name, in
                          const ResidualAllocator& new_residual, const PayloadAllocator& payload);
 
 struct DecodeConfig {
-    int64_t count = -1;                 // containers expected (the ranks); -1: any number
-    bool single = false;                // exactly one container (Pipeline.decode), no split
-    bool check_shape = false;           // refuse another shape than `shape`
+    int64_t count = -1;        // containers expected (the ranks); -1: any number
+    bool single = false;       // exactly one container (Pipeline.decode), no split
+    bool check_shape = false;  // refuse another shape than `shape`
     std::vector<uint64_t> shape;
     uint64_t max_numel = ~uint64_t(0);  // without a shape: refuse larger claims
     int threads = 1;

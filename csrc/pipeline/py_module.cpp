@@ -89,7 +89,7 @@ py::array_t<float> decode_sum(const py::buffer& buf, int64_t count, bool single,
     c.max_numel = max_numel;
     c.threads = threads;
     py::array_t<float> out;
-    {   // decode runs without the GIL; the allocator takes it back to create the array
+    {  // decode runs without the GIL; the allocator takes it back to create the array
         py::gil_scoped_release release;
         pl::decode_sum(c, b.data, b.size, [&](const std::vector<uint64_t>& dims, uint64_t) {
             py::gil_scoped_acquire acquire;

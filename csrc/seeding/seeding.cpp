@@ -18,7 +18,9 @@ const uint8_t SIGMA[10][16] = {
     {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11}, {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
     {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5}, {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0}};
 
-inline uint64_t rotr(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+inline uint64_t rotr(uint64_t x, int n) {
+    return (x >> n) | (x << (64 - n));
+}
 
 inline void mix(uint64_t* v, int a, int b, int c, int d, uint64_t x, uint64_t y) {
     v[a] = v[a] + v[b] + x;
@@ -41,7 +43,7 @@ void compress(uint64_t* h, const uint8_t* block, uint64_t counter, bool last) {
         v[i] = h[i];
         v[i + 8] = IV[i];
     }
-    v[12] ^= counter;   // messages here stay far below 2^64 bytes: the high counter word is 0
+    v[12] ^= counter;  // messages here stay far below 2^64 bytes: the high counter word is 0
     if (last) v[14] = ~v[14];
     for (int round = 0; round < 12; ++round) {
         const uint8_t* s = SIGMA[round % 10];
@@ -61,11 +63,11 @@ void compress(uint64_t* h, const uint8_t* block, uint64_t counter, bool last) {
 uint64_t blake2b_64(const std::string& data) {
     uint64_t h[8];
     std::memcpy(h, IV, sizeof(h));
-    h[0] ^= 0x01010000ULL ^ 8;   // digest length 8, no key, fanout 1, depth 1
+    h[0] ^= 0x01010000ULL ^ 8;  // digest length 8, no key, fanout 1, depth 1
     const size_t n = data.size();
     const uint8_t* p = reinterpret_cast<const uint8_t*>(data.data());
     size_t done = 0;
-    while (n - done > 128) {   // every full block but the last
+    while (n - done > 128) {  // every full block but the last
         compress(h, p + done, done + 128, false);
         done += 128;
     }

@@ -23,137 +23,140 @@ using IndexIn = deepreduce::py_args::I64Array;
 
 // (finite, Top-r positions or None): see sel::scan.
 py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
-  deepreduce::check_threads(threads);
-  const int64_t n = g.size();
-  float* r = nullptr;
-  FloatInPlace res;
-  if (!residual.is_none()) {
-    res = in_place_array(residual, "residual");
-    if (res.size() != n) throw py::value_error("scan: residual and gradient differ in size");
-    r = res.mutable_data();
-  }
-  const bool select = topk_r > 0 && topk_r < n;
-  py::array_t<int64_t> out(select ? topk_r : 0);
-  int64_t* o = out.mutable_data();
-  sel::Scan result;
-  {
-    py::gil_scoped_release release;
-    result = sel::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
-  }
-  if (result == sel::Scan::SELECTED) return py::make_tuple(true, out);
-  return py::make_tuple(result == sel::Scan::FINITE, py::none());
+    deepreduce::check_threads(threads);
+    const int64_t n = g.size();
+    float* r = nullptr;
+    FloatInPlace res;
+    if (!residual.is_none()) {
+        res = in_place_array(residual, "residual");
+        if (res.size() != n) throw py::value_error("scan: residual and gradient differ in size");
+        r = res.mutable_data();
+    }
+    const bool select = topk_r > 0 && topk_r < n;
+    py::array_t<int64_t> out(select ? topk_r : 0);
+    int64_t* o = out.mutable_data();
+    sel::Scan result;
+    {
+        py::gil_scoped_release release;
+        result = sel::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
+    }
+    if (result == sel::Scan::SELECTED) return py::make_tuple(true, out);
+    return py::make_tuple(result == sel::Scan::FINITE, py::none());
 }
 
 py::array_t<int64_t> topk(FloatIn x, int64_t r, int threads) {
-  deepreduce::check_threads(threads);
-  const int64_t n = x.size();
-  if (r <= 0 || r >= n) throw py::value_error("topk: r must satisfy 0 < r < n");
-  py::array_t<int64_t> out(r);
-  int64_t* o = out.mutable_data();
-  {
-    py::gil_scoped_release release;
-    sel::topk(x.data(), n, r, threads, o);
-  }
-  return out;
+    deepreduce::check_threads(threads);
+    const int64_t n = x.size();
+    if (r <= 0 || r >= n) throw py::value_error("topk: r must satisfy 0 < r < n");
+    py::array_t<int64_t> out(r);
+    int64_t* o = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        sel::topk(x.data(), n, r, threads, o);
+    }
+    return out;
 }
 
 py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
-  deepreduce::check_threads(threads);
-  std::vector<int64_t> found;
-  {
-    py::gil_scoped_release release;
-    found = sel::threshold(x.data(), x.size(), t, threads);
-  }
-  py::array_t<int64_t> out(static_cast<py::ssize_t>(found.size()));
-  if (!found.empty()) std::copy(found.begin(), found.end(), out.mutable_data());
-  return out;
+    deepreduce::check_threads(threads);
+    std::vector<int64_t> found;
+    {
+        py::gil_scoped_release release;
+        found = sel::threshold(x.data(), x.size(), t, threads);
+    }
+    py::array_t<int64_t> out(static_cast<py::ssize_t>(found.size()));
+    if (!found.empty()) std::copy(found.begin(), found.end(), out.mutable_data());
+    return out;
 }
 
 py::array_t<int64_t> nonzero(FloatIn x, int threads) {
-  deepreduce::check_threads(threads);
-  std::vector<int64_t> counts;
-  {
-    py::gil_scoped_release release;
-    counts = sel::nonzero_counts(x.data(), x.size(), threads);
-  }
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  py::array_t<int64_t> out(total);
-  int64_t* o = out.mutable_data();
-  {
-    py::gil_scoped_release release;
-    sel::nonzero(x.data(), x.size(), counts, o);
-  }
-  return out;
+    deepreduce::check_threads(threads);
+    std::vector<int64_t> counts;
+    {
+        py::gil_scoped_release release;
+        counts = sel::nonzero_counts(x.data(), x.size(), threads);
+    }
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    py::array_t<int64_t> out(total);
+    int64_t* o = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        sel::nonzero(x.data(), x.size(), counts, o);
+    }
+    return out;
 }
 
 void check_scatter(const IndexIn& idx, const FloatIn& val) {
-  if (idx.size() != val.size()) throw py::value_error("scatter_add: indices and values differ in length");
+    if (idx.size() != val.size()) throw py::value_error("scatter_add: indices and values differ in length");
 }
 
 void scatter_add(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
-  deepreduce::check_threads(threads);
-  FloatInPlace out = in_place_array(out_obj, "out");
-  IndexIn idx = position_array(idx_obj, "indices");
-  check_scatter(idx, val);
-  float* o = out.mutable_data();
-  py::gil_scoped_release release;
-  sel::scatter_add_checked(o, out.size(), idx.data(), val.data(), idx.size(), threads);
+    deepreduce::check_threads(threads);
+    FloatInPlace out = in_place_array(out_obj, "out");
+    IndexIn idx = position_array(idx_obj, "indices");
+    check_scatter(idx, val);
+    float* o = out.mutable_data();
+    py::gil_scoped_release release;
+    sel::scatter_add_checked(o, out.size(), idx.data(), val.data(), idx.size(), threads);
 }
 
 void scatter_add_unchecked(py::object out_obj, py::array idx_obj, FloatIn val, int threads) {
-  deepreduce::check_threads(threads);
-  FloatInPlace out = in_place_array(out_obj, "out");
-  IndexIn idx = position_array(idx_obj, "indices");
-  check_scatter(idx, val);
-  float* o = out.mutable_data();
-  py::gil_scoped_release release;
-  sel::scatter_add_in_range(o, out.size(), idx.data(), val.data(), idx.size(), threads);
+    deepreduce::check_threads(threads);
+    FloatInPlace out = in_place_array(out_obj, "out");
+    IndexIn idx = position_array(idx_obj, "indices");
+    check_scatter(idx, val);
+    float* o = out.mutable_data();
+    py::gil_scoped_release release;
+    sel::scatter_add_in_range(o, out.size(), idx.data(), val.data(), idx.size(), threads);
 }
 
 // (norms, levels, receiver's values) of qsgd_encode, or None if a bucket norm is not finite.
 py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t seed, int threads) {
-  deepreduce::check_threads(threads);
-  if (levels < 1 || levels > 32767) throw py::value_error("qsgd_encode: levels must be in [1, 32767]");
-  if (bucket_size < 1) throw py::value_error("qsgd_encode: bucket_size must be >= 1");
-  const int64_t n = values.size();
-  const int64_t width = std::min<int64_t>(bucket_size, std::max<int64_t>(n, 1));
-  py::array_t<float> norms((n + width - 1) / width);
-  py::array q = levels <= 127 ? py::array(py::array_t<int8_t>(n)) : py::array(py::array_t<int16_t>(n));
-  py::array_t<float> recon(n);
-  float* nu = norms.mutable_data();
-  int8_t* q8 = levels <= 127 ? static_cast<int8_t*>(q.mutable_data()) : nullptr;
-  int16_t* q16 = levels <= 127 ? nullptr : static_cast<int16_t*>(q.mutable_data());
-  float* r = recon.mutable_data();
-  bool finite;
-  {
-    py::gil_scoped_release release;
-    finite = sel::qsgd_encode(values.data(), n, levels, bucket_size, seed, threads, nu, q8, q16, r);
-  }
-  if (!finite) return py::none();
-  return py::make_tuple(norms, q, recon);
+    deepreduce::check_threads(threads);
+    if (levels < 1 || levels > 32767) throw py::value_error("qsgd_encode: levels must be in [1, 32767]");
+    if (bucket_size < 1) throw py::value_error("qsgd_encode: bucket_size must be >= 1");
+    const int64_t n = values.size();
+    const int64_t width = std::min<int64_t>(bucket_size, std::max<int64_t>(n, 1));
+    py::array_t<float> norms((n + width - 1) / width);
+    py::array q = levels <= 127 ? py::array(py::array_t<int8_t>(n)) : py::array(py::array_t<int16_t>(n));
+    py::array_t<float> recon(n);
+    float* nu = norms.mutable_data();
+    int8_t* q8 = levels <= 127 ? static_cast<int8_t*>(q.mutable_data()) : nullptr;
+    int16_t* q16 = levels <= 127 ? nullptr : static_cast<int16_t*>(q.mutable_data());
+    float* r = recon.mutable_data();
+    bool finite;
+    {
+        py::gil_scoped_release release;
+        finite = sel::qsgd_encode(values.data(), n, levels, bucket_size, seed, threads, nu, q8, q16, r);
+    }
+    if (!finite) return py::none();
+    return py::make_tuple(norms, q, recon);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_select, m) {
-  deepreduce::py_args::register_errors();
-  m.attr("MAX_THREADS") = deepreduce::MAX_THREADS;   // the one C++ thread limit (common/checks.h)
-  m.doc() = "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
-          "QSGD encode";
-  m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
-        "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
-  m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
-        "ascending positions of the r largest |x| (ties: lowest position first)");
-  m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
-  m.def("nonzero", &nonzero, py::arg("x"), py::arg("threads"),
-        "ascending int64 positions of the non-zero entries (as numpy.flatnonzero)");
-  m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
-        "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
-  m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
-        py::arg("threads"), "out[indices] += values for distinct indices in any order (the range is checked: "
-        "ValueError, nothing written; distinctness is the caller's)");
-  m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
-        py::arg("threads"), "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "
-        "or None if a bucket norm is not finite (deepreduce/values/qsgd.py, the same bytes)");
+    deepreduce::py_args::register_errors();
+    m.attr("MAX_THREADS") = deepreduce::MAX_THREADS;  // the one C++ thread limit (common/checks.h)
+    m.doc() =
+        "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
+        "QSGD encode";
+    m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
+          "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
+    m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
+          "ascending positions of the r largest |x| (ties: lowest position first)");
+    m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
+    m.def("nonzero", &nonzero, py::arg("x"), py::arg("threads"),
+          "ascending int64 positions of the non-zero entries (as numpy.flatnonzero)");
+    m.def("scatter_add", &scatter_add, py::arg("out"), py::arg("indices"), py::arg("values"), py::arg("threads"),
+          "out[indices] += values for strictly ascending in-range indices (ValueError otherwise)");
+    m.def("scatter_add_unchecked", &scatter_add_unchecked, py::arg("out"), py::arg("indices"), py::arg("values"),
+          py::arg("threads"),
+          "out[indices] += values for distinct indices in any order (the range is checked: "
+          "ValueError, nothing written; distinctness is the caller's)");
+    m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
+          py::arg("threads"),
+          "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "
+          "or None if a bucket norm is not finite (deepreduce/values/qsgd.py, the same bytes)");
 }

@@ -13,10 +13,10 @@
 namespace deepreduce {
 namespace select {
 
-constexpr int HIST_BITS = 11;                 // buckets: top 11 bits of the magnitude pattern
-constexpr int HIST_SHIFT = 31 - HIST_BITS;    // sign bit cleared, so 31 significant bits
+constexpr int HIST_BITS = 11;               // buckets: top 11 bits of the magnitude pattern
+constexpr int HIST_SHIFT = 31 - HIST_BITS;  // sign bit cleared, so 31 significant bits
 constexpr int64_t HIST_SIZE = int64_t{1} << HIST_BITS;
-constexpr int64_t BLOCK = 4096;              // a non-finite block is never added to a residual
+constexpr int64_t BLOCK = 4096;                       // a non-finite block is never added to a residual
 constexpr int64_t FUSED_MIN_SIZE = int64_t{1} << 14;  // smaller tensors: no sampled bound
 
 enum class Scan { NON_FINITE, FINITE, SELECTED };
@@ -64,8 +64,8 @@ void scatter_add_in_range(float* out, int64_t numel, const int64_t* idx, const f
 // counter-based uniform draw i of `seed` (hashing.counter_uniform), and the receiver's value
 // norm * q_i / levels as float32 into recon. Writes ceil(n / bucket) norms and n levels into
 // q8 (levels <= 127) or q16. Returns false, with the outputs unspecified, if a norm is not finite.
-bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads,
-                 float* norms, int8_t* q8, int16_t* q16, float* recon);
+bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads, float* norms,
+                 int8_t* q8, int16_t* q16, float* recon);
 
 }  // namespace select
 }  // namespace deepreduce

@@ -34,8 +34,19 @@ using tensorflow::TensorShape;
 using tensorflow::shape_inference::InferenceContext;
 
 // Layout of the int64 statistics vector both ops return (added to the pipeline's counters).
-enum Stat { ENCODED, DECODED, DENSE_BYTES, WIRE_BYTES, INDEX_BYTES, VALUE_BYTES, PERM_BYTES, HEADER_BYTES,
-            ENCODE_NS, DECODE_NS, STATS };
+enum Stat {
+    ENCODED,
+    DECODED,
+    DENSE_BYTES,
+    WIRE_BYTES,
+    INDEX_BYTES,
+    VALUE_BYTES,
+    PERM_BYTES,
+    HEADER_BYTES,
+    ENCODE_NS,
+    DECODE_NS,
+    STATS
+};
 
 REGISTER_OP("DeepReduceEncode")
     .Input("grad: float")
@@ -67,9 +78,10 @@ REGISTER_OP("DeepReduceEncode")
         c->set_output(1, c->Vector(STATS));
         return tensorflow::OkStatus();
     })
-    .Doc("One container for grad (deepreduce Pipeline.encode). `residual` is the float32 resource variable "
-         "of the tensor's error-feedback residual (empty: none yet), updated in place; unused without "
-         "error feedback.");
+    .Doc(
+        "One container for grad (deepreduce Pipeline.encode). `residual` is the float32 resource variable "
+        "of the tensor's error-feedback residual (empty: none yet), updated in place; unused without "
+        "error feedback.");
 
 REGISTER_OP("DeepReduceDecode")
     .Input("payload: uint8")
@@ -97,8 +109,9 @@ REGISTER_OP("DeepReduceDecode")
         c->set_output(1, c->Vector(STATS));
         return tensorflow::OkStatus();
     })
-    .Doc("The sum of the tensors of the concatenated containers in payload (Pipeline.decode_sum; "
-         "single: exactly one container, Pipeline.decode).");
+    .Doc(
+        "The sum of the tensors of the concatenated containers in payload (Pipeline.decode_sum; "
+        "single: exactly one container, Pipeline.decode).");
 
 namespace {
 
@@ -137,7 +150,7 @@ void run_body(OpKernelContext* ctx, Body body) {
 }
 
 class EncodeOp : public OpKernel {
- public:
+  public:
     explicit EncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
         int64_t ratio_bits, lam_bits, hash_seed, k;
         std::string sparsifier, index, value, policy;
@@ -196,7 +209,8 @@ class EncodeOp : public OpKernel {
                 float* residual = nullptr;
                 const int64_t numel = writable_residual(ctx, var.get(), &residual);
                 const pl::ResidualAllocator create = [&](int64_t n) { return new_residual(ctx, var.get(), n); };
-                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, residual, numel, create, allocate);
+                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, residual, numel, create,
+                               allocate);
             } else {
                 h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, nullptr, 0, nullptr, allocate);
             }
@@ -215,7 +229,7 @@ class EncodeOp : public OpKernel {
         });
     }
 
- private:
+  private:
     // The variable's residual, written in place: its element count (0 before the tensor's first
     // finite step). A buffer another tensor still shares (a read of the variable kept alive) is
     // copied first, so what was read never changes under the reader.
@@ -248,7 +262,7 @@ class EncodeOp : public OpKernel {
 };
 
 class DecodeOp : public OpKernel {
- public:
+  public:
     explicit DecodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
         std::vector<int64_t> shape;
         int64_t max_numel;
@@ -267,13 +281,13 @@ class DecodeOp : public OpKernel {
         const auto start = std::chrono::steady_clock::now();
         const Tensor& input = ctx->input(0);
         run_body(ctx, [&] {
-            const size_t containers = pl::decode_sum(
-                config_, input.flat<uint8_t>().data(), static_cast<size_t>(input.NumElements()),
-                [&](const std::vector<uint64_t>& dims, uint64_t) {
-                    TensorShape shape;
-                    for (uint64_t d : dims) shape.AddDim(static_cast<int64_t>(d));
-                    return allocate_output(ctx, 0, shape)->flat<float>().data();
-                });
+            const size_t containers =
+                pl::decode_sum(config_, input.flat<uint8_t>().data(), static_cast<size_t>(input.NumElements()),
+                               [&](const std::vector<uint64_t>& dims, uint64_t) {
+                                   TensorShape shape;
+                                   for (uint64_t d : dims) shape.AddDim(static_cast<int64_t>(d));
+                                   return allocate_output(ctx, 0, shape)->flat<float>().data();
+                               });
             auto s = allocate_output(ctx, 1, TensorShape({STATS}))->flat<int64_t>();
             for (int i = 0; i < STATS; ++i) s(i) = 0;
             s(DECODED) = static_cast<int64_t>(containers);
@@ -281,7 +295,7 @@ class DecodeOp : public OpKernel {
         });
     }
 
- private:
+  private:
     pl::DecodeConfig config_;
 };
 

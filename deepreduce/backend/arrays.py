@@ -28,8 +28,8 @@ import sys
 import warnings
 from typing import Union
 
-import numpy as np
 import array_api_compat
+import numpy as np
 
 MASK64 = (1 << 64) - 1
 _TOP = 1 << 63

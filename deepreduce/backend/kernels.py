@@ -27,8 +27,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import _native, arrays
 from ..errors import ContainerError
+from . import _native, arrays
 
 BLOCK = 4096  # compensation blocks: a non-finite block is never added into the residual
 

@@ -36,11 +36,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..backend import _native, arrays
-from ..wire import varint
-from ..wire.hashing import GAMMA, MASK64, mix64, mix64_int
 from ..errors import ContainerError, DeepReduceError
 from ..params import Param
 from ..registry import register
+from ..wire import varint
+from ..wire.hashing import GAMMA, MASK64, mix64, mix64_int
 from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 POLICIES = ("naive", "p0", "p1", "p2", "leftmost", "middle", "rightmost")

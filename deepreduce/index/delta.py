@@ -24,9 +24,9 @@ import struct
 import numpy as np
 
 from ..backend import arrays
-from ..wire import bitpack, huffman_code
 from ..errors import ContainerError, DeepReduceError
 from ..registry import register
+from ..wire import bitpack, huffman_code
 from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 _N = struct.Struct("<I")

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..backend import arrays
 from ..errors import ContainerError
 from ..registry import register

@@ -16,10 +16,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..wire import huffman_code
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register
+from ..wire import huffman_code
 from ._base import IndexCodec, IndexEncoding
 
 _PARAMS = struct.Struct("<Q")

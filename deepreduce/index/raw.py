@@ -8,7 +8,6 @@ from ..errors import ContainerError
 from ..registry import register
 from ._base import IndexCodec, IndexEncoding
 
-
 _U4, _U8 = np.dtype("<u4"), np.dtype("<u8")
 
 

@@ -16,9 +16,9 @@ import struct
 import numpy as np
 
 from ..backend import arrays
-from ..wire import bitpack
 from ..errors import ContainerError
 from ..registry import register
+from ..wire import bitpack
 from ._base import IndexCodec, IndexEncoding, sorted_pairs
 
 _HEAD = struct.Struct("<IB")

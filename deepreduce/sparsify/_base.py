@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..params import Component
 from ..wire.seeding import EncodeContext
 

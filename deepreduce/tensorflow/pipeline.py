@@ -38,11 +38,12 @@ import numpy as np
 import tensorflow as tf
 
 from .. import checkpoint
-from ..wire import container
-from ..config import ConfigLike, build as build_core, load_config
+from ..config import ConfigLike, load_config
+from ..config import build as build_core
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline, dtype_error, to_float32
 from ..stats import CompressionStats
+from ..wire import container
 from .fpenv import default_floating_point
 
 

@@ -36,10 +36,10 @@ import numpy as np
 import tensorflow as tf
 
 from ..dist import agreement, buckets, overlap
-from ..wire import container
 from ..dist.comm.horovod import HorovodCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import BackendUnavailableError, ConfigError
+from ..wire import container
 from .pipeline import TFPipeline, build, numpy_op
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared

@@ -76,9 +76,9 @@ import torch.distributed as dist
 from ..dist import agreement
 from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..dist.protocol import ReductionProtocol
-from ..wire import container
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
+from ..wire import container
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build

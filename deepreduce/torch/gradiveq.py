@@ -32,11 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
-from ..summable import gradiveq as gv
 from ..errors import ConfigError
+from ..summable import gradiveq as gv
 
 
 @dataclass

@@ -21,10 +21,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..wire import container
-from ..config import ConfigLike, build as build_core
+from ..config import ConfigLike
+from ..config import build as build_core
 from ..errors import ConfigError
 from ..pipeline import Pipeline, dtype_error, select_positions
+from ..wire import container
 
 PATHS = ("auto", "device", "host")
 

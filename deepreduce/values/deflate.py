@@ -21,10 +21,10 @@ import zlib
 import numpy as np
 
 from ..backend import _native
-from ..wire import bitpack
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register
+from ..wire import bitpack
 from ._base import ValueCodec, ValueEncoding
 from ._sorting import sort_descending
 

@@ -29,9 +29,9 @@ import numpy as np
 
 from ..backend import arrays, kernels
 from ..errors import ContainerError, DeepReduceError
-from ..wire.hashing import counter_uniform
 from ..params import Param
 from ..registry import register
+from ..wire.hashing import counter_uniform
 from ._base import ValueCodec, ValueEncoding
 
 

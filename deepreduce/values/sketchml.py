@@ -46,10 +46,10 @@ import struct
 
 import numpy as np
 
-from ..wire import bitpack, huffman_code
 from ..errors import ContainerError
 from ..params import Param
 from ..registry import register
+from ..wire import bitpack, huffman_code
 from ._base import ValueCodec, ValueEncoding
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

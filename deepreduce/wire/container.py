@@ -38,8 +38,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ..backend import _native, arrays
-from . import varint
 from ..errors import CommunicationError, ContainerError
+from . import varint
 
 MAGIC = b"DPRD"
 VERSION = 2

@@ -33,8 +33,8 @@ from typing import Tuple
 
 import numpy as np
 
-from . import bitpack
 from ..errors import ContainerError
+from . import bitpack
 
 DEFAULT_MAX_LENGTH = 24
 _MAX_SUPPORTED = 31

@@ -47,8 +47,8 @@ def _numpy_backend(fn):
 def selection_rows(grads, ratio: float, repeat: int) -> list:
     """One row per (size, implementation, threads): median milliseconds of a Top-r selection."""
     from deepreduce.backend import kernels, parallel
-    from deepreduce.sparsify import count_for
     from deepreduce.backend.kernels import topk_positions
+    from deepreduce.sparsify import count_for
 
     auto = parallel.resolve_threads(parallel.AUTO)
     rows = []

@@ -57,10 +57,11 @@ def median_seconds(fn, repeat: int):
 
 
 def run(args) -> int:
-    from deepreduce.backend import _native, parallel
     from deepreduce import registry
+    from deepreduce.backend import _native, parallel
     from deepreduce.index import bloom
     from deepreduce.wire.seeding import EncodeContext, config_digest
+
     from .bench_sparsify import synthetic
 
     native = _native.load("bloom")

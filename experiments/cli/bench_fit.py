@@ -51,10 +51,9 @@ def _median_ms(fn, repeat):
 
 
 def volume_rows(grad: np.ndarray, ratio: float, repeat: int):
+    from deepreduce import registry
     from deepreduce.config import build
     from deepreduce.wire.container import unpack
-
-    from deepreduce import registry
 
     base = {"sparsifier": {"id": "topk", "ratio": ratio}, "memory": {"id": "none"}, "min_numel": 0}
     flat = grad.ravel()
@@ -85,8 +84,9 @@ def volume_rows(grad: np.ndarray, ratio: float, repeat: int):
 
 def run(args) -> int:
     from deepreduce.backend import _native
-    from .. import gradients
     from deepreduce.values import polyfit
+
+    from .. import gradients
 
     name = args.gradient or gradients.DEFAULT_GRADIENT
     grad = gradients.get(name)
@@ -133,8 +133,9 @@ SCALE_CASES = (("4 per sign, >= 20 points", 4, 20), ("automatic (default)", None
 def scale_rows(size: int, ratio: float):
     """(gradient, n, codec, value-section bytes, permutation bytes, relative error) of Fit-Poly
     and Deflate on the Top-r values of each synthetic gradient of ``size`` entries."""
-    from deepreduce.wire.seeding import EncodeContext
     from deepreduce.values import deflate, polyfit
+    from deepreduce.wire.seeding import EncodeContext
+
     from .bench_sparsify import synthetic
 
     ctx, rows = EncodeContext(b"\x00" * 16, "bench", 0), []

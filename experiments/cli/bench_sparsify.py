@@ -99,8 +99,9 @@ def real_layer_rows(steps: int):
     """Per shipped SIDCo config and saved ResNet-20 layer: first-step ``k_hat/k`` of one stage
     (the paper's start), of the shipped stages without and with the tail check, and the range
     of ``k_hat/k`` over ``steps`` encodes through the config as shipped (residual memory)."""
-    from .. import gradients
     from deepreduce.config import build, load_config
+
+    from .. import gradients
 
     layers = {n: g for n, g in gradients.load().items() if n != "all"}
     rows = []

@@ -143,8 +143,9 @@ def measure(pipe, peer, grads: Dict[str, np.ndarray], ranks: int, repeat: int) -
 
 
 def run(args) -> int:
-    from .. import gradients
     from deepreduce.config import build
+
+    from .. import gradients
 
     if args.gradient == "fig11":
         grads = fig11_gradients(args.iteration)

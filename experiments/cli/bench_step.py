@@ -141,6 +141,7 @@ def gradient_sets(args) -> List[Tuple[str, Callable[[], Dict[str, np.ndarray]]]]
 def default_configs() -> List[str]:
     """Every shipped config whose sparsifier selects entries (the ones meant for dense gradients)."""
     from deepreduce.config import load_config
+
     from ..reproduce.common import default_configs_dir
 
     paths = sorted(glob.glob(os.path.join(default_configs_dir(), "*.yaml")))
@@ -155,8 +156,8 @@ class ConfigRunner:
 
     def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None,
                  bucket_mb=None) -> None:
-        from deepreduce.dist.buckets import MIB, check_bucket_cap, plan
         from deepreduce.config import load_config
+        from deepreduce.dist.buckets import MIB, check_bucket_cap, plan
         from deepreduce.torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]
@@ -380,8 +381,9 @@ def print_table(title: str, grads: Dict[str, np.ndarray], rows: Iterable[dict], 
 def run(args) -> int:
     import torch
 
-    from deepreduce.errors import ConfigError
     from deepreduce.backend.parallel import AUTO, check_threads, usable_cpus
+    from deepreduce.errors import ConfigError
+
     from ..reproduce import torch_hooks
 
     if min(args.ranks, args.steps) < 1 or args.warmup < 0:

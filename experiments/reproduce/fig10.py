@@ -21,9 +21,10 @@ REFERENCE = "topk_raw.yaml"
 
 def run(out_dir: str, quick: bool = False, corpus=None, configs_dir: str = None, repeat: int = None,
         show_progress: bool = True) -> Result:
+    from deepreduce.config import load_config
+
     from .. import corpus as corpus_mod
     from ..cli.bench import measure
-    from deepreduce.config import load_config
 
     corpus = corpus or corpus_mod.load(corpus_mod.QUICK if quick else corpus_mod.FULL)
     from ..gradients import DEFAULT_GRADIENT

@@ -45,6 +45,7 @@ def train_hit_rate(config, data, epochs: int, batch: int, workers: int = WORKERS
     from torch.nn import functional as F
 
     from deepreduce.config import build
+
     from ..models.ncf import NCF, hit_rate
 
     threads = torch.get_num_threads()

@@ -57,6 +57,7 @@ def tf_decoder(receiver):
         return None
     try:
         import tensorflow as tf
+
         from deepreduce.tensorflow import ops
 
         op = ops.PipelineOps(receiver, ops.load())
@@ -71,9 +72,9 @@ def main() -> None:
 
     with atheris.instrument_imports(include=["deepreduce"]):
         import deepreduce
-        from deepreduce.wire import container
         from deepreduce import registry
         from deepreduce.errors import DeepReduceError
+        from deepreduce.wire import container
 
         registry.load_builtin_components()   # every codec module, instrumented
 

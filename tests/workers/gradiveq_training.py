@@ -6,8 +6,8 @@ Prints "OK <json>" on every rank when all checks pass.
 import json
 import sys
 
-import torch
 import horovod.torch as hvd
+import torch
 
 from deepreduce.torch.gradiveq import GradiVeQ
 

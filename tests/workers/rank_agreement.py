@@ -10,9 +10,9 @@ skipped by both ranks. One launch runs every scenario; each prints "OK <rank> <s
 """
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 import deepreduce.torch as drt
 from deepreduce import CommunicationError, NonFiniteGradientError

@@ -11,9 +11,9 @@
 import json
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-import horovod.tensorflow as hvd
 
 import deepreduce
 from deepreduce import CommunicationError, ConfigError

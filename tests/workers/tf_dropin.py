@@ -14,9 +14,9 @@ import json
 import os
 import sys
 
-import numpy as np
 import horovod.tensorflow as hvd
 import keras
+import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

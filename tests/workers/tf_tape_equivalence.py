@@ -28,10 +28,10 @@ import warnings
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
 import deepreduce.tensorflow.keras as drk  # noqa: E402

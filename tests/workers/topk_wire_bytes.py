@@ -3,13 +3,13 @@
 Every rank allgathers a Top-r container of a (64, 64, 3, 3) tensor; the gathered buffer must hold
 size * (35 + 8r) bytes, r = floor(0.01 * 36,864) = 368 (docs/container-format.md).
 """
-import numpy as np
 import horovod.torch as hvd
+import numpy as np
 import torch
 
 import deepreduce
-from deepreduce.wire import container
 from deepreduce.dist.comm.horovod import HorovodCommunicator
+from deepreduce.wire import container
 
 hvd.init()
 pipe = deepreduce.build("configs/topk_raw.yaml")

@@ -14,9 +14,9 @@ Part 2: with ``nonfinite: raise``, a NaN gradient injected on every rank at one 
 step() raise NonFiniteGradientError naming the parameter (decided by every rank together); zero_grad() and the next steps work
 and the ranks still agree. Prints "OK <rank>" on success.
 """
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 import deepreduce.torch as drt
 from deepreduce import NonFiniteGradientError

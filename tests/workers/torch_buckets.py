@@ -15,13 +15,13 @@ Prints "OK <rank>" on success.
 """
 import io
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
+from torch_background_encode import RecordingCommunicator  # this folder is the script's: on sys.path
 
 import deepreduce.torch as drt
 from deepreduce import CommunicationError, build
-from torch_background_encode import RecordingCommunicator   # this folder is the script's: on sys.path
 
 STEPS = 3
 LOSSLESS = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"}}

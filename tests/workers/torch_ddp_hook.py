@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deepreduce.wire import container
 from deepreduce.torch import GradiVeQ, ddp
+from deepreduce.wire import container
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}
 LOSSLESS = {"sparsifier": "none", "index": "raw", "value": "raw", "memory": "none"}

@@ -6,9 +6,9 @@ the result must match to float tolerance. Prints "OK <rank> <wire bytes>" on suc
 """
 import sys
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 import deepreduce.torch as drt
 
