@@ -165,6 +165,9 @@ class ResidualMemory(Memory):
                 raise ConfigError(f"memory {self.id!r}: residual {name!r} must be a 1-D float array, "
                                   f"got {array.dtype} of shape {array.shape}")
             loaded[name] = np.array(array, dtype=np.float32, copy=True)
+            if not np.isfinite(loaded[name]).all():
+                raise ConfigError(f"memory {self.id!r}: residual {name!r} holds NaN/Inf (or values beyond float32's "
+                                  "range); a checkpoint must hold finite residuals")
         self.reset()
         self._residuals.update(loaded)
 

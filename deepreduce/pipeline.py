@@ -230,17 +230,37 @@ class Pipeline:
                 )
             c = _dense_container(flat, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
         elif not sparse:
-            c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
-            self.memory.settle(name, None, None)
+            if self.memory.stateful and not _all_finite(comp.flat):
+                c = self._overflowed(comp, shape, name, step)
+            else:
+                c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
+                self.memory.settle(name, None, None)
         else:
-            c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select, on_torch)
-            self.memory.settle(name, positions, received, self.threads)
+            try:
+                c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select,
+                                                             on_torch)
+                self.memory.settle(name, positions, received, self.threads)
+            except CompensationOverflow:
+                c = self._overflowed(comp, shape, name, step)
         c.digest = self._wire_digest   # names the sender's config (agreement compares configs up front)
         payload = container.pack(c, like=flat)
-        if sparse and comp.finite and not on_torch:
+        if sparse and comp.finite and not c.flags & container.FLAG_NONFINITE and not on_torch:
             self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
+
+    def _overflowed(self, comp, shape, name: str, step: int) -> container.Container:
+        """A finite gradient whose error-feedback compensation is not finite (a residual plus
+        gradient beyond float32's range): nothing non-finite leaves unflagged. Under ``raise``
+        outside a collective step it is refused; otherwise the compensated tensor travels dense
+        and flagged (every rank then sees it, and skips the step under ``raise``), and the
+        residual starts again from zero (a skipped step restores it)."""
+        if self.nonfinite == "raise" and self._journal is None:
+            raise NonFiniteGradientError(f"gradient {name!r} at step {step}: adding the error-feedback residual "
+                                         "overflows float32 (pipeline option nonfinite='raise')")
+        c = _dense_container(comp.flat, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
+        self.memory.settle(name, None, None)   # comp.flat is the residual: zeroed once it is packed
+        return c
 
     def encode_entries(self, positions, values, shape: Sequence[int], name: str = "", step: int = 0) -> np.ndarray:
         """Compress a gradient given by its touched entries (a torch sparse COO gradient, a TF
@@ -399,6 +419,8 @@ class Pipeline:
             index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
         else:   # NumPy: every codec's own encode
             index_encode, value_encode = self.index.encode, self.value.encode
+        if self.memory.stateful and not _all_finite(values):
+            raise CompensationOverflow(f"{len(values)} selected values include NaN/Inf")
         if self.index.keeps_order:
             venc = value_encode(values, ctx)
             positions = indices
@@ -407,6 +429,8 @@ class Pipeline:
             ienc = index_encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
         else:
             ienc = index_encode(indices, values, compensated, ctx)
+            if self.memory.stateful and not _all_finite(ienc.values):   # false positives of a filter
+                raise CompensationOverflow(f"{len(ienc.values)} values at the index codec's positions include NaN/Inf")
             venc = value_encode(ienc.values, ctx)
             positions = ienc.indices
             if venc.order is not None and len(ienc.indices):
@@ -686,6 +710,11 @@ def to_float32(arr, name: str):
                 "overflow to Inf on the float32 wire; scale the gradient"
             )
     return out
+
+
+class CompensationOverflow(NonFiniteGradientError):
+    """The compensated values to be sent are not finite although the gradient is (a residual
+    plus gradient beyond float32's range); :meth:`Pipeline.encode` sends such a tensor flagged."""
 
 
 def select_positions(sparsifier: Sparsifier, flat, ctx: EncodeContext):

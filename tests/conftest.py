@@ -60,3 +60,36 @@ def tmp_out(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes minutes (deselect with -m 'not slow' where CI time is tight)")
+
+
+def spawn_ranks(run, *args, world: int = 2, timeout: int = 240) -> dict:
+    """``run(rank, world, port, queue, *args)`` on ``world`` processes started by
+    torch.multiprocessing's spawn; returns ``{rank: result}`` from what each put on the queue, and
+    fails with the exit codes when a rank crashed or hung (workers arm a watchdog that dumps their
+    stacks on stderr)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(rank, world, port, queue, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, result = queue.get(timeout=timeout)
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    exitcodes = [p.exitcode for p in procs]
+    assert exitcodes == [0] * world, f"ranks exited with {exitcodes}; results from ranks {sorted(results)}"
+    return results
+

@@ -43,3 +43,11 @@ def test_background_encoder_and_device_path_match_synchronous_path_and_surface_w
 def test_bucketed_optimizer_sends_each_bucket_as_one_container_of_its_concatenated_gradient():
     out = run_ranks("horovodrun", "torch_buckets.py")
     assert out.stdout.count("OK") == 2
+
+
+def test_one_ranks_caught_encode_error_keeps_every_rank_in_phase():
+    """A float64 gradient beyond float32's range on one rank: every rank raises from step(), the
+    user's skip-the-step loop goes on, the next steps work and the ranks stay identical."""
+    out = run_ranks("horovodrun", "torch_caught_error.py")
+    assert out.stdout.count("OK caught_error") == 2
+

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 from deepreduce.wire import container
 
@@ -15,26 +15,8 @@ import torch_ddp_hook as worker  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Both ranks' results, by scenario name; fails with the ranks' exit codes if one crashed."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = 20000 + os.getpid() % 20000
-    procs = [ctx.Process(target=worker.run, args=(rank, 2, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, result = queue.get(timeout=240)
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    exitcodes = [p.exitcode for p in procs]
-    assert exitcodes == [0, 0], f"ranks exited with {exitcodes}; scenarios done: {sorted(results.get(0, {}))}"
-    return results
+    """Both ranks' results, by scenario name (conftest.spawn_ranks)."""
+    return spawn_ranks(worker.run)
 
 
 def both(ranks, scenario):

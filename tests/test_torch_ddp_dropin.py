@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import torch_ddp_dropin as worker  # noqa: E402
@@ -15,26 +15,8 @@ SCENARIOS = ["pickle", "sparse"]
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Both ranks' results by scenario; fails with the exit codes if a rank crashed or hung."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = 21000 + os.getpid() % 20000
-    procs = [ctx.Process(target=worker.run, args=(rank, 2, port, queue, SCENARIOS)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, result = queue.get(timeout=200)
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    exitcodes = [p.exitcode for p in procs]
-    assert exitcodes == [0, 0], f"ranks exited with {exitcodes} (stacks of a hang are on stderr)"
-    return results
+    """Both ranks' results, by scenario name (conftest.spawn_ranks)."""
+    return spawn_ranks(worker.run, SCENARIOS)
 
 
 def test_hook_state_pickles_and_the_restored_state_trains_on_identically(ranks):

@@ -23,9 +23,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DeepReduceError
+from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from . import agreement
+
+FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
 
@@ -58,6 +60,28 @@ class ReductionProtocol:
             total /= self.communicator.size
         return total, found
 
+    @staticmethod
+    def failure_payload(exc: BaseException) -> np.ndarray:
+        """What a rank whose encode raised sends in place of its container: every rank's collective
+        completes, every peer raises (:meth:`finish`: a NonFiniteGradientError for a non-finite
+        gradient, as the README's skip-the-step pattern catches, else a CommunicationError), and
+        the rank raises its own error; the step is undone everywhere and the next one is in phase."""
+        kind = "nonfinite" if isinstance(exc, NonFiniteGradientError) else "error"
+        text = f"{kind}\n{type(exc).__name__}: {exc}"[:500]
+        return agreement.wrap_bytes(FAILED + text.encode("utf-8", "replace"))
+
+    @staticmethod
+    def failed_rank(payloads: Sequence) -> Optional[Tuple[int, str, str]]:
+        """(rank, "nonfinite" or "error", its message) of the first rank that sent
+        :meth:`failure_payload`, or None. Only a small payload holding the marker is parsed."""
+        for rank, payload in enumerate(payloads):
+            if len(payload) <= 1024 and FAILED[:12] in bytes(payload[:64]):
+                data = agreement.unwrap_bytes(payload)
+                if data.startswith(FAILED):
+                    kind, _, message = data[len(FAILED):].decode("utf-8", "replace").partition("\n")
+                    return rank, kind, message
+        return None
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -68,7 +92,12 @@ class ReductionProtocol:
         """Decide, then decode-accumulate every rank's container (``decode_sum(payloads)``, into the
         binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
         :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
-        ``name``)."""
+        ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
+        failed = self.failed_rank(payloads)
+        if failed is not None:
+            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise error(f"{label or name} at step {step}: rank {failed[0]} could not encode its gradient "
+                        f"({failed[2]}); every rank skips this step")
         found = self.decide(payloads)
         if found is not None:
             self.skip(name, step, found)

@@ -362,7 +362,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             kwargs = {} if self._process_set is None else {"process_set": self._process_set}
             return self._hvd.allreduce_async_(half, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs), \
                 ("fp16", half), (start, time.perf_counter())
-        payload = self._pipeline.encode(grad, name=name, step=step)
+        try:
+            payload = self._pipeline.encode(grad, name=name, step=step)
+        except Exception as exc:   # the collective still runs, so every rank stays in phase
+            return self._protocol.start(self._protocol.failure_payload(exc), name), ("failed", exc), \
+                (start, time.perf_counter())
         interval = (start, time.perf_counter())
         on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
         return self._protocol.start(on_host, name), step, interval
@@ -397,6 +401,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     target.copy_(ctx[1].view_as(target))
                 if self._op == self._hvd.Average:
                     target.div_(self._communicator.size)
+        elif isinstance(ctx, tuple) and ctx[0] == "failed":   # this rank's encode raised; its peers see it
+            handle.wait()
+            raise ctx[1]
         elif isinstance(ctx, tuple):   # ("entries", step): a sparse gradient
             payloads = handle.wait()
             self._times["communication_wait"] += time.perf_counter() - start
