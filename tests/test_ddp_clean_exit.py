@@ -4,7 +4,6 @@ stops the worker thread, then destroys the private process group, once. Two real
 Exit codes are not asserted: on this torch (2.13, gloo) a plain DDP job without any hook also
 aborts at exit now and then ("terminate called without an active exception", after Python has
 finalised, in C++ static teardown; docs/reliability.md), so an exit-code loop would test torch."""
-import os
 import socket
 import subprocess
 import sys
