@@ -60,6 +60,7 @@ class SparseAllreduce:
         self.reselect, self.ratio, self.repartition_every = reselect, ratio, repartition_every
         self._bounds: Dict[str, np.ndarray] = {}
         self._owner_residuals: Dict[str, np.ndarray] = {}
+        self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
@@ -73,7 +74,9 @@ class SparseAllreduce:
         bounds = self._bounds.setdefault(name, even_bounds(flat.shape[0], size))
         owner = self._owner_residual(name, flat.shape[0])
         lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-        flat = self._with_stranded_mass(flat, owner, lo, hi)
+        if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
+            self._moved.discard(name)
+            flat = self._with_stranded_mass(flat, owner, lo, hi)
 
         sent = self.pipeline.encode_shards(flat, name, step, bounds)
         self.sent_bytes += sum(int(p.shape[0]) for p in sent)
@@ -92,7 +95,10 @@ class SparseAllreduce:
             self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
                                  out=target[int(bounds[j]):int(bounds[j + 1])])
         if flagged is None and (step + 1) % self.repartition_every == 0:
-            self._bounds[name] = balanced_bounds(kernels.nonzero(target), flat.shape[0], size)
+            moved = balanced_bounds(kernels.nonzero(target), flat.shape[0], size)
+            if not np.array_equal(moved, bounds):
+                self._bounds[name] = moved
+                self._moved.add(name)
         return target
 
     def _owner_residual(self, name: str, numel: int) -> np.ndarray:
@@ -155,6 +161,7 @@ class SparseAllreduce:
                                   f"{self.communicator.size + 1} steps")
             bounds[name] = b.copy()
         self._owner_residuals, self._bounds = residuals, bounds
+        self._moved = set(residuals)
 
     def owner_residual(self, name: str) -> Optional[np.ndarray]:
         """The owner residual held for ``name`` (non-zero only inside this rank's shard)."""
