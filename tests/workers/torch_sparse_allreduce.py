@@ -65,8 +65,9 @@ def trains():
     data = batches(2) * 20   # a small set seen again and again: the loss must fall
     _, _, gathered = train(TOPK, data=data)
     _, _, sparse = train(with_aggregation(TOPK), data=data)
-    assert sparse[-1] < sparse[0] * 0.8, sparse
-    assert abs(sparse[-1] - gathered[-1]) < 0.2 * gathered[0], (sparse[-1], gathered[-1])
+    first, last = sum(sparse[:2]) / 2, sum(sparse[-2:]) / 2   # both batches: the data alternates
+    assert last < first * 0.9, sparse
+    assert abs(last - sum(gathered[-2:]) / 2) < 0.2 * first, (sparse[-2:], gathered[-2:])
 
 
 def resume():
