@@ -40,10 +40,10 @@ METHODS: Dict[str, Optional[str]] = {
     "BF-P2": "bf_p2",
     "Fit-Poly": "polyfit",
     "Fit-DExp": "dexp",
-    "Top-r, sparse all-reduce": "topk_sparse_allreduce",
+    "Top-r (sparse all-reduce)": "topk_sparse_allreduce",
 }
 # a method aggregated otherwise -> the allgather method it must match within half a point (issue 23)
-ALLGATHER_TWIN = {"Top-r, sparse all-reduce": "Top-r"}
+ALLGATHER_TWIN = {"Top-r (sparse all-reduce)": "Top-r"}
 QUICK_METHODS = ("no compression", "Top-r", "BF-P2")
 DEFAULT_EPOCHS = 12
 QUICK_STEPS = 3
