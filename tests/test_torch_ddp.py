@@ -31,6 +31,18 @@ def test_lossless_hook_matches_ddp_allreduce_and_ranks_agree(ranks):
     assert 0 < r0["fp16_max_diff"] < 1e-2
 
 
+def test_one_collective_per_bucket_in_steady_state(ranks):
+    r0, r1 = both(ranks, "scenario_collectives")
+    assert r0["per_step"] == r1["per_step"]
+    first, *steady = r0["per_step"]
+    # a bucket's first step has no slot yet: its containers come in a second gather
+    assert first[0] == 2 * first[1]
+    # DDP rebuilds its buckets after the first step; from the third on, one collective each
+    for collectives, buckets in steady[1:]:
+        assert buckets >= 2 and collectives == buckets, r0["per_step"]
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
 def test_sparse_allreduce_in_the_hook(ranks):
     for r in both(ranks, "scenario_sparse_allreduce"):
         assert max(r["max_diffs"]) < 1e-5          # the exact union equals DDP's all-reduce

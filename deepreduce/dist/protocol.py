@@ -82,6 +82,27 @@ class ReductionProtocol:
                     return rank, kind, message
         return None
 
+    @classmethod
+    def raise_if_failed(cls, payloads: Sequence, label: str, step: int) -> None:
+        """Raise on this rank what a peer's :meth:`failure_payload` among ``payloads`` reports:
+        a NonFiniteGradientError for a non-finite gradient, else a CommunicationError."""
+        failed = cls.failed_rank(payloads)
+        if failed is not None:
+            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise error(f"{label} at step {step}: rank {failed[0]} could not encode its gradient "
+                        f"({failed[2]}); every rank skips this step")
+
+    def take_residual(self, name: str) -> Optional[np.ndarray]:
+        """A copy of ``name``'s error-feedback residual, which is cleared (the tensor travels by a
+        dense or fp16 all-reduce this step, carrying what compression had held back); None when
+        it holds nothing."""
+        residual = getattr(self.core.memory, "residual", lambda _: None)(name)
+        if residual is None or not residual.any():
+            return None
+        taken = residual.copy()
+        residual[...] = 0.0
+        return taken
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -93,11 +114,7 @@ class ReductionProtocol:
         binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
         :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
         ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
-        failed = self.failed_rank(payloads)
-        if failed is not None:
-            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            raise error(f"{label or name} at step {step}: rank {failed[0]} could not encode its gradient "
-                        f"({failed[2]}); every rank skips this step")
+        self.raise_if_failed(payloads, label or name, step)
         found = self.decide(payloads)
         if found is not None:
             self.skip(name, step, found)

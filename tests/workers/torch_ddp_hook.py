@@ -132,6 +132,43 @@ def scenario_sparse_allreduce(rank):
             "has_owner_state": "aggregation" in saved[2]}
 
 
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast",
+               "all_gather_object", "reduce_scatter", "gather", "scatter")
+
+
+def count_collectives(group, counter: list):
+    """Wrap torch.distributed's collectives so each call on ``group`` adds one to ``counter[0]``;
+    returns a function that unwraps them."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def wrap(name, original):
+        def counted(*args, **kwargs):
+            if kwargs.get("group") is group:
+                counter[0] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    return lambda: [setattr(dist, name, original) for name, original in originals.items()]
+
+
+def scenario_collectives(rank):
+    """Collectives on the hook's private group per step against the buckets of that step
+    (Top-r with raw codecs: container sizes that follow from the shapes)."""
+    model, opt, state = make(TOPK)
+    counter, per_step = [0], []
+    restore = count_collectives(state._group, counter)
+    try:
+        for step in range(5):
+            before, buckets = counter[0], state.stats["buckets"]
+            train(model, opt, rank, 1, start=step)
+            per_step.append((counter[0] - before, state.stats["buckets"] - buckets))
+    finally:
+        restore()
+    return {"per_step": per_step, "params": flat_params(model)}
+
+
 def scenario_gradiveq(rank):
     compressor = GradiVeQ(warmup=1, sample_iters=2, compress_iters=3, min_numel=64)
     model, opt, state = make(compressor)
@@ -272,7 +309,7 @@ def scenario_whole_buckets(rank):
             "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
 
 
-SCENARIOS = [scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
+SCENARIOS = [scenario_collectives, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
              scenario_nonfinite, scenario_disagreement]
 
 
