@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
+from ..wire import container
 from . import agreement
 
 FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
@@ -36,14 +37,23 @@ class ReductionProtocol:
     """The protocol of one pipeline over one communicator (see the module docstring).
 
     ``average``: divide sums by the number of ranks (``op=Average``). ``sparse`` is the sparse
-    all-reduce when the config's ``aggregation`` asks for it, else None (allgather).
+    all-reduce when the config's ``aggregation`` asks for it, else None (allgather); ``auto`` the
+    planner of ``aggregation: auto`` (:mod:`deepreduce.dist.auto`), else None.
     """
 
     def __init__(self, core: Pipeline, communicator, average: bool = True) -> None:
         self.core, self.communicator, self.average = core, communicator, average
         aggregation = core.aggregation
         self.sparse = None if aggregation is None else aggregation.reducer(core, communicator)
+        self.auto = None if aggregation is None else aggregation.planner(core, communicator)
         self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
+
+    def route(self, name: str) -> str:
+        """How tensor (or bucket) ``name`` travels this step: the ``auto`` plan's choice (dense,
+        fp16, allgather or sparse_allreduce), else the config's aggregation."""
+        if self.auto is not None:
+            return self.auto.choice(name)
+        return "allgather" if self.sparse is None else "sparse_allreduce"
 
     # ------------------------------------------------------------------ exchange
     def start(self, payload, name: str):
@@ -103,6 +113,19 @@ class ReductionProtocol:
         residual[...] = 0.0
         return taken
 
+    @classmethod
+    def split_per_rank(cls, payloads: Sequence, count: int, label: str, step: int) -> List[list]:
+        """Every rank's payload of ``count`` concatenated containers (a bucket), split into its
+        containers (a device tensor into device slices, no copy). A peer's
+        :meth:`failure_payload` raises here (:meth:`raise_if_failed`); a rank that sent another
+        number of containers is a CommunicationError naming it."""
+        cls.raise_if_failed(payloads, label, step)
+        per_rank = [container.split(payload) for payload in payloads]
+        for rank, parts in enumerate(per_rank):
+            if len(parts) != count:
+                raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
+        return per_rank
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -152,3 +175,10 @@ class ReductionProtocol:
             name, found = skipped[0]
             raise agreement.nonfinite_error(name, step, *found, more=len(skipped) - 1)
 
+    def plan(self, step: int, what: str) -> None:
+        """After a step every rank applied (collective: every rank calls it at the same step):
+        the ``auto`` planner plans or re-plans (:meth:`deepreduce.dist.auto.AutoPlanner.end_step`),
+        and rank 0 prints a new plan's table once, naming ``what`` it plans."""
+        table = None if self.auto is None else self.auto.end_step(step)
+        if table is not None and self.communicator.rank == 0:
+            print(f"deepreduce auto aggregation ({what}), after step {step}:\n{table}", flush=True)
