@@ -55,6 +55,9 @@ def test_auto_aggregation_plans_each_bucket_alike_on_every_rank(ranks):
         assert all(bucket in a["printed"] for bucket in a["plan"])
     # a link far faster than the codecs: every bucket dense; far slower: every bucket compressed
     assert set(r0["fast"]["plan"].values()) == {"dense"}
+    # a bucket planned dense sent what Top-r had held back: no residual is left
+    assert r0["fast"]["residuals_left"] == r1["fast"]["residuals_left"] == 0
+    assert r0["slow"]["residuals_left"] > 0
     assert set(r0["slow"]["plan"].values()) <= {"allgather", "sparse_allreduce"}
 
 

@@ -188,7 +188,8 @@ def scenario_auto(rank):
                 losses.append(float(loss))
         stats = state.compression_stats()
         results[link] = {"plan": stats["plan"], "plans_made": stats["plans_made"], "losses": losses,
-                         "printed": printed.getvalue(), "params": flat_params(model)}
+                         "printed": printed.getvalue(), "params": flat_params(model),
+                         "residuals_left": sum(int(np.count_nonzero(r)) for r in residuals(state).values())}
     return results
 
 
