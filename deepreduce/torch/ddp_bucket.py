@@ -135,8 +135,12 @@ class BucketReduction:
             if route == "allgather":
                 payload = torch.from_numpy(ReductionProtocol.failure_payload(exc)).to(job.buffer.device)
         self.stats["encode_seconds"] += time.perf_counter() - start
-        nbytes = slots.FAILED if failure is not None and payload is None else \
-            0 if payload is None and codes is None else _nbytes(payload if codes is None else codes[0])
+        if codes is not None:
+            nbytes = _nbytes(codes[0])
+        elif payload is not None:
+            nbytes = _nbytes(payload)
+        else:   # the sparse all-reduce sends nothing here; a summable compressor that raised says so
+            nbytes = 0 if failure is None else slots.FAILED
         headers, parts = self._exchange(job, payload, nbytes)
         if failure is not None:
             raise failure
