@@ -66,9 +66,9 @@ from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
+from .arguments import LOSSLESS_CONFIG, named_parameter_map
 from .checkpoint import compression_state_dict, load_compression_state_dict
 from .ddp_bucket import BucketReduction, Job, bucket_name
-from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build
 
 # what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
@@ -264,7 +264,9 @@ class DeepReduceState(BucketReduction):
         job = Job(buffer, views, names, self.step, bucket.index(), bucket.is_last(),
                    torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future(),
                    merged)
-        if self._auto is not None:   # the backward timeline (the worker reads it after the step's last bucket)
+        if self._auto is not None and job.step >= 1:
+            # the backward timeline, which the worker reads after the step's last bucket; not of
+            # the first step, whose buckets DDP rebuilds after it (no timeline: no plan yet)
             if not self._stepping:
                 self._auto.restart_timeline()
             self._auto.ready(job.label, buffer.numel())
@@ -337,11 +339,8 @@ class DeepReduceState(BucketReduction):
         self.wait_idle()
         out = dict(self.stats, steps=self.step)
         out["relative_volume"] = out["wire_bytes"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
-        sparse = None if self._protocol is None else self._protocol.sparse
-        if sparse is not None:
-            out.update(aggregation=self.pipeline.core.aggregation.id, received_bytes=dict(sparse.received_bytes))
-        if self._auto is not None:
-            out.update(self._auto.stats())
+        if self._protocol is not None:
+            out.update(self._protocol.stats())
         return out
 
     def state_dict(self) -> dict:

@@ -247,13 +247,10 @@ class BucketReduction:
         """A sparse bucket (DDP puts each sparse gradient in a bucket of its own): every rank's
         entries summed and averaged into a coalesced COO gradient (:mod:`deepreduce.torch.sparse`)."""
         start = time.perf_counter()
-        summed, shape = [], tuple(job.buffer.shape)
-        self._protocol.finish(
-            [data.cpu().numpy() for data in gathered], job.names[0], job.step,
-            lambda parts: summed.append(self.pipeline.core.decode_entries(parts, shape)),
-            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), f"parameter {job.names[0]!r}")
+        summed = self._protocol.finish_entries([data.cpu().numpy() for data in gathered], job.names[0], job.step,
+                                               tuple(job.buffer.shape), f"parameter {job.names[0]!r}")
         self.stats["decode_seconds"] += time.perf_counter() - start
-        return from_entries(*summed[0], like=job.buffer) if summed else job.buffer
+        return job.buffer if summed is None else from_entries(*summed, like=job.buffer)
 
     def _decode(self, job: Job, gathered: List[torch.Tensor]) -> None:
         """Every rank's containers decoded and summed per container into the bucket (on its
@@ -304,17 +301,14 @@ class BucketReduction:
         return self._communicator.allgather(payload, "deepreduce.dist.agreement")
 
     def _end_step(self, job: Job, errors: List[BaseException]) -> None:
-        """After the step's last bucket: keep its residuals, or, if a bucket failed or any rank
-        sent a non-finite container under ``nonfinite: raise``, undo them and raise (the same
-        error on every rank). Then the auto planner plans (from the second step on: DDP rebuilds
-        its buckets after the first)."""
+        """After the step's last bucket: keep its residuals (and let the auto planner plan), or,
+        if a bucket failed or any rank sent a non-finite container under ``nonfinite: raise``,
+        undo them and raise (the same error on every rank)."""
         if self._protocol is None:
             if errors:
                 raise errors[0]
             return
         self._protocol.end_step(job.step, errors)
-        if job.step >= 1:
-            self._protocol.plan(job.step, "DDP buckets")
 
     # summable codes -----------------------------------------------------------
     def _compress(self, job: Job):
