@@ -31,6 +31,36 @@ def test_lossless_hook_matches_ddp_allreduce_and_ranks_agree(ranks):
     assert 0 < r0["fp16_max_diff"] < 1e-2
 
 
+def test_one_collective_per_bucket_in_steady_state(ranks):
+    r0, r1 = both(ranks, "scenario_collectives")
+    assert r0["per_step"] == r1["per_step"]
+    first, *steady = r0["per_step"]
+    # a bucket's first step has no slot yet: its containers come in a second gather
+    assert first[0] == 2 * first[1]
+    # DDP rebuilds its buckets after the first step; from the third on, one collective each
+    for collectives, buckets in steady[1:]:
+        assert buckets >= 2 and collectives == buckets, r0["per_step"]
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
+def test_auto_aggregation_plans_each_bucket_alike_on_every_rank(ranks):
+    r0, r1 = both(ranks, "scenario_auto")
+    for link in ("fast", "slow"):
+        a, b = r0[link], r1[link]
+        assert a["plan"] == b["plan"] and a["plan"] and a["plans_made"] == 1
+        np.testing.assert_array_equal(a["params"], b["params"])
+        assert a["losses"][-1] < a["losses"][0] and b["losses"][-1] < b["losses"][0]
+        # the table is printed once, by rank 0, with a row per bucket
+        assert a["printed"].count("deepreduce auto aggregation") == 1 and not b["printed"]
+        assert all(bucket in a["printed"] for bucket in a["plan"])
+    # a link far faster than the codecs: every bucket dense; far slower: every bucket compressed
+    assert set(r0["fast"]["plan"].values()) == {"dense"}
+    # a bucket planned dense sent what Top-r had held back: no residual is left
+    assert r0["fast"]["residuals_left"] == r1["fast"]["residuals_left"] == 0
+    assert r0["slow"]["residuals_left"] > 0
+    assert set(r0["slow"]["plan"].values()) <= {"allgather", "sparse_allreduce"}
+
+
 def test_sparse_allreduce_in_the_hook(ranks):
     for r in both(ranks, "scenario_sparse_allreduce"):
         assert max(r["max_diffs"]) < 1e-5          # the exact union equals DDP's all-reduce
@@ -93,6 +123,17 @@ def test_nonfinite_gradients_follow_the_pipeline_option(ranks):
     assert r0["unchanged"] == r1["unchanged"] == [True]
     np.testing.assert_array_equal(r0["params"], r1["params"])
     assert np.isfinite(r0["params"]).all()
+
+
+def test_a_rank_whose_encode_fails_fails_the_step_on_every_rank(ranks):
+    r0, r1 = both(ranks, "scenario_failed_encode")
+    assert sorted(r0["errors"]) == sorted(r1["errors"]) == [1, 2]
+    assert "boom" in r1["errors"][1]
+    assert "CommunicationError" in r0["errors"][1] and "rank 1 could not encode its gradient" in r0["errors"][1]
+    assert "ValueError: boom" in r0["errors"][1]
+    # a non-finite failure is a NonFiniteGradientError on the peers too (the skip-the-step pattern)
+    assert "NonFiniteGradientError" in r0["errors"][2] and "overflowed" in r0["errors"][2]
+    np.testing.assert_array_equal(r0["params"], r1["params"])
 
 
 def test_whole_buckets_send_one_container_for_the_large_gradients(ranks):

@@ -52,6 +52,13 @@ class AutoPlanner:
         self._ready[name] = time.perf_counter()
         self._numels[name] = int(numel)
 
+    def restart_timeline(self) -> None:
+        """Forget the tensors (or buckets) recorded so far: a new step begins whose set of names
+        may differ (DDP rebuilds its buckets after the first step)."""
+        self._ready.clear()
+        self._numels.clear()
+        self._backward_end = None
+
     def backward_done(self) -> None:
         """Backward has ended (the adapter starts waiting for the step's reductions)."""
         self._backward_end = time.perf_counter()

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
+from ..wire import container
 from . import agreement
 
 FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
@@ -36,7 +37,8 @@ class ReductionProtocol:
     """The protocol of one pipeline over one communicator (see the module docstring).
 
     ``average``: divide sums by the number of ranks (``op=Average``). ``sparse`` is the sparse
-    all-reduce when the config's ``aggregation`` asks for it, else None (allgather).
+    all-reduce when the config's ``aggregation`` asks for it, else None (allgather); ``auto`` the
+    planner of ``aggregation: auto`` (:mod:`deepreduce.dist.auto`), else None.
     """
 
     def __init__(self, core: Pipeline, communicator, average: bool = True) -> None:
@@ -112,6 +114,29 @@ class ReductionProtocol:
                     return rank, kind, message
         return None
 
+    @classmethod
+    def raise_if_failed(cls, payloads: Sequence, label: str, step: int) -> None:
+        """Raise on this rank what a peer's :meth:`failure_payload` among ``payloads`` reports:
+        a NonFiniteGradientError for a non-finite gradient, else a CommunicationError."""
+        failed = cls.failed_rank(payloads)
+        if failed is not None:
+            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise error(f"{label} at step {step}: rank {failed[0]} could not encode its gradient "
+                        f"({failed[2]}); every rank skips this step")
+
+    @classmethod
+    def split_per_rank(cls, payloads: Sequence, count: int, label: str, step: int) -> List[list]:
+        """Every rank's payload of ``count`` concatenated containers (a bucket), split into its
+        containers (a device tensor into device slices, no copy). A peer's
+        :meth:`failure_payload` raises here (:meth:`raise_if_failed`); a rank that sent another
+        number of containers is a CommunicationError naming it."""
+        cls.raise_if_failed(payloads, label, step)
+        per_rank = [container.split(payload) for payload in payloads]
+        for rank, parts in enumerate(per_rank):
+            if len(parts) != count:
+                raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
+        return per_rank
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -123,11 +148,7 @@ class ReductionProtocol:
         binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
         :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
         ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
-        failed = self.failed_rank(payloads)
-        if failed is not None:
-            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            raise error(f"{label or name} at step {step}: rank {failed[0]} could not encode its gradient "
-                        f"({failed[2]}); every rank skips this step")
+        self.raise_if_failed(payloads, label or name, step)
         found = self.decide(payloads)
         if found is not None:
             self.skip(name, step, found)

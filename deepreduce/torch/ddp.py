@@ -16,24 +16,15 @@ bucket is cut back into one view per parameter (``bucket.parameters()`` in bucke
 padding), and each parameter is encoded on its own under its name, so Top-r ratios, Bloom filters,
 seeds and error-feedback residuals mean exactly what they mean in
 ``deepreduce.torch.DistributedOptimizer`` (and a parameter's residual survives DDP's bucket
-rebuild after the first iteration: it is keyed by name, not by bucket). Then, per bucket:
-
-1. every rank all-gathers a 4-entry int64 header: its payload size (or -1 if encoding failed),
-   the digest of its compressor, the digest of the bucket's layout (:class:`deepreduce.dist.agreement.Layout`:
-   parameter names, shapes and dtypes, and the compressor), and its step;
-2. every rank checks the headers; any disagreement (another config, another model, a rank whose
-   encoder raised) raises the same error on every rank, naming the bucket's parameters, before
-   any payload moves, so a mistake is an error and never a hang; where the digests differ, every
-   rank gathers the others' layouts and names the first difference;
-3. containers: the concatenation of the bucket's containers, padded to the longest rank's, goes
-   through one ``all_gather`` (uint8 tensors on the bucket's device, so NCCL works); every rank
-   splits each rank's bytes into containers, decodes and sums them per parameter and divides by
-   the world size (DDP averages). Under ``nonfinite: raise`` a rank's NaN/Inf gradient travels
-   as a flagged container; every rank sees the flag, skips decoding, and the step's last bucket
-   raises the same NonFiniteGradientError on every rank after all its collectives, with the
-   residuals restored (DDP re-raises it from ``backward()`` as a RuntimeError carrying its text;
-   catch it and skip the step, docs/ddp.md). Summable compressors (``FP16Compressor``,
-   ``deepreduce.torch.GradiVeQ``) instead concatenate their codes into one ``all_reduce``.
+rebuild after the first iteration: it is keyed by name, not by bucket). The bucket then travels
+by the config's ``aggregation`` (allgather by default: one collective per bucket in steady state;
+the sparse all-reduce; or, under ``auto``, the planner's choice per bucket) and comes back
+averaged, as DDP expects; :mod:`deepreduce.torch.ddp_bucket` says how. Ranks that disagree
+(another config, another model, a rank whose encoder raised) fail together with the same error,
+naming the bucket's parameters, never a hang. Under ``nonfinite: raise`` a rank's NaN/Inf
+gradient travels as a flagged container and the step's last bucket raises the same
+NonFiniteGradientError on every rank, with the residuals restored (DDP re-raises it from
+``backward()`` as a RuntimeError carrying its text; catch it and skip the step, docs/ddp.md).
 
 The hook itself only queues the bucket and returns a ``torch.futures.Future``; a per-state
 worker thread encodes, communicates, decodes and completes the future, so the backward pass
@@ -64,29 +55,25 @@ to the restored model's parameters.
 import atexit
 import queue
 import threading
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..dist import agreement
+from ..dist import agreement, slots
 from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
-from ..wire import container
 from .arguments import LOSSLESS_CONFIG, named_parameter_map
 from .checkpoint import compression_state_dict, load_compression_state_dict
+from .ddp_bucket import BucketReduction, Job, bucket_name
 from .pipeline import TorchPipeline, build
-from .sparse import entries, from_entries
 
-_FAILED = -1          # header size of a rank whose encoder raised
 # what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
-_PROCESS_LOCAL = ("_group", "_communicator", "_protocol", "_jobs", "_worker", "_flats", "process_group")
+_PROCESS_LOCAL = ("_group", "_communicator", "_protocol", "_auto", "_slots", "_errors", "_jobs", "_worker", "_flats",
+                  "process_group", "_auto_names", "_stepping")
 
 
 class FP16Compressor:
@@ -108,36 +95,11 @@ class FP16Compressor:
         return "FP16Compressor()"
 
 
-@dataclass
-class _Job:
-    """One bucket handed over by the hook."""
-
-    buffer: torch.Tensor
-    views: List[torch.Tensor]
-    names: List[str]
-    step: int
-    last: bool                 # the step's last bucket (DDP's GradBucket.is_last)
-    future: torch.futures.Future
-    merged: Optional[tuple] = None   # per_parameter=False: (name, positions of the views encoded as one)
-
-    def containers(self) -> List[str]:
-        """What each container of this bucket holds: the merged gradients' name, then each
-        other parameter's (all parameters in order when nothing is merged)."""
-        if self.merged is None:
-            return list(self.names)
-        return [self.merged[0]] + [n for i, n in enumerate(self.names) if i not in self.merged[1]]
-
-
 def _is_summable(obj) -> bool:
     return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
 
 
-def _describe(names: List[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:4])
-    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-class DeepReduceState:
+class DeepReduceState(BucketReduction):
     """Hyperparameters, state and statistics of the deepreduce DDP hook (one per DDP model).
 
     Hyperparameters:
@@ -188,27 +150,32 @@ class DeepReduceState:
         self._compressor_id = (label if per_parameter else label + " (whole buckets)", digest)
         self._names = None if named_parameters is None else named_parameter_map(named_parameters)
         self._unbound: Optional[List[str]] = None   # an unpickled state's names, until bind()
-        self._auto_names: Dict[torch.Tensor, str] = {}
         # state
         self.step = 0
         # statistics
         self.stats = {"buckets": 0, "dense_bytes": 0, "wire_bytes": 0, "collective_bytes": 0,
                       "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
-        # the private group (made by _connect, once per process, so that an unpickled state makes
-        # its own), the communicator and protocol over it, and the worker that alone issues
-        # collectives on it
-        self._group = None
-        self._communicator, self._protocol = self._make_protocol()
-        self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
-        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._worker: Optional[threading.Thread] = None
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self._process_local()
         self._connect()
 
-    def _make_protocol(self):
-        """(communicator, protocol); the communicator gets its process group in :meth:`_connect`."""
-        communicator = TorchDistributedCommunicator()    # layouts when ranks disagree; the sparse all-reduce
-        return communicator, None if self.pipeline is None else ReductionProtocol(self.pipeline.core, communicator)
+    def _process_local(self) -> None:
+        """What belongs to this process (not pickled): the private group (made by
+        :meth:`_connect`, once per process, so that an unpickled state makes its own), the
+        communicator, protocol and auto planner over it, the slot sizes, and the worker that alone
+        issues collectives on it."""
+        self.process_group, self._group = getattr(self, "process_group", None), None
+        self._communicator = TorchDistributedCommunicator()   # layouts when ranks disagree; the sparse all-reduce
+        core = None if self.pipeline is None else self.pipeline.core
+        self._protocol = None if core is None else ReductionProtocol(core, self._communicator)
+        self._auto = None if self._protocol is None else self._protocol.auto
+        self._slots = slots.Slots()
+        self._stepping = False   # a bucket of the step was handed over, its last one not yet
+        self._errors: List[BaseException] = []   # the failed buckets of the step under way
+        self._auto_names: Dict[torch.Tensor, str] = {}
+        self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
+        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._worker: Optional[threading.Thread] = None
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _connect(self) -> None:
         """Make the private process group over the ranks of ``process_group`` if this process has
@@ -241,12 +208,9 @@ class DeepReduceState:
         state = dict(state)
         sparse_state = state.pop("_sparse_state")
         self.__dict__.update(state)
-        self.process_group, self._group = None, None
-        self._communicator, self._protocol = self._make_protocol()
+        self._process_local()
         if sparse_state is not None:
             self._protocol.sparse.load_state_dict(sparse_state)
-        self._flats, self._jobs, self._worker, self._auto_names = {}, queue.Queue(), None, {}
-        atexit.register(_close_at_exit, weakref.ref(self))
 
     def bind(self, named_parameters) -> None:
         """Name the parameters again after unpickling: ``model.named_parameters()`` of the model
@@ -297,10 +261,19 @@ class DeepReduceState:
         return self._queue(bucket, buffer, views, names, None if self.per_parameter else self._merged(names, views))
 
     def _queue(self, bucket: dist.GradBucket, buffer: torch.Tensor, views, names, merged) -> torch.futures.Future:
-        job = _Job(buffer, views, names, self.step, bucket.is_last(),
+        job = Job(buffer, views, names, self.step, bucket.index(), bucket.is_last(),
                    torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future(),
                    merged)
-        if bucket.is_last():
+        if self._auto is not None and job.step >= 1:
+            # the backward timeline, which the worker reads after the step's last bucket; not of
+            # the first step, whose buckets DDP rebuilds after it (no timeline: no plan yet)
+            if not self._stepping:
+                self._auto.restart_timeline()
+            self._auto.ready(job.label, buffer.numel())
+            if job.last:
+                self._auto.backward_done()
+        self._stepping = not job.last
+        if job.last:
             self.step += 1
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="deepreduce-ddp", daemon=True)
@@ -316,7 +289,7 @@ class DeepReduceState:
         members = [i for i, v in enumerate(views) if v.numel() >= self.pipeline.core.min_numel]
         if len(members) < 2:
             return None
-        return f"bucket:{names[members[0]]}..{names[members[-1]]}/{len(members)}", members
+        return bucket_name(names, members), members
 
     # ------------------------------------------------------------------ the worker's side
     def _work(self) -> None:
@@ -325,226 +298,23 @@ class DeepReduceState:
             if job is None:   # close(): the worker ends before its process group goes
                 self._jobs.task_done()
                 return
+            result, error = job.buffer, None
             try:
                 result = self._reduce(job)
-                if job.last:
-                    self._end_step(job)
-                job.future.set_result(result)
             except Exception as exc:  # every failure reaches DDP's wait on this rank
-                job.future.set_exception(exc)
-            finally:
-                self._jobs.task_done()
-
-    def _reduce(self, job: _Job) -> torch.Tensor:
-        device = job.buffer.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        start = time.perf_counter()
-        failure, payload, codes = None, None, None
-        sparse = self._protocol is not None and self._protocol.sparse is not None
-        try:
-            if self.pipeline is None:
-                codes = self._compress(job)
-            elif not sparse:   # the sparse all-reduce encodes its shards itself
-                payload = self._encode(job)
-        except Exception as exc:  # reported to every rank through the header, raised below
-            failure = exc
-        self.stats["encode_seconds"] += time.perf_counter() - start
-        sent = payload if codes is None else codes[0]
-        nbytes = _FAILED if failure is not None else 0 if sent is None else sent.numel() * sent.element_size()
-        layout = agreement.Layout(self._compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
-                                                        for n, v in zip(job.names, job.views)], "parameter")
-        headers = self._exchange_headers(job, nbytes, layout, device)
-        self._check_agreement(job, headers, layout, failure, equal_sizes=codes is not None)
-        self.stats["buckets"] += 1
-        self.stats["dense_bytes"] += 4 * sum(v.numel() for v in job.views)
-        self.stats["wire_bytes"] += nbytes
-        if codes is not None:
-            self._reduce_codes(job, *codes)
-        elif sparse:
-            self._reduce_sparse(job)
-        else:
-            if job.buffer.is_sparse:
-                return self._gather_entries(job, payload, headers[:, 0])
-            self._gather_and_decode(job, payload, headers[:, 0])
-        return job.buffer
-
-    def _exchange_headers(self, job: _Job, nbytes: int, layout: agreement.Layout, device) -> np.ndarray:
-        header = torch.tensor([nbytes, layout.compressor_digest, layout.digest, job.step], dtype=torch.int64,
-                              device=device)
-        headers = [torch.empty_like(header) for _ in range(self.world_size)]
-        start = time.perf_counter()
-        dist.all_gather(headers, header, group=self._group)
-        self.stats["communication_seconds"] += time.perf_counter() - start
-        return torch.stack(headers).cpu().numpy()
-
-    def _check_agreement(self, job: _Job, headers: np.ndarray, layout: agreement.Layout,
-                         failure: Optional[Exception], equal_sizes: bool) -> None:
-        where = f"DDP bucket with parameters {_describe(job.names)}"
-        if len(set(headers[:, 1].tolist())) > 1 or len(set(headers[:, 2].tolist())) > 1:
-            # every rank saw it: every rank gathers the layouts and names the same first difference
-            raise CommunicationError(f"{where}: {agreement.explain(layout, self._allgather)}; every rank must run "
-                                     "the same model with the same deepreduce config")
-        if failure is not None:
-            raise failure
-        failed = [r for r in range(self.world_size) if headers[r, 0] == _FAILED]
-        if failed:
-            raise CommunicationError(f"{where}: rank(s) {failed} could not encode their gradients "
-                                     "(their own error says why)")
-        if len(set(headers[:, 3].tolist())) > 1:
-            raise CommunicationError(f"{where}: ranks disagree about the step counter ({headers[:, 3].tolist()}); "
-                                     "every rank must resume from the same checkpoint")
-        if equal_sizes and len(set(headers[:, 0].tolist())) > 1:
-            raise CommunicationError(f"{where}: ranks produced codes of different sizes "
-                                     f"({headers[:, 0].tolist()} bytes) for an all_reduce; their "
-                                     f"{self.compressor!r} states differ")
-
-    # containers --------------------------------------------------------------
-    def _encode(self, job: _Job) -> torch.Tensor:
-        if job.buffer.is_sparse:
-            positions, values = entries(job.buffer)
-            payload = self.pipeline.core.encode_entries(positions, values, tuple(job.buffer.shape), name=job.names[0],
-                                                        step=job.step)
-            return torch.from_numpy(payload).to(job.buffer.device)
-        if job.merged is None:
-            parts = [self.pipeline.encode(view, name=name, step=job.step) for name, view in zip(job.names, job.views)]
-        else:
-            name, members = job.merged
-            flat = self._merged_flat(job)
-            torch.cat([job.views[i].reshape(-1) for i in members], out=flat)
-            parts = [self.pipeline.encode(flat, name=name, step=job.step)]
-            parts += [self.pipeline.encode(view, name=n, step=job.step)
-                      for i, (n, view) in enumerate(zip(job.names, job.views)) if i not in members]
-        return torch.cat(parts).to(job.buffer.device)
-
-    def _merged_flat(self, job: _Job) -> torch.Tensor:
-        """The flat tensor of a bucket's merged gradients, kept across steps (only the worker
-        thread uses it): filled from their views to encode, then decoded into and spread back over
-        them by :meth:`_copy_back`."""
-        name, members = job.merged
-        numel = sum(job.views[i].numel() for i in members)
-        flat = self._flats.get(name)
-        if flat is None or flat.numel() != numel or flat.device != job.buffer.device:
-            flat = self._flats[name] = job.buffer.new_empty(numel)
-        return flat
-
-    def _targets(self, job: _Job) -> List[torch.Tensor]:
-        """Where each container of the bucket decodes to: a view of the bucket, or, for merged
-        gradients, their flat tensor (:meth:`_merged_flat`)."""
-        if job.merged is None:
-            return list(job.views)
-        members = job.merged[1]
-        return [self._merged_flat(job)] + [v for i, v in enumerate(job.views) if i not in members]
-
-    @staticmethod
-    def _copy_back(job: _Job, scratch: torch.Tensor) -> None:
-        at = 0
-        for i in job.merged[1]:
-            view = job.views[i]
-            view.copy_(scratch[at:at + view.numel()].view(view.shape))
-            at += view.numel()
-
-    def _gather(self, payload: torch.Tensor, sizes: np.ndarray) -> List[torch.Tensor]:
-        """Every rank's bytes of the bucket: one ``all_gather`` of the payloads padded to the
-        longest (``sizes``: each rank's byte count, from the headers)."""
-        longest = int(sizes.max())
-        padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
-        padded[:payload.numel()] = payload
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        start = time.perf_counter()
-        dist.all_gather(gathered, padded, group=self._group)
-        self.stats["communication_seconds"] += time.perf_counter() - start
-        self.stats["collective_bytes"] += longest
-        return [data[:int(size)] for data, size in zip(gathered, sizes)]
-
-    def _gather_entries(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
-        """A sparse bucket (DDP puts each sparse gradient in a bucket of its own): every rank's
-        entries summed and averaged into a coalesced COO gradient (:mod:`deepreduce.torch.sparse`)."""
-        gathered = self._gather(payload, sizes)
-        start = time.perf_counter()
-        summed, shape = [], tuple(job.buffer.shape)
-        self._protocol.finish(
-            [data.cpu().numpy() for data in gathered], job.names[0], job.step,
-            lambda parts: summed.append(self.pipeline.core.decode_entries(parts, shape)),
-            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), f"parameter {job.names[0]!r}")
-        self.stats["decode_seconds"] += time.perf_counter() - start
-        return from_entries(*summed[0], like=job.buffer) if summed else job.buffer
-
-    def _gather_and_decode(self, job: _Job, payload: torch.Tensor, sizes: np.ndarray) -> None:
-        gathered = self._gather(payload, sizes)
-        start = time.perf_counter()
-        per_rank = []
-        names = job.containers()
-        for rank, data in enumerate(gathered):
-            parts = container.split(data)   # a device tensor is split into device slices
-            if len(parts) != len(names):
-                raise CommunicationError(f"rank {rank} sent {len(parts)} containers for a DDP bucket of "
-                                         f"{len(names)} ({_describe(job.names)})")
-            per_rank.append(parts)
-        for i, (name, target) in enumerate(zip(names, self._targets(job))):
-            self._protocol.finish(   # decoded straight into the bucket (on its device on the device path)
-                [parts[i] for parts in per_rank], name, job.step,
-                lambda payloads, t=target: self.pipeline.decode_sum(payloads, expected_shape=tuple(t.shape), out=t),
-                target.div_, f"parameter {name!r}")
-        if job.merged is not None:
-            self._copy_back(job, self._targets(job)[0])
-        self.stats["decode_seconds"] += time.perf_counter() - start
-
-    def _reduce_sparse(self, job: _Job) -> None:
-        """Each container's tensor through the sparse all-reduce (host arrays), in name order on
-        every rank; the averages are written back into the bucket."""
-        targets, names = self._targets(job), job.containers()
-        if job.merged is not None:
-            torch.cat([job.views[i].reshape(-1) for i in job.merged[1]], out=targets[0])
-        start, sent = time.perf_counter(), self._protocol.sparse.sent_bytes
-        for i in sorted(range(len(names)), key=names.__getitem__):
-            target = targets[i]
-            total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), names[i], job.step)
-            if found is not None:
-                self._protocol.skip(names[i], job.step, found)
-                continue
-            target.copy_(torch.from_numpy(total).view(target.shape))
-        if job.merged is not None:
-            self._copy_back(job, targets[0])
-        self.stats["communication_seconds"] += time.perf_counter() - start
-        self.stats["wire_bytes"] += self._protocol.sparse.sent_bytes - sent
-        self.stats["collective_bytes"] += self._protocol.sparse.sent_bytes - sent
-
-    def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
-        return self._communicator.allgather(payload, "deepreduce.dist.agreement")
-
-    def _end_step(self, job: _Job) -> None:
-        """After the step's last bucket: keep its residuals, or, if any rank sent a non-finite
-        container under ``nonfinite: raise``, undo them and raise the same error on every rank."""
-        if self._protocol is not None:
-            self._protocol.end_step(job.step)
-
-    # summable codes -----------------------------------------------------------
-    def _compress(self, job: _Job):
-        codes, contexts = [], []
-        named = getattr(self.compressor, "accepts_name", False)
-        for name, view in zip(job.names, job.views):
-            code, ctx = self.compressor.compress(view, name=name) if named else self.compressor.compress(view)
-            codes.append(code)
-            contexts.append(ctx)
-        dtypes = {c.dtype for c in codes}
-        if len(dtypes) != 1:
-            raise ConfigError(f"{self.compressor!r} returned codes of several dtypes ({sorted(map(str, dtypes))}) "
-                              "for one bucket; a summable compressor must use one dtype")
-        return torch.cat([c.reshape(-1) for c in codes]), codes, contexts
-
-    def _reduce_codes(self, job: _Job, flat: torch.Tensor, codes, contexts) -> None:
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=self._group)
-        self.stats["communication_seconds"] += time.perf_counter() - start
-        self.stats["collective_bytes"] += flat.numel() * flat.element_size()
-        start = time.perf_counter()
-        offset = 0
-        for code, ctx, view in zip(codes, contexts, job.views):
-            summed = flat[offset:offset + code.numel()].view(code.shape)
-            offset += code.numel()
-            view.copy_(self.compressor.decompress(summed, ctx).view(view.shape) / self.world_size)
-        self.stats["decode_seconds"] += time.perf_counter() - start
+                error = exc
+                self._errors.append(exc)
+            if job.last:   # the step's residuals are kept, or undone when a bucket failed
+                errors, self._errors = self._errors, []
+                try:
+                    self._end_step(job, errors)
+                except Exception as exc:
+                    error = error or exc
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+            self._jobs.task_done()
 
     def close(self) -> None:
         """Stop the worker thread, then release the private process group, in that order (a
@@ -569,6 +339,8 @@ class DeepReduceState:
         self.wait_idle()
         out = dict(self.stats, steps=self.step)
         out["relative_volume"] = out["wire_bytes"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
+        if self._protocol is not None:
+            out.update(self._protocol.stats())
         return out
 
     def state_dict(self) -> dict:

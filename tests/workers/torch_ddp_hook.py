@@ -3,6 +3,7 @@
 ``run(rank, world, port, queue)`` puts ``(rank, results)`` on the queue, results keyed by scenario;
 tests/test_torch_ddp.py checks them. Scenarios that must fail run last, each on a fresh model.
 """
+import contextlib
 import copy
 import io
 import os
@@ -132,6 +133,66 @@ def scenario_sparse_allreduce(rank):
             "has_owner_state": "aggregation" in saved[2]}
 
 
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast",
+               "all_gather_object", "reduce_scatter", "gather", "scatter")
+
+
+def count_collectives(group, counter: list):
+    """Wrap torch.distributed's collectives so each call on ``group`` adds one to ``counter[0]``;
+    returns a function that unwraps them."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def wrap(name, original):
+        def counted(*args, **kwargs):
+            if kwargs.get("group") is group:
+                counter[0] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    return lambda: [setattr(dist, name, original) for name, original in originals.items()]
+
+
+def scenario_collectives(rank):
+    """Collectives on the hook's private group per step against the buckets of that step
+    (Top-r with raw codecs: container sizes that follow from the shapes)."""
+    model, opt, state = make(TOPK)
+    counter, per_step = [0], []
+    restore = count_collectives(state._group, counter)
+    try:
+        for step in range(5):
+            before, buckets = counter[0], state.stats["buckets"]
+            train(model, opt, rank, 1, start=step)
+            per_step.append((counter[0] - before, state.stats["buckets"] - buckets))
+    finally:
+        restore()
+    return {"per_step": per_step, "params": flat_params(model)}
+
+
+def scenario_auto(rank):
+    """``aggregation: auto`` in the hook on a very fast and a very slow link: a plan per bucket
+    after the second step (DDP's buckets are rebuilt after the first), printed once by rank 0,
+    reported by compression_stats(); training goes on under it."""
+    results = {}
+    for link, gbit in (("fast", 1e5), ("slow", 1e-3)):
+        model, opt, state = make(dict(TOPK, aggregation={"id": "auto", "bandwidth_gbit": gbit}))
+        printed, losses = io.StringIO(), []
+        with contextlib.redirect_stdout(printed):
+            for step in range(8):
+                x, y = batch(rank, step % 2)   # two batches seen again and again: the loss must fall
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+        stats = state.compression_stats()
+        results[link] = {"plan": stats["plan"], "plans_made": stats["plans_made"], "losses": losses,
+                         "printed": printed.getvalue(), "params": flat_params(model),
+                         "residuals_left": sum(int(np.count_nonzero(r)) for r in residuals(state).values())}
+    return results
+
+
 def scenario_gradiveq(rank):
     compressor = GradiVeQ(warmup=1, sample_iters=2, compress_iters=3, min_numel=64)
     model, opt, state = make(compressor)
@@ -229,6 +290,34 @@ def scenario_nonfinite(rank):
     return {"propagated": all_nan, "skipped": skipped, "unchanged": unchanged, "params": flat_params(model)}
 
 
+def scenario_failed_encode(rank):
+    """Rank 1's encode of fc1.weight raises at step 1 (a plain error), at step 2 a
+    NonFiniteGradientError: every rank's backward fails, rank 0's naming rank 1 and its message,
+    and training goes on in step with the same parameters on both ranks."""
+    from deepreduce.errors import NonFiniteGradientError
+
+    model, opt, state = make(TOPK)
+    encode, failures = state.pipeline.encode, {1: ValueError("boom"), 2: NonFiniteGradientError("overflowed")}
+
+    def failing(tensor, name="", step=0):
+        if rank == 1 and name == "fc1.weight" and step in failures:
+            raise failures[step]
+        return encode(tensor, name=name, step=step)
+
+    state.pipeline.encode = failing
+    errors = {}
+    for step in range(4):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except RuntimeError as exc:
+            errors[step] = str(exc)
+            continue
+        opt.step()
+    return {"errors": errors, "params": flat_params(model)}
+
+
 def scenario_disagreement(rank):
     config = dict(TOPK, sparsifier={"id": "topk", "ratio": 0.01 * (rank + 1)})
     model, _, _ = make(config)
@@ -272,8 +361,8 @@ def scenario_whole_buckets(rank):
             "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
 
 
-SCENARIOS = [scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
-             scenario_nonfinite, scenario_disagreement]
+SCENARIOS = [scenario_collectives, scenario_auto, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
+             scenario_nonfinite, scenario_failed_encode, scenario_disagreement]
 
 
 def run(rank, world, port, queue):

@@ -1,0 +1,53 @@
+"""The slot sizes of the DDP hook's one collective per bucket (deepreduce.dist.slots): a slot
+grows past an overflowing payload with slack, keeps its size while payloads fit, shrinks when
+far too large; headers round-trip; disagreeing headers raise the same clear error."""
+import numpy as np
+import pytest
+
+from deepreduce.dist import agreement, slots
+from deepreduce.errors import CommunicationError
+
+
+def test_a_slot_grows_on_overflow_and_then_holds():
+    s = slots.Slots()
+    assert s.capacity(0) == 0
+    assert s.settle(0, np.array([1000, 900])) == 1000          # nothing fitted: the whole payload is the rest
+    grown = s.capacity(0)
+    assert grown >= 1000 * (1 + slots.SLACK) and grown % slots.ALIGN == 0
+    assert s.settle(0, np.array([grown, grown // 2])) == 0     # fits: no second collective, same size
+    assert s.capacity(0) == grown
+    assert s.settle(0, np.array([grown + 5, 0])) == 5          # only the bytes beyond the slot travel again
+    assert s.capacity(0) > grown
+    assert s.capacity(1) == 0                                   # another bucket position has its own slot
+
+
+def test_a_slot_far_too_large_shrinks():
+    s = slots.Slots()
+    s.settle(0, np.array([100_000]))
+    large = s.capacity(0)
+    assert s.settle(0, np.array([int(large * slots.SHRINK_BELOW) - 1])) == 0
+    assert s.capacity(0) < large
+
+
+def layout(name="w", compressor=("topk", "00" * 8)):
+    return agreement.Layout(compressor, [(name, (4, 4), "float32")], "parameter")
+
+
+def test_headers_round_trip_and_disagreements_are_named():
+    mine = slots.prefix(123, layout(), 7)
+    assert mine.dtype == np.uint8 and mine.shape == (slots.PREFIX_BYTES,)
+    headers = slots.parse(np.stack([mine, slots.prefix(45, layout(), 7)]))
+    assert headers[:, 0].tolist() == [123, 45] and headers[:, 3].tolist() == [7, 7]
+    slots.check(headers, "bucket", lambda: "never asked")
+    slots.check_step(headers, "bucket")
+    other = slots.parse(np.stack([mine, slots.prefix(123, layout("v"), 7)]))
+    with pytest.raises(CommunicationError, match="bucket: rank 1 has parameter 'v'"):
+        slots.check(other, "bucket", lambda: "rank 1 has parameter 'v'")
+    late = slots.parse(np.stack([mine, slots.prefix(123, layout(), 8)]))
+    with pytest.raises(CommunicationError, match="step counter"):
+        slots.check_step(late, "bucket")
+    with pytest.raises(CommunicationError, match="codes of different sizes"):
+        slots.check_step(headers, "bucket", "FP16Compressor()")
+    failed = slots.parse(np.stack([mine, slots.prefix(slots.FAILED, layout(), 7)]))
+    with pytest.raises(CommunicationError, match=r"rank\(s\) \[1\] could not encode"):
+        slots.check_step(failed, "bucket", "FP16Compressor()")
