@@ -202,6 +202,11 @@ class ResidualMemory(Memory):
             held = self._residuals[name] = held.dense()
         return held
 
+    def hold(self, name: str, residual: np.ndarray) -> None:
+        """Keep ``residual`` as ``name``'s: the one the C++ pipeline created on the tensor's first
+        finite step (``Pipeline.encode_shards``), exactly what :meth:`accumulate` would have made."""
+        self._residuals[name] = residual
+
     def reset(self):
         self._residuals.clear()
 

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import registry
-from .backend import arrays, kernels, parallel
+from .backend import arrays, kernels, native_pipeline, parallel
 from .errors import (
     CommunicationError,
     ConfigError,
@@ -99,6 +99,7 @@ class Pipeline:
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
         self._own = OwnContainers()   # this rank's last containers, added to sums without decoding
+        self._native_settings = None   # C++ encode settings (False: a stage has no C++ twin), on first use
 
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -370,6 +371,10 @@ class Pipeline:
         sparse = numel >= self.min_numel
         if self._journal is not None:
             self._journal.save(name)
+        native = self._native_shards()
+        residual = self.memory.residual(name) if native is not None and self.memory.stateful else None
+        if native is not None and not arrays.is_torch(flat) and not arrays.is_torch(residual):
+            return self._encode_shards_native(native, flat, name, step, bounds, residual, start)
         fused = sparse and self._fuses_selection
         comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
                                       self.threads)
@@ -398,6 +403,32 @@ class Pipeline:
         seconds = (time.perf_counter() - start) / max(1, len(parts))
         for c, payload in zip(parts, payloads):
             self._count_encode(c, payload.shape[0], c.numel, seconds)
+        return payloads
+
+    def _native_shards(self):
+        """The C++ pipeline when it runs this config's encode_shards, else None.
+
+        Every nonfinite policy is safe here, unlike for the C++ encode of one tensor
+        (native_pipeline.unsupported): encode_shards sends a non-finite gradient as flagged dense
+        shards under both policies and raises CompensationOverflow under both, and the residual
+        the C++ code updates in place is this pipeline's own, saved by its journal just before."""
+        if self._native_settings is None:
+            self._native_settings = native_pipeline.settings(self) \
+                if native_pipeline.unsupported_stage(self) is None else False
+        return native_pipeline.module() if self._native_settings else None
+
+    def _encode_shards_native(self, native, flat, name: str, step: int, bounds: list, residual, start: float) -> list:
+        """:meth:`encode_shards` in one C++ call (byte-identical, tests/test_native_pipeline.py)."""
+        try:
+            payloads, held, sections = native_pipeline.encode_shards(native, self._native_settings, name, step, flat,
+                                                                      bounds, residual)
+        except NonFiniteGradientError as exc:
+            raise CompensationOverflow(str(exc)) from exc
+        if held is not None and held is not residual:
+            self.memory.hold(name, held)
+        seconds = (time.perf_counter() - start) / max(1, len(payloads))
+        for (lo, hi), payload, (index, value, perm) in zip(zip(bounds, bounds[1:]), payloads, sections):
+            self._count_sections(payload.shape[0], hi - lo, index, value, perm, seconds)
         return payloads
 
     def encode_dense(self, flat: np.ndarray, flagged: bool = False) -> np.ndarray:
@@ -629,14 +660,19 @@ class Pipeline:
 
     # ------------------------------------------------------------------ stats
     def _count_encode(self, c: container.Container, nbytes: int, numel: int, seconds: float) -> None:
+        self._count_sections(nbytes, numel, len(c.index_section), len(c.value_section), len(c.perm_section),
+                             seconds)
+
+    def _count_sections(self, nbytes: int, numel: int, index: int, value: int, perm: int, seconds: float) -> None:
+        """Count one encoded container of ``nbytes`` (its sections' bytes given) in :attr:`stats`."""
         s = self.stats
         s.tensors_encoded += 1
         s.dense_bytes += 4 * numel
         s.wire_bytes += nbytes
-        s.index_bytes += len(c.index_section)
-        s.value_bytes += len(c.value_section)
-        s.permutation_bytes += len(c.perm_section)
-        s.header_bytes += nbytes - len(c.index_section) - len(c.value_section) - len(c.perm_section)
+        s.index_bytes += index
+        s.value_bytes += value
+        s.permutation_bytes += perm
+        s.header_bytes += nbytes - index - value - perm
         s.encode_seconds += seconds
 
 

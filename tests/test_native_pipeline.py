@@ -7,6 +7,8 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import deepreduce
 from deepreduce.backend import native_pipeline
@@ -29,7 +31,7 @@ FILE_CONFIGS = [c for c in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yam
                 if native_pipeline.unsupported(deepreduce.build(c)) is None]
 CONFIGS = FILE_CONFIGS + [config("bloom", p, v, m) for p in bloom_codec.POLICIES for v in ("raw", "fp16", "polyfit")
                           for m in ("none", "residual")] \
-    + [config("raw", value=v) for v in ("raw", "fp16", "polyfit")] \
+    + [config(i, value=v) for i in ("raw", "elias_fano") for v in ("raw", "fp16", "polyfit")] \
     + [dict(config(i, "p1", v), sparsifier={"id": "threshold", "threshold": 0.02})
        for i in ("raw", "bloom") for v in ("raw", "polyfit")]
 
@@ -84,7 +86,8 @@ def native_outcome(call):
         return "ContainerError", str(exc)
 
 
-@pytest.mark.parametrize("cfg", [config("bloom", "p2", "polyfit"), config("raw", value="fp16"), config("bloom", "p0")],
+@pytest.mark.parametrize("cfg", [config("bloom", "p2", "polyfit"), config("raw", value="fp16"), config("bloom", "p0"),
+                                 config("elias_fano", value="polyfit")],
                          ids=config_id)
 def test_cpp_pipeline_refuses_what_the_core_refuses(cfg):
     core = deepreduce.build(cfg)
@@ -108,3 +111,105 @@ def test_cpp_pipeline_refuses_what_the_core_refuses(cfg):
 
 def test_settings_of_an_unsupported_config_are_not_asked_for():
     assert "qsgd" in native_pipeline.unsupported(deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(numel=st.integers(1, 5000), ratio=st.floats(0.0005, 1.0), memory=st.sampled_from(("none", "residual")),
+       value=st.sampled_from(("raw", "fp16", "polyfit")), seed=st.integers(0, 2 ** 16))
+def test_cpp_elias_fano_is_the_cores_at_any_size_and_ratio(numel, ratio, memory, value, seed):
+    cfg = dict(config("elias_fano", value=value, memory=memory), sparsifier={"id": "topk", "ratio": ratio},
+               min_numel=0)
+    core = deepreduce.build(cfg)
+    rng = np.random.default_rng(seed)
+    residual = None
+    for step in range(2):
+        g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
+        payload, residual = _pipeline.encode(native_pipeline.settings(core), "t", step, g, residual)
+        expected = core.encode(g, name="t", step=step)
+        assert np.array_equal(payload, expected)
+        np.testing.assert_array_equal(_pipeline.decode_sum(expected, single=True, shape=(numel,)),
+                                      core.decode(expected, (numel,)))
+
+
+def elias_fano_container(section, n, numel, index_params=b""):
+    """A sparse container of n raw float32 ones whose Elias-Fano index section is ``section``."""
+    c = container.Container(shape=(numel,), n=n, index_id=6, value_id=0, index_params=index_params,
+                            value_params=b"", index_section=bytes(section),
+                            value_section=np.ones(n, np.float32).tobytes(), perm_section=b"")
+    c.digest = bytes(8)
+    return container.pack(c)
+
+
+def test_cpp_elias_fano_refuses_bad_sections_with_the_cores_error():
+    core = deepreduce.build(config("elias_fano", memory="none"))
+    good = bytearray(core.index.encode(np.array([3, 40, 41, 999]), np.ones(4, np.float32),
+                                       np.zeros(1000, np.float32), None).payload)
+    padded = bytearray(good)
+    padded[-1] |= 0x80            # 4 * 7 + 4 + 7 = 39 bits: bit 39 is padding
+    extra_one = bytearray(good)
+    extra_one[4] |= 0x08          # a fifth upper bit (stream bits 28-38 are the upper bits)
+    repeated = bytes([0x0F])      # 4 of 5 (L = 0): upper bits 0-3 decode to 0, 0, 0, 0
+    cases = [(elias_fano_container(good[:-1], 4, 1000), "bytes, expected"),
+             (elias_fano_container(good, 4, 1000, index_params=b"\x01"), "bytes, expected"),
+             (elias_fano_container(padded, 4, 1000), "non-zero padding"),
+             (elias_fano_container(extra_one, 4, 1000), "upper bits hold 5 entries"),
+             (elias_fano_container(bytes(len(good)), 4, 1000), "upper bits hold 0 entries"),
+             (elias_fano_container(repeated, 4, 5), "out of range or not increasing")]
+    for buf, text in cases:
+        with pytest.raises(deepreduce.ContainerError, match=text) as expected:
+            core.decode(buf, None)
+        with pytest.raises(ValueError) as got:   # ContainerError's kind reaches Python as ValueError
+            _pipeline.decode_sum(buf, single=True)
+        assert str(got.value) == str(expected.value)
+
+
+SHARD_CONFIGS = [config(i, value=v) for i in ("raw", "elias_fano") for v in ("raw", "fp16", "polyfit")] \
+    + [config("bloom", p, "polyfit") for p in ("p0", "p2")] + [config("elias_fano", memory="none"),
+                                                              dict(config("elias_fano"), nonfinite="raise")]
+
+
+def shard_bounds(numel, ranks, rng):
+    """Uneven boundaries with empty shards among them."""
+    cuts = np.sort(rng.integers(0, numel + 1, ranks - 1))
+    cuts[: ranks // 3] = cuts[0]   # several empty shards in a row
+    return np.concatenate([[0], cuts, [numel]]).astype(np.int64)
+
+
+@pytest.mark.parametrize("cfg", SHARD_CONFIGS, ids=config_id)
+def test_cpp_encode_shards_is_the_cores(cfg, monkeypatch):
+    fast, slow = deepreduce.build(cfg), deepreduce.build(cfg)
+    assert native_pipeline.unsupported_stage(fast) is None and native_pipeline.module() is not None
+    numel = 20000
+    rng = np.random.default_rng(11)
+    for step, ranks in enumerate((1, 2, 5, 16, 64)):
+        bounds = shard_bounds(numel, ranks, rng) if ranks > 2 else (np.arange(ranks + 1) * numel) // ranks
+        g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
+        if step == 3:
+            g[123] = np.inf   # every shard dense and flagged, the residual untouched
+        got = fast.encode_shards(g, "w", step, bounds)
+        with monkeypatch.context() as m:
+            m.setattr(native_pipeline, "module", lambda: None)
+            expected = slow.encode_shards(g, "w", step, bounds)
+        assert len(got) == len(expected) == ranks
+        for j, (a, b) in enumerate(zip(got, expected)):
+            assert np.array_equal(a, b), f"step {step}, shard {j}"
+        if fast.memory.stateful:
+            np.testing.assert_array_equal(fast.memory.residual("w"), slow.memory.residual("w"))
+    assert fast.stats.as_dict() | {"encode_seconds": 0} == slow.stats.as_dict() | {"encode_seconds": 0}
+
+
+def test_cpp_encode_shards_refuses_an_overflowing_compensation_as_the_core_does(monkeypatch):
+    fast, slow = deepreduce.build(config("elias_fano")), deepreduce.build(config("elias_fano"))
+    big = np.full(4000, 3e38, np.float32)
+    bounds = [0, 1000, 4000]
+    outcomes = []
+    for core, native in ((fast, True), (slow, False)):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(native_pipeline, "module", lambda: None)
+            core.encode_shards(big, "w", 0, bounds)
+            with pytest.raises(deepreduce.NonFiniteGradientError) as exc:
+                core.encode_shards(big, "w", 1, bounds)
+        outcomes.append((type(exc.value), str(exc.value), core.memory.residual("w").copy()))
+    assert outcomes[0][:2] == outcomes[1][:2]
+    np.testing.assert_array_equal(outcomes[0][2], outcomes[1][2])

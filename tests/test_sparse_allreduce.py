@@ -3,11 +3,14 @@ real runs on 2, 4 and 8 ranks (mpirun, mpi4py communicator; 8 marked slow) and 2
 (horovodrun, Horovod's alltoall): exact equality with the allgather without re-selection, conservation of both
 residuals with it, an uneven split, receive volume under 3k entries, and checkpoint resume
 (tests/workers/sparse_allreduce.py)."""
+import threading
+
 import numpy as np
 import pytest
 from conftest import run_ranks
 
 import deepreduce
+from deepreduce.backend import native_pipeline
 from deepreduce.dist.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 
@@ -71,3 +74,115 @@ def test_horovod_optimizer_with_sparse_allreduce(ranks):
     out = run_ranks("horovodrun", "torch_sparse_allreduce.py", np_=ranks, timeout=600).stdout
     for scenario in ("exact", "trains", "resume", "disagree", "auto"):
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
+
+
+class _ThreadRanks:
+    """``size`` ranks as threads of this process exchanging through shared slots (a barrier
+    between writing and reading): the collectives of the sparse all-reduce without a launcher."""
+
+    def __init__(self, size):
+        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), {}
+
+    def rank_view(self, rank):
+        ranks = self
+
+        class View:
+            def __init__(self):
+                self.rank, self.size = rank, ranks.size
+
+            def alltoall(self, payloads, name):
+                return ranks.exchange(rank, name, list(payloads), lambda sent, j: sent[j][rank])
+
+            def allgather(self, payload, name):
+                return ranks.exchange(rank, name, payload, lambda sent, j: sent[j])
+
+        return View()
+
+    def exchange(self, rank, name, mine, pick):
+        self.slots[(name, rank)] = mine
+        self.barrier.wait()
+        got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
+        self.barrier.wait()
+        return got
+
+
+def _reduce_on_threads(config, grads, corrupt=None):
+    """Every rank's (outputs per step, final residual, error text) for ``grads[step][rank]``;
+    ``corrupt(rank, step, payloads)`` may spoil what a rank sends in the first phase."""
+    size = len(grads[0])
+    ranks = _ThreadRanks(size)
+    results = [None] * size
+    pipes = [deepreduce.build(config) for _ in range(size)]   # the registry fills on first use: not in threads
+
+    def run(rank):
+        pipe = pipes[rank]
+        if corrupt is not None:
+            encode = pipe.encode_shards
+            pipe.encode_shards = lambda g, name, step, bounds: corrupt(rank, step, encode(g, name, step, bounds))
+        sra = SparseAllreduce(pipe, ranks.rank_view(rank), repartition_every=2)
+        outs = []
+        try:
+            for step, per_rank in enumerate(grads):
+                outs.append(sra.reduce(per_rank[rank], "w", step))
+        except deepreduce.DeepReduceError as exc:
+            ranks.barrier.abort()
+            outs.append(f"{type(exc).__name__}: {exc}")
+        except threading.BrokenBarrierError:
+            outs.append("aborted")
+        results[rank] = (outs, pipe.memory.residual("w"), sra.owner_residual("w"), pipe.stats.tensors_decoded)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+def _both_paths(config, grads, monkeypatch, corrupt=None):
+    native = _reduce_on_threads(config, grads, corrupt)
+    with monkeypatch.context() as m:
+        m.setattr(native_pipeline, "module", lambda: None)
+        python = _reduce_on_threads(config, grads, corrupt)
+    return native, python
+
+
+def _assert_same(native, python):
+    for (outs_n, res_n, own_n, dec_n), (outs_p, res_p, own_p, dec_p) in zip(native, python):
+        assert len(outs_n) == len(outs_p)
+        for a, b in zip(outs_n, outs_p):
+            if isinstance(b, str):
+                assert a == b
+            else:
+                np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(res_n, res_p)
+        np.testing.assert_array_equal(own_n, own_p)
+        assert dec_n == dec_p
+
+
+@pytest.mark.parametrize("name", ["elias_fano", "topk_raw", "bf_p0"])
+def test_native_decode_of_both_phases_equals_the_python_path(name, monkeypatch):
+    assert native_pipeline.module() is not None
+    rng = np.random.default_rng(3)
+    grads = [[rng.standard_normal(30_000).astype(np.float32) for _ in range(4)] for _ in range(5)]
+    grads[3][2][77] = np.nan   # one rank's non-finite gradient: every rank gets the flagged sum
+    native, python = _both_paths(name, grads, monkeypatch)
+    assert np.isnan(native[0][0][3][77])
+    _assert_same(native, python)
+
+
+def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatch):
+    def corrupt(rank, step, payloads):
+        if rank == 1 and step == 1:
+            payloads[2] = payloads[2].copy()
+            payloads[2][-1] ^= 1   # the checksum
+        return payloads
+
+    rng = np.random.default_rng(4)
+    grads = [[rng.standard_normal(20_000).astype(np.float32) for _ in range(3)] for _ in range(2)]
+    native, python = _both_paths("elias_fano", grads, monkeypatch, corrupt)
+    assert native[2][0][1].startswith("ContainerError: rank 1: ")
+    # the other ranks stop wherever the abort finds them; the decode count differs by the
+    # containers Python decoded before the bad one
+    _assert_same([r[:3] + (0,) for r in native[2:]], [r[:3] + (0,) for r in python[2:]])

@@ -7,7 +7,8 @@
 //
 // Error derives from std::invalid_argument, so pybind11 raises it as ValueError without a
 // translator (the Python codecs re-raise that as their deepreduce error); py_args.h raises the
-// Communication kind as deepreduce.errors.CommunicationError. The TensorFlow op glue turns an
+// Communication and Overflow kinds as deepreduce.errors.CommunicationError and
+// NonFiniteGradientError. The TensorFlow op glue turns an
 // Error into InvalidArgument("<kind name>: <message>"), which ops.py raises as that class.
 #pragma once
 
@@ -21,6 +22,7 @@ enum class ErrorKind {
     CONTAINER,      // a received buffer is not a valid container (ContainerError)
     COMMUNICATION,  // ranks disagree: shapes, counts, residual sizes (CommunicationError)
     ENCODE,         // a tensor cannot be encoded as configured (DeepReduceError)
+    OVERFLOW,       // error-feedback compensation is not finite (NonFiniteGradientError)
 };
 
 class Error : public std::invalid_argument {
@@ -36,6 +38,8 @@ class Error : public std::invalid_argument {
                 return "CommunicationError";
             case ErrorKind::ENCODE:
                 return "DeepReduceError";
+            case ErrorKind::OVERFLOW:
+                return "NonFiniteGradientError";
             default:
                 return "ValueError";
         }

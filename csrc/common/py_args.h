@@ -5,8 +5,9 @@
 // in-place outputs writeable C-contiguous float32 arrays (never converted: a copy would lose
 // the write), byte arguments contiguous buffers.
 //
-// Errors: deepreduce::Error (error.h) reaches Python as ValueError, its COMMUNICATION kind as
-// deepreduce.errors.CommunicationError (register_errors, called by every module).
+// Errors: deepreduce::Error (error.h) reaches Python as ValueError, its COMMUNICATION and
+// OVERFLOW kinds as deepreduce.errors.CommunicationError and NonFiniteGradientError
+// (register_errors, called by every module).
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -28,17 +29,18 @@ using I64Array = py::array_t<int64_t, py::array::c_style>;
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using FloatInPlace = py::array_t<float, py::array::c_style>;
 
-// Raise deepreduce::Error as ValueError, or CommunicationError for its COMMUNICATION kind.
+// Raise deepreduce::Error as ValueError, or as the deepreduce.errors class its COMMUNICATION or
+// OVERFLOW kind names.
 inline void register_errors() {
     py::register_local_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const Error& e) {
-            if (e.kind() != ErrorKind::COMMUNICATION) {
+            if (e.kind() != ErrorKind::COMMUNICATION && e.kind() != ErrorKind::OVERFLOW) {
                 PyErr_SetString(PyExc_ValueError, e.what());
                 return;
             }
-            py::object cls = py::module_::import("deepreduce.errors").attr("CommunicationError");
+            py::object cls = py::module_::import("deepreduce.errors").attr(e.kind_name());
             PyErr_SetString(cls.ptr(), e.what());
         }
     });

@@ -6,6 +6,7 @@
 
 #include "bitpack.h"
 #include "bloom_wire.h"
+#include "elias_fano.h"
 #include "common/checks.h"
 #include "common/error.h"
 #include "fit.h"
@@ -24,7 +25,7 @@ namespace ct = container;
     fail(ErrorKind::CONTAINER, message);
 }
 
-// The positions of a sparse container (the core's index codecs raw and bloom).
+// The positions of a sparse container (the core's index codecs raw, bloom and elias_fano).
 std::vector<int64_t> decode_indices(const ct::Header& h, const uint8_t* params, const uint8_t* section, uint64_t numel,
                                     int threads) {
     const uint64_t n = h.n;
@@ -41,9 +42,11 @@ std::vector<int64_t> decode_indices(const ct::Header& h, const uint8_t* params, 
         }
         return out;
     }
+    if (h.index_id == elias_fano::WIRE_ID)
+        return elias_fano::decode(section, h.lengths[ct::INDEX], h.lengths[ct::INDEX_PARAMS], n, numel);
     if (h.index_id != 1)
         container_error("container index codec id " + std::to_string(h.index_id) +
-                        " has no TensorFlow op (the ops decode raw and bloom indices); build the "
+                        " has no TensorFlow op (the ops decode raw, bloom and elias_fano indices); build the "
                         "pipeline with backend='numpy_function' to decode it");
     const std::vector<uint64_t> chosen =
         bloom::decode(params, h.lengths[ct::INDEX_PARAMS], section, h.lengths[ct::INDEX], n, numel, threads);
@@ -106,23 +109,30 @@ void check_finite(const ct::Header& h, const float* values, uint64_t n, const ch
                             " hold NaN/Inf but its header does not carry the non-finite flag");
 }
 
-// Pipeline._decode_into with accumulate: add the container's tensor into target.
-void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target) {
+// Pipeline._decode_into: add the container's tensor into target (`accumulate`), or write it
+// there (target then holds zeros outside the container's entries).
+void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target,
+                   bool accumulate = true) {
     const uint8_t* params = buf + h.size;
     const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
     if (h.dense()) {
         std::vector<float> dense(numel);
         if (numel) std::memcpy(dense.data(), sections, 4 * numel);
         check_finite(h, dense.data(), numel, "dense section");
+        if (!accumulate) {
+            std::copy(dense.begin(), dense.end(), target);
+            return;
+        }
         for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return;
     }
+    if (!accumulate) std::fill(target, target + numel, 0.0f);
     const std::vector<int64_t> indices = decode_indices(h, params, sections, numel, threads);
     std::vector<float> values = decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX]);
     check_finite(h, values.data(), values.size(), "values");
     if (h.permuted()) unpermute(h, sections + h.lengths[ct::INDEX] + h.lengths[ct::VALUE], values);
     const int64_t n = static_cast<int64_t>(h.n);
-    if (h.index_id == 1) {  // Bloom: strictly ascending, checked by the kernel
+    if (h.index_id == 1 || h.index_id == elias_fano::WIRE_ID) {  // ascending sets, checked by the kernel
         select::scatter_add_checked(target, static_cast<int64_t>(numel), indices.data(), values.data(), n, threads);
         return;
     }
@@ -140,32 +150,50 @@ void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int 
 }  // namespace
 
 size_t decode_sum(const DecodeConfig& c, const uint8_t* buf, size_t len, const TensorAllocator& tensor) {
-    check_threads(c.threads);
-    std::vector<std::pair<size_t, size_t>> parts;
+    std::vector<Part> parts;
     if (c.single) {
-        parts.emplace_back(0, len);
+        parts.push_back({buf, len});
     } else {
-        parts = ct::split(buf, len);
+        for (const auto& p : ct::split(buf, len)) parts.push_back({buf + p.first, p.second});
         if (c.count >= 0 && static_cast<int64_t>(parts.size()) != c.count)
             fail(ErrorKind::COMMUNICATION, "allgather returned " + std::to_string(parts.size()) + " containers for " +
                                                std::to_string(c.count) + " ranks");
-        if (parts.empty()) fail(ErrorKind::COMMUNICATION, "no containers to decode");
     }
+    return decode_sum(c, parts, tensor);
+}
+
+void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads) {
+    check_threads(threads);
+    if (bounds.size() != parts.size() + 1)
+        fail(ErrorKind::ARGUMENT, std::to_string(parts.size()) + " containers for " +
+                                      std::to_string(bounds.empty() ? 0 : bounds.size() - 1) + " shards");
+    for (size_t j = 0; j < parts.size(); ++j) {
+        if (bounds[j + 1] < bounds[j]) fail(ErrorKind::ARGUMENT, "shard bounds must not fall");
+        const std::vector<uint64_t> shape{static_cast<uint64_t>(bounds[j + 1] - bounds[j])};
+        ct::Header h;
+        const uint64_t numel = ct::unpack(parts[j].data, parts[j].size, h, &shape);
+        add_container(h, parts[j].data, numel, threads, out + bounds[j], false);
+    }
+}
+
+size_t decode_sum(const DecodeConfig& c, const std::vector<Part>& parts, const TensorAllocator& tensor) {
+    check_threads(c.threads);
+    if (parts.empty()) fail(ErrorKind::COMMUNICATION, "no containers to decode");
     bool have_shape = c.check_shape;
     std::vector<uint64_t> expected = c.shape;
     float* target = nullptr;
     for (size_t rank = 0; rank < parts.size(); ++rank) {
         try {
             ct::Header h;
-            const uint64_t numel = ct::unpack(buf + parts[rank].first, parts[rank].second, h,
-                                              have_shape ? &expected : nullptr, c.max_numel);
+            const uint64_t numel =
+                ct::unpack(parts[rank].data, parts[rank].size, h, have_shape ? &expected : nullptr, c.max_numel);
             if (!target) {  // the first container gives the shape every other one must have
                 target = tensor(h.shape, numel);
                 std::fill(target, target + numel, 0.0f);
                 expected = h.shape;
                 have_shape = true;
             }
-            add_container(h, buf + parts[rank].first, numel, c.threads, target);
+            add_container(h, parts[rank].data, numel, c.threads, target);
         } catch (const Error& e) {
             if (c.single) throw;
             throw Error(e.kind(), "rank " + std::to_string(rank) + ": " + e.what());

@@ -7,6 +7,7 @@
 
 #include "bitpack.h"
 #include "bloom_wire.h"
+#include "elias_fano.h"
 #include "common/checks.h"
 #include "common/error.h"
 #include "fit.h"
@@ -126,7 +127,8 @@ Sparsifier sparsifier_named(const std::string& id) {
 IndexCodec index_named(const std::string& id) {
     if (id == "raw") return IndexCodec::RAW;
     if (id == "bloom") return IndexCodec::BLOOM;
-    fail(ErrorKind::ARGUMENT, "index codec '" + id + "' has no C++ stage (raw, bloom)");
+    if (id == "elias_fano") return IndexCodec::ELIAS_FANO;
+    fail(ErrorKind::ARGUMENT, "index codec '" + id + "' has no C++ stage (raw, bloom, elias_fano)");
 }
 
 ValueCodec value_named(const std::string& id) {
@@ -146,63 +148,99 @@ void EncodeConfig::check() const {
     }
 }
 
-container::Header encode(const EncodeConfig& c, const std::string& name, int64_t step, const float* g,
-                         const std::vector<uint64_t>& shape, float* residual, int64_t residual_numel,
-                         const ResidualAllocator& new_residual, const PayloadAllocator& payload) {
-    int64_t n = 1;
-    for (uint64_t s : shape) n *= static_cast<int64_t>(s);
-    float* res = c.error_feedback && residual_numel > 0 ? residual : nullptr;
-    if (res && residual_numel != n)
+namespace {
+
+// Memory.accumulate and the selection of one whole tensor: the compensated gradient (the
+// residual, or the gradient without error feedback or when it is not finite) and, for a finite
+// tensor of at least min_numel elements, the ascending positions to send.
+struct Selection {
+    bool finite = true;
+    bool sparse = true;
+    const float* comp = nullptr;
+    float* res = nullptr;
+    std::vector<int64_t> positions;
+};
+
+Selection select_tensor(const EncodeConfig& c, const std::string& name, const float* g, int64_t n, float* residual,
+                        int64_t residual_numel, const ResidualAllocator& new_residual) {
+    Selection s;
+    s.res = c.error_feedback && residual_numel > 0 ? residual : nullptr;
+    if (s.res && residual_numel != n)
         fail(ErrorKind::COMMUNICATION, "residual memory: " + who(name) + " had " + std::to_string(residual_numel) +
                                            " elements, now " + std::to_string(n) + "; a name must keep its size");
-    const bool sparse = n >= c.min_numel;
+    s.sparse = n >= c.min_numel;
     const bool topk = c.sparsifier == Sparsifier::TOPK;
-    const int64_t r = sparse && topk ? count_for(c.ratio, n) : 0;
+    const int64_t r = s.sparse && topk ? count_for(c.ratio, n) : 0;
     const bool select_r = r > 0 && r < n;
-    std::vector<int64_t> positions(select_r ? r : 0);
+    s.positions.resize(select_r ? r : 0);
 
     // error feedback: the residual absorbs the gradient (Memory.accumulate), fused with the
     // finiteness check and, where it can be, the Top-r selection
-    const select::Scan scan = select::scan(g, res, n, select_r ? r : 0, c.threads, positions.data());
-    const bool finite = scan != select::Scan::NON_FINITE;
-    const float* comp = res && finite ? res : g;
-    if (!res && c.error_feedback && finite && n > 0) {  // the first residual is the gradient
-        res = new_residual(n);
-        std::memcpy(res, g, sizeof(float) * n);
-        comp = res;
+    const select::Scan scan = select::scan(g, s.res, n, select_r ? r : 0, c.threads, s.positions.data());
+    s.finite = scan != select::Scan::NON_FINITE;
+    s.comp = s.res && s.finite ? s.res : g;
+    if (!s.res && c.error_feedback && s.finite && n > 0) {  // the first residual is the gradient
+        s.res = new_residual(n);
+        std::memcpy(s.res, g, sizeof(float) * n);
+        s.comp = s.res;
     }
-
-    ct::Header h;
-    std::memcpy(h.digest, c.digest.data(), ct::DIGEST_SIZE);
-    h.shape = shape;
-    if (!finite || !sparse) {  // dense: the gradient as it is (non-finite) or the compensated one
-        h.flags = finite ? ct::FLAG_DENSE : ct::FLAG_DENSE | ct::FLAG_NONFINITE;
-        h.n = static_cast<uint64_t>(n);
-        h.lengths[ct::VALUE] = 4 * static_cast<uint64_t>(n);
-        uint8_t* out = start_container(h, "", "", payload);
-        if (n) std::memcpy(out + h.size, finite ? comp : g, 4 * n);  // little-endian float32
-        if (finite && res) std::fill(res, res + n, 0.0f);            // sent exactly
-        ct::finish(out, static_cast<size_t>(h.total()));
-        return h;
-    }
+    if (!s.finite || !s.sparse) return s;
 
     // selection: Top-r (already done by the scan when it could be) or a threshold
     if (!topk) {
-        positions = select::threshold(comp, n, c.threshold, c.threads);
+        s.positions = select::threshold(s.comp, n, c.threshold, c.threads);
     } else if (!select_r) {
-        positions.resize(r);
-        for (int64_t i = 0; i < r; ++i) positions[i] = i;
+        s.positions.resize(r);
+        for (int64_t i = 0; i < r; ++i) s.positions[i] = i;
     } else if (scan != select::Scan::SELECTED) {
-        select::topk(comp, n, r, c.threads, positions.data());
+        select::topk(s.comp, n, r, c.threads, s.positions.data());
     }
-    const size_t count = positions.size();
-    const uint64_t* ascending = reinterpret_cast<const uint64_t*>(positions.data());  // non-negative
+    return s;
+}
+
+// The dense container of values[0..n) (float32 as they are) with `flags`.
+container::Header encode_dense(const EncodeConfig& c, const std::vector<uint64_t>& shape, const float* values,
+                               int64_t n, uint8_t flags, const PayloadAllocator& payload) {
+    ct::Header h;
+    std::memcpy(h.digest, c.digest.data(), ct::DIGEST_SIZE);
+    h.shape = shape;
+    h.flags = flags;
+    h.n = static_cast<uint64_t>(n);
+    h.lengths[ct::VALUE] = 4 * static_cast<uint64_t>(n);
+    uint8_t* out = start_container(h, "", "", payload);
+    if (n) std::memcpy(out + h.size, values, 4 * n);  // little-endian float32
+    ct::finish(out, static_cast<size_t>(h.total()));
+    return h;
+}
+
+// What Memory.settle takes out of the residual: the receivers' values at the sent positions.
+struct Sent {
+    std::vector<int64_t> positions;
+    std::vector<float> received;
+};
+
+// Pipeline._encode_pairs: the container of the `count` ascending `positions` of comp[0..n)
+// (a tensor of `shape`, seeded as `name`), the sent positions plus `offset` and the values the
+// receiver reconstructs there appended to `sent`. `refuse_overflow`: non-finite values (a
+// residual plus gradient beyond float32's range) raise ErrorKind::OVERFLOW with the core's text.
+container::Header encode_positions(const EncodeConfig& c, const std::string& name, int64_t step, const float* comp,
+                                   int64_t n, const std::vector<uint64_t>& shape, const int64_t* positions,
+                                   size_t count, int64_t offset, bool refuse_overflow, const PayloadAllocator& payload,
+                                   Sent& sent_out) {
+    const uint64_t* ascending = reinterpret_cast<const uint64_t*>(positions);  // non-negative
+    if (refuse_overflow)
+        for (size_t j = 0; j < count; ++j)
+            if (!std::isfinite(comp[positions[j]]))
+                fail(ErrorKind::OVERFLOW, std::to_string(count) + " selected values include NaN/Inf");
+    ct::Header h;
+    std::memcpy(h.digest, c.digest.data(), ct::DIGEST_SIZE);
+    h.shape = shape;
 
     // the index codec: which positions carry values, and the values
     std::string index_params;
-    std::vector<uint8_t> filter;
+    std::vector<uint8_t> index_section;
     std::vector<uint64_t> bloom_chosen;
-    const int64_t* chosen = positions.data();
+    const int64_t* chosen = positions;
     std::vector<float> sent;
     if (c.index == IndexCodec::BLOOM) {
         const uint64_t draw_seed =
@@ -212,26 +250,37 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
         bloom::Encoded e = bloom::encode(ascending, count, static_cast<uint64_t>(n), c.policy, c.k, c.keys_per_block,
                                          c.hash_seed, draw_seed, c.threads);
         index_params.swap(e.params);
-        filter.swap(e.filter);
+        index_section.swap(e.filter);
         bloom_chosen.swap(e.chosen);
         chosen = reinterpret_cast<const int64_t*>(bloom_chosen.data());
         sent.resize(bloom_chosen.size());
-        const int64_t* source = c.policy == bloom::NAIVE ? positions.data() : chosen;  // naive: the support's values
+        const int64_t* source = c.policy == bloom::NAIVE ? positions : chosen;  // naive: the support's values
         for (size_t j = 0; j < sent.size(); ++j) sent[j] = comp[source[j]];
+        if (refuse_overflow)  // a filter's false positives
+            for (float x : sent)
+                if (!std::isfinite(x))
+                    fail(ErrorKind::OVERFLOW,
+                         std::to_string(sent.size()) + " values at the index codec's positions include NaN/Inf");
         h.index_id = 1;
-        h.lengths[ct::INDEX] = filter.size();
+        h.lengths[ct::INDEX] = index_section.size();
     } else {
         sent.resize(count);
         for (size_t j = 0; j < count; ++j) sent[j] = comp[positions[j]];
-        h.lengths[ct::INDEX] = count * (n <= (int64_t(1) << 32) ? 4 : 8);
+        if (c.index == IndexCodec::ELIAS_FANO) {
+            index_section = elias_fano::encode(ascending, count, static_cast<uint64_t>(n));
+            h.index_id = elias_fano::WIRE_ID;
+            h.lengths[ct::INDEX] = index_section.size();
+        } else {
+            h.lengths[ct::INDEX] = count * (n <= (int64_t(1) << 32) ? 4 : 8);
+        }
     }
     const int64_t m = static_cast<int64_t>(sent.size());
 
-    // the value codec; polyfit reorders the values: raw indices follow them, a Bloom set (ascending)
-    // sends the order as a permutation
+    // the value codec; polyfit reorders the values: raw indices follow them, an ascending set
+    // (Bloom, Elias-Fano) sends the order as a permutation
     Values v = encode_values(c, name, sent);
     h.value_id = v.id;
-    const bool permuted = c.value == ValueCodec::POLYFIT && c.index == IndexCodec::BLOOM && m;
+    const bool permuted = c.value == ValueCodec::POLYFIT && c.index != IndexCodec::RAW && m;
     if (permuted) {
         h.perm_width = static_cast<uint8_t>(width_for(static_cast<uint64_t>(m - 1)));
         h.flags |= ct::FLAG_PERMUTED;
@@ -241,8 +290,8 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
     h.lengths[ct::VALUE] = v.section.size();
     uint8_t* out = start_container(h, index_params, v.params, payload);
     uint8_t* section = out + h.size + index_params.size() + v.params.size();
-    if (c.index == IndexCodec::BLOOM) {
-        std::copy(filter.begin(), filter.end(), section);
+    if (c.index != IndexCodec::RAW) {
+        std::copy(index_section.begin(), index_section.end(), section);
     } else {  // raw indices, in the order of the values
         const bool narrow = h.lengths[ct::INDEX] == 4 * static_cast<uint64_t>(m);
         const bool reordered = !v.order.empty();
@@ -258,13 +307,85 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
         bitpack::pack(reinterpret_cast<const uint64_t*>(v.order.data()), static_cast<uint64_t>(m), h.perm_width,
                       section);
     ct::finish(out, static_cast<size_t>(h.total()));
-
-    // Memory.settle: residual[chosen] -= what the receiver reconstructs
-    if (res && m) {
-        for (float& x : v.received) x = -x;
-        select::scatter_add(res, chosen, v.received.data(), m, c.threads);
-    }
+    for (int64_t j = 0; j < m; ++j) sent_out.positions.push_back(chosen[j] + offset);
+    sent_out.received.insert(sent_out.received.end(), v.received.begin(), v.received.end());
     return h;
+}
+
+// Memory.settle: residual[positions] -= what the receivers reconstruct.
+void settle(float* res, Sent& sent, int threads) {
+    if (!res || sent.positions.empty()) return;
+    for (float& x : sent.received) x = -x;
+    select::scatter_add(res, sent.positions.data(), sent.received.data(), static_cast<int64_t>(sent.positions.size()),
+                        threads);
+}
+
+int64_t numel_of(const std::vector<uint64_t>& shape) {
+    int64_t n = 1;
+    for (uint64_t s : shape) n *= static_cast<int64_t>(s);
+    return n;
+}
+
+}  // namespace
+
+container::Header encode(const EncodeConfig& c, const std::string& name, int64_t step, const float* g,
+                         const std::vector<uint64_t>& shape, float* residual, int64_t residual_numel,
+                         const ResidualAllocator& new_residual, const PayloadAllocator& payload) {
+    const int64_t n = numel_of(shape);
+    Selection s = select_tensor(c, name, g, n, residual, residual_numel, new_residual);
+    if (!s.finite || !s.sparse) {  // dense: the gradient as it is (non-finite) or the compensated one
+        const container::Header h =
+            encode_dense(c, shape, s.comp, n, s.finite ? ct::FLAG_DENSE : ct::FLAG_DENSE | ct::FLAG_NONFINITE, payload);
+        if (s.finite && s.res) std::fill(s.res, s.res + n, 0.0f);  // sent exactly
+        return h;
+    }
+    Sent sent;
+    const container::Header h = encode_positions(c, name, step, s.comp, n, shape, s.positions.data(),
+                                                 s.positions.size(), 0, false, payload, sent);
+    settle(s.res, sent, c.threads);
+    return h;
+}
+
+std::vector<container::Header> encode_shards(const EncodeConfig& c, const std::string& name, int64_t step,
+                                             const float* g, int64_t n, const std::vector<int64_t>& bounds,
+                                             float* residual, int64_t residual_numel,
+                                             const ResidualAllocator& new_residual, const ShardAllocator& payload) {
+    if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != n)
+        fail(ErrorKind::ARGUMENT, "shard bounds must rise from 0 to " + std::to_string(n));
+    for (size_t j = 1; j < bounds.size(); ++j)
+        if (bounds[j] < bounds[j - 1])
+            fail(ErrorKind::ARGUMENT, "shard bounds must rise from 0 to " + std::to_string(n));
+    Selection s = select_tensor(c, name, g, n, residual, residual_numel, new_residual);
+    const size_t shards = bounds.size() - 1;
+    std::vector<container::Header> out;
+    out.reserve(shards);
+    if (!s.finite || !s.sparse) {
+        for (size_t j = 0; j < shards; ++j) {
+            const int64_t lo = bounds[j], len = bounds[j + 1] - lo;
+            out.push_back(encode_dense(c, {static_cast<uint64_t>(len)}, s.comp + lo, len,
+                                       s.finite ? ct::FLAG_DENSE : ct::FLAG_DENSE | ct::FLAG_NONFINITE,
+                                       [&](size_t bytes) { return payload(j, bytes); }));
+        }
+        if (s.finite && s.res) std::fill(s.res, s.res + n, 0.0f);
+        return out;
+    }
+    Sent sent;
+    std::vector<int64_t> relative;
+    const int64_t* begin = s.positions.data();
+    const int64_t* end = begin + s.positions.size();
+    for (size_t j = 0; j < shards; ++j) {
+        const int64_t lo = bounds[j], hi = bounds[j + 1];
+        const int64_t* first = std::lower_bound(begin, end, lo);
+        const int64_t* last = std::lower_bound(first, end, hi);
+        relative.assign(first, last);
+        for (int64_t& p : relative) p -= lo;
+        out.push_back(encode_positions(
+            c, name + "#" + std::to_string(j), step, s.comp + lo, hi - lo, {static_cast<uint64_t>(hi - lo)},
+            relative.data(), relative.size(), lo, c.error_feedback, [&](size_t bytes) { return payload(j, bytes); },
+            sent));
+    }
+    settle(s.res, sent, c.threads);
+    return out;
 }
 
 }  // namespace pipeline

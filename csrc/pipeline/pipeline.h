@@ -1,7 +1,8 @@
 // The subset of deepreduce's Pipeline (deepreduce/pipeline.py) that runs in C++: encode one
 // float32 tensor into a container and decode (and sum) containers, for the configs whose every
 // stage exists in C++ -- error feedback with Top-r (fused into the compensation pass) or threshold
-// selection (csrc/select), raw or Bloom indices with every policy (csrc/bloom), raw, fp16 or
+// selection (csrc/select), raw, Elias-Fano (elias_fano.h) or Bloom indices with every policy
+// (csrc/bloom), raw, fp16 or
 // polyfit values (csrc/fit, fp16.h) -- with the core's bytes and error texts. The TensorFlow ops
 // (csrc/tf) are glue around these two functions and the pybind11 module deepreduce._pipeline binds
 // them (tests compare both with deepreduce.build(config).encode byte for byte).
@@ -21,7 +22,7 @@ namespace deepreduce {
 namespace pipeline {
 
 enum class Sparsifier { TOPK, THRESHOLD };
-enum class IndexCodec { RAW, BLOOM };
+enum class IndexCodec { RAW, BLOOM, ELIAS_FANO };
 enum class ValueCodec { RAW, FP16, POLYFIT };
 
 // The stage of a core component id ("topk", "bloom", "polyfit", ...); ErrorKind::ARGUMENT for an
@@ -65,6 +66,19 @@ container::Header encode(const EncodeConfig& config, const std::string& name, in
                          const std::vector<uint64_t>& shape, float* residual, int64_t residual_numel,
                          const ResidualAllocator& new_residual, const PayloadAllocator& payload);
 
+// Storage for the container of shard j (called once per shard, in shard order).
+using ShardAllocator = std::function<uint8_t*(size_t shard, size_t bytes)>;
+
+// Pipeline.encode_shards of one flat float32 tensor of n elements: compensation and selection
+// once over the whole tensor (as encode), then one container per shard [bounds[j], bounds[j+1])
+// of the selected entries inside it (indices relative to bounds[j], seeded as "name#j"); the
+// residual is settled once. Selected values made non-finite by the compensation raise
+// ErrorKind::OVERFLOW before any residual is settled (the core's CompensationOverflow).
+std::vector<container::Header> encode_shards(const EncodeConfig& config, const std::string& name, int64_t step,
+                                             const float* grad, int64_t n, const std::vector<int64_t>& bounds,
+                                             float* residual, int64_t residual_numel,
+                                             const ResidualAllocator& new_residual, const ShardAllocator& payload);
+
 struct DecodeConfig {
     int64_t count = -1;        // containers expected (the ranks); -1: any number
     bool single = false;       // exactly one container (Pipeline.decode), no split
@@ -81,6 +95,20 @@ using TensorAllocator = std::function<float*(const std::vector<uint64_t>& shape,
 // Pipeline.decode_sum over the concatenated containers of buf (Pipeline.decode with `single`):
 // the sum of their tensors, written to the tensor from `tensor`. Returns the number of containers.
 size_t decode_sum(const DecodeConfig& config, const uint8_t* buf, size_t len, const TensorAllocator& tensor);
+
+// One container where it lies in a received buffer (never copied out of it).
+struct Part {
+    const uint8_t* data;
+    size_t size;
+};
+
+// decode_sum over containers given one by one (`single` and `count` do not apply): the sum of
+// what a collective received, decoded where it lies. Returns the number of containers.
+size_t decode_sum(const DecodeConfig& config, const std::vector<Part>& parts, const TensorAllocator& tensor);
+
+// The sparse all-reduce's last phase: container j holds shard [bounds[j], bounds[j+1]) of a flat
+// tensor (Pipeline.decode with that shard's shape, checked) and is written to out + bounds[j].
+void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads);
 
 }  // namespace pipeline
 }  // namespace deepreduce

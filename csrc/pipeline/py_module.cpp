@@ -12,6 +12,7 @@ namespace pl = deepreduce::pipeline;
 using deepreduce::py_args::Bytes;
 using deepreduce::py_args::FloatArray;
 using deepreduce::py_args::FloatInPlace;
+using Bounds = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;  // shard bounds
 
 namespace {
 
@@ -39,6 +40,13 @@ pl::EncodeConfig encode_config(const py::dict& s) {
     return c;
 }
 
+// The residual argument of encode and encode_shards: (data, numel), (null, 0) for None.
+std::pair<float*, int64_t> residual_arg(const py::object& residual) {
+    if (residual.is_none()) return {nullptr, 0};
+    FloatInPlace r = deepreduce::py_args::in_place_array(residual, "residual");
+    return {r.mutable_data(), static_cast<int64_t>(r.size())};
+}
+
 // (container as a uint8 array, the residual: `residual` updated in place, a new array on the
 // tensor's first finite step with error feedback, else None).
 py::tuple encode(const py::dict& settings, const std::string& name, int64_t step, const py::array& grad,
@@ -49,13 +57,7 @@ py::tuple encode(const py::dict& settings, const std::string& name, int64_t step
     std::vector<uint64_t> shape;
     for (py::ssize_t d = 0; d < g.ndim(); ++d) shape.push_back(static_cast<uint64_t>(g.shape(d)));
     py::object res_out = residual;
-    float* res = nullptr;
-    int64_t res_numel = 0;
-    if (!residual.is_none()) {
-        FloatInPlace r = deepreduce::py_args::in_place_array(residual, "residual");
-        res = r.mutable_data();
-        res_numel = r.size();
-    }
+    const auto [res, res_numel] = residual_arg(residual);
     py::array_t<uint8_t> payload;
     // encode runs without the GIL; the allocators take it back to create their arrays
     const pl::ResidualAllocator new_residual = [&](int64_t numel) {
@@ -74,6 +76,90 @@ py::tuple encode(const py::dict& settings, const std::string& name, int64_t step
         pl::encode(c, name, step, g.data(), shape, res, res_numel, new_residual, allocate);
     }
     return py::make_tuple(payload, res_out);
+}
+
+// (containers as uint8 arrays, the residual as in encode, each container's (index, value,
+// permutation) section bytes) of Pipeline.encode_shards of the flat float32 `grad`.
+py::tuple encode_shards(const py::dict& settings, const std::string& name, int64_t step, const py::array& grad,
+                        const Bounds& bounds_arg, const py::object& residual) {
+    const std::vector<int64_t> bounds(bounds_arg.data(), bounds_arg.data() + bounds_arg.size());
+    const pl::EncodeConfig c = encode_config(settings);
+    FloatArray g = FloatArray::ensure(grad);
+    if (!g || g.ndim() != 1) throw py::type_error("grad must be convertible to a flat float32 array");
+    py::object res_out = residual;
+    const auto [res, res_numel] = residual_arg(residual);
+    std::vector<py::array_t<uint8_t>> payloads(bounds.empty() ? 0 : bounds.size() - 1);
+    const pl::ResidualAllocator new_residual = [&](int64_t numel) {
+        py::gil_scoped_acquire acquire;
+        FloatInPlace created(numel);
+        res_out = created;
+        return created.mutable_data();
+    };
+    const pl::ShardAllocator allocate = [&](size_t shard, size_t bytes) {
+        py::gil_scoped_acquire acquire;
+        payloads[shard] = py::array_t<uint8_t>(static_cast<py::ssize_t>(bytes));
+        return payloads[shard].mutable_data();
+    };
+    std::vector<deepreduce::container::Header> headers;
+    {
+        py::gil_scoped_release release;
+        headers = pl::encode_shards(c, name, step, g.data(), static_cast<int64_t>(g.size()), bounds, res, res_numel,
+                                    new_residual, allocate);
+    }
+    namespace ct = deepreduce::container;
+    py::list sections;
+    for (const auto& h : headers)
+        sections.append(py::make_tuple(h.lengths[ct::INDEX], h.lengths[ct::VALUE], h.lengths[ct::PERM]));
+    py::list containers;
+    for (const auto& p : payloads) containers.append(p);
+    return py::make_tuple(containers, res_out, sections);
+}
+
+// Each container of `payloads` (a sequence of buffers) where it lies; `infos` keeps them alive.
+std::vector<pl::Part> parts_arg(const py::sequence& payloads, std::vector<py::buffer_info>& infos) {
+    infos.resize(payloads.size());
+    std::vector<pl::Part> parts;
+    for (size_t j = 0; j < infos.size(); ++j) {
+        const Bytes b = deepreduce::py_args::bytes_arg(payloads[j].cast<py::buffer>(), infos[j], "payload");
+        parts.push_back({b.data, b.size});
+    }
+    return parts;
+}
+
+py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& shape, uint64_t max_numel,
+                                int threads) {
+    std::vector<py::buffer_info> infos;
+    const std::vector<pl::Part> parts = parts_arg(payloads, infos);
+    pl::DecodeConfig c;
+    c.check_shape = !shape.is_none();
+    if (c.check_shape)
+        for (const auto& s : shape) c.shape.push_back(s.cast<uint64_t>());
+    c.max_numel = max_numel;
+    c.threads = threads;
+    py::array_t<float> out;
+    {  // decode runs without the GIL; the allocator takes it back to create the array
+        py::gil_scoped_release release;
+        pl::decode_sum(c, parts, [&](const std::vector<uint64_t>& dims, uint64_t) {
+            py::gil_scoped_acquire acquire;
+            std::vector<py::ssize_t> extents(dims.begin(), dims.end());
+            out = py::array_t<float>(extents);
+            return out.mutable_data();
+        });
+    }
+    return out;
+}
+
+void decode_shards(const py::sequence& payloads, const Bounds& bounds_arg, const py::object& out, int threads) {
+    const std::vector<int64_t> bounds(bounds_arg.data(), bounds_arg.data() + bounds_arg.size());
+    std::vector<py::buffer_info> infos;
+    const std::vector<pl::Part> parts = parts_arg(payloads, infos);
+    FloatInPlace target = deepreduce::py_args::in_place_array(out, "out");
+    if (bounds.empty() || target.size() != bounds.back())
+        throw py::value_error("out must hold the " + std::to_string(bounds.empty() ? 0 : bounds.back()) +
+                              " elements the shard bounds cover");
+    float* data = target.mutable_data();
+    py::gil_scoped_release release;
+    pl::decode_shards(parts, bounds, data, threads);
 }
 
 py::array_t<float> decode_sum(const py::buffer& buf, int64_t count, bool single, const py::object& shape,
@@ -112,4 +198,13 @@ PYBIND11_MODULE(_pipeline, m) {
     m.def("decode_sum", &decode_sum, py::arg("payload"), py::arg("count") = -1, py::arg("single") = false,
           py::arg("shape") = py::none(), py::arg("max_numel") = ~uint64_t(0), py::arg("threads") = 1,
           "Pipeline.decode_sum (single: Pipeline.decode) of the containers in payload");
+    m.def("encode_shards", &encode_shards, py::arg("settings"), py::arg("name"), py::arg("step"), py::arg("grad"),
+          py::arg("bounds"), py::arg("residual"),
+          "(containers, residual or None, their (index, value, permutation) section bytes) of "
+          "Pipeline.encode_shards; the residual is updated in place");
+    m.def("decode_parts", &decode_parts, py::arg("payloads"), py::arg("shape") = py::none(),
+          py::arg("max_numel") = ~uint64_t(0), py::arg("threads") = 1,
+          "Pipeline.decode_sum of a sequence of containers, each decoded where it lies");
+    m.def("decode_shards", &decode_shards, py::arg("payloads"), py::arg("bounds"), py::arg("out"),
+          py::arg("threads") = 1, "container j (Pipeline.decode, shape checked) written to out[bounds[j]:bounds[j+1]]");
 }

@@ -2,29 +2,53 @@
 
 ``csrc/pipeline`` encodes one float32 tensor and decodes (and sums) containers for the configs
 whose every stage exists in C++: Top-r or threshold selection with or without error feedback,
-raw or Bloom indices (every policy), raw, fp16 or polyfit values, non-finite gradients
+raw, Elias-Fano or Bloom indices (every policy), raw, fp16 or polyfit values, non-finite gradients
 propagated. The TensorFlow custom ops (:mod:`deepreduce.tensorflow.ops`) run it, and
 ``deepreduce._pipeline`` binds the same functions for NumPy. :func:`settings` reads a core
 pipeline's components into the plain values both take; nothing here restates a codec.
+:func:`encode_shards`, :func:`decode_sum` and :func:`decode_shards` are the sparse all-reduce's
+calls into it (one call per tensor and phase instead of a Python loop over the ranks' containers),
+with its errors raised as the core's classes.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
+from ..errors import ContainerError, DeepReduceError
 from ..index import bloom as bloom_codec
 from ..memory import ResidualMemory
 from ..sparsify.basic import TopK
 from ..sparsify.threshold import ThresholdSparsifier
+from . import _native
 
-INDEX_CODECS = ("raw", "bloom")
+INDEX_CODECS = ("raw", "bloom", "elias_fano")
 VALUE_CODECS = ("raw", "fp16", "polyfit")
 MEMORIES = ("none", "residual")
 
 
+def module():
+    """The C++ pipeline (``deepreduce._pipeline``), or None when it is not built or
+    ``DEEPREDUCE_BACKEND=numpy`` is set."""
+    return _native.load("pipeline")
+
+
 def unsupported(core) -> Optional[str]:
     """Why ``core``'s config cannot run in the C++ pipeline (None when it can)."""
+    stage = unsupported_stage(core)
+    if stage is not None:
+        return stage
+    if core.nonfinite != "propagate":
+        # the ranks then decide each step together and undo it through the core's journal
+        # (deepreduce.dist.agreement), which holds the core's residuals, not the binding's; and
+        # the core's decode_sum refuses a sum that overflows, which the C++ one returns as Inf
+        return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
+    return None
+
+
+def unsupported_stage(core) -> Optional[str]:
+    """Why one of ``core``'s stages (sparsifier, codecs, memory) has no C++ twin (None when all have)."""
     if type(core.sparsifier) not in (TopK, ThresholdSparsifier):
         return f"sparsifier {core.sparsifier.id!r} (the C++ pipeline selects Top-r or by threshold)"
     if core.index.id not in INDEX_CODECS:
@@ -33,10 +57,6 @@ def unsupported(core) -> Optional[str]:
         return f"value codec {core.value.id!r} (the C++ pipeline has {', '.join(VALUE_CODECS)})"
     if core.memory.id not in MEMORIES:
         return f"memory {core.memory.id!r} (the C++ pipeline has {', '.join(MEMORIES)})"
-    if core.nonfinite != "propagate":
-        # the ranks then decide each step together and undo it through the core's journal
-        # (deepreduce.dist.agreement), which holds the core's residuals, not the binding's
-        return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
     return None
 
 
@@ -59,3 +79,33 @@ def settings(core) -> dict:
         out.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
                    coef_bytes=value.coef_bytes)
     return out
+
+
+def encode_shards(native, config: dict, name: str, step: int, flat: np.ndarray, bounds: Sequence[int],
+                  residual: Optional[np.ndarray]):
+    """``native.encode_shards`` (see ``Pipeline.encode_shards``): (containers, the residual, each
+    container's (index, value, permutation) section bytes). A codec's refusal (fp16 range,
+    polyfit) is raised as DeepReduceError; a residual of another size as CommunicationError and
+    an overflowing compensation as NonFiniteGradientError, as the C++ pipeline raises them."""
+    try:
+        return native.encode_shards(config, name, step, flat, list(bounds), residual)
+    except ValueError as exc:   # ErrorKind::ENCODE (the settings come from a built pipeline)
+        raise DeepReduceError(str(exc)) from exc
+
+
+def decode_sum(native, payloads: Sequence, numel: int, threads: int) -> np.ndarray:
+    """The flat sum of ``payloads`` (containers of ``numel``-element flat tensors), each decoded
+    where it lies in the received buffer; errors as ``Pipeline.decode_sum`` raises them."""
+    try:
+        return native.decode_parts(payloads, shape=(numel,), threads=threads)
+    except ValueError as exc:   # ErrorKind::CONTAINER
+        raise ContainerError(str(exc)) from exc
+
+
+def decode_shards(native, payloads: Sequence, bounds: Sequence[int], out: np.ndarray, threads: int) -> None:
+    """Container ``j`` of ``payloads`` written to ``out[bounds[j]:bounds[j+1]]`` (its shape checked),
+    errors as ``Pipeline.decode`` raises them."""
+    try:
+        native.decode_shards(payloads, list(bounds), out, threads)
+    except ValueError as exc:   # ErrorKind::CONTAINER
+        raise ContainerError(str(exc)) from exc

@@ -21,7 +21,8 @@ Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MP
   ``2 k (N-1)/N`` entries, Ok-Topk's lower bound, whatever ``N``.
 
 Codec costs are linear fits measured on this machine (:mod:`deepreduce.dist.cost_probe`):
-encoding a ``d``-element tensor costs ``encode_call_s + encode_element_s * d``; decoding one
+encoding a ``d``-element tensor into ``c`` containers costs ``c encode_call_s + encode_element_s * d``
+(one container per shard: the per-call cost is counted per container); decoding one
 received container of a ``d``-element tensor holding ``n`` entries into the sum costs
 ``decode_call_s + decode_element_s * d + decode_entry_s * n`` (a Bloom filter is queried at every
 position of the tensor, a raw or Elias-Fano index section is read entry by entry); a container
@@ -142,7 +143,7 @@ class CodecCosts:
     Attributes:
         name: the config's name (e.g. ``topk_raw``).
         ratio: fraction of a tensor's elements the sparsifier selects (``k = ratio * d``).
-        encode_call_s, encode_element_s: seconds per encode call and per input element.
+        encode_call_s, encode_element_s: seconds per container encoded and per input element.
         decode_call_s, decode_element_s, decode_entry_s: seconds to decode one received
             container into the sum: per container, per element of its tensor, per entry.
         header_bytes, entry_bytes: a container's fixed bytes and bytes per entry.

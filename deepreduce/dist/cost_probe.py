@@ -1,13 +1,15 @@
 """Measure a config's codec costs and PowerSGD's compute on this machine, for the cost model.
 
-:func:`measure_codec_costs` runs the library's own pipeline (``deepreduce.build(config)``, its
-``encode`` and ``decode_sum`` on the host path: the C++ kernels where built) on seeded Laplace
-gradients of a few sizes and at two selection ratios (the config's and a quarter of it, which
-separates a decode's per-element cost from its per-entry cost), and fits the per-call,
-per-element and per-entry constants of :class:`~deepreduce.dist.cost_model.CodecCosts`
-(:mod:`deepreduce.dist.linear_fit`). As in ``deepreduce bench-step``, decode times another
-pipeline's container (a peer encoding the negated gradient): a rank's own container is added
-from what its encode kept, so timing it would time that shortcut.
+:func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``Pipeline.encode_shards``
+and ``SparseAllreduce.sum_shard`` on the host path: one C++ call per tensor and phase where the
+config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
+Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
+ratios (the config's and a quarter of it, which separates a decode's per-element cost from its
+per-entry cost), and fits the per-container, per-element and per-entry constants of
+:class:`~deepreduce.dist.cost_model.CodecCosts` (:mod:`deepreduce.dist.linear_fit`). As in
+``deepreduce bench-step``, decode times another pipeline's containers (a peer encoding the negated
+gradient): a rank's own container is added from what its encode kept, so timing it would time
+that shortcut.
 
 ``clock="cpu"`` (the default) times with the process's CPU clock: with one kernel thread it is
 the figure least disturbed by other jobs on a shared machine; ``"wall"`` is right on a quiet one.
@@ -24,9 +26,12 @@ import numpy as np
 from ..errors import ConfigError
 from .cost_model import CodecCosts, PowerSGDCosts
 from .linear_fit import fit_nonnegative
+from .sparse_allreduce import SparseAllreduce, even_bounds
 from ..wire.container import unpack
 
 DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: The containers per call of the second row of every size (the first: one).
+SHARDS = 32
 #: The second ratio is the config's divided by this.
 RATIO_SPLIT = 4
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -69,22 +74,29 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
     now = _timer(clock)
     name = name or (config if isinstance(config, str) else "config").rsplit("/", 1)[-1].removesuffix(".yaml")
     rng = np.random.default_rng(seed)
-    rows = []   # (numel, entries, encode_s, decode_s, container bytes, at the config's ratio)
+    rows = []   # (containers, numel, entries decoded, encode_s, decode_s, container bytes, one at the ratio)
     for part in (ratio, ratio / RATIO_SPLIT):
         variant = dict(raw, threads=threads, sparsifier=dict(raw["sparsifier"], ratio=part))
         pipe, peer = build(variant), build(variant)
+        owner = SparseAllreduce(pipe, None, reselect="none")
         for numel in sizes:
             grad = rng.laplace(size=numel).astype(np.float32)
-            encode_s = _median_s(lambda step: pipe.encode(grad, name=f"probe{numel}", step=step), repeat, now)
-            payload = peer.encode(-grad, name=f"probe{numel}", step=0)
-            out = np.empty(numel, dtype=np.float32)
-            decode_s = _median_s(lambda _: pipe.decode_sum([payload], out=out), repeat, now)
+            payload = peer.encode_shards(-grad, f"probe{numel}", 0, [0, numel])[0]
             entries = unpack(payload).n
-            rows.append((numel, entries, encode_s, decode_s, int(payload.shape[0]), part == ratio))
-    numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))
-    ones = [1.0] * len(rows)
-    encode_call, encode_element = fit_nonnegative([ones, numel], encode, f"{name} encode seconds")
-    decode_call, decode_element, decode_entry = fit_nonnegative([ones, numel, entries], decode,
+            for shards in (1, SHARDS):
+                bounds = even_bounds(numel, shards)
+                encode_s = _median_s(lambda step: pipe.encode_shards(grad, f"probe{numel}", step, bounds), repeat,
+                                     now)
+                received = [payload] * shards   # as many containers as ranks, each of the whole tensor
+                decode_s = _median_s(lambda _: owner.sum_shard(received, numel), repeat, now)
+                rows.append((shards, numel, shards * entries, encode_s, decode_s, int(payload.shape[0]),
+                             part == ratio and shards == 1))
+    containers, numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))
+    encode_call, encode_element = fit_nonnegative([containers, numel], encode, f"{name} encode seconds")
+    # the model charges every received container its tensor's elements (a Bloom filter is queried
+    # at each), so the element column counts them per container
+    decoded = [c * d for c, d in zip(containers, numel)]
+    decode_call, decode_element, decode_entry = fit_nonnegative([containers, decoded, entries], decode,
                                                                 f"{name} decode seconds")
     own = [i for i, keep in enumerate(at_ratio) if keep]   # sizes at the config's own density
     header, entry = fit_nonnegative([[1.0] * len(own), [entries[i] for i in own]], [nbytes[i] for i in own],

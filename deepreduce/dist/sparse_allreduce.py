@@ -20,14 +20,20 @@ aggregate, so every rank computes the same boundaries without a message. Owner-r
 that a move leaves outside a rank's shard travels with that rank's next contribution, so
 nothing is lost: the sum of what was delivered and of both residuals over all ranks equals the
 sum of the gradients (tested).
+
+When the config runs in the C++ pipeline (``native_pipeline.unsupported``), a tensor's shard
+containers are encoded in one C++ call (``Pipeline.encode_shards``) and each phase's received
+containers are decoded in one more, where they lie in what the collective returned, so the cost
+per container is a microsecond or two rather than a Python loop's tens (docs/scaling.md).
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..backend import kernels
+from ..backend import kernels, native_pipeline
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
@@ -61,6 +67,8 @@ class SparseAllreduce:
         self._bounds: Dict[str, np.ndarray] = {}
         self._owner_residuals: Dict[str, np.ndarray] = {}
         self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
+        # both phases decode what they received in one C++ call when the config runs there
+        self._native_decode = native_pipeline.unsupported(pipeline) is None
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
@@ -91,15 +99,45 @@ class SparseAllreduce:
             raise CommunicationError(f"sparse_allreduce of {name!r}: {len(shards)} shards for {size} ranks")
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
         target = np.zeros(flat.shape[0], np.float32) if out is None else out.reshape(-1)
-        for j, payload in enumerate(shards):
-            self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
-                                 out=target[int(bounds[j]):int(bounds[j + 1])])
+        self._decode_shards(shards, bounds, target)
         if flagged is None and (step + 1) % self.repartition_every == 0:
             moved = balanced_bounds(kernels.nonzero(target), flat.shape[0], size)
             if not np.array_equal(moved, bounds):
                 self._bounds[name] = moved
                 self._moved.add(name)
         return target
+
+    def _native(self):
+        """The C++ pipeline when it decodes this config's containers, else None."""
+        return native_pipeline.module() if self._native_decode else None
+
+    def _decode_shards(self, shards: List[np.ndarray], bounds: np.ndarray, target: np.ndarray) -> None:
+        """Write shard ``j``'s container into ``target[bounds[j]:bounds[j+1]]`` (Pipeline.decode each)."""
+        native = self._native()
+        if native is not None and target.dtype == np.float32 and target.flags.c_contiguous and target.flags.writeable:
+            start = time.perf_counter()
+            native_pipeline.decode_shards(native, shards, bounds, target, self.pipeline.threads)
+            self._count_decoded(len(shards), start)
+            return
+        for j, payload in enumerate(shards):
+            self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
+                                 out=target[int(bounds[j]):int(bounds[j + 1])])
+
+    def sum_shard(self, payloads: List[np.ndarray], m: int) -> np.ndarray:
+        """The flat sum of the ranks' containers of this rank's ``m``-element shard
+        (Pipeline.decode_sum): the first phase's decode, which ``cost_probe`` times."""
+        native = self._native()
+        if native is None:
+            return self.pipeline.decode_sum(payloads, expected_shape=(m,))
+        start = time.perf_counter()
+        total = native_pipeline.decode_sum(native, payloads, m, self.pipeline.threads)
+        self._count_decoded(len(payloads), start)
+        return total
+
+    def _count_decoded(self, containers: int, start: float) -> None:
+        stats = self.pipeline.stats
+        stats.tensors_decoded += containers
+        stats.decode_seconds += time.perf_counter() - start
 
     def _owner_residual(self, name: str, numel: int) -> np.ndarray:
         owner = self._owner_residuals.get(name)
@@ -125,7 +163,7 @@ class SparseAllreduce:
                     name: str, step: int) -> np.ndarray:
         """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
         m = hi - lo
-        total = self.pipeline.decode_sum(payloads, expected_shape=(m,))
+        total = self.sum_shard(payloads, m)
         if agreement.first_nonfinite(payloads) is not None or not np.isfinite(total).all():
             return self.pipeline.encode_dense(total, flagged=True)
         total += owner[lo:hi]

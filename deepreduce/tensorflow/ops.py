@@ -6,8 +6,8 @@ with every pure C++ source of ``csrc/`` into ``deepreduce/tensorflow/_deepreduce
 ``deepreduce._pipeline`` binds for NumPy:
 
 * ``DeepReduceEncode`` is ``Pipeline.encode`` for one gradient: error feedback fused with the
-  Top-r selection (or followed by threshold selection), the raw or Bloom index codec (every
-  policy), the raw, fp16 or polyfit value codec (with its permutation) and the container, header
+  Top-r selection (or followed by threshold selection), the raw, Elias-Fano or Bloom index codec
+  (every policy), the raw, fp16 or polyfit value codec (with its permutation) and the container, header
   and CRC included. It updates the tensor's residual in place, inside its resource variable.
 * ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
 

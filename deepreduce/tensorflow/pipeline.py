@@ -5,7 +5,7 @@ traces the graph, so every stage of compression has to be a graph op that runs a
 Encode and decode are therefore one op each:
 
 * for the configs whose every stage exists in C++ (Top-r or threshold selection with or without
-  error feedback, raw or Bloom indices, raw, fp16 or polyfit values) and when the custom-op library
+  error feedback, raw, Elias-Fano or Bloom indices, raw, fp16 or polyfit values) and when the custom-op library
   (``deepreduce/tensorflow/_deepreduce_ops.so``, see :mod:`.ops`) loads, a TensorFlow C++ op
   (``DeepReduceEncode`` / ``DeepReduceDecode``) over the same C++ kernels and container code
   as the Python extensions;
