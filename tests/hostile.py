@@ -76,14 +76,15 @@ def bloom_container(policy: str, k: int, blocks: int, n: int, numel: int, fill: 
                    index_section=bytes([fill]) * (64 * blocks), value_section=bytes(4 * n)).tobytes()
 
 
-def run_bounded(code: str, timeout: float = 120.0, memory: int = CHILD_MEMORY) -> str:
-    """Run ``code`` in a child Python limited to ``memory`` bytes of address space; its stdout
-    (the test fails on a non-zero exit: an exception, a crash or an abort)."""
+def run_bounded(code: str, timeout: float = 120.0, memory: int = CHILD_MEMORY, env: dict = None) -> str:
+    """Run ``code`` in a child Python limited to ``memory`` bytes of address space, with extra
+    environment variables ``env``; its stdout (the test fails on a non-zero exit: an exception, a
+    crash or an abort)."""
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, preexec_fn=limit, env=env, cwd=ROOT)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
@@ -120,16 +121,16 @@ def _decoder(binding: str):
     return lambda data, shape: op.decode(tf.constant(np.frombuffer(data, dtype=np.uint8)), shape, None, True)
 
 
-def decode_everywhere(path: str, shapes) -> None:
-    """Decode the container in file ``path`` through every available binding, with each expected
-    shape of ``shapes`` (None: without one); print ``binding shape: outcome`` per decode, the
-    outcome being the decoded shape or the deepreduce error's class and message. Any other
-    exception propagates (the child exits non-zero)."""
+def decode_everywhere(path: str, shapes, bindings=BINDINGS) -> None:
+    """Decode the container in file ``path`` through every available binding of ``bindings``, with
+    each expected shape of ``shapes`` (None: without one); print ``binding shape: outcome`` per
+    decode, the outcome being the decoded shape or the deepreduce error's class and message. Any
+    other exception propagates (the child exits non-zero)."""
     from deepreduce.errors import DeepReduceError
 
     with open(path, "rb") as handle:
         data = handle.read()
-    for binding in BINDINGS:
+    for binding in bindings:
         decode = _decoder(binding)
         if decode is None:
             print(f"{binding}: absent")

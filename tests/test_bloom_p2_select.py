@@ -5,7 +5,7 @@ builds the larger sets, restricted to the members still unchosen, when the singl
 reach r (docs/bloom.md). These tests pin that it chooses exactly what the literal Algorithm 1
 of ``np_select_conflict`` chooses on both sides of that split, on the sort path used for block
 counts far above the positives, with repeated probe bits, and across calls that reuse the
-kernel's per-thread scratch.
+kernel's per-thread scratch, and through the per-set index of unchosen members over many passes.
 """
 import numpy as np
 import pytest
@@ -94,6 +94,16 @@ def test_crowded_blocks_and_repeated_probe_bits():
     for blocks, k in [(1, 64), (2, 40), (7, 9)]:   # hundreds of members per block; k = 64 repeats bits
         for r in (1, 500, P.size):
             assert_same_choice(P, r, blocks, k, 11, 2**64 - 1)
+
+
+def test_many_passes_over_large_sets_draw_through_the_index_as_algorithm_1():
+    """One block, k = 1: 512 sets of about 16 members each, and r up to every positive, so the
+    greedy runs pass after pass, every draw a descent of the per-set index of unchosen members
+    and every choice a removal from it (the all-ones filter's shape, scaled down)."""
+    P = np.arange(0, 3 * 8_192, 3, dtype=np.uint64)
+    for r in (600, 4_000, P.size):
+        assert_same_choice(P, r, 1, 1, 6, 2**63 + 5)
+        assert_same_choice(P, r, 64 * 8, 1, 6, 3, "splitmix")
 
 
 def test_block_count_far_above_the_positives_takes_the_sort_path():

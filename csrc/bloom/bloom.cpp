@@ -5,8 +5,11 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -384,11 +387,11 @@ void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t
 // pass. The v1 family builds every set and runs the greedy from the start. Same choices, byte
 // for byte, either way.
 
-// Conflict sets in CSR form, in ascending bit order: set s has size[s] members, of which
-// members[start[s] .. start[s+1]) (indices into P, ascending) are listed: all of them, or those
-// not chosen when the greedy starts.
+// Conflict sets in CSR form, in ascending bit order: set s is the filter's bit bit[s], has size[s]
+// members, of which members[start[s] .. start[s+1]) (indices into P, ascending) are listed: all
+// of them, or those not chosen when the greedy starts (then every bit of a listed member is a set).
 struct ConflictSets {
-    std::vector<uint64_t> start{0};
+    std::vector<uint64_t> start{0}, bit;
     std::vector<uint32_t> members, size;
 };
 
@@ -456,6 +459,7 @@ void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed
 // full size (count, the order key) and the unchosen members, ascending.
 void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t* count, const uint8_t* chosen,
                   std::vector<uint64_t>& pairs, ConflictSets& open) {
+    const uint64_t base = uint64_t(s.hashed_block[s.member[lo]]) * blocked::BLOCK_BITS;
     pairs.clear();
     for (size_t e = lo; e < hi; ++e) {
         if (chosen[s.member[e]]) continue;
@@ -468,6 +472,7 @@ void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t*
         const uint64_t p = pairs[j] >> 32;
         for (; j < pairs.size() && pairs[j] >> 32 == p; ++j) open.members.push_back(static_cast<uint32_t>(pairs[j]));
         open.start.push_back(open.members.size());
+        open.bit.push_back(base + p);
         open.size.push_back(count[p]);
     }
 }
@@ -534,6 +539,7 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
     ConflictSets sets;
     sets.members.reserve(pairs.size());
     for (size_t e = 0; e < pairs.size(); ++e) {
+        if (e == 0 || pairs[e].first != pairs[e - 1].first) sets.bit.push_back(pairs[e].first);
         if (e > 0 && pairs[e].first != pairs[e - 1].first) sets.start.push_back(e);
         sets.members.push_back(pairs[e].second);
     }
@@ -543,10 +549,65 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
     return sets;
 }
 
+// The members not yet chosen of each listed conflict set, ascending, indexed so that finding the
+// i-th of a set and removing a chosen member from a set cost O(log set size): the slots of each
+// set (its listed members) hold a Fenwick tree of the members removed, zero until a removal
+// reaches it (calloc: the pages of sets never touched are never written). Rescanning a set's
+// members on every visit instead made an all-ones filter cost passes x positives. The NumPy twin
+// is _Unchosen in deepreduce/index/bloom.py.
+class Unchosen {
+  public:
+    explicit Unchosen(const ConflictSets& sets)
+        : sets_(sets),
+          live_(sets.size.size()),
+          removed_(static_cast<uint32_t*>(std::calloc(sets.members.size() + 1, sizeof(uint32_t))), &std::free) {
+        if (!removed_) throw std::bad_alloc();
+        for (size_t s = 0; s < live_.size(); ++s) live_[s] = static_cast<uint32_t>(sets.start[s + 1] - sets.start[s]);
+    }
+
+    uint32_t live(uint32_t s) const { return live_[s]; }
+
+    // The i-th (from 0, i < live(s)) unchosen member of set s: a Fenwick descent (node j of a set
+    // covers the j & -j slots up to slot j, of which `step - removed` are unchosen).
+    uint32_t nth(uint32_t s, uint64_t i) const {
+        const uint64_t lo = sets_.start[s], n = sets_.start[s + 1] - lo;
+        const uint32_t* removed = removed_.get() + lo;  // node j at removed[j - 1]
+        uint64_t at = 0;
+        for (uint64_t step = uint64_t(1) << (63 - __builtin_clzll(n)); step; step >>= 1)
+            if (at + step <= n && step - removed[at + step - 1] <= i) {
+                at += step;
+                i -= step - removed[at - 1];
+            }
+        return sets_.members[lo + at];
+    }
+
+    // Mark `member` chosen in the set of filter bit `bit`, if a listed set holds it.
+    void remove(uint64_t bit, uint32_t member) {
+        const auto set = std::lower_bound(sets_.bit.begin(), sets_.bit.end(), bit);
+        if (set == sets_.bit.end() || *set != bit) return;
+        const size_t s = static_cast<size_t>(set - sets_.bit.begin());
+        const uint32_t* first = sets_.members.data() + sets_.start[s];
+        const uint64_t n = sets_.start[s + 1] - sets_.start[s];
+        const uint32_t* at = std::lower_bound(first, first + n, member);
+        if (at == first + n || *at != member) return;
+        --live_[s];
+        uint32_t* removed = removed_.get() + sets_.start[s];
+        for (uint64_t j = static_cast<uint64_t>(at - first) + 1; j <= n; j += j & (~j + 1)) ++removed[j - 1];
+    }
+
+  private:
+    const ConflictSets& sets_;
+    std::vector<uint32_t> live_;
+    std::unique_ptr<uint32_t[], decltype(&std::free)> removed_;
+};
+
 // Algorithm 1 over conflict sets ordered by (size, bit), continuing from `chosen` (a flag per
-// positive) and `nchosen`: passes over the active sets; each set gives one not yet chosen member (drawn
-// when it has several), and stays for the next pass while it had several; stop at r.
-void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8_t* chosen, size_t& nchosen) {
+// positive) and `nchosen`: passes over the active sets; each set gives one not yet chosen member
+// (drawn when it has several), and stays for the next pass while it had several; stop at r.
+// `probes(member, out)` writes the member's k filter bits (the sets it belongs to).
+template <typename Probes>
+void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, int k, const Probes& probes, uint8_t* chosen,
+                   size_t& nchosen) {
     const size_t nsets = sets.size.size();
     const uint32_t max_size = nsets ? *std::max_element(sets.size.begin(), sets.size.end()) : 0;
     std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);  // stable counting sort by size
@@ -555,30 +616,28 @@ void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, uint8
     std::vector<uint32_t> active(nsets);  // by (size, bit): the sets are in ascending bit order
     for (size_t s = 0; s < nsets; ++s) active[by_size[sets.size[s]]++] = static_cast<uint32_t>(s);
 
+    Unchosen unchosen(sets);
     std::vector<uint32_t> next;
+    uint64_t bits[MAX_K];
     uint64_t draw = 0;
     while (nchosen < r && !active.empty()) {
         next.clear();
         for (uint32_t s : active) {
             if (nchosen == r) break;
-            const uint32_t* first = sets.members.data() + sets.start[s];
-            const uint32_t* last = sets.members.data() + sets.start[s + 1];
-            size_t ncand = 0;
-            uint32_t only = 0;
-            for (const uint32_t* e = first; e < last; ++e)
-                if (!chosen[*e]) ++ncand, only = *e;
+            const uint32_t ncand = unchosen.live(s);
             if (ncand == 0) continue;
+            uint64_t pick = 0;
             if (ncand > 1) {  // draw among the candidates (ascending), keep the set for the next pass
                 ++draw;
-                size_t pick = static_cast<size_t>(splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand));
-                for (const uint32_t* e = first;; ++e)
-                    if (!chosen[*e] && pick-- == 0) {
-                        only = *e;
-                        break;
-                    }
+                pick = splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand);
                 next.push_back(s);
             }
-            chosen[only] = 1;
+            const uint32_t member = unchosen.nth(s, pick);
+            probes(member, bits);
+            std::sort(bits, bits + k);  // a member repeating a bit is in that set once
+            for (int i = 0; i < k; ++i)
+                if (i == 0 || bits[i] != bits[i - 1]) unchosen.remove(bits[i], member);
+            chosen[member] = 1;
             ++nchosen;
         }
         active.swap(next);
@@ -705,9 +764,13 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
         group_by_block(P, np, size, seed, scratch);
         ConflictSets open;
         if (!serve_singletons(scratch, np, k, r, chosen, nchosen, open))
-            greedy_select(open, r, draw_seed, chosen, nchosen);
+            greedy_select(
+                open, r, draw_seed, k,
+                [&](uint32_t a, uint64_t* out) { blocked::positions(P + a, 1, size, k, seed, out); }, chosen, nchosen);
     } else {
-        greedy_select(splitmix_sets(P, np, size, k, seed), r, draw_seed, chosen, nchosen);
+        greedy_select(
+            splitmix_sets(P, np, size, k, seed), r, draw_seed, k,
+            [&](uint32_t a, uint64_t* out) { splitmix::positions(P + a, 1, size, k, seed, out); }, chosen, nchosen);
     }
     size_t o = 0;
     for (size_t a = 0; a < np; ++a)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from array import array
 from typing import NamedTuple
 
 import numpy as np
@@ -323,8 +324,8 @@ def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw
 
     The first pass serves the singleton sets, in bit order, before any larger one; they never
     draw, so that prefix is vectorised: each chooses its member unless already chosen, up to r.
-    The passes over the larger sets then run as written, over the sets that still have an
-    unchosen member (a set without one gives nothing and draws nothing when visited).
+    The passes over the larger sets then run as written (:func:`_greedy`), over the sets that
+    still have an unchosen member (a set without one gives nothing and draws nothing when visited).
     """
     P = np.asarray(P, dtype=np.uint64)
     if r == 0:
@@ -346,33 +347,95 @@ def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw
     cut = int(np.searchsorted(np.cumsum(fresh), r))    # the singleton at which nchosen reaches r
     chosen[served[:cut + 1]] = True
     nchosen = int(np.count_nonzero(chosen))
-    set_of = np.repeat(np.arange(bits.size), sizes)
-    open_sets = np.bincount(set_of, weights=~chosen[owner], minlength=bits.size) > 0
-    set_order = np.lexsort((bits, sizes))  # by (size, bit)
-    set_order = set_order[open_sets[set_order] & (sizes[set_order] > 1)]
-    active = [(int(starts[s]), int(starts[s] + sizes[s])) for s in set_order]
-    draw = 0
-    while nchosen < r and active:
-        following = []
-        for lo, hi in active:
-            if nchosen == r:
-                break
-            members = owner[lo:hi]
-            cand = members[~chosen[members]]
-            if cand.size == 0:
-                continue
-            pick = 0
-            if cand.size > 1:
-                draw += 1
-                u = mix64_int(draw_seed + draw * GAMMA)
-                pick = (u * cand.size) >> 64
-                following.append((lo, hi))
-            chosen[cand[pick]] = True
-            nchosen += 1
-        active = following
+    del order, first, flat
+    if nchosen < r:   # every singleton chose: the larger sets, listing their unchosen members
+        keep = ~chosen[owner] & np.repeat(sizes > 1, sizes)
+        listed = np.add.reduceat(keep, starts, dtype=np.int64)
+        sets = np.flatnonzero(listed)
+        index = _Unchosen(bits[sets], listed[sets], owner[keep])
+        del keep, owner
+        visit = np.lexsort((bits[sets], sizes[sets])).tolist()   # by (size, bit)
+        nchosen = _greedy(index, visit, pos, chosen, nchosen, r, draw_seed)
     if nchosen != r:
         raise ContainerError("Bloom P2: the positives do not cover r distinct indices")
     return P[chosen]
+
+
+class _Unchosen:
+    """The members not yet chosen of each listed conflict set, ascending, indexed so that finding
+    the i-th of a set and removing a chosen member from a set cost O(log set size): the slots of
+    each set hold a Fenwick tree of the members removed (a dict: only the nodes a removal reached).
+    Rescanning a set's members on every visit instead made an all-ones filter cost passes x
+    positives. The twin of ``Unchosen`` in csrc/bloom/bloom.cpp.
+
+    ``bits``: the sets' filter bits, ascending; ``listed``: how many members each lists;
+    ``members``: the listed members (indices into the positives), set after set, ascending within one.
+    """
+
+    def __init__(self, bits: np.ndarray, listed: np.ndarray, members: np.ndarray) -> None:
+        self.bits, self.members = bits, members
+        self.bounds = array("q", np.concatenate(([0], np.cumsum(listed))).astype(np.int64).tobytes())
+        self.live = array("q", listed.astype(np.int64).tobytes())
+        self.removed = {}   # slot lo + j (node j of the set starting at lo, from 1): members removed
+
+    def nth(self, s: int, i: int) -> int:
+        """The ``i``-th (from 0) unchosen member of set ``s``: a Fenwick descent (node j covers the
+        ``j & -j`` slots up to slot j, of which ``step - removed`` are unchosen)."""
+        lo, removed = self.bounds[s], self.removed
+        n = self.bounds[s + 1] - lo
+        at, step = 0, 1 << (n.bit_length() - 1)
+        while step:
+            if at + step <= n:
+                free = step - removed.get(lo + at + step, 0)
+                if free <= i:
+                    at += step
+                    i -= free
+            step >>= 1
+        return int(self.members[lo + at])
+
+    def remove(self, bits: np.ndarray, member: int) -> None:
+        """Mark ``member`` chosen in the listed sets of its distinct filter ``bits``."""
+        found = np.searchsorted(self.bits, bits)
+        hit = found < self.bits.size
+        found = found[hit][self.bits[found[hit]] == bits[hit]]
+        removed = self.removed
+        for s in found.tolist():
+            lo = self.bounds[s]
+            n = self.bounds[s + 1] - lo
+            j = int(np.searchsorted(self.members[lo:lo + n], member)) + 1
+            if j > n or self.members[lo + j - 1] != member:
+                continue
+            self.live[s] -= 1
+            while j <= n:
+                removed[lo + j] = removed.get(lo + j, 0) + 1
+                j += j & -j
+
+
+def _greedy(sets: _Unchosen, visit: list, pos: np.ndarray, chosen: np.ndarray, nchosen: int, r: int,
+            draw_seed: int) -> int:
+    """Algorithm 1's passes over ``sets`` in the order ``visit``, from ``nchosen`` chosen: each set
+    gives one unchosen member (drawn when it has several) and stays for the next pass while it
+    had several; stop at r. ``pos``: each positive's filter bits. Returns the new count."""
+    active, draw = visit, 0
+    while nchosen < r and active:
+        following = []
+        for s in active:
+            if nchosen == r:
+                break
+            cand = sets.live[s]
+            if cand == 0:
+                continue
+            pick = 0
+            if cand > 1:
+                draw += 1
+                pick = (mix64_int(draw_seed + draw * GAMMA) * cand) >> 64
+                following.append(s)
+            member = sets.nth(s, pick)
+            sets.remove(np.unique(pos[member]), member)
+            chosen[member] = True
+            nchosen += 1
+        active = following
+    return nchosen
 
 
 # ---------------------------------------------------------------------------------- wire params
