@@ -37,6 +37,8 @@ def unsupported(core) -> Optional[str]:
         # the ranks then decide each step together and undo it through the core's journal
         # (deepreduce.dist.agreement), which holds the core's residuals, not the binding's
         return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
+    if core.warmup:
+        return f"warmup: {core.warmup} (the C++ pipeline has no dense warm-up steps)"
     return None
 
 
