@@ -22,10 +22,17 @@ residual after sending ``s_t``, each step rounds once in each operation, so per 
 
 (an entry a lossless codec sends exactly leaves ``e_t = 0`` with no rounding at all).
 tests/test_memory.py checks this bound over many steps.
+
+A gradient that arrives as entries (a torch sparse COO gradient, a TF ``IndexedSlices``:
+``Pipeline.encode_entries``) keeps a sparse residual (:class:`SparseResidual`): compensation is
+the union of the gradient's and the residual's entries (:meth:`ResidualMemory.accumulate_entries`)
+and the residual afterwards holds only what was not reconstructed, so no dense tensor of an
+embedding table's size is ever made. A tensor that later travels dense gets its residual
+densified once.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -42,6 +49,30 @@ class Compensated(NamedTuple):
     flat: np.ndarray
     finite: bool
     selected: Optional[np.ndarray] = None
+
+
+class SparseResidual(NamedTuple):
+    """The residual of a tensor of ``numel`` elements whose gradients arrive as entries: ascending
+    distinct flat ``positions`` (int64) and their float32 ``values`` (no zero among them)."""
+
+    positions: np.ndarray
+    values: np.ndarray
+    numel: int
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros(self.numel, dtype=np.float32)
+        out[self.positions] = self.values
+        return out
+
+
+def union_sum(positions_a, values_a, positions_b, values_b) -> Tuple[np.ndarray, np.ndarray]:
+    """Two sets of (distinct flat positions, float32 values) as one: every position of either,
+    ascending, with the values added where both have it (``a``'s first, in float32)."""
+    positions = np.concatenate((np.asarray(positions_a, np.int64), np.asarray(positions_b, np.int64)))
+    merged, where = np.unique(positions, return_inverse=True)
+    values = np.zeros(merged.shape[0], dtype=np.float32)
+    np.add.at(values, where, np.concatenate((np.asarray(values_a, np.float32), np.asarray(values_b, np.float32))))
+    return merged, values
 
 
 class Memory(Component):
@@ -93,12 +124,14 @@ class ResidualMemory(Memory):
     stateful = True
 
     def _init_state(self) -> None:
-        self._residuals: Dict[str, np.ndarray] = {}
+        self._residuals: Dict[str, Union[np.ndarray, SparseResidual]] = {}
 
     def _existing(self, name: str, flat) -> Optional[np.ndarray]:
         residual = self._residuals.get(name)
         if residual is None:
             return None
+        if isinstance(residual, SparseResidual):   # the tensor travelled as entries until now
+            residual = self._residuals[name] = residual.dense()
         if residual.shape[0] != flat.shape[0]:
             raise CommunicationError(
                 f"residual memory: tensor {name!r} had {residual.shape[0]} elements, now {flat.shape[0]}; "
@@ -132,15 +165,50 @@ class ResidualMemory(Memory):
         elif len(positions):
             kernels.subtract_at(residual, positions, values, threads)
 
+    def accumulate_entries(self, name: str, positions: np.ndarray, values: np.ndarray,
+                           numel: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The compensated gradient of a gradient given by its entries, as entries: the union of
+        its and the residual's, added where both have one (new arrays; the residual changes in
+        :meth:`settle_entries`). A dense residual (the tensor travelled dense before) counts by
+        its non-zeros."""
+        held = self._residuals.get(name)
+        if held is None:
+            return np.asarray(positions, np.int64), np.array(values, dtype=np.float32, copy=True)
+        if not isinstance(held, SparseResidual):
+            dense = _host(held)
+            held = SparseResidual(np.flatnonzero(dense), dense[dense != 0], dense.shape[0])
+        if held.numel != numel:
+            raise CommunicationError(f"residual memory: tensor {name!r} had {held.numel} elements, now {numel}; "
+                                     "a name must keep its size")
+        return union_sum(held.positions, held.values, positions, values)
+
+    def settle_entries(self, name: str, positions: np.ndarray, compensated: np.ndarray, sent: np.ndarray,
+                       received: np.ndarray, numel: int) -> None:
+        """The residual after sending entries: the compensated entries minus what the receivers
+        reconstruct at the ``sent`` positions (exact zeros dropped), kept sparse; ``sent=None``:
+        everything was sent exactly (the residual is empty)."""
+        if sent is None:
+            self._residuals[name] = SparseResidual(np.zeros(0, np.int64), np.zeros(0, np.float32), int(numel))
+            return
+        merged, values = union_sum(positions, compensated, sent, -np.asarray(received, np.float32))
+        keep = values != 0
+        self._residuals[name] = SparseResidual(merged[keep], values[keep], int(numel))
+
     def residual(self, name: str) -> Optional[np.ndarray]:
-        """The float32 residual currently held for ``name``; None before its first step."""
-        return self._residuals.get(name)
+        """The float32 residual currently held for ``name`` (dense: a sparse one is densified
+        for good); None before its first step."""
+        held = self._residuals.get(name)
+        if isinstance(held, SparseResidual):
+            held = self._residuals[name] = held.dense()
+        return held
 
     def reset(self):
         self._residuals.clear()
 
     def snapshot(self, name):
         residual = self._residuals.get(name)
+        if isinstance(residual, SparseResidual):   # replaced, never changed in place
+            return residual
         return None if residual is None else _copy(residual)
 
     def restore(self, name, snapshot):
@@ -150,8 +218,11 @@ class ResidualMemory(Memory):
             self._residuals[name] = snapshot
 
     def state_dict(self) -> dict:
-        """``{"residuals": {name: residual}}`` (copies), for checkpoints."""
-        return {"residuals": {name: _host(residual).copy() for name, residual in self._residuals.items()}}
+        """``{"residuals": {name: residual}}`` (copies), for checkpoints; a sparse residual as
+        ``{"positions", "values", "numel"}``."""
+        return {"residuals": {name: {"positions": r.positions.copy(), "values": r.values.copy(), "numel": r.numel}
+                              if isinstance(r, SparseResidual) else _host(r).copy()
+                              for name, r in self._residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace every residual with the checkpoint's; errors name a malformed entry."""
@@ -160,6 +231,9 @@ class ResidualMemory(Memory):
             raise ConfigError(f"memory {self.id!r}: 'residuals' must be a dict of name -> array")
         loaded = {}
         for name, residual in residuals.items():
+            if isinstance(residual, dict):
+                loaded[name] = _checked_sparse(self, name, residual)
+                continue
             array = np.asarray(residual)
             if not isinstance(name, str) or array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
                 raise ConfigError(f"memory {self.id!r}: residual {name!r} must be a 1-D float array, "
@@ -170,6 +244,27 @@ class ResidualMemory(Memory):
                                   "range); a checkpoint must hold finite residuals")
         self.reset()
         self._residuals.update(loaded)
+
+
+def _checked_sparse(component, name, state: dict) -> SparseResidual:
+    """A checkpoint's sparse residual, checked: ascending distinct positions inside the tensor,
+    as many finite float values."""
+    state = _checked_keys(component, state, ("positions", "values", "numel"))
+    positions, values, numel = np.asarray(state["positions"]), np.asarray(state["values"]), state["numel"]
+    numel = int(numel.item() if isinstance(numel, np.ndarray) else numel)
+    if (positions.ndim != 1 or values.shape != positions.shape or not np.issubdtype(positions.dtype, np.integer)
+            or not np.issubdtype(values.dtype, np.floating)):
+        raise ConfigError(f"memory {component.id!r}: sparse residual {name!r} needs 1-D integer positions and as "
+                          f"many float values, got {positions.dtype}{positions.shape} and {values.dtype}{values.shape}")
+    positions = positions.astype(np.int64)
+    if positions.size and (positions[0] < 0 or positions[-1] >= numel or np.any(np.diff(positions) <= 0)):
+        raise ConfigError(f"memory {component.id!r}: sparse residual {name!r} has positions that are not ascending "
+                          f"and distinct inside its {numel} elements")
+    values = np.array(values, dtype=np.float32, copy=True)
+    if not np.isfinite(values).all():
+        raise ConfigError(f"memory {component.id!r}: residual {name!r} holds NaN/Inf (or values beyond float32's "
+                          "range); a checkpoint must hold finite residuals")
+    return SparseResidual(positions, values, numel)
 
 
 def _copy(flat):

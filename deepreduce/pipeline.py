@@ -180,7 +180,7 @@ class Pipeline:
 
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is one of the config's ``warmup`` first steps, which send every tensor
-        losslessly: dense (a sparse gradient: every touched entry), the residual emptied.
+        losslessly: dense (a sparse gradient too), the residual emptied.
 
         The dense warm-up of DGC (Lin et al., 2018) and Ok-Topk (Li and Hoefler, 2022): early
         gradients change fast and an adaptive optimizer (Adam) builds its moment estimates from
@@ -287,14 +287,12 @@ class Pipeline:
         the value codec; no dense tensor is made (Bloom policies other than ``naive`` read values
         at their false positives, so they get a dense copy). Sparsifier ``none`` sends every touched
         entry, zeros included, so the receivers see the rows the sender touched; another sparsifier
-        selects among the touched values (except in a warm-up step, :meth:`warming_up`, which sends
-        them all). Error feedback needs the whole tensor: a config with a
-        memory is refused (send such gradients with ``sparse_as_dense=True``).
+        selects among the touched values. With error feedback (``memory: residual``) the
+        residual stays sparse too (:meth:`ResidualMemory.accumulate_entries`): the touched entries
+        are compensated by it, and it keeps what was not sent. A warm-up step
+        (:meth:`warming_up`) sends the tensor dense, as a non-finite or small one.
         """
         start = time.perf_counter()
-        if self.memory.id != "none":
-            raise ConfigError(f"gradient {name!r} is sparse, but memory {self.memory.id!r} keeps a residual of the "
-                              "whole tensor: use memory 'none' for sparse gradients, or sparse_as_dense=True")
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         values = np.ascontiguousarray(values, dtype=np.float32)
         shape, numel = tuple(int(n) for n in shape), math.prod(int(n) for n in shape)
@@ -302,12 +300,17 @@ class Pipeline:
             raise DeepReduceError(f"encode_entries {name!r}: {positions.shape[0]} positions, {values.shape} values")
         if self._journal is not None:
             self._journal.save(name)
-        if not _all_finite(values) or numel < self.min_numel:   # rare or tiny: the dense path
+        if not _all_finite(values) or numel < self.min_numel or self.warming_up(step):   # the dense path
             dense = np.zeros(numel, dtype=np.float32)
             dense[positions] = values
             return self.encode(dense.reshape(shape), name=name, step=step)
         ctx = self.context(name, step)
-        if self.sparsifier.id != "none" and not self.warming_up(step):
+        touched = None
+        if self.memory.stateful:   # compensated entries: the gradient's and the residual's
+            touched = positions, values = self.memory.accumulate_entries(name, positions, values, numel)
+            if not _all_finite(values):
+                return self._overflowed_entries(touched, shape, name, step, start)
+        if self.sparsifier.id != "none":
             keep = select_positions(self.sparsifier, values, ctx)
             positions, values = positions[keep], values[keep]
         if getattr(self.index, "policy", "naive") == "naive":
@@ -315,7 +318,25 @@ class Pipeline:
         else:
             lookup = np.zeros(numel, dtype=np.float32)
             lookup[positions] = values
-        c, _, _ = self._encode_pairs(positions, values, lookup, shape, ctx)
+        c, sent, received = self._encode_pairs(positions, values, lookup, shape, ctx)
+        if touched is not None:
+            self.memory.settle_entries(name, *touched, sent, received, numel)
+        c.digest = self._wire_digest
+        payload = container.pack(c)
+        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
+        return payload
+
+    def _overflowed_entries(self, touched, shape, name: str, step: int, start: float) -> np.ndarray:
+        """:meth:`_overflowed` for :meth:`encode_entries`: the compensated entries travel dense and
+        flagged, and the residual starts again from nothing (a skipped step restores it)."""
+        if self.nonfinite == "raise" and self._journal is None:
+            raise NonFiniteGradientError(f"gradient {name!r} at step {step}: adding the error-feedback residual "
+                                         "overflows float32 (pipeline option nonfinite='raise')")
+        numel = math.prod(shape)
+        dense = np.zeros(numel, dtype=np.float32)
+        dense[touched[0]] = touched[1]
+        c = _dense_container(dense, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
+        self.memory.settle_entries(name, *touched, None, None, numel)
         c.digest = self._wire_digest
         payload = container.pack(c)
         self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)

@@ -45,7 +45,8 @@ def test_sparse_embedding_gradients_travel_as_entries_and_equal_horovods_sparse_
             # entries one by one where ours come summed: equal up to float rounding
             assert r["params_equal_horovod"] if case.endswith("adam") else r["params_max_diff"] < 1e-5, (case, r)
             assert rank[case]["grad_sparse"] == [True, True], (case, rank)   # the layout the optimizer gets
-        assert rank["topk_params_agree"]
+        assert rank["topk_params_agree"] and rank["residual_params_agree"]
+        assert 0 < rank["residual_sparse_entries"] < 1000 * 16, rank   # held back, and not a dense table
 
 
 @pytest.mark.parametrize("kwargs", [{"num_groups": 2}, {"groups": 2}, {"groups": []}])

@@ -1,8 +1,10 @@
-"""`pip install "deepreduce[torch]"` into a user's own environment that already has torch.
+"""A wheel of deepreduce, installed with its ``torch`` extra into a user's own environment that
+already has torch.
 
-A fresh venv sees this machine's torch through a .pth file (as a user's environment would have its
-own); pip builds deepreduce from a copy of the sources with build isolation (pyproject.toml's build
-requirements), so the checkout gets no build outputs. The installed package must leave torch
+pip builds the wheel from a copy of the sources with build isolation (pyproject.toml's build
+requirements), so the checkout gets no build outputs; the wheel file must hold the shipped
+configs as package data. A fresh venv sees this machine's torch through a .pth file (as a user's
+environment would have its own), and the wheel is installed into it. The installed package must leave torch
 alone, carry its compiled extensions and the shipped configs (loadable by name), import without
 Horovod or TensorFlow, and hold the library only: the experiment harness (``experiments/``, in
 the sources beside it) is not installed.
@@ -12,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -47,7 +50,7 @@ def copy_sources(dest: Path) -> None:
         shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
 
 
-def test_pip_install_torch_extra_into_an_environment_that_has_torch(tmp_path):
+def test_wheel_with_torch_extra_installs_into_an_environment_that_has_torch(tmp_path):
     src = tmp_path / "src"
     copy_sources(src)
     venv = tmp_path / "venv"
@@ -58,8 +61,19 @@ def test_pip_install_torch_extra_into_an_environment_that_has_torch(tmp_path):
                                check=True, capture_output=True, text=True).stdout.strip())
     (site / "users_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-input", "--no-deps", "-w", str(wheels), str(src)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (wheel,) = wheels.glob("deepreduce-*.whl")
+    shipped = sorted(p.stem for p in (ROOT / "deepreduce" / "configs").glob("*.yaml"))
+    with zipfile.ZipFile(wheel) as archive:
+        in_wheel = sorted(Path(n).stem for n in archive.namelist() if n.startswith("deepreduce/configs/")
+                          and n.endswith(".yaml"))
+    assert in_wheel == shipped
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-input",
-                              f"{src}[torch]"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                              f"deepreduce[torch] @ {wheel.as_uri()}"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
     natives = sorted(p.parent.name for p in (ROOT / "csrc").glob("*/py_module.cpp"))
@@ -71,6 +85,5 @@ def test_pip_install_torch_extra_into_an_environment_that_has_torch(tmp_path):
     assert (result["torch"], result["torch_version"]) == (torch.__file__, torch.__version__)
     assert not (site / "torch").exists()                              # pip left the user's torch alone
     assert result["native"] == {n: True for n in natives}            # the C++ extensions were built
-    shipped = sorted(p.stem for p in (ROOT / "deepreduce" / "configs").glob("*.yaml"))
     assert result["configs"] == shipped and len(shipped) > 20          # every shipped config by name
     assert not (site / "experiments").exists()                         # the harness stays in the sources

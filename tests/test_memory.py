@@ -99,9 +99,10 @@ def test_warmup_steps_travel_dense_then_error_feedback_starts_from_zero():
     np.testing.assert_allclose(sent + pipe.memory.residual("w"), g, rtol=0, atol=1e-3)   # fp16 values
 
 
-def test_warmup_sends_every_touched_entry_of_a_sparse_gradient():
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_warmup_sends_a_sparse_gradient_whole(memory):
     pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.1}, "index": "raw", "value": "raw",
-                             "memory": "none", "warmup": 1})
+                             "memory": memory, "warmup": 1})
     positions = np.arange(0, 10_000, 10, dtype=np.int64)
     values = np.random.default_rng(4).standard_normal(positions.shape[0]).astype(np.float32)
     counts = [np.count_nonzero(pipe.decode(pipe.encode_entries(positions, values, (10_000,), name="e", step=step)))
@@ -157,3 +158,80 @@ def test_value_codecs_hand_back_what_the_receiver_decodes(value):
         expected = np.empty(n, np.float32)
         expected[enc.order if enc.order is not None else np.arange(n)] = decoded
         np.testing.assert_array_equal(enc.reconstructed, expected)
+
+
+SPARSE_CASES = [
+    ({"id": "topk", "ratio": 0.3}, "raw", "raw"),
+    ({"id": "topk", "ratio": 0.3}, "elias_fano", "fp16"),                  # lossy values
+    ({"id": "none"}, {"id": "bloom", "policy": "p0", "fpr": 0.05}, "raw"),   # false positives are sent too
+]
+
+
+def _touched_rows(rng, rows, width, touched):
+    """A sparse embedding gradient as entries: ``touched`` distinct rows of a rows x width table."""
+    chosen = np.sort(rng.choice(rows, touched, replace=False))
+    positions = (chosen[:, None] * width + np.arange(width)).reshape(-1)
+    return positions, rng.standard_normal(positions.shape[0]).astype(np.float32)
+
+
+@pytest.mark.parametrize("sparsifier,index,value", SPARSE_CASES, ids=[_id(c) for c in SPARSE_CASES])
+def test_sparse_gradients_keep_a_sparse_residual_that_conserves_mass(sparsifier, index, value):
+    """Entries (Pipeline.encode_entries) with error feedback: what the receivers decode plus the
+    residual equals the sum of the gradients, and the residual never holds more entries than the
+    rows ever touched (it is a SparseResidual, not a dense table)."""
+    from deepreduce.memory import SparseResidual
+
+    rows, width = 5_000, 8
+    pipe = deepreduce.build({"sparsifier": sparsifier, "index": index, "value": value,
+                             "memory": {"id": "residual"}, "min_numel": 0})
+    rng = np.random.default_rng(3)
+    total, sent = np.zeros(rows * width, np.float64), np.zeros(rows * width, np.float64)
+    ever = set()
+    for step in range(8):
+        positions, values = _touched_rows(rng, rows, width, 40)
+        ever.update(positions.tolist())
+        np.add.at(total, positions, values)
+        payload = pipe.encode_entries(positions, values, (rows, width), name="emb", step=step)
+        got_positions, got_values = pipe.decode_entries([payload], (rows, width))
+        np.add.at(sent, got_positions, got_values)
+        held = pipe.memory._residuals["emb"]
+        assert isinstance(held, SparseResidual) and held.positions.shape[0] <= len(ever | set(got_positions.tolist()))
+    residual = pipe.memory._residuals["emb"].dense()
+    np.testing.assert_allclose(sent + residual, total, rtol=0, atol=1e-4)
+    assert np.abs(residual).sum() > 0 or sparsifier["id"] == "none"
+
+
+def test_sparse_residual_checkpoints_densifies_and_overflows_cleanly():
+    """A sparse residual round-trips through state_dict (bad entries refused), becomes dense when
+    the tensor later travels dense, and a compensation beyond float32 travels flagged."""
+    from deepreduce.errors import ConfigError
+    from deepreduce.memory import SparseResidual
+    from deepreduce.wire import container
+
+    config = {"sparsifier": {"id": "topk", "ratio": 0.25}, "index": "raw", "value": "raw",
+              "memory": {"id": "residual"}, "min_numel": 0, "nonfinite": "propagate"}
+    pipe = deepreduce.build(config)
+    positions = np.array([3, 10, 11, 40], np.int64)
+    pipe.encode_entries(positions, np.array([1.0, -4.0, 2.0, 0.5], np.float32), (64,), name="e", step=0)
+    state = pipe.state_dict()
+    again = deepreduce.build(config)
+    again.load_state_dict(state)
+    held = again.memory._residuals["e"]
+    assert isinstance(held, SparseResidual) and held.positions.tolist() == [3, 11, 40]
+    for bad in ({"positions": np.array([5, 2]), "values": np.ones(2, np.float32), "numel": 64},
+                {"positions": np.array([70]), "values": np.ones(1, np.float32), "numel": 64},
+                {"positions": np.array([1]), "values": np.array([np.nan], np.float32), "numel": 64}):
+        broken = pipe.state_dict()
+        broken["memory"]["residuals"]["e"] = bad
+        with pytest.raises(ConfigError, match="residual 'e'"):
+            deepreduce.build(config).load_state_dict(broken)
+    assert again.memory.residual("e")[[3, 11, 40]].tolist() == [1.0, 2.0, 0.5]   # densified for good
+    again.encode(np.zeros(64, np.float32), name="e", step=1)
+    assert isinstance(again.memory._residuals["e"], np.ndarray)
+
+    big = np.float32(3e38)
+    pipe.encode_entries(np.array([7, 8], np.int64), np.array([big, 1.1 * big], np.float32), (64,), name="o", step=0)
+    assert pipe.memory._residuals["o"].positions.tolist() == [7]   # the larger one was sent
+    payload = pipe.encode_entries(np.array([7], np.int64), np.array([big], np.float32), (64,), name="o", step=1)
+    assert container.unpack(payload).flags & container.FLAG_NONFINITE
+    assert pipe.memory._residuals["o"].positions.shape[0] == 0

@@ -43,9 +43,39 @@ class ReductionProtocol:
         self.core, self.communicator, self.average = core, communicator, average
         aggregation = core.aggregation
         self.sparse = None if aggregation is None else aggregation.reducer(core, communicator)
+        self.auto = None if aggregation is None else aggregation.planner(core, communicator)
         self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
 
+    # ------------------------------------------------------------------ route
+    def route(self, name: str) -> str:
+        """How ``name`` travels this step: the ``auto`` plan's choice (dense, fp16, allgather or
+        sparse_allreduce), else the config's aggregation."""
+        if self.auto is not None:
+            return self.auto.choice(name)
+        return "allgather" if self.sparse is None else "sparse_allreduce"
+
+    def take_residual(self, name: str) -> Optional[np.ndarray]:
+        """``name``'s error-feedback residual, cleared (None when it holds nothing): a tensor the
+        ``auto`` plan moved to a dense or fp16 all-reduce sends what compression had held back,
+        so the binding adds it to the gradient."""
+        residual = getattr(self.core.memory, "residual", lambda _: None)(name)
+        if residual is None or not residual.any():
+            return None
+        out = residual.copy()
+        residual[...] = 0.0
+        return out
+
     # ------------------------------------------------------------------ exchange
+    def start_encoded(self, encode: Callable[[], object], name: str):
+        """Start the allgather of ``encode()``'s container: ``(handle, None)``; when the encode
+        raises, of :meth:`failure_payload` instead: ``(handle, the error)`` (the collective still
+        runs, so every rank stays in phase; the caller raises the error after waiting)."""
+        try:
+            payload = encode()
+        except Exception as exc:
+            return self.start(self.failure_payload(exc), name), exc
+        return self.start(payload, name), None
+
     def start(self, payload, name: str):
         """Start the allgather of this rank's container of ``name``; ``wait()`` gives every rank's."""
         return self.communicator.allgather_async(payload, f"deepreduce.{name}")
@@ -110,6 +140,16 @@ class ReductionProtocol:
             divide(len(payloads))
         return None
 
+    def finish_entries(self, payloads: Sequence, name: str, step: int, shape: Tuple[int, ...],
+                       label: Optional[str] = None) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """:meth:`finish` for sparse gradients sent as entries (``Pipeline.encode_entries``):
+        every rank's entries summed (averaged under ``average``) as ``(positions, values)``, or
+        None when the step is skipped for a non-finite container."""
+        summed = []
+        found = self.finish(payloads, name, step, lambda parts: summed.append(self.core.decode_entries(parts, shape)),
+                            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), label)
+        return None if found is not None else summed[0]
+
     def skip(self, name: str, step: int, found: Found) -> None:
         """Record that ``name`` of ``step`` came with a non-finite container (every rank sees it)."""
         self._skipped.setdefault(step, []).append((name, found))
@@ -126,6 +166,7 @@ class ReductionProtocol:
             self.core.undo_step()
         else:
             self.core.commit_step()
+            self._plan(step)
         if errors:
             raise errors[0]
         if skipped:
@@ -135,3 +176,20 @@ class ReductionProtocol:
             name, found = skipped[0]
             raise agreement.nonfinite_error(name, step, *found, more=len(skipped) - 1)
 
+    def _plan(self, step: int) -> None:
+        """The ``auto`` planner's turn after a step every rank completed (collective); rank 0
+        prints a new plan's table."""
+        table = None if self.auto is None else self.auto.end_step(step)
+        if table is not None and self.communicator.rank == 0:
+            print(f"deepreduce auto aggregation, after step {step}:\n{table}", flush=True)
+
+    # ------------------------------------------------------------------ statistics, checkpoints
+    def stats(self) -> dict:
+        """What the aggregation adds to ``compression_stats()``: its id and the bytes the sparse
+        all-reduce received per phase; the ``auto`` plan's choices."""
+        out = {}
+        if self.sparse is not None:
+            out.update(aggregation=self.core.aggregation.id, received_bytes=dict(self.sparse.received_bytes))
+        if self.auto is not None:
+            out.update(self.auto.stats())
+        return out

@@ -79,8 +79,8 @@ from ..dist.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
 from ..pipeline import Pipeline
 from ..wire import container
+from .arguments import LOSSLESS_CONFIG, named_parameter_map
 from .checkpoint import compression_state_dict, load_compression_state_dict
-from .optimizer import LOSSLESS_CONFIG, named_parameter_map
 from .pipeline import TorchPipeline, build
 from .sparse import entries, from_entries
 

@@ -37,24 +37,20 @@ import contextlib
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Union
 
-import numpy as np
 import torch
 
 from ..dist import agreement, buckets
 from ..dist.comm import Communicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import ConfigError, DeepReduceError
-from ..pipeline import Pipeline
+from . import grad_buckets
+from .arguments import build_pipeline, is_summable, parameter_names
 from .background import EncodeWorker
 from .checkpoint import compression_state_dict, load_compression_state_dict
-from .pipeline import TorchPipeline, build
+from .grad_buckets import GradBucket
 from .sparse import entries, from_entries
-
-LOSSLESS_CONFIG = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"},
-                   "memory": {"id": "none"}}
 
 
 def _horovod():
@@ -68,61 +64,41 @@ def _horovod():
     return hvd
 
 
-@dataclass(eq=False)
-class _Bucket:
-    """Gradients of consecutive parameters sent as one tensor (see :mod:`deepreduce.dist.buckets`)."""
-    name: str
-    params: List[torch.Tensor]
-    offsets: List[int]
-    buffer: torch.Tensor          # flat float32, on the parameters' device
-    waiting: int = 0              # gradients of this step not yet copied in
-
-    def slice(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()]
-
-
-def _is_summable_compressor(obj) -> bool:
-    return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does)."""
+    """Mixin whose methods are grafted onto the wrapped optimizer's class (as Horovod does).
+
+    Each gradient (or bucket) travels one way, its *kind*: ``containers`` (allgather),
+    ``sparse`` (the sparse all-reduce, run in ``synchronize``), ``entries`` (a sparse COO
+    gradient), ``summable`` (the user's summable compressor), ``dense`` / ``fp16`` (Horovod's
+    all-reduce: small tensors, or the ``auto`` plan's choice), ``failed`` (this rank's encode
+    raised; its peers see it through the protocol's failure payload).
+    """
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, process_set, communicator, background, path="auto",
                  bucket_cap_mb=None, sparse_as_dense=False):
         self._optimizer_class.__init__(self, params)
-        hvd = _horovod()
-        self._hvd = hvd
-        self._op = op
-        self._predivide = gradient_predivide_factor
-        self._process_set = process_set
+        self._hvd = _horovod()
+        self._op, self._predivide, self._process_set = op, gradient_predivide_factor, process_set
         # Horovod's semantics: a rank outside the process set takes no part in its collectives
         # and applies its own gradients (no hooks, synchronize() returns at once)
         self._member = process_set is None or bool(process_set.included())
-        self._names = _parameter_names(self.param_groups, named_parameters)
-        self._summable = _is_summable_compressor(compression)
-        if self._summable:
-            self._compressor, self._pipeline = compression, None
-        else:
-            self._compressor = None
-            self._pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
-            self._pipeline.core.collective_steps()
+        self._names = parameter_names(self.param_groups, named_parameters)
+        self._summable = is_summable(compression)
+        self._compressor = compression if self._summable else None
+        self._pipeline = None if self._summable else build_pipeline(compression, path)
         self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
         self._bucket_cap_mb = buckets.check_bucket_cap_for(bucket_cap_mb, self._summable, "DistributedOptimizer")
-        self._buckets: List[_Bucket] = []
+        self._buckets: List[GradBucket] = []
         self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
         self._copied: set = set()     # parameters of this step already copied into their bucket
         self._communicator = communicator or self._default_communicator()
-        self._protocol = None if self._pipeline is None else \
-            ReductionProtocol(self._pipeline.core, self._communicator, average=op == hvd.Average)
-        aggregation = None if self._pipeline is None else self._pipeline.core.aggregation
-        self._auto = None if aggregation is None else aggregation.planner(self._pipeline.core, self._communicator)
+        self._protocol = None if self._summable else \
+            ReductionProtocol(self._pipeline.core, self._communicator, average=op == self._hvd.Average)
         self._worker = EncodeWorker(background)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}
-        self._pending: Dict[Union[torch.Tensor, _Bucket], Future] = {}   # a parameter or a bucket
+        self._pending: Dict[Union[torch.Tensor, GradBucket], Future] = {}   # a parameter or a bucket
         self._hook_handles: List = []
         self._sparse_as_dense = sparse_as_dense
         self._densified: Dict[torch.Tensor, int] = {}   # sparse_as_dense: parameter -> its gradient's sparse_dim
@@ -130,8 +106,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._synchronized = False
         self._warned_resynchronize = False
-        self._times = {"encode": 0.0, "encode_hidden": 0.0, "encode_wait": 0.0, "communication_wait": 0.0,
-                       "summable_decode": 0.0}
+        self._times = dict.fromkeys(("encode", "encode_hidden", "encode_wait", "communication_wait",
+                                     "summable_decode"), 0.0)
         self._steps_communicated = 0
         self._register_hooks()
 
@@ -139,10 +115,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _default_communicator(self) -> Communicator:
         from ..dist.comm.horovod import HorovodCommunicator
 
-        if self._pipeline is not None and self._pipeline.core.communicator is not None:
-            comm = self._pipeline.core.communicator
-        else:
-            comm = HorovodCommunicator()
+        comm = self._pipeline.core.communicator if self._pipeline is not None else None
+        comm = HorovodCommunicator() if comm is None else comm
         if isinstance(comm, HorovodCommunicator):
             comm.process_set = self._process_set
         return comm
@@ -179,12 +153,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_class.add_param_group(self, param_group)
         self._agreed = False         # the ranks compare their parameters again before the next step
 
-    # ----------------------------------------------------------------- communication
     def _agree(self) -> None:
         """Compare every rank's parameters and compression (one small allgather, see
         :mod:`deepreduce.dist.agreement`) before this step's first per-tensor collective."""
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        self._plan_buckets(params)
+        if self._bucket_cap_mb is not None:
+            self._buckets, self._bucket_of = grad_buckets.plan(params, self._names, self._bucket_cap_mb,
+                                                               lambda p: not self._summed_dense(p))
         layout = agreement.Layout(
             agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
             [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
@@ -193,27 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         "DistributedOptimizer")
         self._agreed = True
 
-    def _plan_buckets(self, params: List[torch.Tensor]) -> None:
-        """Group the float32 gradients that travel as containers into buckets of at most
-        ``bucket_cap_mb`` MiB, per device, in backward order (the reverse of the parameters')."""
-        self._buckets, self._bucket_of = [], {}
-        if self._bucket_cap_mb is None:
-            return
-        eligible: Dict[torch.device, List[torch.Tensor]] = {}
-        for p in reversed(params):
-            if p.dtype == torch.float32 and not self._summed_dense(p):
-                eligible.setdefault(p.device, []).append(p)
-        for device, group in eligible.items():
-            for members in buckets.plan([p.numel() for p in group], self._bucket_cap_mb * buckets.MIB):
-                chosen = [group[i] for i in members]
-                sizes = [p.numel() for p in chosen]
-                bucket = _Bucket(f"bucket{len(self._buckets)}.{self._names[chosen[0]]}", chosen,
-                                 buckets.offsets(sizes), torch.empty(sum(sizes), dtype=torch.float32, device=device),
-                                 len(chosen))
-                self._buckets.append(bucket)
-                for i, p in enumerate(chosen):
-                    self._bucket_of[p] = (bucket, i)
-
+    # ----------------------------------------------------------------- start: the worker encodes and sends
     def _submit(self, p: torch.Tensor) -> None:
         """Hand ``p``'s finished gradient to the worker, which encodes it and starts its collective.
 
@@ -226,30 +181,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._agree()
         if p.grad.is_sparse:
             self._check_sparse(p)
-            if self._sparse_as_dense:   # as Horovod: reduced dense, handed back sparse (see _finish)
+            if self._sparse_as_dense:   # as Horovod: reduced dense, handed back sparse (synchronize)
                 self._densified[p] = p.grad.sparse_dim()
                 p.grad = p.grad.to_dense()
         if p in self._bucket_of:
             self._copy_into_bucket(p)
-            return
-        name, grad, step = self._names[p], p.grad, self._step_count
-        if self._auto is not None and not self._summed_dense(grad):
-            self._auto.ready(name, grad.numel())
-
-        def start():
-            try:
-                if grad.is_sparse:
-                    return self._start_entries(name, grad, step)
-                if self._summable:
-                    return self._start_allreduce(name, grad)
-                if self._summed_dense(grad):
-                    return self._start_dense_allreduce(name, grad)
-                return self._start_allgather(name, grad, step)
-            except Exception as exc:
-                exc.add_note(f"deepreduce: raised while encoding parameter {name!r} at step {step}")
-                raise
-
-        self._pending[p] = self._worker.submit(start)
+        else:
+            self._start_later(p, self._names[p], p.grad, f"parameter {self._names[p]!r}")
 
     def _check_sparse(self, p: torch.Tensor) -> None:
         """Refuse a sparse gradient where it cannot travel as entries (unless ``sparse_as_dense``)."""
@@ -262,25 +200,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"parameter {self._names[p]!r} has a sparse gradient, but {where}: "
                               "pass sparse_as_dense=True")
 
-    def _start_entries(self, name: str, grad: torch.Tensor, step: int):
-        """Encode a sparse COO gradient's entries (:mod:`deepreduce.torch.sparse`) and start the
-        allgather; ctx ``("entries", step)``."""
-        start = time.perf_counter()
-        positions, values = entries(grad)
-        payload = self._pipeline.core.encode_entries(positions, values, tuple(grad.shape), name=name, step=step)
-        return self._protocol.start(payload, name), ("entries", step), (start, time.perf_counter())
-
-    def _finish_entries(self, p: torch.Tensor, payloads, step: int) -> None:
-        """Sum every rank's entries of ``p``'s sparse gradient (averaged under ``op=Average``)
-        into a new coalesced sparse ``p.grad`` of the same sparse dimensions."""
-        summed = []
-        found = self._protocol.finish(
-            payloads, self._names[p], step,
-            lambda parts: summed.append(self._pipeline.core.decode_entries(parts, tuple(p.grad.shape))),
-            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), self._label(p))
-        if found is None:
-            p.grad = from_entries(*summed[0], like=p.grad)
-
     def _copy_into_bucket(self, p: torch.Tensor) -> None:
         """Copy ``p``'s finished gradient into its bucket; hand the bucket to the worker once it
         holds all of them (the worker then encodes the whole bucket under its name)."""
@@ -289,154 +208,128 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.slice(i).copy_(p.grad.reshape(-1))
         self._copied.add(p)
         bucket.waiting -= 1
-        if bucket.waiting:
-            return
+        if not bucket.waiting:
+            self._start_later(bucket, bucket.name, bucket.buffer,
+                              f"{bucket.name!r} (parameters {', '.join(self._names[q] for q in bucket.params)})")
+
+    def _start_later(self, key, name: str, grad: torch.Tensor, label: str) -> None:
+        """Queue ``grad``'s encode and collective on the worker; ``_pending[key]`` holds
+        (handle, kind, data, (encode start, encode end))."""
         step = self._step_count
-        if self._auto is not None:
-            self._auto.ready(bucket.name, bucket.buffer.numel())
+        if self._protocol is not None and self._protocol.auto is not None and not self._summed_dense(grad):
+            self._protocol.auto.ready(name, grad.numel())
 
         def start():
+            began = time.perf_counter()
             try:
-                return self._start_allgather(bucket.name, bucket.buffer, step)
+                handle, kind, data = self._start(name, grad, step)
             except Exception as exc:
-                exc.add_note(f"deepreduce: raised while encoding {bucket.name!r} (parameters "
-                             f"{', '.join(self._names[q] for q in bucket.params)}) at step {step}")
+                exc.add_note(f"deepreduce: raised while encoding {label} at step {step}")
                 raise
+            return handle, kind, data, (began, time.perf_counter())
 
-        self._pending[bucket] = self._worker.submit(start)
+        self._pending[key] = self._worker.submit(start)
 
-    def _start_allreduce(self, name: str, grad: torch.Tensor):
-        """Compress and start the allreduce; return (handle, ctx, (compress start, compress end))."""
-        start = time.perf_counter()
-        kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+    def _start(self, name: str, grad: torch.Tensor, step: int):
+        """Start ``grad``'s collective the way it travels; return (handle, kind, data)."""
+        if self._summable:
+            return self._allreduce(name, *self._compressor_codes(name, grad), self._op), "summable", None
+        if grad.is_sparse:
+            positions, values = entries(grad)
+            payload = self._pipeline.core.encode_entries(positions, values, tuple(grad.shape), name=name, step=step)
+            return self._protocol.start(payload, name), "entries", step
+        if self._summed_dense(grad):
+            self._pipeline.core.count_summed_dense(grad.numel())
+            return self._allreduce(name, grad, None, self._hvd.Sum), "dense", None
+        route = self._protocol.route(name)
+        if route == "sparse_allreduce":   # synchronize() runs it, in one order on every rank
+            return (name, step), "sparse", None
+        if route in ("dense", "fp16"):
+            residual = self._protocol.take_residual(name)
+            if residual is not None:
+                with torch.no_grad():
+                    grad.add_(torch.from_numpy(residual).view_as(grad).to(grad.device, grad.dtype))
+            sent = grad if route == "dense" else grad.to(torch.float16)
+            return self._allreduce(name, sent, None, self._hvd.Sum), route, sent
+        handle, failed = self._protocol.start_encoded(lambda: self._host_bytes(grad, name, step), name)
+        return (handle, "failed", failed) if failed is not None else (handle, "containers", step)
+
+    def _host_bytes(self, grad: torch.Tensor, name: str, step: int):
+        payload = self._pipeline.encode(grad, name=name, step=step)
+        return payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
+
+    def _compressor_codes(self, name: str, grad: torch.Tensor):
         if getattr(self._compressor, "accepts_name", False):
-            compressed, ctx = self._compressor.compress(grad, name=name)
-        else:
-            compressed, ctx = self._compressor.compress(grad)
-        interval = (start, time.perf_counter())
-        if self._op == self._hvd.Average:
-            handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._hvd.Average,
-                                                prescale_factor=1.0 / self._predivide,
-                                                postscale_factor=self._predivide, **kwargs)
-        else:
-            handle = self._hvd.allreduce_async_(compressed, name=f"deepreduce.{name}", op=self._op, **kwargs)
-        return handle, ctx, interval
+            return self._compressor.compress(grad, name=name)
+        return self._compressor.compress(grad)
+
+    def _allreduce(self, name: str, tensor: torch.Tensor, ctx, op):
+        """Start Horovod's in-place all-reduce of ``tensor`` (``op=Average`` with the predivide
+        factor as Horovod applies it); return (handle, ctx)."""
+        kwargs = {} if self._process_set is None else {"process_set": self._process_set}
+        if op == self._hvd.Average:
+            kwargs.update(prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
+        return self._hvd.allreduce_async_(tensor, name=f"deepreduce.{name}", op=op, **kwargs), ctx
 
     def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
         """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
         Horovod is the communicator."""
         from ..dist.comm.horovod import HorovodCommunicator
 
-        return (isinstance(self._communicator, HorovodCommunicator) and grad.device.type == "cpu"
-                and grad.dtype == torch.float32 and self._pipeline.core.summed_dense(grad.numel()))
+        return (not self._summable and isinstance(self._communicator, HorovodCommunicator)
+                and grad.device.type == "cpu" and grad.dtype == torch.float32
+                and self._pipeline.core.summed_dense(grad.numel()))
 
-    def _start_dense_allreduce(self, name: str, grad: torch.Tensor):
-        """Start the in-place sum of a small gradient (Horovod fuses it with the others); ctx
-        ``"dense"`` tells :meth:`_finish` there is nothing to decode."""
-        now = time.perf_counter()
-        kwargs = {} if self._process_set is None else {"process_set": self._process_set}
-        self._pipeline.core.count_summed_dense(grad.numel())
-        handle = self._hvd.allreduce_async_(grad, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs)
-        return handle, "dense", (now, now)
-
-    def _route(self, name: str) -> str:
-        """How ``name`` travels: the ``auto`` plan's choice, else the config's aggregation."""
-        if self._auto is not None:
-            return self._auto.choice(name)
-        return "allgather" if self._protocol.sparse is None else "sparse_allreduce"
-
-    def _start_allgather(self, name: str, grad: torch.Tensor, step: int):
-        """Encode and start the allgather; return (handle, step, (encode start, encode end)).
-        Under the sparse all-reduce nothing starts here: ``synchronize`` reduces these tensors in
-        one order on every rank (ctx ``"sparse"``, handle ``(name, step)``); the ``auto`` plan may
-        send a tensor by dense or fp16 all-reduce instead (its residual travels with it)."""
-        start = time.perf_counter()
-        route = self._route(name)
-        if route == "sparse_allreduce":
-            return (name, step), "sparse", (start, start)
-        if route in ("dense", "fp16"):
-            self._flush_residual(name, grad)
-            if route == "dense":
-                return self._start_dense_allreduce(name, grad)
-            half = grad.to(torch.float16)
-            kwargs = {} if self._process_set is None else {"process_set": self._process_set}
-            return self._hvd.allreduce_async_(half, name=f"deepreduce.{name}", op=self._hvd.Sum, **kwargs), \
-                ("fp16", half), (start, time.perf_counter())
-        try:
-            payload = self._pipeline.encode(grad, name=name, step=step)
-        except Exception as exc:   # the collective still runs, so every rank stays in phase
-            return self._protocol.start(self._protocol.failure_payload(exc), name), ("failed", exc), \
-                (start, time.perf_counter())
-        interval = (start, time.perf_counter())
-        on_host = payload.numpy() if payload.device.type == "cpu" else payload   # device bytes stay there
-        return self._protocol.start(on_host, name), step, interval
-
-    def _flush_residual(self, name: str, grad: torch.Tensor) -> None:
-        """Add ``name``'s error-feedback residual into ``grad`` and clear it (a tensor the plan
-        moved to a dense all-reduce sends what compression had held back)."""
-        residual = getattr(self._pipeline.core.memory, "residual", lambda _: None)(name)
-        if residual is not None and residual.any():
-            with torch.no_grad():
-                grad.add_(torch.from_numpy(residual).view_as(grad).to(grad.device, grad.dtype))
-            residual[...] = 0.0
-
-    def _finish(self, p: torch.Tensor, handle, ctx):
+    # ----------------------------------------------------------------- finish: wait, decode, write back
+    def _finish(self, key, handle, kind: str, data) -> None:
         """Wait for one collective and write the aggregated gradient into ``p.grad`` (or the
-        bucket's gradients). Containers: ``ctx`` is the step; the protocol decides, decodes and
-        averages (a non-finite container of any rank is recorded there, nothing is written)."""
+        bucket's gradients). The protocol decides, decodes and averages containers; a
+        non-finite container of any rank is recorded there and nothing is written."""
         start = time.perf_counter()
-        if self._summable:
-            output = self._hvd.synchronize(handle)
+        bucket = isinstance(key, GradBucket)
+        target = key.buffer if bucket else key.grad
+        name, label = (key.name, f"bucket {key.name!r} (parameters {', '.join(self._names[q] for q in key.params)})") \
+            if bucket else (self._names[key], f"parameter {self._names[key]!r}")
+        if kind == "failed":
+            handle.wait()
+            raise data
+        if kind in ("summable", "dense", "fp16"):   # summed by Horovod in place
+            output = self._hvd.synchronize(handle[0])
             decode_start = time.perf_counter()
             self._times["communication_wait"] += decode_start - start
-            p.grad.copy_(self._compressor.decompress(output, ctx).view_as(p.grad))
-            self._times["summable_decode"] += time.perf_counter() - decode_start
-            return
-        target = p.buffer if isinstance(p, _Bucket) else p.grad
-        if ctx == "dense" or (isinstance(ctx, tuple) and ctx[0] == "fp16"):   # summed by Horovod in place
-            self._hvd.synchronize(handle)
-            self._times["communication_wait"] += time.perf_counter() - start
             with torch.no_grad():
-                if ctx != "dense":
-                    target.copy_(ctx[1].view_as(target))
+                if kind == "summable":
+                    target.copy_(self._compressor.decompress(output, handle[1]).view_as(target))
+                    self._times["summable_decode"] += time.perf_counter() - decode_start
+                    return
+                if kind == "fp16":
+                    target.copy_(data.view_as(target))
                 if self._op == self._hvd.Average:
                     target.div_(self._communicator.size)
-        elif isinstance(ctx, tuple) and ctx[0] == "failed":   # this rank's encode raised; its peers see it
-            handle.wait()
-            raise ctx[1]
-        elif isinstance(ctx, tuple):   # ("entries", step): a sparse gradient
-            payloads = handle.wait()
-            self._times["communication_wait"] += time.perf_counter() - start
-            self._finish_entries(p, payloads, ctx[1])
-            return
-        elif ctx == "sparse":
-            name, step = handle
-            total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), name, step)
+        elif kind == "sparse":
+            total, found = self._protocol.reduce_sparse(target.detach().reshape(-1).cpu().numpy(), *handle)
             self._times["communication_wait"] += time.perf_counter() - start
             if found is not None:
-                self._protocol.skip(name, step, found)
-                return
+                return self._protocol.skip(*handle, found)
             with torch.no_grad():
                 target.copy_(torch.from_numpy(total).view_as(target))
+        elif kind == "entries":
+            payloads = handle.wait()
+            self._times["communication_wait"] += time.perf_counter() - start
+            summed = self._protocol.finish_entries(payloads, name, data, tuple(target.shape), label)
+            if summed is not None:
+                key.grad = from_entries(*summed, like=target)
+            return
         else:
             payloads = handle.wait()
             self._times["communication_wait"] += time.perf_counter() - start
-            found = self._protocol.finish(
-                payloads, p.name if isinstance(p, _Bucket) else self._names[p], ctx,
-                lambda parts: self._pipeline.decode_sum(parts, expected_shape=tuple(target.shape), out=target),
-                target.div_, self._label(p))
-            if found is not None:
+            if self._protocol.finish(
+                    payloads, name, data,
+                    lambda parts: self._pipeline.decode_sum(parts, expected_shape=tuple(target.shape), out=target),
+                    target.div_, label) is not None:
                 return
-        if isinstance(p, _Bucket):
-            with torch.no_grad():
-                for i, q in enumerate(p.params):
-                    q.grad.copy_(p.slice(i).view_as(q))
-
-    def _label(self, key) -> str:
-        """A pending entry named in messages: a parameter, or a bucket with its parameters."""
-        if isinstance(key, _Bucket):
-            return f"bucket {key.name!r} (parameters {', '.join(self._names[q] for q in key.params)})"
-        return f"parameter {self._names[key]!r}"
+        if bucket:
+            key.copy_back()
 
     def synchronize(self) -> None:
         """Wait for every parameter's encode and collective and write the aggregated gradients.
@@ -453,8 +346,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         wait_start = time.perf_counter()
         step = self._step_count
-        if self._auto is not None:
-            self._auto.backward_done()
+        if self._protocol is not None and self._protocol.auto is not None:
+            self._protocol.auto.backward_done()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p not in self._pending and p not in self._copied:
@@ -466,9 +359,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             started = self._wait_for_encodes(wait_start, errors)
             # the sparse all-reduce runs its collectives now: last, in one order on every rank
             started.sort(key=lambda entry: (entry[2] == "sparse", entry[1][0] if entry[2] == "sparse" else ""))
-            for p, handle, ctx in started:
+            for key, handle, kind, data in started:
                 try:
-                    self._finish(p, handle, ctx)
+                    self._finish(key, handle, kind, data)
                 except Exception as exc:  # keep draining the other collectives first
                     errors.append(exc)
         finally:
@@ -478,7 +371,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._pending.clear()
             self._copied.clear()
             for bucket in self._buckets:
-                bucket.waiting = len(bucket.params)
+                bucket.reset()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._step_count += 1
@@ -487,23 +380,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._protocol.end_step(step, errors, order + [b.name for b in self._buckets])
         elif errors:
             raise errors[0]
-        if self._auto is not None:
-            table = self._auto.end_step(step)
-            if table is not None and self._communicator.rank == 0:
-                print(f"deepreduce auto aggregation, after step {step}:\n{table}", flush=True)
         self._steps_communicated += 1
         self._synchronized = True
 
     def _wait_for_encodes(self, wait_start: float, errors: List[BaseException]):
-        """Wait for the worker; return (parameter, handle, ctx) of every collective it started."""
+        """Wait for the worker; return (key, handle, kind, data) of every collective it started."""
         started = []
-        for p, future in self._pending.items():
+        for key, future in self._pending.items():
             try:
-                handle, ctx, (encode_start, encode_end) = future.result()
+                handle, kind, data, (encode_start, encode_end) = future.result()
             except Exception as exc:
                 errors.append(exc)
                 continue
-            started.append((p, handle, ctx))
+            started.append((key, handle, kind, data))
             self._times["encode"] += encode_end - encode_start
             if self._worker.background:
                 self._times["encode_hidden"] += max(0.0, min(encode_end, wait_start) - encode_start)
@@ -553,7 +442,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if any(self.state.get(p) for group in self.param_groups for p in group["params"]):
             return False
         grads = [p.grad for p in self._delay]
-        return all(g is not None and not _any_nonzero(g) for g in grads)
+        return all(g is not None and not (g.coalesce().values() if g.is_sparse else g).any() for g in grads)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending or self._copied:
@@ -581,11 +470,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      background=self._worker.background, encode_hidden_seconds=self._times["encode_hidden"],
                      encode_wait_seconds=self._times["encode_wait"], buckets=len(self._buckets),
                      communication_wait_seconds=self._times["communication_wait"])
-        sparse = None if self._protocol is None else self._protocol.sparse
-        if sparse is not None:
-            stats.update(aggregation=self._pipeline.core.aggregation.id, received_bytes=dict(sparse.received_bytes))
-        if self._auto is not None:
-            stats.update(self._auto.stats())
+        if self._protocol is not None:
+            stats.update(self._protocol.stats())
         return stats
 
     # ----------------------------------------------------------------- checkpoints
@@ -599,13 +485,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._pending or self._copied:
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
         out = self._optimizer_class.state_dict(self)
-        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
-                                                   self._sparse_state())
-        return out
-
-    def _sparse_state(self):
         sparse = None if self._protocol is None else self._protocol.sparse
-        return None if sparse is None else sparse.state_dict()
+        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
+                                                   None if sparse is None else sparse.state_dict())
+        return out
 
     def load_state_dict(self, state_dict):
         """Restore both parts of :meth:`state_dict`; a plain torch optimizer state dict (no
@@ -617,39 +500,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                            "DistributedOptimizer",
                                                            None if self._protocol is None else self._protocol.sparse)
         self._optimizer_class.load_state_dict(self, state_dict)
-
-
-def _any_nonzero(grad: torch.Tensor) -> bool:
-    values = grad.coalesce().values() if grad.is_sparse else grad
-    return bool(values.any())
-
-
-def named_parameter_map(named_parameters) -> Dict[torch.Tensor, str]:
-    """``{parameter: name}`` from (name, parameter) pairs; a ConfigError for malformed pairs or
-    duplicate names (the DDP hook state uses it too)."""
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
-           or not isinstance(item[1], torch.Tensor) for item in named):
-        raise ConfigError("named_parameters must be a sequence of (name, parameter) pairs, "
-                          "e.g. model.named_parameters()")
-    names = [n for n, _ in named]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
-    return {p: n for n, p in named}
-
-
-def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
-    """Map every parameter to a unique name, as Horovod requires; errors name the problem."""
-    all_params = [p for group in param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {p: f"param.{i}" for i, p in enumerate(all_params)}
-    mapping = named_parameter_map(named_parameters)
-    missing = [i for i, p in enumerate(all_params) if p not in mapping]
-    if missing:
-        raise ConfigError(f"named_parameters does not cover {len(missing)} optimizer parameter(s) "
-                          f"(positions {missing[:5]} of the optimizer's parameters)")
-    return mapping
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,

@@ -9,7 +9,8 @@ result to ``<folder>/rank<r>.json``. The config is lossless, so every difference
 - ``synchronize``: ``step()`` after ``synchronize()`` without ``skip_synchronize()`` warns once.
 - ``sparse``: ``nn.Embedding(sparse=True)`` / ``EmbeddingBag(sparse=True)`` with SparseAdam and
   with SGD: the gradients travel as entries and equal Horovod's sparse allgather exactly
-  (``sparse_as_dense=True`` too); a Top-r config still trains the ranks alike.
+  (``sparse_as_dense=True`` too); a Top-r config still trains the ranks alike, also with error
+  feedback, whose residual stays sparse.
 - ``process_set`` (3 ranks): ranks 0 and 1 form the set; rank 2 is outside it and applies its own
   gradient, as with Horovod.
 
@@ -173,6 +174,17 @@ def scenario_sparse() -> dict:
                                 lambda o, net: drt.DistributedOptimizer(o, named_parameters=net.named_parameters(),
                                                                         compression=topk))
     out["topk_params_agree"] = same_on_every_rank(params)
+    # error feedback on a sparse gradient: the residual stays sparse, the ranks stay alike
+    made = []
+    params, _, _ = sparse_training(SPARSE_CASES["embedding_sparse_adam"][0], SPARSE_CASES["embedding_sparse_adam"][1],
+                                lambda o, net: made.append(drt.DistributedOptimizer(
+                                    o, named_parameters=net.named_parameters(),
+                                    compression=dict(topk, memory="residual"))) or made[0])
+    from deepreduce.memory import SparseResidual
+
+    held = made[0]._pipeline.core.memory._residuals["weight"]
+    out["residual_params_agree"] = same_on_every_rank(params)
+    out["residual_sparse_entries"] = int(held.positions.shape[0]) if isinstance(held, SparseResidual) else -1
     return out
 
 

@@ -65,8 +65,9 @@ def trains():
     data = batches(2) * 20   # a small set seen again and again: the loss must fall
     _, _, gathered = train(TOPK, data=data)
     _, _, sparse = train(with_aggregation(TOPK), data=data)
-    assert sparse[-1] < sparse[0] * 0.8, sparse
-    assert abs(sparse[-1] - gathered[-1]) < 0.2 * gathered[0], (sparse[-1], gathered[-1])
+    first, last = sum(sparse[:2]) / 2, sum(sparse[-2:]) / 2   # both batches: the data alternates
+    assert last < first * 0.9, sparse
+    assert abs(last - sum(gathered[-2:]) / 2) < 0.2 * first, (sparse[-2:], gathered[-2:])
 
 
 def resume():
@@ -105,7 +106,7 @@ def auto():
         stats = opt.compression_stats()
         assert stats["plans_made"] == 1 and stats["plan"], stats
         plans[label] = stats["plan"]
-        assert losses[-1] < losses[0], losses
+        assert losses[-2] < losses[0] and losses[-1] < losses[1], losses   # each of the two batches
         everyone = hvd.allgather_object(sorted(stats["plan"].items()))
         assert all(p == everyone[0] for p in everyone), everyone
     assert set(plans["fast"].values()) == {"dense"}, plans["fast"]
