@@ -2,7 +2,7 @@
 
 A config has the sections ``sparsifier``, ``index``, ``value`` and ``memory``, each
 ``{id: ..., <parameters>}``, and optionally ``communicator``, ``aggregation``, ``min_numel``, ``nonfinite``,
-``threads`` and ``max_numel``. :func:`load_config` validates every key against the registry and
+``threads``, ``max_numel`` and ``warmup``. :func:`load_config` validates every key against the registry and
 fills in defaults, so ``build(load_config(p.get_config()))`` equals ``p``. Whatever the input
 (a YAML file that is not UTF-8, duplicate keys, an empty section, a list where an id belongs),
 the only error is a ConfigError naming the problem.
@@ -19,12 +19,12 @@ import yaml
 from . import registry
 from .backend import parallel
 from .errors import ConfigError, quote
-from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option
+from .pipeline import DEFAULT_MIN_NUMEL, NONFINITE_POLICIES, Pipeline, check_numel_option, check_warmup
 from .wire import container
 
 REQUIRED_SECTIONS = ("sparsifier", "index", "value", "memory")
 OPTIONAL_SECTIONS = ("communicator", "aggregation")
-SCALARS = ("min_numel", "nonfinite", "threads", "max_numel")
+SCALARS = ("min_numel", "nonfinite", "threads", "max_numel", "warmup")
 ALLOWED_KEYS = REQUIRED_SECTIONS + OPTIONAL_SECTIONS + SCALARS
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Pipeline]
@@ -176,6 +176,7 @@ def _validate(raw: dict) -> Tuple[dict, dict]:
     out["nonfinite"] = nonfinite
     out["threads"] = parallel.check_threads(raw.get("threads", parallel.AUTO))
     out["max_numel"] = check_numel_option("config", "max_numel", raw.get("max_numel", container.MAX_NUMEL), 1)
+    out["warmup"] = check_warmup("config", raw.get("warmup", 0))
     return out, components
 
 
@@ -187,5 +188,5 @@ def build(source: ConfigLike) -> Pipeline:
         components["sparsifier"], components["index"], components["value"], components["memory"],
         communicator=components.get("communicator"), aggregation=components.get("aggregation"),
         min_numel=config["min_numel"], nonfinite=config["nonfinite"], threads=config["threads"],
-        max_numel=config["max_numel"],
+        max_numel=config["max_numel"], warmup=config["warmup"],
     )

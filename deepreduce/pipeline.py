@@ -62,13 +62,16 @@ class Pipeline:
         max_numel: the most elements a received container may claim when ``decode`` is given
             no expected shape (the integrations always pass the parameter's shape); a receiver
             setting, it never changes a byte (docs/reliability.md).
+        warmup: the number of first steps (``step < warmup``, the step the bindings pass and
+            checkpoint) in which every tensor travels losslessly, see :meth:`warming_up`.
     """
 
     def __init__(self, sparsifier: Sparsifier, index: IndexCodec, value: ValueCodec, memory: Memory,
                  communicator=None, min_numel: int = DEFAULT_MIN_NUMEL, nonfinite: str = "propagate",
                  threads: parallel.ThreadsOption = parallel.AUTO,
-                 max_numel: int = container.MAX_NUMEL, aggregation=None) -> None:
+                 max_numel: int = container.MAX_NUMEL, aggregation=None, warmup: int = 0) -> None:
         check_numel_option("pipeline", "min_numel", min_numel, 0)
+        check_warmup("pipeline", warmup)
         check_numel_option("pipeline", "max_numel", max_numel, 1)
         if nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"pipeline: 'nonfinite' is {nonfinite!r}; allowed: {', '.join(NONFINITE_POLICIES)}")
@@ -83,6 +86,7 @@ class Pipeline:
         self.aggregation = aggregation
         self.min_numel = min_numel
         self.max_numel = max_numel
+        self.warmup = warmup
         self.nonfinite = nonfinite
         self.threads_option = parallel.check_threads(threads, "pipeline")
         self.threads = parallel.resolve_threads(self.threads_option)
@@ -94,6 +98,8 @@ class Pipeline:
         wire_config.pop("aggregation", None)   # how containers travel never changes their bytes
         wire_config.pop("threads")  # threads and the receiver's bound never change a byte
         wire_config.pop("max_numel")
+        if not warmup:
+            wire_config.pop("warmup")   # configs without a warm-up keep the digest they always had
         self._digest = config_digest(wire_config)
         self._wire_digest = self._digest[:container.DIGEST_SIZE]   # what each container carries
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
@@ -113,6 +119,7 @@ class Pipeline:
             "nonfinite": self.nonfinite,
             "threads": self.threads_option,
             "max_numel": self.max_numel,
+            "warmup": self.warmup,
         }
         if self.communicator is not None:
             config["communicator"] = self.communicator.get_config()
@@ -172,6 +179,17 @@ class Pipeline:
         self.stats.wire_bytes += 4 * numel
         self.stats.value_bytes += 4 * numel
 
+    def warming_up(self, step: int) -> bool:
+        """Whether ``step`` is one of the config's ``warmup`` first steps, which send every tensor
+        losslessly: dense (a sparse gradient too), the residual emptied.
+
+        The dense warm-up of DGC (Lin et al., 2018) and Ok-Topk (Li and Hoefler, 2022): early
+        gradients change fast and an adaptive optimizer (Adam) builds its moment estimates from
+        them, so a sparsifier's error feedback, which delays most entries by many steps, costs
+        most there. Every rank passes the same step, so every rank switches at the same step.
+        """
+        return step < self.warmup
+
     def context(self, name: str, step: int) -> EncodeContext:
         """The seeding context for one (tensor, step): the same on every rank."""
         return EncodeContext(self._digest, name, step)
@@ -215,7 +233,7 @@ class Pipeline:
         flat, shape = _as_float32(grad, name)
         on_torch = arrays.is_torch(flat)
         numel = flat.shape[0]
-        sparse = numel >= self.min_numel
+        sparse = numel >= self.min_numel and not self.warming_up(step)
         fused = sparse and select is None and not on_torch and self._fuses_selection
         if self._journal is not None:
             self._journal.save(name)
@@ -272,7 +290,8 @@ class Pipeline:
         entry, zeros included, so the receivers see the rows the sender touched; another sparsifier
         selects among the touched values. With error feedback (``memory: residual``) the
         residual stays sparse too (:meth:`ResidualMemory.accumulate_entries`): the touched entries
-        are compensated by it, and it keeps what was not sent.
+        are compensated by it, and it keeps what was not sent. A warm-up step
+        (:meth:`warming_up`) sends the tensor dense, as a non-finite or small one.
         """
         start = time.perf_counter()
         positions = np.ascontiguousarray(positions, dtype=np.int64)
@@ -282,7 +301,7 @@ class Pipeline:
             raise DeepReduceError(f"encode_entries {name!r}: {positions.shape[0]} positions, {values.shape} values")
         if self._journal is not None:
             self._journal.save(name)
-        if not _all_finite(values) or numel < self.min_numel:   # rare or tiny: the dense path
+        if not _all_finite(values) or numel < self.min_numel or self.warming_up(step):   # the dense path
             dense = np.zeros(numel, dtype=np.float32)
             dense[positions] = values
             return self.encode(dense.reshape(shape), name=name, step=step)
@@ -359,7 +378,7 @@ class Pipeline:
         does; the selected entries of each shard are encoded with the config's codecs as a
         tensor of the shard's length (indices relative to its start, seeded as ``name#j``), and
         the residual keeps what the receivers do not reconstruct. A non-finite gradient sends
-        every shard dense and flagged; a tensor below ``min_numel`` every shard dense.
+        every shard dense and flagged; a tensor below ``min_numel``, or a warm-up step, every shard dense.
         NumPy input (a torch binding passes its host view).
         """
         start = time.perf_counter()
@@ -368,7 +387,7 @@ class Pipeline:
         bounds = [int(b) for b in bounds]
         if bounds[0] != 0 or bounds[-1] != numel or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise DeepReduceError(f"encode_shards: bounds {bounds[:4]}... must rise from 0 to {numel}")
-        sparse = numel >= self.min_numel
+        sparse = numel >= self.min_numel and not self.warming_up(step)
         if self._journal is not None:
             self._journal.save(name)
         native = self._native_shards()
@@ -702,6 +721,13 @@ def check_numel_option(owner: str, key: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= container.MAX_TENSOR_NUMEL:
         raise ConfigError(f"{owner}: {key!r} must be an integer in [{low}, 2**60] (no tensor has more "
                           f"than 2**60 elements), got {quote(value)}")
+    return value
+
+
+def check_warmup(owner: str, value) -> int:
+    """``value`` if it is a step count in ``[0, 2**62]`` (the warm-up's length), else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2 ** 62:
+        raise ConfigError(f"{owner}: 'warmup' must be a whole number of steps in [0, 2**62], got {quote(value)}")
     return value
 
 

@@ -22,13 +22,21 @@ def test_yaml_path_and_dict_give_equal_pipelines(tmp_path):
 def test_load_config_fills_defaults():
     cfg = deepreduce.load_config({"sparsifier": {"id": "topk"}, "index": "raw", "value": "raw", "memory": "none"})
     assert cfg["sparsifier"] == {"id": "topk", "ratio": 0.01}
-    assert cfg["min_numel"] == 1000 and cfg["nonfinite"] == "propagate"
+    assert cfg["min_numel"] == 1000 and cfg["nonfinite"] == "propagate" and cfg["warmup"] == 0
+
+
+def test_warmup_is_in_the_wire_digest_only_when_set():
+    """Ranks must agree on a warm-up (it changes the containers of the first steps); a config
+    without one keeps the digest, hence the containers, it had before the option existed."""
+    assert deepreduce.build(dict(BASE, warmup=0)).config_digest == deepreduce.build(BASE).config_digest
+    assert deepreduce.build(dict(BASE, warmup=5)).config_digest != deepreduce.build(BASE).config_digest
 
 
 @pytest.mark.parametrize("config", [
     BASE,
     with_section("sparsifier", {"id": "randomk", "ratio": 0.3}),
     dict(with_section("value", {"id": "fp16"}), min_numel=0, nonfinite="raise"),
+    dict(BASE, warmup=50),
 ])
 def test_get_config_round_trips(config):
     pipe = deepreduce.build(config)
@@ -48,6 +56,9 @@ def test_get_config_round_trips(config):
     ({k: v for k, v in BASE.items() if k != "memory"}, ["missing section 'memory'"]),
     (dict(BASE, min_numel=-3), ["'min_numel'"]),
     (dict(BASE, nonfinite="ignore"), ["'nonfinite'", "propagate", "raise"]),
+    (dict(BASE, warmup=-1), ["'warmup'", "steps", "-1"]),
+    (dict(BASE, warmup=2.5), ["'warmup'", "2.5"]),
+    (dict(BASE, warmup=True), ["'warmup'", "True"]),
 ])
 def test_bad_configs_name_the_problem(config, words):
     with pytest.raises(ConfigError) as info:

@@ -26,12 +26,19 @@ def _name(path):
     return os.path.basename(path)[:-4]
 
 
+#: The configs shipped when format v1 was current: only they have v1 fixtures (written by the v1
+#: code, never regenerated); a config added later has a v2 fixture only.
+V1_CONFIGS = ("bf_naive", "bf_p0", "bf_p1", "bf_p2", "bfp0_qsgd", "bfp2_polyfit", "deflate", "dexp", "dgc",
+              "elias_fano", "huffman", "none_raw", "polyfit", "qsgd", "rle", "sidco_exp", "sidco_gamma",
+              "sidco_gpareto", "skcompress", "skcompress_topk", "sketchml", "threshold", "topk_raw")
+
+
 def test_fixtures_exist_for_every_config():
-    for fixtures in (FIXTURES, V1_FIXTURES):
-        names = {_name(f) for f in fixtures}
-        for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
-            stem = os.path.splitext(os.path.basename(path))[0]
-            assert f"config_{stem}" in names, f"no golden fixture for {path}: run tests/golden/make_golden.py"
+    names = {_name(f) for f in FIXTURES}
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        assert f"config_{stem}" in names, f"no golden fixture for {path}: run tests/golden/make_golden.py"
+    assert {_name(f) for f in V1_FIXTURES} >= {f"config_{stem}" for stem in V1_CONFIGS}
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=_name)

@@ -131,22 +131,25 @@ def test_reproduce_quality_quick(tmp_path):
         pytest.skip(f"reproduce quality needs network namespaces: {why}")
     before = _our_namespaces()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "deepreduce", "reproduce", "quality", "--quick", "--methods", "topk_raw,powersgd4",
+    cmd = [sys.executable, "-m", "deepreduce", "reproduce", "quality", "--quick", "--methods", "topk_raw,powersgd4,lm_qsgd",
            "--steps", "10", "--no-progress", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "quality.json", encoding="utf-8") as handle:
         result = json.load(handle)
     rows = {(r["network"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(net, m) for net, _ in quality.BANDWIDTHS for m in ("dense", "powersgd4", "topk_raw")}
+    methods = ("dense", "powersgd4", "topk_raw", "lm_qsgd")
+    assert set(rows) == {(net, m) for net, _ in quality.BANDWIDTHS for m in methods}
     assert all("tbf" in q for q in result["extra"]["qdisc"].values())
     for net, _ in quality.BANDWIDTHS:
         assert rows[(net, "dense")]["volume"] == 1.0 and rows[(net, "dense")]["time_to_dense_s"] > 0
         assert rows[(net, "topk_raw")]["volume"] < 0.05 and rows[(net, "powersgd4")]["volume"] < 0.1
-        for row in (rows[(net, m)] for m in ("dense", "powersgd4", "topk_raw")):
+        assert rows[(net, "lm_qsgd")]["volume"] < 0.3          # every entry in 8 bits, a run-length index
+        for row in (rows[(net, m)] for m in methods):
             assert row["final_loss"] < 9.0 and row["step_ms"] >= row["comm_ms"] > 0
     # at 100 Mbit/s the dense all-reduce is paced by the link (the sizing the experiment relies on)
     assert rows[("100mbit", "dense")]["comm_ms"] > 0.5 * 8 * rows[("100mbit", "dense")]["bytes_per_step"] / 100e6 * 1e3
+    assert any(note.startswith("recommended configs for this model") and "lm_qsgd" in note for note in result["notes"])
     assert os.path.getsize(tmp_path / "quality_loss_vs_time.png") > 1000
     assert "100mbit" in proc.stdout and "time_to_dense_s" in proc.stdout
     assert _our_namespaces() == before            # the namespaces are gone

@@ -85,6 +85,31 @@ def test_dense_small_tensors_and_reset():
     assert pipe.memory.residual("small") is None
 
 
+def test_warmup_steps_travel_dense_then_error_feedback_starts_from_zero():
+    pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "fp16",
+                             "memory": "residual", "warmup": 2})
+    rng = np.random.default_rng(3)
+    for step in range(2):   # lossless: the whole compensated gradient, nothing left behind
+        g = rng.standard_normal(5000).astype(np.float32)
+        np.testing.assert_array_equal(pipe.decode(pipe.encode(g, name="w", step=step)), g)
+        np.testing.assert_array_equal(pipe.memory.residual("w"), np.zeros(5000, np.float32))
+    g = rng.standard_normal(5000).astype(np.float32)
+    sent = pipe.decode(pipe.encode(g, name="w", step=2))
+    assert np.count_nonzero(sent) == 50
+    np.testing.assert_allclose(sent + pipe.memory.residual("w"), g, rtol=0, atol=1e-3)   # fp16 values
+
+
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_warmup_sends_a_sparse_gradient_whole(memory):
+    pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.1}, "index": "raw", "value": "raw",
+                             "memory": memory, "warmup": 1})
+    positions = np.arange(0, 10_000, 10, dtype=np.int64)
+    values = np.random.default_rng(4).standard_normal(positions.shape[0]).astype(np.float32)
+    counts = [np.count_nonzero(pipe.decode(pipe.encode_entries(positions, values, (10_000,), name="e", step=step)))
+              for step in (0, 1)]
+    assert counts == [1000, 100]
+
+
 def test_nonfinite_step_leaves_the_residual_alone():
     pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.05}, "index": "raw", "value": "fp16",
                              "memory": "residual", "min_numel": 0})

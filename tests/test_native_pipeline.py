@@ -111,6 +111,9 @@ def test_cpp_pipeline_refuses_what_the_core_refuses(cfg):
 
 def test_settings_of_an_unsupported_config_are_not_asked_for():
     assert "qsgd" in native_pipeline.unsupported(deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")))
+    # the C++ pipeline has no warm-up: such a config runs through the core in every binding
+    warm = dict(deepreduce.load_config(os.path.join(ROOT, "configs", "topk_raw.yaml")), warmup=3)
+    assert "warmup" in native_pipeline.unsupported(deepreduce.build(warm))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -56,6 +56,15 @@ def test_one_rank_delivers_the_selection_and_keeps_the_rest():
     np.testing.assert_allclose(out + pipe.memory.residual("w"), g, rtol=0, atol=1e-6)
 
 
+def test_warmup_steps_reduce_dense_on_both_phases():
+    pipe = deepreduce.build(dict(deepreduce.load_config("topk_raw"), warmup=1))
+    reducer = SparseAllreduce(pipe, _OneRank())
+    g = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
+    np.testing.assert_array_equal(reducer.reduce(g, "w", 0), g)
+    assert not pipe.memory.residual("w").any() and not reducer.state_dict()["owner_residuals"]["w"].any()
+    assert np.count_nonzero(reducer.reduce(g, "w", 1)) == 100
+
+
 @pytest.mark.parametrize("launcher,ranks,kind", [("mpirun", 2, "mpi"), ("mpirun", 4, "mpi"),
                                                  ("horovodrun", 2, "horovod"), ("horovodrun", 4, "horovod"),
                                                  pytest.param("mpirun", 8, "mpi", marks=pytest.mark.slow)])

@@ -105,6 +105,12 @@ def test_resumed_state_sends_identical_containers(ranks):
         assert not result["without_state_identical"]   # the saved residuals and stage counts matter
 
 
+def test_warmup_steps_send_dense_containers_and_resume_after_them(ranks):
+    for result in both(ranks, "scenario_warmup"):
+        assert result["warm"] == [True, True] and result["after"] == [False]
+        assert result["resumed"] == [False] and result["fresh"] == [True]
+
+
 def test_unused_parameters_with_find_unused_parameters(ranks):
     r0, r1 = both(ranks, "scenario_unused")
     assert r0["steps"] == r1["steps"] == 3

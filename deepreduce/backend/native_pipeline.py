@@ -57,6 +57,8 @@ def unsupported_stage(core) -> Optional[str]:
         return f"value codec {core.value.id!r} (the C++ pipeline has {', '.join(VALUE_CODECS)})"
     if core.memory.id not in MEMORIES:
         return f"memory {core.memory.id!r} (the C++ pipeline has {', '.join(MEMORIES)})"
+    if core.warmup:
+        return f"warmup: {core.warmup} (the C++ pipeline has no dense warm-up steps)"
     return None
 
 

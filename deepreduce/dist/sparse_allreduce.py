@@ -167,6 +167,9 @@ class SparseAllreduce:
         if agreement.first_nonfinite(payloads) is not None or not np.isfinite(total).all():
             return self.pipeline.encode_dense(total, flagged=True)
         total += owner[lo:hi]
+        if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
+            owner[lo:hi] = 0.0
+            return self.pipeline.encode_dense(total)
         if self.reselect == "none":
             chosen = kernels.nonzero(total)
         else:

@@ -96,11 +96,18 @@ def _encode_input(pipe, grad: np.ndarray):
     return grad
 
 
+def steps_after_warmup(pipe, repeat: int) -> range:
+    """``repeat`` successive steps from the first after the config's dense ``warmup``: a benchmark
+    measures the codec, not the warm-up's dense containers. ``pipe``: a core or binding pipeline."""
+    first = getattr(pipe, "core", pipe).warmup
+    return range(first, first + repeat)
+
+
 def encode_ms(pipe, grad: np.ndarray, name: str, repeat: int):
     """Median encode (wall, process CPU) milliseconds over ``repeat`` successive steps."""
     tensor = _encode_input(pipe, grad)
     wall, cpu = [], []
-    for step in range(repeat):
+    for step in steps_after_warmup(pipe, repeat):
         t0, c0 = time.perf_counter(), time.process_time()
         pipe.encode(tensor, name=name, step=step)
         wall.append(time.perf_counter() - t0)
@@ -112,7 +119,8 @@ def measure(pipe, grad: np.ndarray, name: str, repeat: int) -> dict:
     """Encode and decode ``grad`` at ``repeat`` successive steps; return the row's figures.
 
     ``pipe`` is a core Pipeline or a TorchPipeline. Volume and error come from the first step
-    (where an error-feedback memory is still empty, so every config sees the same input).
+    (after any dense warm-up; an error-feedback memory is still empty there, so every config sees
+    the same input).
     """
     from deepreduce.config import build
     from deepreduce.wire.container import unpack
@@ -120,7 +128,7 @@ def measure(pipe, grad: np.ndarray, name: str, repeat: int) -> dict:
     core = getattr(pipe, "core", pipe)
     tensor = _encode_input(pipe, grad)
     encode_s, encode_cpu, decode_s, first = [], [], [], None
-    for step in range(repeat):
+    for step in steps_after_warmup(pipe, repeat):
         t0, c0 = time.perf_counter(), time.process_time()
         payload = pipe.encode(tensor, name=name, step=step)
         t1, c1 = time.perf_counter(), time.process_time()

@@ -52,6 +52,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 import numpy as np
 
 from ._bench_kernels import peer_payloads
+from .bench import steps_after_warmup
 
 SETS = ("resnet20", "resnet50", "resnet50_flat")
 TOPK_RATIO = 0.01
@@ -166,7 +167,9 @@ class ConfigRunner:
         config = dict(load_config(path), threads=threads)
         self.pipe = build(config, path="auto" if device is None else "device")
         self.peer = build(config, path="auto" if device is None else "device")
-        self.grads, self.ranks, self.step_number, self.device = grads, ranks, 0, device or "cpu"
+        # the first step after any dense warm-up: the codec's steady state is what is measured
+        self.grads, self.ranks, self.device = grads, ranks, device or "cpu"
+        self.step_number = steps_after_warmup(self.pipe, 1).start
         self.grad_buffers: Dict[str, object] = {}
         # As in the optimizer: the gradients with a container, in backward order (the reverse of
         # the set's), grouped into buckets of two or more; the others travel on their own.

@@ -3,7 +3,8 @@ configs/ (plus the core's own).
 
 Run only when the wire format changes on purpose (and bump the container version then):
 
-    .venv/bin/python tests/golden/make_golden.py
+    .venv/bin/python tests/golden/make_golden.py                  # every fixture
+    .venv/bin/python tests/golden/make_golden.py config_NAME      # only these (a config just added)
 
 Each fixture ``tests/golden/<name>.npz`` holds the config (JSON), the gradient, the tensor
 name and step, the container bytes and the tensor they decode to. tests/test_golden.py checks
@@ -51,15 +52,23 @@ def golden_configs() -> dict:
     return configs
 
 
-def main() -> None:
+def main(names=()) -> None:
+    """Write the fixtures named in ``names`` (every one when empty)."""
     grad = fixture_gradient()
-    for name, config in golden_configs().items():
-        payload = deepreduce.build(config).encode(grad, name="golden.weight", step=7)
+    configs = golden_configs()
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        raise SystemExit(f"no config for fixture(s) {', '.join(unknown)}; known: {', '.join(configs)}")
+    for name, config in configs.items():
+        if names and name not in names:
+            continue
+        step = max(7, config["warmup"])   # a step after any warm-up: the sparse container is what is frozen
+        payload = deepreduce.build(config).encode(grad, name="golden.weight", step=step)
         np.savez_compressed(os.path.join(HERE, f"{name}.npz"), config=json.dumps(config, sort_keys=True),
-                            grad=grad, tensor_name="golden.weight", step=7, payload=payload,
+                            grad=grad, tensor_name="golden.weight", step=step, payload=payload,
                             decoded=deepreduce.build(config).decode(payload))
         print(f"{name}: {payload.size} bytes")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

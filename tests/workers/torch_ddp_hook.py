@@ -250,6 +250,31 @@ def scenario_checkpoint(rank):
             "step": resumed_state.step}
 
 
+def scenario_warmup(rank):
+    """``warmup: 2``: the containers of steps 0 and 1 are dense, those of step 2 sparse; a state
+    resumed from a checkpoint taken after step 1 goes on sparse (the step counter is saved), a
+    fresh state starts its own warm-up."""
+    config = dict(TOPK, warmup=2)
+
+    def dense_per_step(model, opt, state, start, steps):
+        sent, out = record_containers(state.pipeline), []
+        for step in range(start, start + steps):
+            train(model, opt, rank, 1, start=step)
+            state.wait_idle()
+            out.append(all(container.unpack(np.frombuffer(data, dtype=np.uint8)).dense for data in sent.values()))
+        return out
+
+    model, opt, state = make(config)
+    warm = dense_per_step(model, opt, state, 0, 2)
+    checkpoint = state.state_dict()
+    after = dense_per_step(model, opt, state, 2, 1)
+    resumed_model, resumed_opt, resumed_state = make(config)
+    resumed_state.load_state_dict(checkpoint)
+    resumed = dense_per_step(resumed_model, resumed_opt, resumed_state, 2, 1)
+    fresh = dense_per_step(*make(config), 2, 1)
+    return {"warm": warm, "after": after, "resumed": resumed, "fresh": fresh}
+
+
 def scenario_unused(rank):
     model, opt, state = make(TOPK, branch=True, find_unused_parameters=True)
     train(model, opt, rank, 3, use_branch=rank == 0)
@@ -361,8 +386,9 @@ def scenario_whole_buckets(rank):
             "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
 
 
-SCENARIOS = [scenario_collectives, scenario_auto, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets, scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_unused, scenario_bad_input,
-             scenario_nonfinite, scenario_failed_encode, scenario_disagreement]
+SCENARIOS = [scenario_collectives, scenario_auto, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets,
+             scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_warmup,
+             scenario_unused, scenario_bad_input, scenario_nonfinite, scenario_failed_encode, scenario_disagreement]
 
 
 def run(rank, world, port, queue):
