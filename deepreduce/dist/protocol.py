@@ -82,6 +82,16 @@ class ReductionProtocol:
                     return rank, kind, message
         return None
 
+    def raise_failed(self, payloads: Sequence, name: str, step: int, label: Optional[str] = None) -> None:
+        """Raise, on every rank alike, when any rank sent :meth:`failure_payload` for ``name``: a
+        NonFiniteGradientError where its encode met a non-finite value, else a CommunicationError
+        (``label`` names the tensor, default ``name``)."""
+        failed = self.failed_rank(payloads)
+        if failed is not None:
+            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise error(f"{label or name} at step {step}: rank {failed[0]} could not encode its gradient "
+                        f"({failed[2]}); every rank skips this step")
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -93,11 +103,7 @@ class ReductionProtocol:
         binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
         :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
         ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
-        failed = self.failed_rank(payloads)
-        if failed is not None:
-            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            raise error(f"{label or name} at step {step}: rank {failed[0]} could not encode its gradient "
-                        f"({failed[2]}); every rank skips this step")
+        self.raise_failed(payloads, name, step, label)
         found = self.decide(payloads)
         if found is not None:
             self.skip(name, step, found)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -38,8 +38,10 @@ import tensorflow as tf
 from ..dist import agreement, buckets, overlap
 from ..dist.comm.horovod import HorovodCommunicator
 from ..dist.protocol import ReductionProtocol
-from ..errors import BackendUnavailableError, ConfigError
+from ..errors import BackendUnavailableError, ConfigError, DeepReduceError
+from ..pipeline import to_float32
 from ..wire import container
+from . import sparse
 from .pipeline import TFPipeline, build, numpy_op
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
@@ -131,7 +133,7 @@ class Reducer:
             raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
-        self._collective_nonfinite = self.pipeline is not None and self.pipeline.core.nonfinite == "raise"
+        self._failures: Dict[int, list] = {}   # step -> [(tensor name, error)] of peers' failure payloads
         if self.pipeline is not None:
             self.pipeline.core.collective_steps()
         self._communicator = HorovodCommunicator(framework="tensorflow")
@@ -160,16 +162,17 @@ class Reducer:
     def _allreduce(self, grad, name: str) -> tf.Tensor:
         """The baseline: one ``hvd.allreduce`` with the summable compressor."""
         kwargs = self._process_set_kwargs()
-        if self.predivide != 1.0:
+        if self.predivide != 1.0 and not isinstance(grad, tf.IndexedSlices):   # Horovod refuses it for slices
             kwargs.update(prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide)
         return self.hvd.allreduce(grad, op=self.hvd_op, compression=self.hvd_compression,
                                   name=tensor_key(name), **kwargs)
 
     def _encode(self, grad: tf.Tensor, name: str, step) -> tf.Tensor:
-        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``)."""
+        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``), or
+        the protocol's failure payload where the encode raised (the rank stays in phase)."""
         if self.predivide != 1.0:
             grad = grad * tf.cast(1.0 / self.predivide, grad.dtype)
-        return self.pipeline.encode(grad, name=name, step=step)
+        return self.pipeline.encode(grad, name=name, step=step, on_error=self._protocol.failure_payload)
 
     def _eager_gather(self, name: str):
         """A traced ``tf.function`` running one ``hvd.allgather`` named ``tensor_key(name)``, made once per
@@ -196,43 +199,43 @@ class Reducer:
                 tf.TensorSpec([None], tf.uint8)))
         return gather
 
-    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, report: bool):
-        """(the average or sum over ranks of ``grad``, its non-finite report or None).
-
-        ``report`` (under ``nonfinite: raise``): also return this tensor's non-finite report
-        (rank, NaN count, Inf count; rank -1 when every rank's gradient is finite); a step every
-        rank skips then decodes nothing (the decision is ``_finish_step``'s).
-        """
+    def _gather(self, name: str, payload: tf.Tensor) -> tf.Tensor:
+        """Every rank's payload of ``name``, concatenated (``hvd.allgather`` named ``tensor_key(name)``)."""
         if tf.executing_eagerly():
-            gathered = self._eager_gather(name)(payload)
-        else:
-            gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+            return self._eager_gather(name)(payload)
+        return self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+
+    def _check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
+        """:meth:`_check` of a gathered tensor, as an op (eagerly: now)."""
+        return _graph_or_eager(lambda buf, step_value: self._check(name, buf, int(step_value)),
+                               [gathered, _step_tensor(step)], tf.int64, "deepreduce_check")
+
+    @staticmethod
+    def _unless_skipped(found: tf.Tensor, decode, nothing):
+        """``decode()`` unless the report says some rank failed or sent a non-finite container
+        (``nothing()`` then: ``_finish_step`` raises on every rank once the step's collectives ran)."""
+        skip = tf.not_equal(found[0], -1)
+        if tf.executing_eagerly():
+            return nothing() if bool(skip) else decode()
+        return tf.cond(skip, nothing, decode, name="deepreduce_decode_unless_skipped")
+
+    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, step):
+        """(the average or sum over ranks of ``grad``, its report: see :meth:`_check`)."""
+        gathered = self._gather(name, payload)
         size = self.size
         shape = grad.shape if grad.shape.is_fully_defined() else None
-
-        def decode():
-            return self.pipeline.decode_sum(gathered, shape, count=size)
-
-        found = None
-        if not report:
-            total = decode()
-        else:
-            found = _graph_or_eager(self._nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
-            skip = found[0] >= 0
-
-            def nothing():
-                return tf.zeros(tf.shape(grad), tf.float32)
-
-            total = (nothing() if bool(skip) else decode()) if tf.executing_eagerly() else tf.cond(skip, nothing, decode)
+        found = self._check_op(name, gathered, step)
+        total = self._unless_skipped(found, lambda: self.pipeline.decode_sum(gathered, shape, count=size),
+                                     lambda: tf.zeros(tf.shape(grad), tf.float32))
         if shape is None:
             total = tf.reshape(total, tf.shape(grad))
         if self.op == "average":
             total = total * (self.predivide / size)
         return (tf.cast(total, grad.dtype) if grad.dtype != tf.float32 else total), found
 
-    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step,
-                           reports: Optional[list]) -> List[tf.Tensor]:
-        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (``reports``: see ``reduce``).
+    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
+        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum; each tensor's report
+        (:meth:`_check`) is appended to ``reports``.
 
         Eagerly, each tensor's chain runs as one task of :func:`deepreduce.dist.overlap.run_in_order`:
         on ``background`` worker threads, so encodes proceed while other tensors' collectives and
@@ -243,7 +246,6 @@ class Reducer:
         per-tensor order would make each encode wait for the previous tensor's decode; this
         order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
         """
-        report = reports is not None
         if self._protocol.sparse is not None:
             return self._reduce_sparse(grads, names, step, reports)
         if tf.executing_eagerly():
@@ -251,7 +253,7 @@ class Reducer:
                 start = time.perf_counter()
                 payload = self._encode(grads[i], names[i], step)
                 encoded = time.perf_counter()
-                return self._gather_decode(grads[i], names[i], payload, report), (start, encoded), \
+                return self._gather_decode(grads[i], names[i], payload, step), (start, encoded), \
                     (encoded, time.perf_counter())
 
             done = overlap.run_in_order(chain, range(len(grads)), self.workers)
@@ -261,17 +263,15 @@ class Reducer:
             results = [d[0] for d in done]
         else:
             payloads = [self._encode(g, n, step) for g, n in zip(grads, names)]
-            results = [self._gather_decode(g, n, p, report) for g, n, p in zip(grads, names, payloads)]
-        if report:
-            reports.extend(found for _, found in results)
+            results = [self._gather_decode(g, n, p, step) for g, n, p in zip(grads, names, payloads)]
+        reports.extend(found for _, found in results)
         return [total for total, _ in results]
 
-    def _reduce_sparse(self, grads: List[tf.Tensor], names: List[str], step,
-                       reports: Optional[list]) -> List[tf.Tensor]:
+    def _reduce_sparse(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
         """Every gradient through the sparse all-reduce (``aggregation: sparse_allreduce``), one
         op per gradient, chained in name order so every rank runs the collectives alike."""
         lock, protocol = self.pipeline.lock, self._protocol
-        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
+        step = _step_tensor(step)
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
         previous: list = []
@@ -294,8 +294,7 @@ class Reducer:
             previous = [total]
             out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
             found_of[i] = found
-        if reports is not None:
-            reports.extend(found_of)
+        reports.extend(found_of)
         return out
 
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
@@ -310,14 +309,16 @@ class Reducer:
             step = tf.identity(counter.read_value())
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
-        live = [i for i, g in enumerate(grads) if g is not None]
-        # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds the non-zeros again
+        slices = [i for i, g in enumerate(grads) if self._native_slices(g)]
+        live = [i for i, g in enumerate(grads) if g is not None and i not in slices]
+        # containers carry dense tensors (the sparsifier finds the non-zeros again), IndexedSlices
+        # their touched rows' entries (the baseline: Horovod's allgather of their parts)
         dense = [tf.convert_to_tensor(grads[i]) for i in live]
         live_names = [names[i] for i in live]
         groups = self._bucket_plan(dense)
         self._agree(grads, names, [(f"<bucket{k}>", [sum(_numel(dense[j]) for j in g)], "bucket")
                                    for k, g in enumerate(groups)])
-        reports = [] if self._collective_nonfinite else None
+        reports: list = []
         if self.pipeline is None:
             reduced, sent_names = [self._allreduce(g, names[i]) for g, i in zip(dense, live)], live_names
         elif not groups:
@@ -327,13 +328,73 @@ class Reducer:
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         for i, g in zip(live, reduced):
             out[i] = g
-        if reports:
-            out = self._finish_step(out, reports, sent_names, step)
+        for i in slices:
+            out[i] = self._allreduce(grads[i], names[i]) if self.pipeline is None else \
+                self._reduce_slices(grads[i], names[i], step, reports)
+        if self.pipeline is not None:
+            out = self._finish_step(out, reports, sent_names + [names[i] for i in slices], step)
         if own_counter:
-            done = [g for g in out if g is not None]
+            done = tf.nest.flatten([g for g in out if g is not None], expand_composites=True)
             with tf.control_dependencies(done):
                 counter.assign_add(1)
         return out
+
+    def _native_slices(self, grad) -> bool:
+        """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
+        ``sparse_as_dense``, with a config whose aggregation is the allgather and which keeps no
+        residual (error feedback needs the whole tensor), or with Horovod's allreduce."""
+        if not isinstance(grad, tf.IndexedSlices) or self.sparse_as_dense:
+            return False
+        return self.pipeline is None or (self._protocol.sparse is None and self.pipeline.core.memory.id == "none")
+
+    def _reduce_slices(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
+        """One ``IndexedSlices`` gradient through the index and value codecs
+        (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
+        (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
+        (``Pipeline.decode_entries`` inside the protocol's ``finish``) into the touched rows of
+        every rank, ascending, with their summed (or averaged) slices."""
+        core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
+        if grad.dense_shape is None:
+            raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: pass sparse_as_dense=True")
+        shape = tf.cast(grad.dense_shape, tf.int64)
+
+        def encode(indices, values, dense_shape, step_value):
+            with lock:
+                try:
+                    flat = to_float32(values, name)
+                    return core.encode_entries(*sparse.entries(indices, flat, dense_shape), tuple(dense_shape),
+                                               name=name, step=int(step_value))
+                except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
+                    return protocol.failure_payload(exc)
+
+        def decode(gathered, dense_shape, step_value):
+            summed = []
+            with lock:
+                protocol.finish(container.split(gathered), name, int(step_value),
+                                lambda parts: summed.append(core.decode_entries(parts, tuple(dense_shape))),
+                                lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]))
+            return sparse.rows(*summed[0], dense_shape)
+
+        step = _step_tensor(step)
+        payload = _graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
+                                  "deepreduce_encode_entries")
+        gathered = self._gather(name, tf.reshape(payload, [-1]))
+        found = self._check_op(name, gathered, step)
+        reports.append(found)
+        slice_shape = grad.values.shape[1:]
+
+        def nothing():
+            return tf.zeros([0], tf.int64), tf.zeros(tf.concat([[0], tf.shape(grad.values)[1:]], 0), tf.float32)
+
+        def decoded():
+            rows, values = _graph_or_eager(decode, [gathered, shape, step], [tf.int64, tf.float32],
+                                           "deepreduce_decode_entries")
+            return rows, tf.ensure_shape(values, [None] + slice_shape.as_list()) if slice_shape.rank is not None \
+                else values
+
+        rows, values = self._unless_skipped(found, decoded, nothing)
+        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), tf.cast(rows, grad.indices.dtype),
+                                grad.dense_shape)
 
     def _bucket_plan(self, dense: List[tf.Tensor]) -> List[List[int]]:
         """Positions in ``dense`` of each bucket's gradients (see the class docstring); [] without
@@ -347,7 +408,7 @@ class Reducer:
                 for members in buckets.plan([_numel(dense[j]) for j in eligible], self.bucket_cap_mb * buckets.MIB)]
 
     def _reduce_buckets(self, dense: List[tf.Tensor], names: List[str], groups: List[List[int]], step,
-                        reports: Optional[list]):
+                        reports: list):
         """:meth:`_reduce_containers` of each bucket's concatenated gradients (named
         ``bucket<k>.<first gradient's name>``) and of the other gradients; the reduced buckets
         are split back. Returns (the reduced gradients in ``dense``'s order, the containers' names)."""
@@ -387,29 +448,46 @@ class Reducer:
                             "deepreduce.tensorflow")
         _AGREED.add(key)
 
-    def _nonfinite_report(self, gathered: np.ndarray) -> np.ndarray:
-        """(rank, NaN count, Inf count) of the first rank that sent a non-finite container, or (-1, 0, 0)."""
-        found = self._protocol.decide(container.split(gathered))
+    def _check(self, name: str, gathered: np.ndarray, step: int) -> np.ndarray:
+        """This tensor's report: (rank, NaN count, Inf count) of the first rank that sent a
+        non-finite container (under ``nonfinite: raise``), (-2, 0, 0) when a rank sent the
+        protocol's failure payload (its error is kept for :meth:`_finish_step`), else (-1, 0, 0)."""
+        payloads = container.split(gathered)
+        try:
+            self._protocol.raise_failed(payloads, name, step)
+        except DeepReduceError as exc:
+            with self.pipeline.lock:
+                self._failures.setdefault(step, []).append((name, exc))
+            return np.array((-2, 0, 0), dtype=np.int64)
+        found = self._protocol.decide(payloads)
         return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
 
     def _finish_step(self, reduced: list, reports: list, names: List[str], step) -> list:
-        """The gradients, once one op that waits for every report has kept the step's residuals
-        or, where any rank sent a non-finite container, restored them and raised on every rank
-        (the protocol's ``end_step``)."""
+        """The gradients, once one op that waits for every report has kept the step's residuals,
+        or restored them and raised on every rank where a rank sent a non-finite container or
+        could not encode (the protocol's ``end_step``; the first failed tensor in ``names``)."""
         protocol, lock = self._protocol, self.pipeline.lock
+        order = {name: i for i, name in enumerate(names)}
 
         def finish(step_value, *found):
+            step_value = int(step_value)
             with lock:
                 for name, f in zip(names, found):
                     if int(f[0]) >= 0:
-                        protocol.skip(name, int(step_value), tuple(int(v) for v in f))
-                protocol.end_step(int(step_value), order=names)
+                        protocol.skip(name, step_value, tuple(int(v) for v in f))
+                failures = sorted(self._failures.pop(step_value, []), key=lambda entry: order.get(entry[0], -1))
+                self._failures.clear()   # a step that failed before its end left its entry
+                protocol.end_step(step_value, [exc for _, exc in failures], order=names)
             return np.int64(0)
 
-        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
-        done = _graph_or_eager(finish, [step] + reports, tf.int64, "deepreduce_finish_step")
+        done = _graph_or_eager(finish, [_step_tensor(step)] + reports, tf.int64, "deepreduce_finish_step")
         with tf.control_dependencies([done]):
             return [None if g is None else tf.identity(g) for g in reduced]
+
+
+def _step_tensor(step) -> tf.Tensor:
+    """The step as an int64 tensor (0 when None)."""
+    return tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
 
 
 def _numel(tensor: tf.Tensor) -> Optional[int]:
@@ -421,5 +499,6 @@ def _numel(tensor: tf.Tensor) -> Optional[int]:
 def _graph_or_eager(func, inputs: list, dtype, name: str):
     """``func`` on the inputs' values now (eager: its exceptions keep their type) or as a graph op."""
     if tf.executing_eagerly():
-        return tf.constant(func(*[np.asarray(t) for t in inputs]))
+        out = func(*[np.asarray(t) for t in inputs])
+        return tuple(tf.constant(o) for o in out) if isinstance(dtype, list) else tf.constant(out)
     return numpy_op(func, inputs, dtype, name)
