@@ -60,6 +60,17 @@ class ReductionProtocol:
             total /= self.communicator.size
         return total, found
 
+    def flush_residual(self, name: str, flat: np.ndarray) -> np.ndarray:
+        """``flat`` (a flat float32 host array) plus ``name``'s error-feedback residual, which is
+        cleared: a tensor the ``auto`` plan moves to a dense or fp16 all-reduce sends what
+        compression had held back."""
+        residual = getattr(self.core.memory, "residual", lambda _: None)(name)
+        if residual is None or not residual.any():
+            return flat
+        out = flat + residual.reshape(flat.shape)
+        residual[...] = 0.0
+        return out
+
     @staticmethod
     def failure_payload(exc: BaseException) -> np.ndarray:
         """What a rank whose encode raised sends in place of its container: every rank's collective

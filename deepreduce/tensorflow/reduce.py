@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Dict, List, Optional, Sequence
+import weakref
+from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +46,7 @@ from . import sparse
 from .pipeline import TFPipeline, build, numpy_op
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
+_REDUCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # TFPipeline -> _reduction_state's
 _EAGER_GATHERS = {}   # (process set, tensor key) -> concrete function of one named allgather (Reducer._eager_gather)
 
 
@@ -133,20 +135,29 @@ class Reducer:
             raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
-        self._failures: Dict[int, list] = {}   # step -> [(tensor name, error)] of peers' failure payloads
         if self.pipeline is not None:
             self.pipeline.core.collective_steps()
         self._communicator = HorovodCommunicator(framework="tensorflow")
         if self.process_set is not self.hvd.global_process_set:
             self._communicator.process_set = self.process_set
-        self._protocol = None if self.pipeline is None else \
-            ReductionProtocol(self.pipeline.core, self._communicator, average=self.op == "average")
+        self._protocol = self._auto = None
+        if self.pipeline is not None:
+            state = _reduction_state(self.pipeline, self._communicator, self.process_set, self.op == "average")
+            self._protocol, self._auto, self._routes, self._failures = state
 
     def compression_stats(self) -> dict:
-        """The pipeline's running statistics (bytes, encode/decode time), or the summable
-        compressor's ``compression_stats()`` where it has one; empty for Horovod's compressors."""
+        """The pipeline's running statistics (bytes, encode/decode time; with the sparse
+        all-reduce the bytes each collective handed back, with ``auto`` the plan, how many plans
+        were made and how often each tensor took each route), or the summable compressor's
+        ``compression_stats()`` where it has one; empty for Horovod's compressors."""
         if self.pipeline is not None:
-            return self.pipeline.compression_stats()
+            out = self.pipeline.compression_stats()
+            if self._protocol.sparse is not None:
+                out.update(aggregation=self.pipeline.core.aggregation.id,
+                           received_bytes=dict(self._protocol.sparse.received_bytes))
+            if self._auto is not None:
+                out.update(self._auto.stats(), auto_routes={n: dict(c) for n, c in self._routes.items()})
+            return out
         stats = getattr(self.hvd_compression, "compression_stats", None)
         return stats() if callable(stats) else {}
 
@@ -247,7 +258,7 @@ class Reducer:
         order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
         """
         if self._protocol.sparse is not None:
-            return self._reduce_sparse(grads, names, step, reports)
+            return self._reduce_host(grads, names, step, reports)
         if tf.executing_eagerly():
             def chain(i):
                 start = time.perf_counter()
@@ -267,35 +278,74 @@ class Reducer:
         reports.extend(found for _, found in results)
         return [total for total, _ in results]
 
-    def _reduce_sparse(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
-        """Every gradient through the sparse all-reduce (``aggregation: sparse_allreduce``), one
-        op per gradient, chained in name order so every rank runs the collectives alike."""
-        lock, protocol = self.pipeline.lock, self._protocol
+    def _reduce_host(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
+        """Every gradient through one host op (:meth:`_host_one`: the sparse all-reduce or, under
+        ``auto``, the planned route), chained in name order so every rank runs the collectives alike."""
         step = _step_tensor(step)
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
         previous: list = []
         for i in sorted(range(len(grads)), key=names.__getitem__):
-            def reduce_one(grad, step_value, name=names[i]):
-                with lock:   # the average directly: gradient_predivide_factor would cancel out
-                    flat = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
-                    total, found = protocol.reduce_sparse(flat, name, int(step_value))
-                return (total.reshape(np.shape(grad)),
-                        np.array((-1, 0, 0) if found is None else found, dtype=np.int64))
+            def reduce_one(grad, step_value, name=names[i], first=not previous):
+                if first and self._auto is not None:   # every gradient of a tape is ready at once
+                    self._auto.backward_done()
+                total, found = self._host_one(np.ascontiguousarray(grad, dtype=np.float32).reshape(-1), name,
+                                              int(step_value))
+                return total.reshape(np.shape(grad)), found
 
             with tf.control_dependencies(previous):
                 if tf.executing_eagerly():
-                    total, found = reduce_one(np.asarray(grads[i]), np.asarray(step))
-                    total, found = tf.constant(total), tf.constant(found)
+                    total, found = (tf.constant(v) for v in reduce_one(np.asarray(grads[i]), np.asarray(step)))
                 else:
                     total, found = numpy_op(reduce_one, [grads[i], step], [tf.float32, tf.int64],
-                                            "deepreduce_sparse_allreduce")
+                                            "deepreduce_host_reduce")
                     total = tf.reshape(total, tf.shape(grads[i]))
             previous = [total]
             out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
             found_of[i] = found
         reports.extend(found_of)
         return out
+
+    def _host_one(self, flat: np.ndarray, name: str, step: int):
+        """(the reduced flat float32 array, its report as :meth:`_check`'s) of one tensor: by the
+        sparse all-reduce, or by the ``auto`` plan's choice (allgather of containers, dense or fp16
+        all-reduce; every tensor goes by allgather until the first plan). Averages directly:
+        ``gradient_predivide_factor`` would cancel out."""
+        protocol, core = self._protocol, self.pipeline.core
+        route = "sparse_allreduce" if self._auto is None else self._auto.choice(name)
+        with self.pipeline.lock:
+            if self._auto is not None:
+                self._auto.ready(name, flat.size)
+                counts = self._routes.setdefault(name, {})
+                counts[route] = counts.get(route, 0) + 1
+            if route == "sparse_allreduce":
+                total, found = protocol.reduce_sparse(flat, name, step)
+                return total, np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+            if route in ("dense", "fp16"):
+                return self._allreduce_host(protocol.flush_residual(name, flat), name, route), \
+                    np.array((-1, 0, 0), dtype=np.int64)
+            try:
+                payload = core.encode(flat, name=name, step=step)
+            except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
+                payload = protocol.failure_payload(exc)
+            out = np.zeros_like(flat)
+            try:
+                found = protocol.finish(self._communicator.allgather(payload, f"deepreduce.{name}"), name, step,
+                                        lambda parts: core.decode_sum(parts, expected_shape=flat.shape, out=out),
+                                        lambda ranks: np.divide(out, ranks, out=out))
+            except DeepReduceError as exc:   # raised on every rank by _finish_step, after the collectives
+                self._failures.setdefault(step, []).append((name, exc))
+                found = (-2, 0, 0)
+            return out, np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+
+    def _allreduce_host(self, flat: np.ndarray, name: str, route: str) -> np.ndarray:
+        """The sum (or average) of a flat float32 array by Horovod's all-reduce, in fp16 for ``fp16``."""
+        send = flat.astype(np.float16) if route == "fp16" else flat
+        if route == "dense":
+            self.pipeline.core.count_summed_dense(flat.size)
+        total = self.hvd.allreduce(tf.constant(send), op=self.hvd.Sum, name=f"{tensor_key(name)}.{route}",
+                                   **self._process_set_kwargs()).numpy().astype(np.float32)
+        return total / np.float32(self.size) if self._protocol.average else total
 
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
         """Reduce a list of gradients (None entries stay None).
@@ -478,11 +528,29 @@ class Reducer:
                 failures = sorted(self._failures.pop(step_value, []), key=lambda entry: order.get(entry[0], -1))
                 self._failures.clear()   # a step that failed before its end left its entry
                 protocol.end_step(step_value, [exc for _, exc in failures], order=names)
+            if self._auto is not None:   # collective: every rank ends the same steps
+                table = self._auto.end_step(step_value)
+                if table is not None and self._communicator.rank == 0:
+                    print(f"deepreduce auto aggregation, after step {step_value}:\n{table}", flush=True)
             return np.int64(0)
 
         done = _graph_or_eager(finish, [_step_tensor(step)] + reports, tf.int64, "deepreduce_finish_step")
         with tf.control_dependencies([done]):
             return [None if g is None else tf.identity(g) for g in reduced]
+
+
+def _reduction_state(pipeline: TFPipeline, communicator, process_set, average: bool):
+    """(protocol, auto planner or None, route counts, failures by step) of one pipeline over one
+    process set: made once and kept with the pipeline, so the sparse all-reduce's owner residuals
+    and the ``auto`` plan survive the per-step tape (Horovod's idiom)."""
+    by_key = _REDUCTIONS.setdefault(pipeline, {})
+    key = (id(process_set), average)
+    if key not in by_key:
+        protocol = ReductionProtocol(pipeline.core, communicator, average=average)
+        aggregation = pipeline.core.aggregation
+        auto = None if aggregation is None else aggregation.planner(pipeline.core, communicator)
+        by_key[key] = (protocol, auto, {}, {})
+    return by_key[key]
 
 
 def _step_tensor(step) -> tf.Tensor:
