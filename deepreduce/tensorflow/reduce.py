@@ -24,11 +24,13 @@ every collective of the step raises the same NonFiniteGradientError on every ran
 ``tf.function`` TensorFlow re-raises it as ``tf.errors.UnknownError`` carrying its text) and
 restores the residuals; the gradients depend on that op, so nothing is applied to the weights
 and the next step starts clean (Keras's ``iterations`` increment does not wait for them, so in a
-compiled step it may still count the skipped step).
+compiled step it may still count the skipped step). A rank whose encode raises sends the
+protocol's failure payload instead (``on_error`` of :meth:`TFPipeline.encode`): every rank's check
+of the gathered bytes sees it, decodes nothing, and the same op raises on every rank, under any
+``nonfinite`` policy, so a caught error leaves the ranks in phase.
 """
 from __future__ import annotations
 
-import re
 import time
 import weakref
 from typing import List, Optional, Sequence
@@ -39,11 +41,11 @@ import tensorflow as tf
 from ..dist import agreement, buckets, overlap
 from ..dist.comm.horovod import HorovodCommunicator
 from ..dist.protocol import ReductionProtocol
-from ..errors import BackendUnavailableError, ConfigError, DeepReduceError
-from ..pipeline import to_float32
+from ..errors import BackendUnavailableError, ConfigError
 from ..wire import container
-from . import sparse
-from .pipeline import TFPipeline, build, numpy_op
+from .pipeline import TFPipeline, build
+from .routes import HostRoutes, graph_or_eager, step_tensor, tensor_key
+from .sparse import SliceRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
 _REDUCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # TFPipeline -> _reduction_state's
@@ -84,12 +86,7 @@ def resolve_op(op):
     )
 
 
-def tensor_key(name: str) -> str:
-    """A Horovod tensor / TF op name for a deepreduce tensor name (same on every rank)."""
-    return "DeepReduce_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-
-
-class Reducer:
+class Reducer(HostRoutes, SliceRoutes):
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
@@ -98,8 +95,12 @@ class Reducer:
     works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3
     removed).
 
-    Holds no per-step state: the pipeline owns residuals, statistics and the step counter, so a
-    new tape each step (the Horovod idiom) keeps using the same state.
+    Holds no per-step state: the pipeline owns residuals, statistics and the step counter, and
+    the reduction protocol (with the sparse all-reduce's owner residuals and the ``auto`` plan)
+    is kept with the pipeline (:func:`_reduction_state`), so a new tape each step (the Horovod
+    idiom) keeps using the same state. ``IndexedSlices`` gradients travel as their touched
+    entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`); under the sparse all-reduce or
+    ``auto`` every gradient is reduced by one host op (:class:`~deepreduce.tensorflow.routes.HostRoutes`).
 
     ``background`` (eager containers only): ``True`` runs each tensor's encode -> allgather ->
     decode on one of :data:`deepreduce.dist.overlap.DEFAULT_WORKERS` threads, a positive int on that
@@ -143,7 +144,7 @@ class Reducer:
         self._protocol = self._auto = None
         if self.pipeline is not None:
             state = _reduction_state(self.pipeline, self._communicator, self.process_set, self.op == "average")
-            self._protocol, self._auto, self._routes, self._failures = state
+            self._protocol, self._auto, self._routes = state
 
     def compression_stats(self) -> dict:
         """The pipeline's running statistics (bytes, encode/decode time; with the sparse
@@ -218,8 +219,8 @@ class Reducer:
 
     def _check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
         """:meth:`_check` of a gathered tensor, as an op (eagerly: now)."""
-        return _graph_or_eager(lambda buf, step_value: self._check(name, buf, int(step_value)),
-                               [gathered, _step_tensor(step)], tf.int64, "deepreduce_check")
+        return graph_or_eager(lambda buf, step_value: self._check(name, buf, int(step_value)),
+                               [gathered, step_tensor(step)], tf.int64, "deepreduce_check")
 
     @staticmethod
     def _unless_skipped(found: tf.Tensor, decode, nothing):
@@ -278,75 +279,6 @@ class Reducer:
         reports.extend(found for _, found in results)
         return [total for total, _ in results]
 
-    def _reduce_host(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
-        """Every gradient through one host op (:meth:`_host_one`: the sparse all-reduce or, under
-        ``auto``, the planned route), chained in name order so every rank runs the collectives alike."""
-        step = _step_tensor(step)
-        out: List[Optional[tf.Tensor]] = [None] * len(grads)
-        found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
-        previous: list = []
-        for i in sorted(range(len(grads)), key=names.__getitem__):
-            def reduce_one(grad, step_value, name=names[i], first=not previous):
-                if first and self._auto is not None:   # every gradient of a tape is ready at once
-                    self._auto.backward_done()
-                total, found = self._host_one(np.ascontiguousarray(grad, dtype=np.float32).reshape(-1), name,
-                                              int(step_value))
-                return total.reshape(np.shape(grad)), found
-
-            with tf.control_dependencies(previous):
-                if tf.executing_eagerly():
-                    total, found = (tf.constant(v) for v in reduce_one(np.asarray(grads[i]), np.asarray(step)))
-                else:
-                    total, found = numpy_op(reduce_one, [grads[i], step], [tf.float32, tf.int64],
-                                            "deepreduce_host_reduce")
-                    total = tf.reshape(total, tf.shape(grads[i]))
-            previous = [total]
-            out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
-            found_of[i] = found
-        reports.extend(found_of)
-        return out
-
-    def _host_one(self, flat: np.ndarray, name: str, step: int):
-        """(the reduced flat float32 array, its report as :meth:`_check`'s) of one tensor: by the
-        sparse all-reduce, or by the ``auto`` plan's choice (allgather of containers, dense or fp16
-        all-reduce; every tensor goes by allgather until the first plan). Averages directly:
-        ``gradient_predivide_factor`` would cancel out."""
-        protocol, core = self._protocol, self.pipeline.core
-        route = "sparse_allreduce" if self._auto is None else self._auto.choice(name)
-        with self.pipeline.lock:
-            if self._auto is not None:
-                self._auto.ready(name, flat.size)
-                counts = self._routes.setdefault(name, {})
-                counts[route] = counts.get(route, 0) + 1
-            if route == "sparse_allreduce":
-                total, found = protocol.reduce_sparse(flat, name, step)
-                return total, np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
-            if route in ("dense", "fp16"):
-                return self._allreduce_host(protocol.flush_residual(name, flat), name, route), \
-                    np.array((-1, 0, 0), dtype=np.int64)
-            try:
-                payload = core.encode(flat, name=name, step=step)
-            except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-                payload = protocol.failure_payload(exc)
-            out = np.zeros_like(flat)
-            try:
-                found = protocol.finish(self._communicator.allgather(payload, f"deepreduce.{name}"), name, step,
-                                        lambda parts: core.decode_sum(parts, expected_shape=flat.shape, out=out),
-                                        lambda ranks: np.divide(out, ranks, out=out))
-            except DeepReduceError as exc:   # raised on every rank by _finish_step, after the collectives
-                self._failures.setdefault(step, []).append((name, exc))
-                found = (-2, 0, 0)
-            return out, np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
-
-    def _allreduce_host(self, flat: np.ndarray, name: str, route: str) -> np.ndarray:
-        """The sum (or average) of a flat float32 array by Horovod's all-reduce, in fp16 for ``fp16``."""
-        send = flat.astype(np.float16) if route == "fp16" else flat
-        if route == "dense":
-            self.pipeline.core.count_summed_dense(flat.size)
-        total = self.hvd.allreduce(tf.constant(send), op=self.hvd.Sum, name=f"{tensor_key(name)}.{route}",
-                                   **self._process_set_kwargs()).numpy().astype(np.float32)
-        return total / np.float32(self.size) if self._protocol.average else total
-
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
         """Reduce a list of gradients (None entries stay None).
 
@@ -388,63 +320,6 @@ class Reducer:
             with tf.control_dependencies(done):
                 counter.assign_add(1)
         return out
-
-    def _native_slices(self, grad) -> bool:
-        """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
-        ``sparse_as_dense``, with a config whose aggregation is the allgather and which keeps no
-        residual (error feedback needs the whole tensor), or with Horovod's allreduce."""
-        if not isinstance(grad, tf.IndexedSlices) or self.sparse_as_dense:
-            return False
-        return self.pipeline is None or (self._protocol.sparse is None and self.pipeline.core.memory.id == "none")
-
-    def _reduce_slices(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
-        """One ``IndexedSlices`` gradient through the index and value codecs
-        (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
-        (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
-        (``Pipeline.decode_entries`` inside the protocol's ``finish``) into the touched rows of
-        every rank, ascending, with their summed (or averaged) slices."""
-        core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
-        if grad.dense_shape is None:
-            raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: pass sparse_as_dense=True")
-        shape = tf.cast(grad.dense_shape, tf.int64)
-
-        def encode(indices, values, dense_shape, step_value):
-            with lock:
-                try:
-                    flat = to_float32(values, name)
-                    return core.encode_entries(*sparse.entries(indices, flat, dense_shape), tuple(dense_shape),
-                                               name=name, step=int(step_value))
-                except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-                    return protocol.failure_payload(exc)
-
-        def decode(gathered, dense_shape, step_value):
-            summed = []
-            with lock:
-                protocol.finish(container.split(gathered), name, int(step_value),
-                                lambda parts: summed.append(core.decode_entries(parts, tuple(dense_shape))),
-                                lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]))
-            return sparse.rows(*summed[0], dense_shape)
-
-        step = _step_tensor(step)
-        payload = _graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
-                                  "deepreduce_encode_entries")
-        gathered = self._gather(name, tf.reshape(payload, [-1]))
-        found = self._check_op(name, gathered, step)
-        reports.append(found)
-        slice_shape = grad.values.shape[1:]
-
-        def nothing():
-            return tf.zeros([0], tf.int64), tf.zeros(tf.concat([[0], tf.shape(grad.values)[1:]], 0), tf.float32)
-
-        def decoded():
-            rows, values = _graph_or_eager(decode, [gathered, shape, step], [tf.int64, tf.float32],
-                                           "deepreduce_decode_entries")
-            return rows, tf.ensure_shape(values, [None] + slice_shape.as_list()) if slice_shape.rank is not None \
-                else values
-
-        rows, values = self._unless_skipped(found, decoded, nothing)
-        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), tf.cast(rows, grad.indices.dtype),
-                                grad.dense_shape)
 
     def _bucket_plan(self, dense: List[tf.Tensor]) -> List[List[int]]:
         """Positions in ``dense`` of each bucket's gradients (see the class docstring); [] without
@@ -499,48 +374,33 @@ class Reducer:
         _AGREED.add(key)
 
     def _check(self, name: str, gathered: np.ndarray, step: int) -> np.ndarray:
-        """This tensor's report: (rank, NaN count, Inf count) of the first rank that sent a
-        non-finite container (under ``nonfinite: raise``), (-2, 0, 0) when a rank sent the
-        protocol's failure payload (its error is kept for :meth:`_finish_step`), else (-1, 0, 0)."""
-        payloads = container.split(gathered)
-        try:
-            self._protocol.raise_failed(payloads, name, step)
-        except DeepReduceError as exc:
-            with self.pipeline.lock:
-                self._failures.setdefault(step, []).append((name, exc))
-            return np.array((-2, 0, 0), dtype=np.int64)
-        found = self._protocol.decide(payloads)
-        return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+        """This tensor's :meth:`ReductionProtocol.report` on the gathered bytes, as an int64 array."""
+        with self.pipeline.lock:
+            return np.array(self._protocol.report(container.split(gathered), name, step), dtype=np.int64)
 
     def _finish_step(self, reduced: list, reports: list, names: List[str], step) -> list:
         """The gradients, once one op that waits for every report has kept the step's residuals,
         or restored them and raised on every rank where a rank sent a non-finite container or
-        could not encode (the protocol's ``end_step``; the first failed tensor in ``names``)."""
+        could not encode (the protocol's ``end_step``; the first failed tensor in ``names``), and,
+        under ``auto``, planned after the first step (rank 0 prints the table)."""
         protocol, lock = self._protocol, self.pipeline.lock
-        order = {name: i for i, name in enumerate(names)}
 
-        def finish(step_value, *found):
-            step_value = int(step_value)
+        def finish(step_value, *reports):   # the reports: inputs only, so that it runs after them
             with lock:
-                for name, f in zip(names, found):
-                    if int(f[0]) >= 0:
-                        protocol.skip(name, step_value, tuple(int(v) for v in f))
-                failures = sorted(self._failures.pop(step_value, []), key=lambda entry: order.get(entry[0], -1))
-                self._failures.clear()   # a step that failed before its end left its entry
-                protocol.end_step(step_value, [exc for _, exc in failures], order=names)
+                protocol.end_step(int(step_value), order=names)
             if self._auto is not None:   # collective: every rank ends the same steps
-                table = self._auto.end_step(step_value)
+                table = self._auto.end_step(int(step_value))
                 if table is not None and self._communicator.rank == 0:
-                    print(f"deepreduce auto aggregation, after step {step_value}:\n{table}", flush=True)
+                    print(f"deepreduce auto aggregation, after step {int(step_value)}:\n{table}", flush=True)
             return np.int64(0)
 
-        done = _graph_or_eager(finish, [_step_tensor(step)] + reports, tf.int64, "deepreduce_finish_step")
+        done = graph_or_eager(finish, [step_tensor(step)] + reports, tf.int64, "deepreduce_finish_step")
         with tf.control_dependencies([done]):
             return [None if g is None else tf.identity(g) for g in reduced]
 
 
 def _reduction_state(pipeline: TFPipeline, communicator, process_set, average: bool):
-    """(protocol, auto planner or None, route counts, failures by step) of one pipeline over one
+    """(protocol, auto planner or None, route counts) of one pipeline over one
     process set: made once and kept with the pipeline, so the sparse all-reduce's owner residuals
     and the ``auto`` plan survive the per-step tape (Horovod's idiom)."""
     by_key = _REDUCTIONS.setdefault(pipeline, {})
@@ -549,24 +409,11 @@ def _reduction_state(pipeline: TFPipeline, communicator, process_set, average: b
         protocol = ReductionProtocol(pipeline.core, communicator, average=average)
         aggregation = pipeline.core.aggregation
         auto = None if aggregation is None else aggregation.planner(pipeline.core, communicator)
-        by_key[key] = (protocol, auto, {}, {})
+        by_key[key] = (protocol, auto, {})
     return by_key[key]
-
-
-def _step_tensor(step) -> tf.Tensor:
-    """The step as an int64 tensor (0 when None)."""
-    return tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
 
 
 def _numel(tensor: tf.Tensor) -> Optional[int]:
     """Elements of a tensor of static shape, None when its shape is not fully known."""
     shape = tf.TensorShape(tensor.shape)
     return shape.num_elements() if shape.is_fully_defined() else None
-
-
-def _graph_or_eager(func, inputs: list, dtype, name: str):
-    """``func`` on the inputs' values now (eager: its exceptions keep their type) or as a graph op."""
-    if tf.executing_eagerly():
-        out = func(*[np.asarray(t) for t in inputs])
-        return tuple(tf.constant(o) for o in out) if isinstance(dtype, list) else tf.constant(out)
-    return numpy_op(func, inputs, dtype, name)
