@@ -31,6 +31,7 @@ from . import agreement
 FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
+FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
 
 
 class ReductionProtocol:
@@ -47,6 +48,7 @@ class ReductionProtocol:
         self.sparse = None if aggregation is None else aggregation.reducer(core, communicator)
         self.auto = None if aggregation is None else aggregation.planner(core, communicator)
         self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
+        self._failed: Dict[int, List[Tuple[str, BaseException]]] = {}
 
     # ------------------------------------------------------------------ route
     def route(self, name: str) -> str:
@@ -91,6 +93,13 @@ class ReductionProtocol:
         if found is None and self.average:
             total /= self.communicator.size
         return total, found
+
+    def flush_residual(self, name: str, flat: np.ndarray) -> np.ndarray:
+        """``flat`` (a flat float32 host array) plus ``name``'s error-feedback residual, which is
+        cleared: a tensor the ``auto`` plan moves to a dense or fp16 all-reduce sends what
+        compression had held back (:meth:`take_residual`)."""
+        residual = self.take_residual(name)
+        return flat if residual is None else flat + residual.reshape(flat.shape)
 
     @staticmethod
     def failure_payload(exc: BaseException) -> np.ndarray:
@@ -137,6 +146,46 @@ class ReductionProtocol:
                 raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
         return per_rank
 
+    def reduce_allgather(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Found]:
+        """One flat float32 host array through the whole allgather protocol, for adapters that run
+        a tensor's reduction as one host call (TensorFlow's planned routes): encode (the failure
+        payload where it raises), allgather, :meth:`finish` into a new array. Returns (the sum or
+        average, :meth:`report`'s verdict); a failure or decode error is recorded for
+        :meth:`end_step`, which raises it on every rank after the step's last collective."""
+        try:
+            payload = self.core.encode(flat, name=name, step=step)
+        except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
+            payload = self.failure_payload(exc)
+        out = np.zeros_like(flat)
+        try:
+            found = self.finish(self.communicator.allgather(payload, f"deepreduce.{name}"), name, step,
+                                lambda parts: self.core.decode_sum(parts, expected_shape=flat.shape, out=out),
+                                lambda ranks: np.divide(out, ranks, out=out))
+        except DeepReduceError as exc:
+            self.fail(name, step, exc)
+            return out, FAILED_REPORT
+        return out, FINE if found is None else found
+
+    def report(self, payloads: Sequence, name: str, step: int) -> Found:
+        """The receive-side decision for one tensor, for adapters that decode in a later op
+        (TensorFlow): :data:`FAILED_REPORT` when a rank sent :meth:`failure_payload` (the error is
+        recorded, :meth:`end_step` raises it), a non-finite container's (rank, NaN, Inf) (recorded
+        as :meth:`skip`), else :data:`FINE`. Only the first two skip the decode."""
+        try:
+            self.raise_if_failed(payloads, name, step)
+        except DeepReduceError as exc:
+            self.fail(name, step, exc)
+            return FAILED_REPORT
+        found = self.decide(payloads)
+        if found is None:
+            return FINE
+        self.skip(name, step, found)
+        return found
+
+    def fail(self, name: str, step: int, error: BaseException) -> None:
+        """Record ``error`` of ``name`` at ``step`` (the same on every rank): :meth:`end_step` raises it."""
+        self._failed.setdefault(step, []).append((name, error))
+
     # ------------------------------------------------------------------ decide, decode, average
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
@@ -179,10 +228,15 @@ class ReductionProtocol:
     def end_step(self, step: int, errors: Sequence[BaseException] = (),
                  order: Optional[Sequence[str]] = None) -> None:
         """After the step's last collective: commit the residual changes, or undo them when the
-        step failed or was skipped, and raise the step's first error (or the same
-        NonFiniteGradientError on every rank, naming the first skipped tensor in ``order``)."""
-        skipped = self._skipped.pop(step, [])
+        step failed or was skipped, and raise the step's first error (``errors``, then those
+        recorded by :meth:`fail`, the first tensor in ``order`` first), or the same
+        NonFiniteGradientError on every rank, naming the first skipped tensor in ``order``."""
+        skipped, failed = self._skipped.pop(step, []), self._failed.pop(step, [])
         self._skipped.clear()   # a step that failed before its end left its entry
+        self._failed.clear()
+        rank_of = {name: i for i, name in enumerate(order or ())}
+        failed.sort(key=lambda entry: rank_of.get(entry[0], len(rank_of)))
+        errors = list(errors) + [error for _, error in failed]
         if errors or skipped:
             self.core.undo_step()
         else:
@@ -191,9 +245,7 @@ class ReductionProtocol:
         if errors:
             raise errors[0]
         if skipped:
-            if order is not None:
-                rank_of = {name: i for i, name in enumerate(order)}
-                skipped.sort(key=lambda entry: rank_of.get(entry[0], len(rank_of)))
+            skipped.sort(key=lambda entry: rank_of.get(entry[0], len(rank_of)))
             name, found = skipped[0]
             raise agreement.nonfinite_error(name, step, *found, more=len(skipped) - 1)
 

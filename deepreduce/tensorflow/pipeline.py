@@ -172,12 +172,30 @@ class TFPipeline:
             self._iterations.assign(step)
 
     # ------------------------------------------------------------------ encode
-    def encode(self, tensor, name: str = "", step=0) -> tf.Tensor:
-        """One container for ``tensor`` as a 1-D ``tf.uint8`` tensor (a graph op under tf.function)."""
+    def encode(self, tensor, name: str = "", step=0, on_error=None) -> tf.Tensor:
+        """One container for ``tensor`` as a 1-D ``tf.uint8`` tensor (a graph op under tf.function).
+
+        ``on_error`` (the distributed reducer passes it): a function from the exception to the
+        bytes to send instead. An encode error then gives those bytes rather than raising, so a
+        rank whose gradient cannot be encoded still joins the step's collectives: eagerly for
+        any error, inside ``tf.function`` for the stages that run in Python (the float64 range
+        check, the ``numpy_function`` encode); the custom op's own failures still raise.
+        """
         tensor = tf.convert_to_tensor(tensor)
+        if on_error is not None and tf.executing_eagerly():
+            try:
+                return self.encode(tensor, name, step)
+            except Exception as exc:   # noqa: BLE001 (any error: the peers must hear of it)
+                return tf.constant(on_error(exc), tf.uint8)
         if not tensor.dtype.is_floating:
             raise dtype_error(name, tensor.dtype.name)   # the core's message, raised at trace time
         if tensor.dtype == tf.float64:   # the core's checked conversion: overflow is reported as such
+            if on_error is not None:
+                tensor, failure = _checked_float32(tensor, name, on_error)
+                out = tf.cond(tf.size(failure) > 0, lambda: failure,
+                              lambda: self.encode(tensor, name, step, on_error))
+                out.set_shape([None])
+                return out
             tensor = _checked_float32(tensor, name)
         tensor = tf.cast(tensor, tf.float32) if tensor.dtype != tf.float32 else tensor
         if self._ops is not None:
@@ -191,7 +209,12 @@ class TFPipeline:
 
             def _encode(grad: np.ndarray, step_value) -> np.ndarray:
                 with lock:
-                    return core.encode(grad, name=name, step=int(step_value))
+                    try:
+                        return core.encode(grad, name=name, step=int(step_value))
+                    except Exception as exc:   # noqa: BLE001
+                        if on_error is None:
+                            raise
+                        return np.asarray(on_error(exc), dtype=np.uint8)
 
             out = numpy_op(_encode, [tensor, tf.cast(step, tf.int64)], tf.uint8, "deepreduce_encode")
         out.set_shape([None])
@@ -247,13 +270,28 @@ class TFPipeline:
         return f"TFPipeline({self.core.get_config()!r}, backend={self.backend!r})"
 
 
-def _checked_float32(tensor: tf.Tensor, name: str) -> tf.Tensor:
-    """A float64 tensor as float32 through :func:`deepreduce.pipeline.to_float32` (overflow raises)."""
-    if tf.executing_eagerly():
-        return tf.constant(to_float32(tensor.numpy(), name))
-    out = numpy_op(lambda g: to_float32(g, name), [tensor], tf.float32, "deepreduce_to_float32")
+def _checked_float32(tensor: tf.Tensor, name: str, on_error=None):
+    """A float64 tensor as float32 through :func:`deepreduce.pipeline.to_float32` (overflow raises).
+
+    With ``on_error``: (the float32 tensor, the 1-D uint8 ``on_error(exc)`` of a failed
+    conversion or an empty one) instead of raising (see :meth:`TFPipeline.encode`)."""
+    if on_error is None:
+        if tf.executing_eagerly():
+            return tf.constant(to_float32(tensor.numpy(), name))
+        out = numpy_op(lambda g: to_float32(g, name), [tensor], tf.float32, "deepreduce_to_float32")
+        out.set_shape(tensor.shape)
+        return out
+
+    def convert(grad: np.ndarray):
+        try:
+            return to_float32(grad, name), np.zeros(0, np.uint8)
+        except Exception as exc:   # noqa: BLE001
+            return np.zeros(grad.shape, np.float32), np.asarray(on_error(exc), dtype=np.uint8)
+
+    out, failure = numpy_op(convert, [tensor], [tf.float32, tf.uint8], "deepreduce_to_float32")
     out.set_shape(tensor.shape)
-    return out
+    failure.set_shape([None])
+    return out, failure
 
 
 def _shape_tuple(shape) -> Optional[tuple]:

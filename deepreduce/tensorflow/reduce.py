@@ -24,12 +24,15 @@ every collective of the step raises the same NonFiniteGradientError on every ran
 ``tf.function`` TensorFlow re-raises it as ``tf.errors.UnknownError`` carrying its text) and
 restores the residuals; the gradients depend on that op, so nothing is applied to the weights
 and the next step starts clean (Keras's ``iterations`` increment does not wait for them, so in a
-compiled step it may still count the skipped step).
+compiled step it may still count the skipped step). A rank whose encode raises sends the
+protocol's failure payload instead (``on_error`` of :meth:`TFPipeline.encode`): every rank's check
+of the gathered bytes sees it, decodes nothing, and the same op raises on every rank, under any
+``nonfinite`` policy, so a caught error leaves the ranks in phase.
 """
 from __future__ import annotations
 
-import re
 import time
+import weakref
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -40,9 +43,12 @@ from ..dist.comm.horovod import HorovodCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import BackendUnavailableError, ConfigError
 from ..wire import container
-from .pipeline import TFPipeline, build, numpy_op
+from .pipeline import TFPipeline, build
+from .routes import HostRoutes, graph_or_eager, step_tensor, tensor_key
+from .sparse import SliceRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
+_REDUCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # TFPipeline -> _reduction_state's
 _EAGER_GATHERS = {}   # (process set, tensor key) -> concrete function of one named allgather (Reducer._eager_gather)
 
 
@@ -80,12 +86,7 @@ def resolve_op(op):
     )
 
 
-def tensor_key(name: str) -> str:
-    """A Horovod tensor / TF op name for a deepreduce tensor name (same on every rank)."""
-    return "DeepReduce_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-
-
-class Reducer:
+class Reducer(HostRoutes, SliceRoutes):
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
@@ -94,8 +95,12 @@ class Reducer:
     works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3
     removed).
 
-    Holds no per-step state: the pipeline owns residuals, statistics and the step counter, so a
-    new tape each step (the Horovod idiom) keeps using the same state.
+    Holds no per-step state: the pipeline owns residuals, statistics and the step counter, and
+    the reduction protocol (with the sparse all-reduce's owner residuals and the ``auto`` plan)
+    is kept with the pipeline (:func:`_reduction_state`), so a new tape each step (the Horovod
+    idiom) keeps using the same state. ``IndexedSlices`` gradients travel as their touched
+    entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`); under the sparse all-reduce or
+    ``auto`` every gradient is reduced by one host op (:class:`~deepreduce.tensorflow.routes.HostRoutes`).
 
     ``background`` (eager containers only): ``True`` runs each tensor's encode -> allgather ->
     decode on one of :data:`deepreduce.dist.overlap.DEFAULT_WORKERS` threads, a positive int on that
@@ -131,20 +136,29 @@ class Reducer:
             raise ConfigError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
-        self._collective_nonfinite = self.pipeline is not None and self.pipeline.core.nonfinite == "raise"
         if self.pipeline is not None:
             self.pipeline.core.collective_steps()
         self._communicator = HorovodCommunicator(framework="tensorflow")
         if self.process_set is not self.hvd.global_process_set:
             self._communicator.process_set = self.process_set
-        self._protocol = None if self.pipeline is None else \
-            ReductionProtocol(self.pipeline.core, self._communicator, average=self.op == "average")
+        self._protocol = self._auto = None
+        if self.pipeline is not None:
+            state = _reduction_state(self.pipeline, self._communicator, self.process_set, self.op == "average")
+            self._protocol, self._auto, self._routes = state
 
     def compression_stats(self) -> dict:
-        """The pipeline's running statistics (bytes, encode/decode time), or the summable
-        compressor's ``compression_stats()`` where it has one; empty for Horovod's compressors."""
+        """The pipeline's running statistics (bytes, encode/decode time; with the sparse
+        all-reduce the bytes each collective handed back, with ``auto`` the plan, how many plans
+        were made and how often each tensor took each route), or the summable compressor's
+        ``compression_stats()`` where it has one; empty for Horovod's compressors."""
         if self.pipeline is not None:
-            return self.pipeline.compression_stats()
+            out = self.pipeline.compression_stats()
+            if self._protocol.sparse is not None:
+                out.update(aggregation=self.pipeline.core.aggregation.id,
+                           received_bytes=dict(self._protocol.sparse.received_bytes))
+            if self._auto is not None:
+                out.update(self._auto.stats(), auto_routes={n: dict(c) for n, c in self._routes.items()})
+            return out
         stats = getattr(self.hvd_compression, "compression_stats", None)
         return stats() if callable(stats) else {}
 
@@ -160,16 +174,17 @@ class Reducer:
     def _allreduce(self, grad, name: str) -> tf.Tensor:
         """The baseline: one ``hvd.allreduce`` with the summable compressor."""
         kwargs = self._process_set_kwargs()
-        if self.predivide != 1.0:
+        if self.predivide != 1.0 and not isinstance(grad, tf.IndexedSlices):   # Horovod refuses it for slices
             kwargs.update(prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide)
         return self.hvd.allreduce(grad, op=self.hvd_op, compression=self.hvd_compression,
                                   name=tensor_key(name), **kwargs)
 
     def _encode(self, grad: tf.Tensor, name: str, step) -> tf.Tensor:
-        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``)."""
+        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``), or
+        the protocol's failure payload where the encode raised (the rank stays in phase)."""
         if self.predivide != 1.0:
             grad = grad * tf.cast(1.0 / self.predivide, grad.dtype)
-        return self.pipeline.encode(grad, name=name, step=step)
+        return self.pipeline.encode(grad, name=name, step=step, on_error=self._protocol.failure_payload)
 
     def _eager_gather(self, name: str):
         """A traced ``tf.function`` running one ``hvd.allgather`` named ``tensor_key(name)``, made once per
@@ -196,43 +211,43 @@ class Reducer:
                 tf.TensorSpec([None], tf.uint8)))
         return gather
 
-    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, report: bool):
-        """(the average or sum over ranks of ``grad``, its non-finite report or None).
-
-        ``report`` (under ``nonfinite: raise``): also return this tensor's non-finite report
-        (rank, NaN count, Inf count; rank -1 when every rank's gradient is finite); a step every
-        rank skips then decodes nothing (the decision is ``_finish_step``'s).
-        """
+    def _gather(self, name: str, payload: tf.Tensor) -> tf.Tensor:
+        """Every rank's payload of ``name``, concatenated (``hvd.allgather`` named ``tensor_key(name)``)."""
         if tf.executing_eagerly():
-            gathered = self._eager_gather(name)(payload)
-        else:
-            gathered = self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+            return self._eager_gather(name)(payload)
+        return self.hvd.allgather(payload, name=tensor_key(name), **self._process_set_kwargs())
+
+    def _check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
+        """:meth:`_check` of a gathered tensor, as an op (eagerly: now)."""
+        return graph_or_eager(lambda buf, step_value: self._check(name, buf, int(step_value)),
+                               [gathered, step_tensor(step)], tf.int64, "deepreduce_check")
+
+    @staticmethod
+    def _unless_skipped(found: tf.Tensor, decode, nothing):
+        """``decode()`` unless the report says some rank failed or sent a non-finite container
+        (``nothing()`` then: ``_finish_step`` raises on every rank once the step's collectives ran)."""
+        skip = tf.not_equal(found[0], -1)
+        if tf.executing_eagerly():
+            return nothing() if bool(skip) else decode()
+        return tf.cond(skip, nothing, decode, name="deepreduce_decode_unless_skipped")
+
+    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, step):
+        """(the average or sum over ranks of ``grad``, its report: see :meth:`_check`)."""
+        gathered = self._gather(name, payload)
         size = self.size
         shape = grad.shape if grad.shape.is_fully_defined() else None
-
-        def decode():
-            return self.pipeline.decode_sum(gathered, shape, count=size)
-
-        found = None
-        if not report:
-            total = decode()
-        else:
-            found = _graph_or_eager(self._nonfinite_report, [gathered], tf.int64, "deepreduce_nonfinite")
-            skip = found[0] >= 0
-
-            def nothing():
-                return tf.zeros(tf.shape(grad), tf.float32)
-
-            total = (nothing() if bool(skip) else decode()) if tf.executing_eagerly() else tf.cond(skip, nothing, decode)
+        found = self._check_op(name, gathered, step)
+        total = self._unless_skipped(found, lambda: self.pipeline.decode_sum(gathered, shape, count=size),
+                                     lambda: tf.zeros(tf.shape(grad), tf.float32))
         if shape is None:
             total = tf.reshape(total, tf.shape(grad))
         if self.op == "average":
             total = total * (self.predivide / size)
         return (tf.cast(total, grad.dtype) if grad.dtype != tf.float32 else total), found
 
-    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step,
-                           reports: Optional[list]) -> List[tf.Tensor]:
-        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (``reports``: see ``reduce``).
+    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
+        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum; each tensor's report
+        (:meth:`_check`) is appended to ``reports``.
 
         Eagerly, each tensor's chain runs as one task of :func:`deepreduce.dist.overlap.run_in_order`:
         on ``background`` worker threads, so encodes proceed while other tensors' collectives and
@@ -243,15 +258,14 @@ class Reducer:
         per-tensor order would make each encode wait for the previous tensor's decode; this
         order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
         """
-        report = reports is not None
         if self._protocol.sparse is not None:
-            return self._reduce_sparse(grads, names, step, reports)
+            return self._reduce_host(grads, names, step, reports)
         if tf.executing_eagerly():
             def chain(i):
                 start = time.perf_counter()
                 payload = self._encode(grads[i], names[i], step)
                 encoded = time.perf_counter()
-                return self._gather_decode(grads[i], names[i], payload, report), (start, encoded), \
+                return self._gather_decode(grads[i], names[i], payload, step), (start, encoded), \
                     (encoded, time.perf_counter())
 
             done = overlap.run_in_order(chain, range(len(grads)), self.workers)
@@ -261,42 +275,9 @@ class Reducer:
             results = [d[0] for d in done]
         else:
             payloads = [self._encode(g, n, step) for g, n in zip(grads, names)]
-            results = [self._gather_decode(g, n, p, report) for g, n, p in zip(grads, names, payloads)]
-        if report:
-            reports.extend(found for _, found in results)
+            results = [self._gather_decode(g, n, p, step) for g, n, p in zip(grads, names, payloads)]
+        reports.extend(found for _, found in results)
         return [total for total, _ in results]
-
-    def _reduce_sparse(self, grads: List[tf.Tensor], names: List[str], step,
-                       reports: Optional[list]) -> List[tf.Tensor]:
-        """Every gradient through the sparse all-reduce (``aggregation: sparse_allreduce``), one
-        op per gradient, chained in name order so every rank runs the collectives alike."""
-        lock, protocol = self.pipeline.lock, self._protocol
-        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
-        out: List[Optional[tf.Tensor]] = [None] * len(grads)
-        found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
-        previous: list = []
-        for i in sorted(range(len(grads)), key=names.__getitem__):
-            def reduce_one(grad, step_value, name=names[i]):
-                with lock:   # the average directly: gradient_predivide_factor would cancel out
-                    flat = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
-                    total, found = protocol.reduce_sparse(flat, name, int(step_value))
-                return (total.reshape(np.shape(grad)),
-                        np.array((-1, 0, 0) if found is None else found, dtype=np.int64))
-
-            with tf.control_dependencies(previous):
-                if tf.executing_eagerly():
-                    total, found = reduce_one(np.asarray(grads[i]), np.asarray(step))
-                    total, found = tf.constant(total), tf.constant(found)
-                else:
-                    total, found = numpy_op(reduce_one, [grads[i], step], [tf.float32, tf.int64],
-                                            "deepreduce_sparse_allreduce")
-                    total = tf.reshape(total, tf.shape(grads[i]))
-            previous = [total]
-            out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
-            found_of[i] = found
-        if reports is not None:
-            reports.extend(found_of)
-        return out
 
     def reduce(self, grads: Sequence, names: Sequence[str], step=None) -> List[Optional[tf.Tensor]]:
         """Reduce a list of gradients (None entries stay None).
@@ -310,14 +291,16 @@ class Reducer:
             step = tf.identity(counter.read_value())
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
-        live = [i for i, g in enumerate(grads) if g is not None]
-        # containers (and the baseline allreduce) carry dense tensors; the sparsifier finds the non-zeros again
+        slices = [i for i, g in enumerate(grads) if self._native_slices(g)]
+        live = [i for i, g in enumerate(grads) if g is not None and i not in slices]
+        # containers carry dense tensors (the sparsifier finds the non-zeros again), IndexedSlices
+        # their touched rows' entries (the baseline: Horovod's allgather of their parts)
         dense = [tf.convert_to_tensor(grads[i]) for i in live]
         live_names = [names[i] for i in live]
         groups = self._bucket_plan(dense)
         self._agree(grads, names, [(f"<bucket{k}>", [sum(_numel(dense[j]) for j in g)], "bucket")
                                    for k, g in enumerate(groups)])
-        reports = [] if self._collective_nonfinite else None
+        reports: list = []
         if self.pipeline is None:
             reduced, sent_names = [self._allreduce(g, names[i]) for g, i in zip(dense, live)], live_names
         elif not groups:
@@ -327,10 +310,13 @@ class Reducer:
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         for i, g in zip(live, reduced):
             out[i] = g
-        if reports:
-            out = self._finish_step(out, reports, sent_names, step)
+        for i in slices:
+            out[i] = self._allreduce(grads[i], names[i]) if self.pipeline is None else \
+                self._reduce_slices(grads[i], names[i], step, reports)
+        if self.pipeline is not None:
+            out = self._finish_step(out, reports, sent_names + [names[i] for i in slices], step)
         if own_counter:
-            done = [g for g in out if g is not None]
+            done = tf.nest.flatten([g for g in out if g is not None], expand_composites=True)
             with tf.control_dependencies(done):
                 counter.assign_add(1)
         return out
@@ -347,7 +333,7 @@ class Reducer:
                 for members in buckets.plan([_numel(dense[j]) for j in eligible], self.bucket_cap_mb * buckets.MIB)]
 
     def _reduce_buckets(self, dense: List[tf.Tensor], names: List[str], groups: List[List[int]], step,
-                        reports: Optional[list]):
+                        reports: list):
         """:meth:`_reduce_containers` of each bucket's concatenated gradients (named
         ``bucket<k>.<first gradient's name>``) and of the other gradients; the reduced buckets
         are split back. Returns (the reduced gradients in ``dense``'s order, the containers' names)."""
@@ -387,39 +373,47 @@ class Reducer:
                             "deepreduce.tensorflow")
         _AGREED.add(key)
 
-    def _nonfinite_report(self, gathered: np.ndarray) -> np.ndarray:
-        """(rank, NaN count, Inf count) of the first rank that sent a non-finite container, or (-1, 0, 0)."""
-        found = self._protocol.decide(container.split(gathered))
-        return np.array((-1, 0, 0) if found is None else found, dtype=np.int64)
+    def _check(self, name: str, gathered: np.ndarray, step: int) -> np.ndarray:
+        """This tensor's :meth:`ReductionProtocol.report` on the gathered bytes, as an int64 array."""
+        with self.pipeline.lock:
+            return np.array(self._protocol.report(container.split(gathered), name, step), dtype=np.int64)
 
     def _finish_step(self, reduced: list, reports: list, names: List[str], step) -> list:
-        """The gradients, once one op that waits for every report has kept the step's residuals
-        or, where any rank sent a non-finite container, restored them and raised on every rank
-        (the protocol's ``end_step``)."""
+        """The gradients, once one op that waits for every report has kept the step's residuals,
+        or restored them and raised on every rank where a rank sent a non-finite container or
+        could not encode (the protocol's ``end_step``; the first failed tensor in ``names``), and,
+        under ``auto``, planned after the first step (rank 0 prints the table)."""
         protocol, lock = self._protocol, self.pipeline.lock
 
-        def finish(step_value, *found):
+        def finish(step_value, *reports):   # the reports: inputs only, so that it runs after them
             with lock:
-                for name, f in zip(names, found):
-                    if int(f[0]) >= 0:
-                        protocol.skip(name, int(step_value), tuple(int(v) for v in f))
                 protocol.end_step(int(step_value), order=names)
+            if self._auto is not None:   # collective: every rank ends the same steps
+                table = self._auto.end_step(int(step_value))
+                if table is not None and self._communicator.rank == 0:
+                    print(f"deepreduce auto aggregation, after step {int(step_value)}:\n{table}", flush=True)
             return np.int64(0)
 
-        step = tf.cast(tf.convert_to_tensor(0 if step is None else step), tf.int64)
-        done = _graph_or_eager(finish, [step] + reports, tf.int64, "deepreduce_finish_step")
+        done = graph_or_eager(finish, [step_tensor(step)] + reports, tf.int64, "deepreduce_finish_step")
         with tf.control_dependencies([done]):
             return [None if g is None else tf.identity(g) for g in reduced]
+
+
+def _reduction_state(pipeline: TFPipeline, communicator, process_set, average: bool):
+    """(protocol, auto planner or None, route counts) of one pipeline over one
+    process set: made once and kept with the pipeline, so the sparse all-reduce's owner residuals
+    and the ``auto`` plan survive the per-step tape (Horovod's idiom)."""
+    by_key = _REDUCTIONS.setdefault(pipeline, {})
+    key = (id(process_set), average)
+    if key not in by_key:
+        protocol = ReductionProtocol(pipeline.core, communicator, average=average)
+        aggregation = pipeline.core.aggregation
+        auto = None if aggregation is None else aggregation.planner(pipeline.core, communicator)
+        by_key[key] = (protocol, auto, {})
+    return by_key[key]
 
 
 def _numel(tensor: tf.Tensor) -> Optional[int]:
     """Elements of a tensor of static shape, None when its shape is not fully known."""
     shape = tf.TensorShape(tensor.shape)
     return shape.num_elements() if shape.is_fully_defined() else None
-
-
-def _graph_or_eager(func, inputs: list, dtype, name: str):
-    """``func`` on the inputs' values now (eager: its exceptions keep their type) or as a graph op."""
-    if tf.executing_eagerly():
-        return tf.constant(func(*[np.asarray(t) for t in inputs]))
-    return numpy_op(func, inputs, dtype, name)

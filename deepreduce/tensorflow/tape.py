@@ -122,8 +122,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
     the host. ``num_groups``/``groups`` are refused with a ``ConfigError``
-    (:func:`deepreduce.dist.buckets.refuse_groups`: use ``bucket_cap_mb``). ``sparse_as_dense`` is implied: an
-    ``IndexedSlices`` gradient is densified and the sparsifier finds its non-zeros.
+    (:func:`deepreduce.dist.buckets.refuse_groups`: use ``bucket_cap_mb``). An ``IndexedSlices``
+    gradient (an embedding lookup's) travels as its touched rows' entries and comes back as an
+    ``IndexedSlices`` of every rank's touched rows (:mod:`deepreduce.tensorflow.sparse`), as
+    Horovod's allgather of its parts; it is made dense first with ``sparse_as_dense=True``, with a
+    config that keeps a residual (error feedback needs the whole tensor) and under the sparse
+    all-reduce.
     """
     buckets.refuse_groups(num_groups, groups, "DistributedGradientTape")
     reducer = make_reducer(compression, op=op, process_set=process_set,

@@ -321,10 +321,10 @@ def record_encodes(pipe, sent, delay_first=False):
     encodes grad_0 200 ms late, so rank 0's allgather of grad_0 is in flight meanwhile."""
     encode = pipe.encode
 
-    def recording(tensor, name="", step=0):
+    def recording(tensor, name="", step=0, on_error=None):
         if delay_first and hvd.rank() == 1 and name == "grad_0":
             time.sleep(0.2)
-        payload = encode(tensor, name=name, step=step)
+        payload = encode(tensor, name=name, step=step, on_error=on_error)
         sent[(int(step), name)] = payload.numpy().tobytes()
         return payload
 
@@ -379,10 +379,10 @@ def worker_error(config):
     pipe = drtf.build(config)
     encode = pipe.encode
 
-    def failing(tensor, name="", step=0):
+    def failing(tensor, name="", step=0, on_error=None):
         if int(step) == 1 and name == "grad_2":
             raise InjectedError(f"injected in thread {threading.current_thread().name}")
-        return encode(tensor, name=name, step=step)
+        return encode(tensor, name=name, step=step, on_error=on_error)
 
     pipe.encode = failing
     weights, grads, errors = eager_steps(pipe, 2)
@@ -403,12 +403,12 @@ def graph_order(config, backend):
             loss = loss_fn(variables, x, y)
         return drtf.DistributedGradientTape(tape, compression=pipe, step=0).gradient(loss, variables)
 
-    def kind(op):
+    def kind(op):   # a decode runs inside the cond that skips it when a rank failed: the cond counts
         if op.type == "HorovodAllgather":
             return "gather"
         if op.type == "DeepReduceEncode" or op.name.startswith("deepreduce_encode"):
             return "encode"
-        if op.type == "DeepReduceDecode" or op.name.startswith("deepreduce_decode"):
+        if op.type in ("If", "StatelessIf") and op.name.startswith("deepreduce_decode"):
             return "decode"
         return op.type
 

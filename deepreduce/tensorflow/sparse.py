@@ -1,0 +1,114 @@
+"""TensorFlow ``IndexedSlices`` gradients as DeepReduce entries, and back.
+
+An embedding lookup's gradient is a ``tf.IndexedSlices``: the touched rows of the variable
+(possibly repeated) and one dense slice per index. It travels as the flat positions of the touched
+rows' entries (``row * row_size + column``) with their values
+(:meth:`deepreduce.pipeline.Pipeline.encode_entries`), as the torch binding sends a sparse COO
+gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
+a full row is a run of consecutive positions. The summed entries come back as the touched rows,
+ascending and distinct, with their summed slices: an ``IndexedSlices`` whose dense value is what
+Horovod's allgather of the indices and values adds up to. :class:`SliceRoutes` is the
+reducer's part that sends them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from ..errors import ConfigError
+from ..pipeline import to_float32
+from ..wire import container
+from .routes import graph_or_eager, step_tensor
+
+
+def entries(indices: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.ndarray, np.ndarray]:
+    """(ascending distinct flat positions, float32 values) of IndexedSlices parts; repeated rows are
+    summed first (in the order they appear), as every reduction of the gradient would add them."""
+    inner = math.prod(int(n) for n in dense_shape[1:])
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    rows_values = np.asarray(values, dtype=np.float32).reshape(indices.shape[0], inner)
+    order = np.argsort(indices, kind="stable")
+    sorted_rows = indices[order]
+    starts = np.flatnonzero(np.r_[True, sorted_rows[1:] != sorted_rows[:-1]]) if sorted_rows.size else \
+        np.zeros(0, np.int64)
+    rows = sorted_rows[starts]
+    summed = np.add.reduceat(rows_values[order], starts, axis=0) if rows.size else rows_values[:0]
+    positions = (rows[:, None] * inner + np.arange(inner, dtype=np.int64)).reshape(-1)
+    return positions, np.ascontiguousarray(summed, dtype=np.float32).reshape(-1)
+
+
+def rows(positions: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.ndarray, np.ndarray]:
+    """(ascending distinct rows, their float32 slices of shape ``(rows,) + dense_shape[1:]``) holding
+    ``values`` at the flat ``positions``; a row appears where any of its entries does."""
+    slice_shape = tuple(int(n) for n in dense_shape[1:])
+    inner = math.prod(slice_shape)
+    touched, where = np.unique(positions // inner, return_inverse=True)
+    out = np.zeros((touched.shape[0], inner), dtype=np.float32)
+    out[where, positions % inner] = values
+    return touched.astype(np.int64), out.reshape((touched.shape[0],) + slice_shape)
+
+
+class SliceRoutes:
+    """The IndexedSlices route of the Reducer (it provides ``pipeline``, ``sparse_as_dense``,
+    ``_protocol``, ``_gather``, ``_check_op`` and ``_unless_skipped``)."""
+
+    def _native_slices(self, grad) -> bool:
+        """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
+        ``sparse_as_dense``, with a config whose aggregation is the allgather and which keeps no
+        residual (error feedback needs the whole tensor), or with Horovod's allreduce."""
+        if not isinstance(grad, tf.IndexedSlices) or self.sparse_as_dense:
+            return False
+        return self.pipeline is None or (self._protocol.sparse is None and self.pipeline.core.memory.id == "none")
+
+    def _reduce_slices(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
+        """One ``IndexedSlices`` gradient through the index and value codecs
+        (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
+        (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
+        (``Pipeline.decode_entries`` inside the protocol's ``finish``) into the touched rows of
+        every rank, ascending, with their summed (or averaged) slices."""
+        core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
+        if grad.dense_shape is None:
+            raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: pass sparse_as_dense=True")
+        shape = tf.cast(grad.dense_shape, tf.int64)
+
+        def encode(indices, values, dense_shape, step_value):
+            with lock:
+                try:
+                    flat = to_float32(values, name)
+                    return core.encode_entries(*entries(indices, flat, dense_shape), tuple(dense_shape),
+                                               name=name, step=int(step_value))
+                except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
+                    return protocol.failure_payload(exc)
+
+        def decode(gathered, dense_shape, step_value):
+            summed = []
+            with lock:
+                protocol.finish(container.split(gathered), name, int(step_value),
+                                lambda parts: summed.append(core.decode_entries(parts, tuple(dense_shape))),
+                                lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]))
+            return rows(*summed[0], dense_shape)
+
+        step = step_tensor(step)
+        payload = graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
+                                  "deepreduce_encode_entries")
+        gathered = self._gather(name, tf.reshape(payload, [-1]))
+        found = self._check_op(name, gathered, step)
+        reports.append(found)
+        slice_shape = grad.values.shape[1:]
+
+        def nothing():
+            return tf.zeros([0], tf.int64), tf.zeros(tf.concat([[0], tf.shape(grad.values)[1:]], 0), tf.float32)
+
+        def decoded():
+            touched, summed = graph_or_eager(decode, [gathered, shape, step], [tf.int64, tf.float32],
+                                             "deepreduce_decode_entries")
+            if slice_shape.rank is not None:
+                summed = tf.ensure_shape(summed, [None] + slice_shape.as_list())
+            return touched, summed
+
+        touched, summed = self._unless_skipped(found, decoded, nothing)
+        return tf.IndexedSlices(tf.cast(summed, grad.values.dtype), tf.cast(touched, grad.indices.dtype),
+                                grad.dense_shape)
