@@ -57,6 +57,7 @@ METHODS: Dict[str, object] = {
     "elias_fano@sparse_allreduce": "elias_fano@sparse_allreduce",
     "lm_topk": "lm_topk",
     "lm_qsgd": "lm_qsgd",
+    "lm_topk@auto": "lm_topk@auto",   # the planner's pick per DDP bucket, the link probed at run time
 }
 # The shipped configs recommended for a transformer LM trained with Adam (the 2% target is theirs).
 RECOMMENDED = ("lm_topk", "lm_qsgd")
