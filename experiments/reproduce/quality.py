@@ -14,7 +14,8 @@ loss against training wall-clock time (:mod:`experiments.reproduce.quality_worke
   ``elias_fano`` (Elias-Fano indices), ``bf_p0`` (Bloom indices, policy P0), ``qsgd`` (QSGD
   values), ``sidco_exp`` (SIDCo) and ``dgc`` (DGC), the papers' settings, and the configs
   recommended for a model of this kind (:data:`RECOMMENDED`: dense warm-up steps, then Top-r or
-  quantisation, docs/benchmarks.md says what each lever bought).
+  quantisation, docs/benchmarks.md says what each lever bought); ``<config>@sparse_allreduce``
+  (the sparse all-reduce) and ``lm_topk@auto`` (the planner's choice per DDP bucket).
 
 Per method and bandwidth the table shows the final validation loss (nats per token) and bits per
 byte, the loss relative to dense, the training time until the validation loss first reached the
