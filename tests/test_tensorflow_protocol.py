@@ -14,7 +14,7 @@ def test_one_ranks_caught_encode_error_skips_the_step_everywhere_and_the_next_is
 
 def test_indexed_slices_travel_as_entries_and_equal_horovods_result():
     out = run_ranks("mpirun", "tf_indexed_slices.py", timeout=280).stdout
-    for case in ("tape", "optimizer", "fit"):
+    for case in ("tape", "optimizer", "fit", "residual"):
         assert out.count(f"OK slices {case} ") == 2, (case, out[-2000:])
 
 

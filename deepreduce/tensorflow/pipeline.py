@@ -157,8 +157,8 @@ class TFPipeline:
         """
         with self.lock:
             learned = self.core.state_dict()
-            if self._ops is not None and self._ops.error_feedback:
-                learned["memory"] = {"residuals": self._ops.residuals()}
+            if self._ops is not None and self._ops.error_feedback:   # dense residuals in the ops, sparse in the core
+                learned["memory"]["residuals"].update(self._ops.residuals())
             return checkpoint.state(int(self._iterations.numpy()), learned)
 
     def load_state_dict(self, state: dict) -> None:
@@ -166,9 +166,12 @@ class TFPipeline:
         step = checkpoint.checked_step(state, "TFPipeline")
         with self.lock:
             self.core.load_state_dict(state["compression"])   # checks the config digest and every entry
-            if self._ops is not None and self._ops.error_feedback:   # the ops hold the residuals
-                self._ops.load_residuals(state["compression"]["memory"]["residuals"])
-                self.core.memory.reset()
+            if self._ops is not None and self._ops.error_feedback:   # the ops hold the dense residuals
+                residuals = state["compression"]["memory"]["residuals"]
+                dense = {name: r for name, r in residuals.items() if not isinstance(r, dict)}
+                self._ops.load_residuals(dense)
+                for name in dense:   # the core keeps only the sparse ones (IndexedSlices, SparseResidual)
+                    self.core.memory.restore(name, None)
             self._iterations.assign(step)
 
     # ------------------------------------------------------------------ encode

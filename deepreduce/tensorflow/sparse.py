@@ -57,11 +57,12 @@ class SliceRoutes:
 
     def _native_slices(self, grad) -> bool:
         """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
-        ``sparse_as_dense``, with a config whose aggregation is the allgather and which keeps no
-        residual (error feedback needs the whole tensor), or with Horovod's allreduce."""
+        ``sparse_as_dense``, with a config whose aggregation is the allgather (error feedback
+        keeps a sparse residual, ``deepreduce.memory.SparseResidual``), or with Horovod's
+        allreduce. The sparse all-reduce and ``auto`` reduce dense tensors."""
         if not isinstance(grad, tf.IndexedSlices) or self.sparse_as_dense:
             return False
-        return self.pipeline is None or (self._protocol.sparse is None and self.pipeline.core.memory.id == "none")
+        return self.pipeline is None or self._protocol.sparse is None
 
     def _reduce_slices(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
         """One ``IndexedSlices`` gradient through the index and value codecs
