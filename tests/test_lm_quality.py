@@ -144,7 +144,7 @@ def test_reproduce_quality_quick(tmp_path):
     for net, _ in quality.BANDWIDTHS:
         assert rows[(net, "dense")]["volume"] == 1.0 and rows[(net, "dense")]["time_to_dense_s"] > 0
         assert rows[(net, "topk_raw")]["volume"] < 0.05 and rows[(net, "powersgd4")]["volume"] < 0.1
-        assert rows[(net, "lm_qsgd")]["volume"] < 0.3          # every entry in 8 bits, a run-length index
+        assert rows[(net, "lm_qsgd")]["volume"] < 0.35         # every entry in 8 bits, a run-length index
         for row in (rows[(net, m)] for m in methods):
             assert row["final_loss"] < 9.0 and row["step_ms"] >= row["comm_ms"] > 0
     # at 100 Mbit/s the dense all-reduce is paced by the link (the sizing the experiment relies on)
