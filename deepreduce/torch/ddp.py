@@ -291,31 +291,6 @@ class DeepReduceState(BucketReduction):
             return None
         return bucket_name(names, members), members
 
-    # ------------------------------------------------------------------ the worker's side
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:   # close(): the worker ends before its process group goes
-                self._jobs.task_done()
-                return
-            result, error = job.buffer, None
-            try:
-                result = self._reduce(job)
-            except Exception as exc:  # every failure reaches DDP's wait on this rank
-                error = exc
-                self._errors.append(exc)
-            if job.last:   # the step's residuals are kept, or undone when a bucket failed
-                errors, self._errors = self._errors, []
-                try:
-                    self._end_step(job, errors)
-                except Exception as exc:
-                    error = error or exc
-            if error is None:
-                job.future.set_result(result)
-            else:
-                job.future.set_exception(error)
-            self._jobs.task_done()
-
     def close(self) -> None:
         """Stop the worker thread, then release the private process group, in that order (a
         worker or gloo group left to interpreter teardown can abort the process). Called at
