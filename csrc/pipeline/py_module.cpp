@@ -126,16 +126,23 @@ std::vector<pl::Part> parts_arg(const py::sequence& payloads, std::vector<py::bu
     return parts;
 }
 
-py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& shape, uint64_t max_numel,
-                                int threads) {
-    std::vector<py::buffer_info> infos;
-    const std::vector<pl::Part> parts = parts_arg(payloads, infos);
+// The decode settings every decode binding takes: the expected shape (None: any), the largest
+// numel a container may claim without one, the threads.
+pl::DecodeConfig decode_config(const py::object& shape, uint64_t max_numel, int threads) {
     pl::DecodeConfig c;
     c.check_shape = !shape.is_none();
     if (c.check_shape)
         for (const auto& s : shape) c.shape.push_back(s.cast<uint64_t>());
     c.max_numel = max_numel;
     c.threads = threads;
+    return c;
+}
+
+py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& shape, uint64_t max_numel,
+                                int threads) {
+    std::vector<py::buffer_info> infos;
+    const std::vector<pl::Part> parts = parts_arg(payloads, infos);
+    pl::DecodeConfig c = decode_config(shape, max_numel, threads);
     py::array_t<float> out;
     {  // decode runs without the GIL; the allocator takes it back to create the array
         py::gil_scoped_release release;
@@ -166,14 +173,9 @@ py::array_t<float> decode_sum(const py::buffer& buf, int64_t count, bool single,
                               uint64_t max_numel, int threads) {
     py::buffer_info info;
     const Bytes b = deepreduce::py_args::bytes_arg(buf, info, "payload");
-    pl::DecodeConfig c;
+    pl::DecodeConfig c = decode_config(shape, max_numel, threads);
     c.count = count;
     c.single = single;
-    c.check_shape = !shape.is_none();
-    if (c.check_shape)
-        for (const auto& s : shape) c.shape.push_back(s.cast<uint64_t>());
-    c.max_numel = max_numel;
-    c.threads = threads;
     py::array_t<float> out;
     {  // decode runs without the GIL; the allocator takes it back to create the array
         py::gil_scoped_release release;
