@@ -6,7 +6,8 @@ allreduce cannot carry them), and every rank splits the gathered bytes, decodes 
 container, sums, and divides by the number of ranks for ``op=Average``. Every stage is a graph
 op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
 reduction code run only while the graph is traced). The steps every rank takes alike are the
-framework-free :class:`~deepreduce.dist.protocol.ReductionProtocol`'s; this module makes them ops.
+framework-free :class:`~deepreduce.dist.protocol.ReductionProtocol`'s; this module and its parts
+(:mod:`~deepreduce.tensorflow.routes`, :mod:`~deepreduce.tensorflow.sparse`) make them ops.
 
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.DenseRoutes`'s
 routes (containers; under the sparse all-reduce or ``auto`` one host op), an ``IndexedSlices`` one
