@@ -17,14 +17,18 @@ decisions:
 In steady state a bucket costs one collective. A slot's capacity is keyed by the bucket's
 position in the step (the same on every rank, whatever the ranks disagree about), starts at 0
 (the first step of a bucket pays the second collective) and is process-local: every rank starts
-from 0 in a new process, so the capacities stay equal.
+from 0 in a new process, so the capacities stay equal. :meth:`Slots.exchange` runs the exchange
+on NumPy arrays or on torch tensors on any device (:mod:`deepreduce.backend.arrays`); the
+adapter passes its allgather.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
+import array_api_compat
 import numpy as np
 
+from ..backend import arrays
 from ..errors import CommunicationError
 from . import agreement
 
@@ -69,6 +73,37 @@ class Slots:
         if longest > capacity or longest < SHRINK_BELOW * capacity:
             self._capacity[key] = _aligned(longest * (1 + SLACK))
         return max(0, longest - capacity)
+
+    def exchange(self, key: Hashable, header: np.ndarray, payload, gather: Callable[[object], List], like,
+                 where: str, explain: Callable[[], str]) -> Tuple[np.ndarray, Optional[List]]:
+        """One bucket position's exchange: this rank's ``header`` (:func:`prefix`) and ``payload``
+        (a 1-D uint8 array of ``like``'s framework, on its device; None: the header alone) in a
+        slot of :meth:`capacity` bytes through ``gather`` (an allgather of equal-sized arrays,
+        every rank's in rank order). Every rank checks every header first (:func:`check`, with
+        ``where`` and ``explain``); what outgrew the slot comes in a second ``gather``
+        (:meth:`settle`). Returns (every rank's header as :func:`parse` gives them, every rank's
+        payload or None)."""
+        xp, adapter = arrays.namespace(like), arrays.adapter(like)
+        device = array_api_compat.device(like)
+        capacity = 0 if payload is None else self.capacity(key)
+        size = 0 if payload is None else payload.shape[0]
+        slot = xp.zeros(PREFIX_BYTES + capacity, dtype=xp.uint8, device=device)
+        slot[:PREFIX_BYTES] = adapter.from_numpy(header, like)
+        if payload is not None:
+            slot[PREFIX_BYTES:PREFIX_BYTES + min(size, capacity)] = payload[:capacity]
+        gathered = gather(slot)
+        headers = parse(adapter.to_numpy(xp.stack([g[:PREFIX_BYTES] for g in gathered])))
+        check(headers, where, explain)
+        if payload is None:
+            return headers, None
+        sizes = [int(n) for n in headers[:, 0]]
+        parts = [g[PREFIX_BYTES:PREFIX_BYTES + min(n, capacity)] for g, n in zip(gathered, sizes)]
+        rest = self.settle(key, headers[:, 0])
+        if rest:   # a payload outgrew the slot: every rank saw it, every rank gathers the rest
+            extra = xp.zeros(rest, dtype=xp.uint8, device=device)
+            extra[:max(0, size - capacity)] = payload[capacity:]
+            parts = [xp.concat([part, more[:max(0, n - capacity)]]) for part, more, n in zip(parts, gather(extra), sizes)]
+        return headers, parts
 
 
 def check(headers: np.ndarray, where: str, explain: Callable[[], str]) -> None:
