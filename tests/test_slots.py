@@ -99,3 +99,15 @@ def test_the_exchange_gathers_every_payload_in_one_collective_once_the_slot_fits
         assert reported == sizes_now
         assert parts == [[1] * sizes_now[0], [2] * sizes_now[1]]
     assert [calls for _, _, calls in results[0]] == [2, 1, 1]
+
+
+def test_summed_payloads_flag_whatever_differs_from_the_agreement():
+    s, codes = slots.Slots(), ("layout digest", 64, "float16")
+    assert s.agreed(0) is None                          # nothing agreed: the header goes first
+    s.agree(0, codes, 3)
+    assert s.agreed(0) == codes and s.agreed(1) is None
+    assert s.flag(0, codes, 4) == 0                     # what was agreed, one step later: one collective
+    assert s.flag(0, codes, 6) == 1                     # a step counter a checkpoint moved
+    assert s.flag(0, ("layout digest", 128, "float16"), 4) == 1   # codes of another size
+    assert s.flag(0, ("other layout", 64, "float16"), 4) == 1     # a rebuilt bucket
+    assert s.flag(0, None, 4) == 1                      # an encode that raised

@@ -14,6 +14,16 @@ decisions:
   the slot grows to the longest payload with :data:`SLACK` to spare (:meth:`Slots.settle`);
 * a payload is much shorter than the slot for the whole step: the slot shrinks.
 
+**Summed payloads.** A summable compressor's codes are summed by all-reduce, which carries no
+per-rank header. On a bucket position's first step the header travels alone before the
+all-reduce; its checks passed, every rank records what every rank sent (:meth:`Slots.agree`: the
+codes' layout, size and dtype, and the step). From then on one all-reduce carries the codes and
+one element more, each rank's :meth:`Slots.flag`: 0 when it sends what was agreed, one step
+later; else 1, with zeros for codes (its encode raised, the bucket was rebuilt, its codes changed
+size, a checkpoint moved its step counter). A sum of 0: every rank matched, one collective did
+it. Else every rank saw it, and every rank exchanges headers, whose checks raise the error the
+difference calls for on every rank, and all-reduces the codes again.
+
 In steady state a bucket costs one collective. A slot's capacity is keyed by the bucket's
 position in the step (the same on every rank, whatever the ranks disagree about), starts at 0
 (the first step of a bucket pays the second collective) and is process-local: every rank starts
@@ -60,6 +70,7 @@ class Slots:
 
     def __init__(self) -> None:
         self._capacity: Dict[Hashable, int] = {}
+        self._agreed: Dict[Hashable, tuple] = {}   # summed payloads: (signature, step) every rank checked
 
     def capacity(self, key: Hashable) -> int:
         """Bytes of payload the slot of bucket position ``key`` carries this step."""
@@ -73,6 +84,21 @@ class Slots:
         if longest > capacity or longest < SHRINK_BELOW * capacity:
             self._capacity[key] = _aligned(longest * (1 + SLACK))
         return max(0, longest - capacity)
+
+    def agreed(self, key: Hashable) -> Optional[tuple]:
+        """The signature of ``key``'s summed payloads that every rank checked last (:meth:`agree`),
+        or None: the header travels before the all-reduce."""
+        return self._agreed.get(key, (None,))[0]
+
+    def flag(self, key: Hashable, signature: Optional[tuple], step: int) -> int:
+        """This rank's flag in ``key``'s steady all-reduce: 0 when it sends ``signature`` (None:
+        nothing, its encode raised) at the step after the agreed one, else 1."""
+        return int(signature is None or self._agreed.get(key) != (signature, step - 1))
+
+    def agree(self, key: Hashable, signature: tuple, step: int) -> None:
+        """Every rank reduced ``key`` at ``step`` with ``signature`` (its header checks passed, or
+        no rank flagged)."""
+        self._agreed[key] = (signature, step)
 
     def exchange(self, key: Hashable, header: np.ndarray, payload, gather: Callable[[object], List], like,
                  where: str, explain: Callable[[], str]) -> Tuple[np.ndarray, Optional[List]]:

@@ -285,6 +285,15 @@ class DeepReduceState(BucketReduction):
                 job.future.set_exception(error)
             self._jobs.task_done()
 
+    def _end_step(self, job: Job, errors: List[BaseException]) -> None:
+        """After the step's last bucket: keep its residuals (and let the auto planner plan), or,
+        if a bucket failed or any rank sent a non-finite container under ``nonfinite: raise``,
+        undo them and raise (the same error on every rank)."""
+        if self._protocol is not None:
+            self._protocol.end_step(job.step, errors)
+        elif errors:
+            raise errors[0]
+
     def close(self) -> None:
         """Stop the worker thread, then release the private process group, in that order (a
         worker or gloo group left to interpreter teardown can abort the process). Called at

@@ -14,11 +14,12 @@ the protocol gives it (:meth:`deepreduce.dist.protocol.ReductionProtocol.route`)
   the sparse all-reduce, in name order on every rank.
 * ``dense`` / ``fp16`` (the ``auto`` plan's choices): one ``all_reduce`` of the bucket, each
   container's residual added first; the plan is agreed, so no header travels.
-* a summable compressor (``FP16Compressor``, GradiVeQ): the header, then one ``all_reduce`` of
-  the codes.
+* a summable compressor (``FP16Compressor``, GradiVeQ): one ``all_reduce`` of the codes and a
+  flag once the ranks have agreed on them (:mod:`deepreduce.dist.slots`, "Summed payloads");
+  the header first on the bucket's first step, or when any rank flagged.
 
 After the step's last bucket the protocol commits or undoes the step's residual changes and
-raises the step's error on every rank (:meth:`BucketReduction._end_step`). Bucket names and
+raises the step's error on every rank (``DeepReduceState._end_step``). Bucket names and
 merges come from :mod:`deepreduce.dist.buckets`, the totals from :mod:`deepreduce.dist.totals`.
 """
 import contextlib
@@ -64,10 +65,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class BucketReduction:
-    """The methods of ``DeepReduceState`` that its worker thread runs on each bucket (see the
-    module docstring); the state provides ``pipeline``, ``compressor``, ``world_size``,
-    ``stats``, ``_protocol``, ``_communicator``, ``_group``, ``_slots``, ``_flats`` and
-    ``_compressor_id``."""
+    """What ``DeepReduceState``'s worker runs per bucket (see the module docstring), over the
+    state's ``pipeline``, ``compressor``, ``world_size``, ``stats`` and process-local parts."""
 
     def _reduce(self, job: Job) -> torch.Tensor:
         if job.buffer.device.type == "cuda":
@@ -77,20 +76,26 @@ class BucketReduction:
         if route in ("dense", "fp16"):   # the auto plan's choice: no header, the plan is agreed
             return self._reduce_dense(job, route)
         payload, codes, failure = None, None, None
+        layout = agreement.Layout(self._compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
+                                                        for n, v in zip(job.names, job.views)], "parameter")
         if route == "summable":
             codes, failure = self._compress(job)
             nbytes = slots.FAILED if codes is None else sum(_nbytes(c) for c in codes[0])
+            signature = None if codes is None else (layout.digest, nbytes, codes[0][0].dtype)
+            if self._steady_sum(job, codes, signature):
+                totals.count(self.stats, 4 * sum(v.numel() for v in job.views), nbytes)
+                return job.buffer
         else:   # the sparse all-reduce encodes its shards itself
             payload, failure = self._encode(job) if route == "allgather" else (None, None)
             nbytes = 0 if payload is None else _nbytes(payload)
         # one line for every route: a disagreement raises from the same frames on every rank
-        headers, parts = self._exchange(job, payload, nbytes, self._layout(job))
+        headers, parts = self._exchange(job, payload, nbytes, layout)
         if failure is not None:
             raise failure
         slots.check_step(headers, job.where, repr(self.compressor) if route == "summable" else None)
         totals.count(self.stats, 4 * sum(v.numel() for v in job.views), nbytes)
         if route == "summable":
-            self._reduce_codes(job, *codes)
+            self._reduce_codes(job, *codes, signature)
         elif route == "sparse_allreduce":
             self._reduce_sparse(job)
         elif job.buffer.is_sparse:
@@ -98,11 +103,6 @@ class BucketReduction:
         else:
             self._decode(job, parts)
         return job.buffer
-
-    def _layout(self, job: Job) -> agreement.Layout:
-        """What this rank sends for the bucket: the compressor and each parameter's name, shape and dtype."""
-        return agreement.Layout(self._compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
-                                                      for n, v in zip(job.names, job.views)], "parameter")
 
     def _exchange(self, job: Job, payload: Optional[torch.Tensor], nbytes: int, layout: agreement.Layout):
         """The bucket's one collective (:meth:`deepreduce.dist.slots.Slots.exchange`): every rank's
@@ -124,15 +124,6 @@ class BucketReduction:
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         with totals.collective(self.stats, _nbytes(tensor)):
             dist.all_reduce(tensor, group=self._group)
-
-    def _end_step(self, job: Job, errors: List[BaseException]) -> None:
-        """After the step's last bucket: keep its residuals (and let the auto planner plan), or,
-        if a bucket failed or any rank sent a non-finite container under ``nonfinite: raise``,
-        undo them and raise (the same error on every rank)."""
-        if self._protocol is not None:
-            self._protocol.end_step(job.step, errors)
-        elif errors:
-            raise errors[0]
 
     # containers --------------------------------------------------------------
     def _encode(self, job: Job):
@@ -235,9 +226,27 @@ class BucketReduction:
         except Exception as exc:  # raised after the header
             return None, exc
 
-    def _reduce_codes(self, job: Job, codes: list, contexts: list) -> None:
-        """The codes' one ``all_reduce``; each parameter's sum decompressed into the bucket and averaged."""
-        flat = torch.cat([c.reshape(-1) for c in codes])
+    def _steady_sum(self, job: Job, codes: Optional[tuple], signature: Optional[tuple]) -> bool:
+        """Once the ranks agreed on the bucket's codes: their one ``all_reduce`` with this rank's
+        flag (:meth:`deepreduce.dist.slots.Slots.flag`; zeros for codes where it is 1). Whether
+        the bucket was reduced (not before any agreement, nor when a rank flagged)."""
+        agreed = self._slots.agreed(job.index)
+        if agreed is None:
+            return False
+        flag = self._slots.flag(job.index, signature, job.step)
+        if flag:
+            codes = ([torch.zeros(agreed[1] // agreed[2].itemsize, dtype=agreed[2], device=job.buffer.device)], None)
+        return self._reduce_codes(job, *codes, signature, flag=flag)
+
+    def _reduce_codes(self, job: Job, codes: list, contexts: list, signature: tuple, flag: Optional[int] = None) -> bool:
+        """The codes' ``all_reduce`` (a ``flag`` element after them unless None); unless a rank
+        flagged, the codes' ``signature`` agreed (:meth:`deepreduce.dist.slots.Slots.agree`) and each
+        parameter's sum decompressed into the bucket and averaged. Whether it was."""
+        flat = torch.cat([c.reshape(-1) for c in codes] + ([codes[0].new_full((1,), flag)] if flag is not None else []))
         self._all_reduce(flat)
+        if flag is not None and flat[-1].item():
+            return False
+        self._slots.agree(job.index, signature, job.step)   # before anything that may raise on one rank only
         with totals.timed(self.stats, "decode_seconds"):
             summable.decompress_into(self.compressor, flat, codes, contexts, job.views, self.world_size)
+        return True
