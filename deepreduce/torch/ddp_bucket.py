@@ -26,7 +26,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -109,11 +108,10 @@ class BucketReduction:
         header (``nbytes``: the payload's size, or :data:`~deepreduce.dist.slots.FAILED`), and with
         a ``payload`` every rank's payload. Raises the same error on every rank when the ranks'
         layouts differ. Returns (headers, every rank's payload or None)."""
+        def explain() -> str:   # a collective of the communicator: the first difference, named
+            return agreement.explain(layout, lambda data: self._communicator.allgather(data, "deepreduce.dist.agreement"))
         return self._slots.exchange(job.index, slots.prefix(nbytes, layout, job.step), payload, self._all_gather,
-                                    job.buffer, job.where, lambda: agreement.explain(layout, self._allgather))
-
-    def _allgather(self, payload: np.ndarray) -> List[np.ndarray]:
-        return self._communicator.allgather(payload, "deepreduce.dist.agreement")
+                                    job.buffer, job.where, explain)
 
     def _all_gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
