@@ -1,6 +1,10 @@
 """The slot sizes of the DDP hook's one collective per bucket (deepreduce.dist.slots): a slot
 grows past an overflowing payload with slack, keeps its size while payloads fit, shrinks when
-far too large; headers round-trip; disagreeing headers raise the same clear error."""
+far too large; headers round-trip; disagreeing headers raise the same clear error; the exchange
+(NumPy arrays, ranks simulated by threads) gives every rank every payload, in one gather once the
+slot fits."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -72,3 +76,59 @@ def test_sizes_that_vary_keep_the_slack():
     for longest in (1000, 1010, 995, 1005):
         s.settle(0, np.array([longest, 900]))
     assert s.capacity(0) >= 1010 * (1 + slots.SLACK) - slots.ALIGN
+
+
+class Ranks:
+    """An allgather among threads, one per simulated rank (each call returns every rank's array)."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier, self.arrays, self.calls = threading.Barrier(world), [None] * world, 0
+
+    def gather(self, rank: int):
+        def allgather(array):
+            self.arrays[rank] = array.copy()
+            self.barrier.wait()
+            out = list(self.arrays)
+            if rank == 0:
+                self.calls += 1
+            self.barrier.wait()
+            return out
+        return allgather
+
+
+def test_the_exchange_gathers_every_payload_in_one_collective_once_the_slot_fits():
+    sizes = [[300, 700], [500, 200], [650, 90]]   # per step, per rank: the slot grows at step 0, then holds
+    ranks, results = Ranks(2), {}
+
+    def rank(r):
+        s, out = slots.Slots(), []
+        for step, sizes_now in enumerate(sizes):
+            payload = np.full(sizes_now[r], r + 1, dtype=np.uint8)
+            before = ranks.calls
+            headers, parts = s.exchange(0, slots.prefix(len(payload), layout(), step), payload, ranks.gather(r),
+                                        payload, "bucket", lambda: "never asked")
+            out.append((headers[:, 0].tolist(), [p.tolist() for p in parts], ranks.calls - before))
+        results[r] = out
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[0] == results[1]
+    for (reported, parts, _), sizes_now in zip(results[0], sizes):
+        assert reported == sizes_now
+        assert parts == [[1] * sizes_now[0], [2] * sizes_now[1]]
+    assert [calls for _, _, calls in results[0]] == [2, 1, 1]
+
+
+def test_summed_payloads_flag_whatever_differs_from_the_agreement():
+    s, codes = slots.Slots(), ("layout digest", 64, "float16")
+    assert s.agreed(0) is None                          # nothing agreed: the header goes first
+    s.agree(0, codes, 3)
+    assert s.agreed(0) == codes and s.agreed(1) is None
+    assert s.flag(0, codes, 4) == 0                     # what was agreed, one step later: one collective
+    assert s.flag(0, codes, 6) == 1                     # a step counter a checkpoint moved
+    assert s.flag(0, ("layout digest", 128, "float16"), 4) == 1   # codes of another size
+    assert s.flag(0, ("other layout", 64, "float16"), 4) == 1     # a rebuilt bucket
+    assert s.flag(0, None, 4) == 1                      # an encode that raised

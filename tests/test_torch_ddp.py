@@ -43,6 +43,23 @@ def test_one_collective_per_bucket_in_steady_state(ranks):
     np.testing.assert_array_equal(r0["params"], r1["params"])
 
 
+def test_summable_compressor_takes_one_collective_per_bucket_in_steady_state(ranks):
+    r0, r1 = both(ranks, "scenario_summable_collectives")
+    assert r0["per_step"] == r1["per_step"]
+    first, buckets = r0["per_step"][0]
+    assert first == 2 * buckets   # a bucket's first step: the header, then the codes
+    # after DDP's bucket rebuild (step 1), one all_reduce per bucket carries the codes and the flag
+    for collectives, buckets in r0["per_step"][2:5] + r0["per_step"][7:]:
+        assert buckets >= 2 and collectives == buckets, r0["per_step"]
+    # rank 1's compress of fc1.weight raised at step 5: its flag sends every rank to that bucket's
+    # header, whose check fails the step on every rank, naming it; the other buckets were reduced
+    # in one collective each, and training went on alike
+    assert sorted(r0["errors"]) == sorted(r1["errors"]) == [5]
+    assert "rank(s) [1] could not encode" in r0["errors"][5] and "fp16 boom" in r1["errors"][5]
+    assert r0["per_step"][5] == (r0["per_step"][4][0] + 1, r0["per_step"][4][1] - 1)
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+
+
 def test_auto_aggregation_plans_each_bucket_alike_on_every_rank(ranks):
     r0, r1 = both(ranks, "scenario_auto")
     for link in ("fast", "slow"):

@@ -16,10 +16,13 @@ the ``ratio * bucket size`` largest entries of the bucket: "global" rather than 
 so a layer with small gradients sends fewer entries than its share), and error feedback keeps one
 residual per bucket, so nothing a layer did not send is lost. Gradients below the pipeline's
 ``min_numel`` stay out of buckets (Horovod's fused all-reduce sums them, as without buckets).
+
+Where the framework makes the buckets (DDP), :func:`merge` says which of a bucket's tensors are
+compressed as one and :func:`bucket_name` / :func:`container_names` name what travels.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
@@ -96,3 +99,37 @@ def plan_backward(numels: Sequence[Optional[int]], cap_mb: float, min_numel: int
     None (not known, or of a dtype that buckets do not take) or below ``min_numel`` stays out."""
     order = [j for j in reversed(range(len(numels))) if numels[j] is not None and numels[j] >= min_numel]
     return [[order[i] for i in members] for members in plan([numels[j] for j in order], cap_mb * MIB)]
+
+
+def bucket_name(names: Sequence[str], members) -> str:
+    """``bucket:<first>..<last>/<count>`` of the tensors at ``members`` (one: its name): the name
+    under which tensors compressed as one keep their residual and seeds, and a bucket's row in the
+    ``auto`` plan."""
+    members = list(members)
+    if len(members) == 1:
+        return names[members[0]]
+    return f"bucket:{names[members[0]]}..{names[members[-1]]}/{len(members)}"
+
+
+def merge(names: Sequence[str], sizes: Sequence[int], min_numel: int) -> Optional[Tuple[str, List[int]]]:
+    """(name, positions) of a bucket's tensors compressed as one container: those of at least
+    ``min_numel`` elements (smaller ones travel dense on their own anyway), or None when fewer
+    than two are."""
+    members = [i for i, size in enumerate(sizes) if int(size) >= min_numel]
+    if len(members) < 2:
+        return None
+    return bucket_name(names, members), members
+
+
+def container_names(names: Sequence[str], merged: Optional[Tuple[str, List[int]]]) -> List[str]:
+    """What each container of a bucket holds, in the order they travel: the merged tensors'
+    name (:func:`merge`), then each other tensor's (all of them in order when nothing is merged)."""
+    if merged is None:
+        return list(names)
+    return [merged[0]] + [n for i, n in enumerate(names) if i not in merged[1]]
+
+
+def describe(names: Sequence[str], shown: int = 4) -> str:
+    """The first ``shown`` names quoted, then how many more: a bucket of many tensors in errors."""
+    text = ", ".join(repr(n) for n in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")

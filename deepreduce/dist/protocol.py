@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..backend import arrays
 from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..wire import container
@@ -32,6 +33,15 @@ FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
 FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
+
+
+def on_host(payload):
+    """A payload to read byte by byte: a torch tensor (on any device) copied to the host in one
+    transfer, as a uint8 NumPy array (reading a device tensor's elements one by one costs a
+    device synchronisation each); anything else as it is."""
+    if not arrays.is_torch(payload):
+        return payload
+    return np.frombuffer(arrays.head_bytes(payload, len(payload)), dtype=np.uint8)
 
 
 class ReductionProtocol:
@@ -115,9 +125,13 @@ class ReductionProtocol:
     @staticmethod
     def failed_rank(payloads: Sequence) -> Optional[Tuple[int, str, str]]:
         """(rank, "nonfinite" or "error", its message) of the first rank that sent
-        :meth:`failure_payload`, or None. Only a small payload holding the marker is parsed."""
+        :meth:`failure_payload`, or None. Only a small payload holding the marker is parsed; a
+        small torch payload is read on the host (:func:`on_host`)."""
         for rank, payload in enumerate(payloads):
-            if len(payload) <= 1024 and FAILED[:12] in bytes(payload[:64]):
+            if len(payload) > 1024:
+                continue
+            payload = on_host(payload)
+            if FAILED[:12] in bytes(payload[:64]):
                 data = agreement.unwrap_bytes(payload)
                 if data.startswith(FAILED):
                     kind, _, message = data[len(FAILED):].decode("utf-8", "replace").partition("\n")

@@ -17,17 +17,31 @@ decisions:
   the tensor's size: QSGD or raw values of every entry, Top-r with raw indices): the slot fits it
   exactly, since slack there would be padding sent every step (12.5% of the bytes).
 
+**Summed payloads.** A summable compressor's codes are summed by all-reduce, which carries no
+per-rank header. On a bucket position's first step the header travels alone before the
+all-reduce; its checks passed, every rank records what every rank sent (:meth:`Slots.agree`: the
+codes' layout, size and dtype, and the step). From then on one all-reduce carries the codes and
+one element more, each rank's :meth:`Slots.flag`: 0 when it sends what was agreed, one step
+later; else 1, with zeros for codes (its encode raised, the bucket was rebuilt, its codes changed
+size, a checkpoint moved its step counter). A sum of 0: every rank matched, one collective did
+it. Else every rank saw it, and every rank exchanges headers, whose checks raise the error the
+difference calls for on every rank, and all-reduces the codes again.
+
 In steady state a bucket costs one collective. A slot's capacity is keyed by the bucket's
 position in the step (the same on every rank, whatever the ranks disagree about), starts at 0
 (the first step of a bucket pays the second collective) and is process-local: every rank starts
-from 0 in a new process, so the capacities stay equal.
+from 0 in a new process, so the capacities stay equal. :meth:`Slots.exchange` runs the exchange
+on NumPy arrays or on torch tensors on any device (:mod:`deepreduce.backend.arrays`); the
+adapter passes its allgather.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
+import array_api_compat
 import numpy as np
 
+from ..backend import arrays
 from ..errors import CommunicationError
 from . import agreement
 
@@ -60,6 +74,7 @@ class Slots:
     def __init__(self) -> None:
         self._capacity: Dict[Hashable, int] = {}
         self._longest: Dict[Hashable, int] = {}   # the previous step's longest payload per position
+        self._agreed: Dict[Hashable, tuple] = {}   # summed payloads: (signature, step) every rank checked
 
     def capacity(self, key: Hashable) -> int:
         """Bytes of payload the slot of bucket position ``key`` carries this step."""
@@ -78,6 +93,52 @@ class Slots:
         elif steady:
             self._capacity[key] = _aligned(longest)
         return max(0, longest - capacity)
+
+    def agreed(self, key: Hashable) -> Optional[tuple]:
+        """The signature of ``key``'s summed payloads that every rank checked last (:meth:`agree`),
+        or None: the header travels before the all-reduce."""
+        return self._agreed.get(key, (None,))[0]
+
+    def flag(self, key: Hashable, signature: Optional[tuple], step: int) -> int:
+        """This rank's flag in ``key``'s steady all-reduce: 0 when it sends ``signature`` (None:
+        nothing, its encode raised) at the step after the agreed one, else 1."""
+        return int(signature is None or self._agreed.get(key) != (signature, step - 1))
+
+    def agree(self, key: Hashable, signature: tuple, step: int) -> None:
+        """Every rank reduced ``key`` at ``step`` with ``signature`` (its header checks passed, or
+        no rank flagged)."""
+        self._agreed[key] = (signature, step)
+
+    def exchange(self, key: Hashable, header: np.ndarray, payload, gather: Callable[[object], List], like,
+                 where: str, explain: Callable[[], str]) -> Tuple[np.ndarray, Optional[List]]:
+        """One bucket position's exchange: this rank's ``header`` (:func:`prefix`) and ``payload``
+        (a 1-D uint8 array of ``like``'s framework, on its device; None: the header alone) in a
+        slot of :meth:`capacity` bytes through ``gather`` (an allgather of equal-sized arrays,
+        every rank's in rank order). Every rank checks every header first (:func:`check`, with
+        ``where`` and ``explain``); what outgrew the slot comes in a second ``gather``
+        (:meth:`settle`). Returns (every rank's header as :func:`parse` gives them, every rank's
+        payload or None)."""
+        xp, adapter = arrays.namespace(like), arrays.adapter(like)
+        device = array_api_compat.device(like)
+        capacity = 0 if payload is None else self.capacity(key)
+        size = 0 if payload is None else payload.shape[0]
+        slot = xp.zeros(PREFIX_BYTES + capacity, dtype=xp.uint8, device=device)
+        slot[:PREFIX_BYTES] = adapter.from_numpy(header, like)
+        if payload is not None:
+            slot[PREFIX_BYTES:PREFIX_BYTES + min(size, capacity)] = payload[:capacity]
+        gathered = gather(slot)
+        headers = parse(adapter.to_numpy(xp.stack([g[:PREFIX_BYTES] for g in gathered])))
+        check(headers, where, explain)
+        if payload is None:
+            return headers, None
+        sizes = [int(n) for n in headers[:, 0]]
+        parts = [g[PREFIX_BYTES:PREFIX_BYTES + min(n, capacity)] for g, n in zip(gathered, sizes)]
+        rest = self.settle(key, headers[:, 0])
+        if rest:   # a payload outgrew the slot: every rank saw it, every rank gathers the rest
+            extra = xp.zeros(rest, dtype=xp.uint8, device=device)
+            extra[:max(0, size - capacity)] = payload[capacity:]
+            parts = [xp.concat([part, more[:max(0, n - capacity)]]) for part, more, n in zip(parts, gather(extra), sizes)]
+        return headers, parts
 
 
 def check(headers: np.ndarray, where: str, explain: Callable[[], str]) -> None:

@@ -61,42 +61,20 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..dist import agreement, slots
+from ..dist import agreement, buckets, slots, totals
 from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
-from ..pipeline import Pipeline
-from .arguments import LOSSLESS_CONFIG, named_parameter_map
+from .arguments import build_pipeline, is_summable, named_parameter_map
 from .checkpoint import compression_state_dict, load_compression_state_dict
-from .ddp_bucket import BucketReduction, Job, bucket_name
-from .pipeline import TorchPipeline, build
+from .ddp_bucket import BucketReduction, Job
+from .summable import FP16Compressor
+
+__all__ = ["DeepReduceState", "FP16Compressor", "deepreduce_hook", "register"]
 
 # what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
 _PROCESS_LOCAL = ("_group", "_communicator", "_protocol", "_auto", "_slots", "_errors", "_jobs", "_worker", "_flats",
                   "process_group", "_auto_names", "_stepping")
-
-
-class FP16Compressor:
-    """Summable half precision: gradients travel as float16 through ``all_reduce``.
-
-    The contract of Horovod's ``Compression.fp16`` (``compress`` -> (tensor, context),
-    ``decompress``), so a ``DeepReduceState`` accepts either.
-    """
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        return tensor.to(torch.float16), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
-        return tensor.to(ctx)
-
-    def __repr__(self) -> str:
-        return "FP16Compressor()"
-
-
-def _is_summable(obj) -> bool:
-    return hasattr(obj, "compress") and hasattr(obj, "decompress") and not isinstance(obj, (Pipeline, TorchPipeline))
 
 
 class DeepReduceState(BucketReduction):
@@ -134,12 +112,9 @@ class DeepReduceState(BucketReduction):
         self.process_group = process_group
         group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(group)
-        if compression is not None and _is_summable(compression):
-            self.pipeline, self.compressor = None, compression
-        else:
-            self.pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
-            self.pipeline.core.collective_steps()
-            self.compressor = None
+        summable = is_summable(compression)
+        self.pipeline = None if summable else build_pipeline(compression, path)
+        self.compressor = compression if summable else None
         if not isinstance(per_parameter, bool):
             raise ConfigError(f"DeepReduceState: per_parameter must be True or False, got {per_parameter!r}")
         if not per_parameter and self.pipeline is None:
@@ -153,8 +128,7 @@ class DeepReduceState(BucketReduction):
         # state
         self.step = 0
         # statistics
-        self.stats = {"buckets": 0, "dense_bytes": 0, "wire_bytes": 0, "collective_bytes": 0,
-                      "encode_seconds": 0.0, "communication_seconds": 0.0, "decode_seconds": 0.0}
+        self.stats = totals.new()
         self._process_local()
         self._connect()
 
@@ -258,7 +232,9 @@ class DeepReduceState(BucketReduction):
             raise CommunicationError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                      f"{offset}: cannot cut it into per-parameter gradients")
         names = [self._name(p) for p in params]
-        return self._queue(bucket, buffer, views, names, None if self.per_parameter else self._merged(names, views))
+        merged = None if self.per_parameter else \
+            buckets.merge(names, [v.numel() for v in views], self.pipeline.core.min_numel)
+        return self._queue(bucket, buffer, views, names, merged)
 
     def _queue(self, bucket: dist.GradBucket, buffer: torch.Tensor, views, names, merged) -> torch.futures.Future:
         job = Job(buffer, views, names, self.step, bucket.index(), bucket.is_last(),
@@ -283,13 +259,40 @@ class DeepReduceState(BucketReduction):
         # future re-raises the latter, so DDP's wait fails with its message on this rank.
         return job.future.then(_unwrap)
 
-    def _merged(self, names: List[str], views: List[torch.Tensor]) -> Optional[tuple]:
-        """(name, positions) of the bucket's gradients encoded as one (those a container would
-        carry: not small enough to be summed dense), or None when fewer than two are."""
-        members = [i for i, v in enumerate(views) if v.numel() >= self.pipeline.core.min_numel]
-        if len(members) < 2:
-            return None
-        return bucket_name(names, members), members
+    def _work(self) -> None:
+        """The worker thread: reduce each queued bucket in hook order and complete its future;
+        after the step's last bucket, end the step (:meth:`_end_step`)."""
+        while True:
+            job = self._jobs.get()
+            if job is None:   # close(): the worker ends before its process group goes
+                self._jobs.task_done()
+                return
+            result, error = job.buffer, None
+            try:
+                result = self._reduce(job)
+            except Exception as exc:  # every failure reaches DDP's wait on this rank
+                error = exc
+                self._errors.append(exc)
+            if job.last:   # the step's residuals are kept, or undone when a bucket failed
+                errors, self._errors = self._errors, []
+                try:
+                    self._end_step(job, errors)
+                except Exception as exc:
+                    error = error or exc
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+            self._jobs.task_done()
+
+    def _end_step(self, job: Job, errors: List[BaseException]) -> None:
+        """After the step's last bucket: keep its residuals (and let the auto planner plan), or,
+        if a bucket failed or any rank sent a non-finite container under ``nonfinite: raise``,
+        undo them and raise (the same error on every rank)."""
+        if self._protocol is not None:
+            self._protocol.end_step(job.step, errors)
+        elif errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Stop the worker thread, then release the private process group, in that order (a
@@ -312,8 +315,7 @@ class DeepReduceState(BucketReduction):
         """Hook-level totals: buckets, dense and wire bytes (this rank's payloads), bytes in the
         collectives (with padding), encode/communication/decode seconds, steps, relative volume."""
         self.wait_idle()
-        out = dict(self.stats, steps=self.step)
-        out["relative_volume"] = out["wire_bytes"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
+        out = totals.report(self.stats, steps=self.step)
         if self._protocol is not None:
             out.update(self._protocol.stats())
         return out

@@ -170,6 +170,44 @@ def scenario_collectives(rank):
     return {"per_step": per_step, "params": flat_params(model)}
 
 
+class FlakyFP16(ddp.FP16Compressor):
+    """FP16Compressor whose compress of the tensor of ``numel`` elements raises the ``fail_at``-th
+    time (from 0) it sees one; a count, not a flag the training loop sets, because the worker may
+    still compress a step's other buckets after DDP's backward raised."""
+
+    def __init__(self, numel: int, fail_at: int) -> None:
+        self.numel, self.fail_at, self.seen = numel, fail_at, 0
+
+    def compress(self, tensor):
+        if tensor.numel() == self.numel:
+            self.seen += 1
+            if self.seen - 1 == self.fail_at:
+                raise ValueError("fp16 boom")
+        return super().compress(tensor)
+
+
+def scenario_summable_collectives(rank):
+    """A summable compressor: collectives on the hook's private group per step against the
+    buckets of that step; rank 1's compress of fc1.weight raises at step 5 (in steady state), and
+    the steps after it go on."""
+    compressor = FlakyFP16(Net().fc1.weight.numel(), 5 if rank == 1 else -1)
+    model, opt, state = make(compressor)
+    counter, per_step, errors = [0], [], {}
+    restore = count_collectives(state._group, counter)
+    try:
+        for step in range(8):
+            before, buckets = counter[0], state.stats["buckets"]
+            try:
+                train(model, opt, rank, 1, start=step)
+            except RuntimeError as exc:
+                errors[step] = str(exc)
+            state.wait_idle()   # DDP raises at the first failed bucket; the worker finishes the others
+            per_step.append((counter[0] - before, state.stats["buckets"] - buckets))
+    finally:
+        restore()
+    return {"per_step": per_step, "errors": errors, "params": flat_params(model)}
+
+
 def scenario_auto(rank):
     """``aggregation: auto`` in the hook on a very fast and a very slow link: a plan per bucket
     after the second step (DDP's buckets are rebuilt after the first), printed once by rank 0,
@@ -387,7 +425,7 @@ def scenario_whole_buckets(rank):
             "mixed": error_of(lambda: nn.functional.cross_entropy(mixed(x, True), y).backward())}
 
 
-SCENARIOS = [scenario_collectives, scenario_auto, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets,
+SCENARIOS = [scenario_collectives, scenario_summable_collectives, scenario_auto, scenario_lossless, scenario_sparse_allreduce, scenario_whole_buckets,
              scenario_gradiveq, scenario_topk_bytes, scenario_device_path, scenario_checkpoint, scenario_warmup,
              scenario_unused, scenario_bad_input, scenario_nonfinite, scenario_failed_encode, scenario_disagreement]
 
