@@ -150,3 +150,12 @@ def test_the_torch_device_path_flags_and_undoes_too():
     assert agreement.first_nonfinite([ok, flagged]) == (1, 1, 0)
     pipe.undo_step()
     assert torch.equal(pipe.memory.residual("w"), before) and pipe.memory.residual("v") is None
+
+
+def test_layout_of_enters_buckets_as_tensors_so_different_bucket_plans_fail_together():
+    pipe = deepreduce.build(TOPK)
+    made = agreement.layout_of(pipe, BASE, [("bucket0.fc2.weight", 1344)], "parameter")
+    assert made.digest == layout(BASE + [("<bucket0.fc2.weight>", (1344,), "bucket")], pipe).digest
+    other = agreement.layout_of(pipe, BASE, [("bucket0.fc2.weight", 640)], "parameter")
+    errors = exchange([made, other])
+    assert errors[0] == errors[1] and "'<bucket0.fc2.weight>' is (1344,) bucket on rank 0 and (640,) bucket" in errors[0]

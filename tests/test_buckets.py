@@ -56,3 +56,10 @@ def test_a_cap_with_a_summable_compressor_is_a_config_error():
     assert buckets.check_bucket_cap_for(2, False, "x") == 2
     with pytest.raises(ConfigError, match="positive number of MiB"):
         buckets.check_bucket_cap_for(-1, False, "x")
+
+
+def test_plan_backward_takes_the_model_order_reversed_and_leaves_out_unknown_and_small_tensors():
+    # positions 0..5 in model order; 1 has no known size (or another dtype), 4 is below min_numel
+    numels = [100, None, 100, 100, 5, 100]
+    assert buckets.plan_backward(numels, cap_mb=250 * 4 / buckets.MIB, min_numel=10) == [[5, 3], [2, 0]]
+    assert buckets.plan_backward(numels, cap_mb=250 * 4 / buckets.MIB) == [[5, 4, 3], [2, 0]]

@@ -106,3 +106,12 @@ def test_covered_seconds_counts_every_unit_inside_a_cover(spans, covers):
     covered = {k for low, high in covers for k in range(low, high)}
     expected = sum(1 for start, end in spans for k in range(start, end) if k in covered)
     assert overlap.covered_seconds(spans, covers) == expected
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_run_chains_gives_rest_of_each_encode_in_order_and_times_the_encodes(workers):
+    results, seconds, hidden = overlap.run_chains(lambda i: i * 10, lambda i, encoded: (i, encoded), range(6), workers)
+    assert results == [(i, i * 10) for i in range(6)]
+    assert 0.0 <= hidden <= seconds
+    if workers == 1:   # one chain after another: no encode runs while another chain's rest does
+        assert hidden == 0.0

@@ -51,3 +51,24 @@ def test_headers_round_trip_and_disagreements_are_named():
     failed = slots.parse(np.stack([mine, slots.prefix(slots.FAILED, layout(), 7)]))
     with pytest.raises(CommunicationError, match=r"rank\(s\) \[1\] could not encode"):
         slots.check_step(failed, "bucket", "FP16Compressor()")
+
+
+def test_a_payload_of_steady_size_gets_an_exact_slot():
+    """A codec whose output size is fixed by the tensor's size (QSGD of every entry) pays no slack
+    from the third step on; a size that moves again regrows the slot with slack."""
+    s = slots.Slots()
+    assert s.settle(0, np.array([1000, 1000])) == 1000
+    assert s.capacity(0) >= 1000 * (1 + slots.SLACK)
+    assert s.settle(0, np.array([1000, 1000])) == 0
+    assert s.capacity(0) == 1024                               # 1000 rounded up to ALIGN, no slack
+    assert s.settle(0, np.array([1000, 990])) == 0
+    assert s.capacity(0) == 1024
+    assert s.settle(0, np.array([1100, 990])) == 76            # grew: the rest travels, the slot regrows
+    assert s.capacity(0) >= 1100 * (1 + slots.SLACK)
+
+
+def test_sizes_that_vary_keep_the_slack():
+    s = slots.Slots()
+    for longest in (1000, 1010, 995, 1005):
+        s.settle(0, np.array([longest, 900]))
+    assert s.capacity(0) >= 1010 * (1 + slots.SLACK) - slots.ALIGN

@@ -96,6 +96,16 @@ class Layout:
         self.compressor_digest = _digest64("\0".join(self.compressor).encode("utf-8"))
 
 
+def layout_of(compression, tensors: Sequence[Tuple[str, Sequence, str]], buckets: Sequence[Tuple[str, int]] = (),
+              noun: str = "tensor") -> Layout:
+    """The :class:`Layout` a binding agrees on: ``compression`` (:func:`compressor_identity`), its
+    ``tensors`` and then its gradient ``buckets`` ((label, elements) pairs, each entered as a
+    tensor ``<label>`` of one dimension and dtype ``bucket``), so ranks that plan different buckets
+    fail together like ranks with different tensors."""
+    entries = list(tensors) + [(f"<{label}>", (int(numel),), "bucket") for label, numel in buckets]
+    return Layout(compressor_identity(compression), entries, noun)
+
+
 def wrap_bytes(data: bytes) -> np.ndarray:
     """Bytes as a dense container (padded to whole float32 entries), so communicators carry them."""
     data = data + b"\0" * (-len(data) % 4)

@@ -19,7 +19,7 @@ residual per bucket, so nothing a layer did not send is lost. Gradients below th
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from ..errors import ConfigError
 
@@ -88,3 +88,11 @@ def offsets(sizes: Sequence[int]) -> List[int]:
         out.append(at)
         at += int(size)
     return out
+
+
+def plan_backward(numels: Sequence[Optional[int]], cap_mb: float, min_numel: int = 0) -> List[List[int]]:
+    """:func:`plan` of tensors given in the model's order, taken in backward order (the reverse),
+    under a cap of ``cap_mb`` MiB: each bucket's positions in ``numels``. A tensor whose size is
+    None (not known, or of a dtype that buckets do not take) or below ``min_numel`` stays out."""
+    order = [j for j in reversed(range(len(numels))) if numels[j] is not None and numels[j] >= min_numel]
+    return [[order[i] for i in members] for members in plan([numels[j] for j in order], cap_mb * MIB)]

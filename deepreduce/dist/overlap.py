@@ -6,8 +6,8 @@ encode waits for the previous tensor's collective round trip. :func:`run_in_orde
 chains on a few threads instead, so one tensor's encode proceeds while another tensor's
 collective or decode is in flight (the C++ kernels, large NumPy passes and blocking collective
 calls release the GIL). :func:`covered_seconds` measures that overlap from the times each
-chain recorded. Framework-free: the TensorFlow binding's eager reduction
-(:mod:`deepreduce.tensorflow.reduce`) uses both.
+chain recorded; :func:`run_chains` does both for chains of an encode and what follows it.
+Framework-free: the TensorFlow binding's eager reduction (:mod:`deepreduce.tensorflow.routes`) uses it.
 
 Why a blocking collective inside a task cannot deadlock the ranks: every rank submits the same
 tasks in the same order, and a thread pool starts tasks in submission order. Take the first task
@@ -20,6 +20,7 @@ between ranks.
 from __future__ import annotations
 
 import bisect
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable, List, Sequence, Tuple, TypeVar
 
@@ -61,6 +62,23 @@ def run_in_order(task: Callable[[T], R], items: Iterable[T], workers: int) -> Li
         futures = [pool.submit(task, item) for item in items]
         wait(futures)
     return [future.result() for future in futures]
+
+
+def run_chains(encode: Callable[[T], object], rest: Callable[[T, object], R], items: Iterable[T],
+               workers: int) -> Tuple[List[R], float, float]:
+    """``[rest(item, encode(item)) for item in items]`` by :func:`run_in_order`, timed: returns
+    (the results, the encodes' total seconds, the part of them that ran while another chain's
+    ``rest`` -- its collective and decode -- was in flight, :func:`covered_seconds`)."""
+    def chain(item):
+        start = time.perf_counter()
+        encoded = encode(item)
+        middle = time.perf_counter()
+        return rest(item, encoded), (start, middle), (middle, time.perf_counter())
+
+    done = run_in_order(chain, items, workers)
+    encodes = [d[1] for d in done]
+    return [d[0] for d in done], sum(end - start for start, end in encodes), \
+        covered_seconds(encodes, [d[2] for d in done])
 
 
 def covered_seconds(spans: Sequence[Span], covers: Sequence[Span]) -> float:

@@ -12,7 +12,10 @@ decisions:
 * any digest or step differs: every rank raises the same error (:func:`check`);
 * a payload is longer than the slot: every rank gathers the rest in a second collective, and
   the slot grows to the longest payload with :data:`SLACK` to spare (:meth:`Slots.settle`);
-* a payload is much shorter than the slot for the whole step: the slot shrinks.
+* a payload is much shorter than the slot for the whole step: the slot shrinks;
+* the longest payload is the same size two steps running (a codec whose output size is fixed by
+  the tensor's size: QSGD or raw values of every entry, Top-r with raw indices): the slot fits it
+  exactly, since slack there would be padding sent every step (12.5% of the bytes).
 
 In steady state a bucket costs one collective. A slot's capacity is keyed by the bucket's
 position in the step (the same on every rank, whatever the ranks disagree about), starts at 0
@@ -56,6 +59,7 @@ class Slots:
 
     def __init__(self) -> None:
         self._capacity: Dict[Hashable, int] = {}
+        self._longest: Dict[Hashable, int] = {}   # the previous step's longest payload per position
 
     def capacity(self, key: Hashable) -> int:
         """Bytes of payload the slot of bucket position ``key`` carries this step."""
@@ -64,10 +68,15 @@ class Slots:
     def settle(self, key: Hashable, sizes: np.ndarray) -> int:
         """After the gather of ``key``'s slots, given every rank's payload size: the bytes of the
         longest payload that did not fit (0: no second collective), and the capacity for the next
-        step (grown on overflow, shrunk when the slot is far too large)."""
+        step (grown on overflow, shrunk when the slot is far too large, exact when the longest
+        payload kept its size since the previous step)."""
         capacity, longest = self.capacity(key), int(np.max(sizes, initial=0))
+        steady = self._longest.get(key) == longest
+        self._longest[key] = longest
         if longest > capacity or longest < SHRINK_BELOW * capacity:
             self._capacity[key] = _aligned(longest * (1 + SLACK))
+        elif steady:
+            self._capacity[key] = _aligned(longest)
         return max(0, longest - capacity)
 
 

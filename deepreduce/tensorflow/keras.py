@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..errors import ConfigError
+from .collectives import import_horovod
 from .optimizer import DistributedOptimizer
-from .reduce import import_horovod
 
 __all__ = ["broadcast_variables", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "DistributedOptimizer"]

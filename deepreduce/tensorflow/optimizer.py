@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from ..dist import buckets, overlap
 from ..errors import ConfigError
+from .collectives import import_horovod, is_summable_compressor
 from .pipeline import build
-from .reduce import Reducer, import_horovod, is_summable_compressor
+from .reduce import Reducer
 
 
 def _keras_wrapper_class(base):

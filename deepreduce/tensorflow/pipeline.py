@@ -92,6 +92,9 @@ class TFPipeline:
         # part of it that ran while another tensor's collective or decode was in flight
         self.eager_encode_seconds = 0.0
         self.encode_hidden_seconds = 0.0
+        # the reducer's ReductionProtocol per (process set, average), kept here so that a new tape
+        # each step (Horovod's idiom) keeps the sparse all-reduce's owner residuals and the auto plan
+        self.protocols: dict = {}
         from . import ops  # noqa: WPS433 (late import: ops imports the core's components)
 
         if backend == "numpy_function":

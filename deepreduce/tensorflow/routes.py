@@ -1,89 +1,139 @@
-"""The reducer's host routes: one host op per tensor, for the sparse all-reduce and the ``auto`` plan.
+"""How the reducer's dense gradients travel, as TensorFlow ops: containers, or one host op each.
+
+:class:`DenseRoutes` is a part of :class:`deepreduce.tensorflow.reduce.Reducer`. With the
+config's default aggregation each gradient is encoded into a container (a graph op), gathered by
+``hvd.allgather`` (:func:`~deepreduce.tensorflow.collectives.gather`), checked
+(``ReductionProtocol.report``) and decode-summed. Eagerly, each op runs when it is called, so one
+tensor after another would make every encode wait for the previous tensor's allgather round trip;
+with ``background`` on (the default) the eager chains run on a few worker threads instead
+(:func:`deepreduce.dist.overlap.run_chains`), and ``compression_stats()["encode_hidden_seconds"]``
+sums the encode time that ran while another tensor's collective or decode was in flight. Inside
+``tf.function`` all encodes come first in program order (see :meth:`DenseRoutes._reduce_containers`).
 
 Under ``aggregation: sparse_allreduce`` or ``auto`` each gradient is reduced by one op that runs
-on the host (:class:`HostRoutes`, a part of :class:`deepreduce.tensorflow.reduce.Reducer`): the
-protocol's sparse all-reduce, its allgather (``ReductionProtocol.reduce_allgather``) or Horovod's
-dense or fp16 all-reduce, as the plan chose for that tensor at this step. The choice is made
-when the op runs, so a plan made after the first step applies inside a ``tf.function`` traced
-before it. The ops are chained in name order, so every rank runs the collectives alike. Also the
-helpers the reducer's ops share: :func:`graph_or_eager`, :func:`step_tensor` and
-:func:`tensor_key`.
+on the host: ``ReductionProtocol.reduce_flat`` takes the tensor's route at this step (the sparse
+all-reduce, the allgather, or Horovod's dense or fp16 all-reduce that the binding passes it). The
+route is chosen when the op runs, so a plan made after the first step applies inside a
+``tf.function`` traced before it. The ops are chained in name order, so every rank runs the
+collectives alike. Also the helpers the reducer's ops share: :func:`graph_or_eager` and
+:func:`step_tensor`.
 """
 from __future__ import annotations
 
-import re
 from typing import List, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from ..dist.protocol import FINE
+from ..dist import overlap
+from ..wire import container
+from .collectives import gather, tensor_key
 from .pipeline import numpy_op
 
 
-class HostRoutes:
-    """The host-op routes of the Reducer (it provides ``_protocol``, ``_auto``, ``_routes``,
-    ``pipeline``, ``hvd``, ``size`` and ``_process_set_kwargs``)."""
+class DenseRoutes:
+    """The dense routes of the Reducer (it provides ``_protocol``, ``pipeline``, ``hvd``,
+    ``process_set``, ``size``, ``op``, ``predivide`` and ``workers``)."""
+
+    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
+        """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (or, under the sparse
+        all-reduce or ``auto``, :meth:`_reduce_host`); each tensor's report (:meth:`_check_op`) is
+        appended to ``reports``.
+
+        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.dist.overlap.run_chains`:
+        on ``background`` worker threads, so encodes proceed while other tensors' collectives and
+        decodes are in flight, or one after another on this thread; the encode times and their
+        overlap go to the pipeline's statistics. Inside ``tf.function`` every encode comes first
+        in program order, then each tensor's allgather and decode: TensorFlow chains stateful
+        ops that take no resource (the encode and decode ops) in program order, so the
+        per-tensor order would make each encode wait for the previous tensor's decode; this
+        order lets tensor i's allgather (a stateless op) run while tensor i+1 encodes.
+        """
+        if self._protocol.sparse is not None:
+            return self._reduce_host(grads, names, step, reports)
+        if tf.executing_eagerly():
+            results, seconds, hidden = overlap.run_chains(
+                lambda i: self._encode(grads[i], names[i], step),
+                lambda i, payload: self._gather_decode(grads[i], names[i], payload, step), range(len(grads)), self.workers)
+            self.pipeline.eager_encode_seconds += seconds
+            self.pipeline.encode_hidden_seconds += hidden
+        else:
+            payloads = [self._encode(g, n, step) for g, n in zip(grads, names)]
+            results = [self._gather_decode(g, n, p, step) for g, n, p in zip(grads, names, payloads)]
+        reports.extend(found for _, found in results)
+        return [total for total, _ in results]
+
+    def _encode(self, grad: tf.Tensor, name: str, step) -> tf.Tensor:
+        """This rank's container of ``grad`` (divided first by ``gradient_predivide_factor``), or
+        the protocol's failure payload where the encode raised (the rank stays in phase)."""
+        if self.predivide != 1.0:
+            grad = grad * tf.cast(1.0 / self.predivide, grad.dtype)
+        return self.pipeline.encode(grad, name=name, step=step, on_error=self._protocol.failure_payload)
+
+    def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, step):
+        """(the average or sum over ranks of ``grad``, its report: see :meth:`_check_op`)."""
+        gathered = gather(name, payload, self.process_set)
+        size = self.size
+        shape = grad.shape if grad.shape.is_fully_defined() else None
+        found = self._check_op(name, gathered, step)
+        total = self._unless_skipped(found, lambda: self.pipeline.decode_sum(gathered, shape, count=size),
+                                     lambda: tf.zeros(tf.shape(grad), tf.float32))
+        if shape is None:
+            total = tf.reshape(total, tf.shape(grad))
+        if self.op == "average":
+            total = total * (self.predivide / size)
+        return (tf.cast(total, grad.dtype) if grad.dtype != tf.float32 else total), found
+
+    def _check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
+        """This tensor's ``ReductionProtocol.report`` on the gathered bytes, as an int64 op (eagerly: now)."""
+        def check(buf, step_value):
+            with self.pipeline.lock:
+                return np.array(self._protocol.report(container.split(buf), name, int(step_value)), dtype=np.int64)
+
+        return graph_or_eager(check, [gathered, step_tensor(step)], tf.int64, "deepreduce_check")
+
+    @staticmethod
+    def _unless_skipped(found: tf.Tensor, decode, nothing):
+        """``decode()`` unless the report says some rank failed or sent a non-finite container
+        (``nothing()`` then: the step's end raises on every rank once the step's collectives ran)."""
+        skip = tf.not_equal(found[0], -1)
+        if tf.executing_eagerly():
+            return nothing() if bool(skip) else decode()
+        return tf.cond(skip, nothing, decode, name="deepreduce_decode_unless_skipped")
 
     def _reduce_host(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
-        """Every gradient through one host op (:meth:`_host_one`: the sparse all-reduce or, under
-        ``auto``, the planned route), chained in name order so every rank runs the collectives alike."""
-        step = step_tensor(step)
+        """Every gradient through one host op (``ReductionProtocol.reduce_flat``, averaging directly:
+        ``gradient_predivide_factor`` would cancel out), chained in name order so every rank runs
+        the collectives alike; each op's report (as :meth:`_check_op`'s) is appended to ``reports``."""
+        protocol, lock, step = self._protocol, self.pipeline.lock, step_tensor(step)
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
         previous: list = []
         for i in sorted(range(len(grads)), key=names.__getitem__):
             def reduce_one(grad, step_value, name=names[i], first=not previous):
-                if first and self._auto is not None:   # every gradient of a tape is ready at once
-                    self._auto.backward_done()
-                total, found = self._host_one(np.ascontiguousarray(grad, dtype=np.float32).reshape(-1), name,
-                                              int(step_value))
-                return total.reshape(np.shape(grad)), found
+                if first and protocol.auto is not None:   # every gradient of a tape is ready at once
+                    protocol.auto.backward_done()
+                with lock:
+                    total, found = protocol.reduce_flat(np.ascontiguousarray(grad, dtype=np.float32).reshape(-1),
+                                                        name, int(step_value), self._allreduce_host(name))
+                return total.reshape(np.shape(grad)), np.array(found, dtype=np.int64)
 
             with tf.control_dependencies(previous):
-                if tf.executing_eagerly():
-                    total, found = (tf.constant(v) for v in reduce_one(np.asarray(grads[i]), np.asarray(step)))
-                else:
-                    total, found = numpy_op(reduce_one, [grads[i], step], [tf.float32, tf.int64],
-                                            "deepreduce_host_reduce")
-                    total = tf.reshape(total, tf.shape(grads[i]))
+                total, found = graph_or_eager(reduce_one, [grads[i], step], [tf.float32, tf.int64],
+                                              "deepreduce_host_reduce")
+                total = tf.reshape(total, tf.shape(grads[i]))
             previous = [total]
             out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
             found_of[i] = found
         reports.extend(found_of)
         return out
 
-    def _host_one(self, flat: np.ndarray, name: str, step: int):
-        """(the reduced flat float32 array, its report as :meth:`_check`'s) of one tensor: by the
-        sparse all-reduce, or by the ``auto`` plan's choice (allgather of containers, dense or fp16
-        all-reduce; every tensor goes by allgather until the first plan). Averages directly:
-        ``gradient_predivide_factor`` would cancel out."""
-        protocol = self._protocol
-        route = "sparse_allreduce" if self._auto is None else self._auto.choice(name)
-        with self.pipeline.lock:
-            if self._auto is not None:
-                self._auto.ready(name, flat.size)
-                counts = self._routes.setdefault(name, {})
-                counts[route] = counts.get(route, 0) + 1
-            if route == "sparse_allreduce":
-                total, found = protocol.reduce_sparse(flat, name, step)
-                if found is not None:
-                    protocol.skip(name, step, found)
-                return total, np.array(FINE if found is None else found, dtype=np.int64)
-            if route in ("dense", "fp16"):
-                return self._allreduce_host(protocol.flush_residual(name, flat), name, route), \
-                    np.array(FINE, dtype=np.int64)
-            total, found = protocol.reduce_allgather(flat, name, step)
-            return total, np.array(found, dtype=np.int64)
-
-    def _allreduce_host(self, flat: np.ndarray, name: str, route: str) -> np.ndarray:
-        """The sum (or average) of a flat float32 array by Horovod's all-reduce, in fp16 for ``fp16``."""
-        send = flat.astype(np.float16) if route == "fp16" else flat
-        if route == "dense":
-            self.pipeline.core.count_summed_dense(flat.size)
-        total = self.hvd.allreduce(tf.constant(send), op=self.hvd.Sum, name=f"{tensor_key(name)}.{route}",
-                                   **self._process_set_kwargs()).numpy().astype(np.float32)
-        return total / np.float32(self.size) if self._protocol.average else total
+    def _allreduce_host(self, name: str):
+        """The sum of a host array over the ranks by Horovod's all-reduce, as ``reduce_flat`` calls it."""
+        def allreduce(array: np.ndarray, route: str) -> np.ndarray:
+            return self.hvd.allreduce(tf.constant(array), op=self.hvd.Sum, name=f"{tensor_key(name)}.{route}",
+                                      process_set=self.process_set).numpy()
+        return allreduce
 
 
 def step_tensor(step) -> tf.Tensor:
@@ -97,8 +147,3 @@ def graph_or_eager(func, inputs: list, dtype, name: str):
         out = func(*[np.asarray(t) for t in inputs])
         return tuple(tf.constant(o) for o in out) if isinstance(dtype, list) else tf.constant(out)
     return numpy_op(func, inputs, dtype, name)
-
-
-def tensor_key(name: str) -> str:
-    """A Horovod tensor / TF op name for a deepreduce tensor name (same on every rank)."""
-    return "DeepReduce_" + re.sub(r"[^A-Za-z0-9_.\-]", "_", name)

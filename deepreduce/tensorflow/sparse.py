@@ -21,6 +21,7 @@ import tensorflow as tf
 from ..errors import ConfigError
 from ..pipeline import to_float32
 from ..wire import container
+from .collectives import gather
 from .routes import graph_or_eager, step_tensor
 
 
@@ -53,7 +54,7 @@ def rows(positions: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.nda
 
 class SliceRoutes:
     """The IndexedSlices route of the Reducer (it provides ``pipeline``, ``sparse_as_dense``,
-    ``_protocol``, ``_gather``, ``_check_op`` and ``_unless_skipped``)."""
+    ``process_set``, ``_protocol``, ``_check_op`` and ``_unless_skipped``)."""
 
     def _native_slices(self, grad) -> bool:
         """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
@@ -68,8 +69,8 @@ class SliceRoutes:
         """One ``IndexedSlices`` gradient through the index and value codecs
         (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
         (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
-        (``Pipeline.decode_entries`` inside the protocol's ``finish``) into the touched rows of
-        every rank, ascending, with their summed (or averaged) slices."""
+        (``ReductionProtocol.finish_entries``) into the touched rows of every rank, ascending,
+        with their summed (or averaged) slices."""
         core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
         if grad.dense_shape is None:
             raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: pass sparse_as_dense=True")
@@ -84,18 +85,15 @@ class SliceRoutes:
                 except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
                     return protocol.failure_payload(exc)
 
-        def decode(gathered, dense_shape, step_value):
-            summed = []
+        def decode(gathered, dense_shape, step_value):   # runs where every rank's report was fine
             with lock:
-                protocol.finish(container.split(gathered), name, int(step_value),
-                                lambda parts: summed.append(core.decode_entries(parts, tuple(dense_shape))),
-                                lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]))
-            return rows(*summed[0], dense_shape)
+                summed = protocol.finish_entries(container.split(gathered), name, int(step_value), tuple(dense_shape))
+            return rows(*summed, dense_shape)
 
         step = step_tensor(step)
         payload = graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
                                   "deepreduce_encode_entries")
-        gathered = self._gather(name, tf.reshape(payload, [-1]))
+        gathered = gather(name, tf.reshape(payload, [-1]), self.process_set)
         found = self._check_op(name, gathered, step)
         reports.append(found)
         slice_shape = grad.values.shape[1:]

@@ -22,8 +22,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from ..dist import buckets
+from .collectives import is_summable_compressor
 from .pipeline import TFPipeline, shared
-from .reduce import Reducer, is_summable_compressor
+from .reduce import Reducer
 
 
 def _source_key(source):
