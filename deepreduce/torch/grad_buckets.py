@@ -14,6 +14,7 @@ from ..dist import buckets
 class GradBucket:
     """Gradients of consecutive parameters sent as one tensor."""
     name: str
+    label: str                    # its name and its parameters', for errors
     params: List[torch.Tensor]
     offsets: List[int]
     buffer: torch.Tensor          # flat float32, on the parameters' device
@@ -22,6 +23,13 @@ class GradBucket:
     def slice(self, i: int) -> torch.Tensor:
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()]
+
+    def add(self, i: int, grad: torch.Tensor) -> bool:
+        """Copy parameter ``i``'s finished gradient into its slice; whether the bucket is full."""
+        with torch.no_grad():
+            self.slice(i).copy_(grad.reshape(-1))
+        self.waiting -= 1
+        return not self.waiting
 
     def copy_back(self) -> None:
         """Write each parameter's slice of the (reduced) buffer into its ``grad``."""
@@ -46,8 +54,10 @@ def plan(params: List[torch.Tensor], names: Dict[torch.Tensor, str], cap_mb: flo
         for members in buckets.plan([p.numel() for p in group], cap_mb * buckets.MIB):
             chosen = [group[i] for i in members]
             sizes = [p.numel() for p in chosen]
-            bucket = GradBucket(f"bucket{len(out)}.{names[chosen[0]]}", chosen, buckets.offsets(sizes),
-                                torch.empty(sum(sizes), dtype=torch.float32, device=device), len(chosen))
+            name = f"bucket{len(out)}.{names[chosen[0]]}"
+            bucket = GradBucket(name, f"{name!r} (parameters {', '.join(names[p] for p in chosen)})", chosen,
+                                buckets.offsets(sizes), torch.empty(sum(sizes), dtype=torch.float32, device=device),
+                                len(chosen))
             out.append(bucket)
             for i, p in enumerate(chosen):
                 where[p] = (bucket, i)
