@@ -13,8 +13,8 @@ loss against training wall-clock time (:mod:`experiments.reproduce.quality_worke
 * deepreduce's DDP hook with the shipped configs ``topk_raw`` (Top-r 1%, raw indices),
   ``elias_fano`` (Elias-Fano indices), ``bf_p0`` (Bloom indices, policy P0), ``qsgd`` (QSGD
   values), ``sidco_exp`` (SIDCo) and ``dgc`` (DGC), the papers' settings, and the configs
-  recommended for a model of this kind (:data:`RECOMMENDED`: dense warm-up steps, then Top-r or
-  quantisation, docs/benchmarks.md says what each lever bought); ``<config>@sparse_allreduce``
+  recommended for a model of this kind (:data:`RECOMMENDED`: Top-r without error feedback, or
+  quantisation of every entry; docs/benchmarks.md says what each lever bought); ``<config>@sparse_allreduce``
   (the sparse all-reduce) and ``lm_topk@auto`` (the planner's choice per DDP bucket).
 
 Per method and bandwidth the table shows the final validation loss (nats per token) and bits per
