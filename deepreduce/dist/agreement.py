@@ -34,6 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..backend import arrays
 from ..wire import container
 from ..errors import CommunicationError, NonFiniteGradientError
 
@@ -189,12 +190,27 @@ def _entries(described: dict) -> List[tuple]:
 # ---------------------------------------------------------------------- non-finite steps
 def first_nonfinite(payloads: Sequence) -> Optional[Tuple[int, int, int]]:
     """(rank, NaN count, Inf count) of the first rank whose container carries the non-finite
-    flag, or None. Reads one header byte per container; only a flagged one is parsed."""
-    for rank, payload in enumerate(payloads):
-        if len(payload) > _FLAGS_BYTE and int(payload[_FLAGS_BYTE]) & container.FLAG_NONFINITE:
+    flag, or None. Reads one header byte per container, all of them in one host transfer when
+    they are torch tensors (the DDP hook's gathered slots: one device synchronisation, not one
+    per container); only a flagged container is copied and parsed."""
+    ranks = [rank for rank, payload in enumerate(payloads) if len(payload) > _FLAGS_BYTE]
+    for rank, flags in zip(ranks, _flag_bytes([payloads[rank] for rank in ranks])):
+        if int(flags) & container.FLAG_NONFINITE:
+            payload = payloads[rank]
+            if arrays.is_torch(payload):
+                payload = np.frombuffer(arrays.head_bytes(payload, len(payload)), dtype=np.uint8)
             values = np.frombuffer(container.unpack(payload).value_section, dtype="<f4")
             return rank, int(np.isnan(values).sum()), int(np.isinf(values).sum())
     return None
+
+
+def _flag_bytes(payloads: Sequence) -> Sequence[int]:
+    """The flags byte of each container: torch tensors' gathered into one array and copied to
+    the host at once; bytes and NumPy arrays read where they are."""
+    if not payloads or not arrays.is_torch(payloads[0]):
+        return [payload[_FLAGS_BYTE] for payload in payloads]
+    flags = arrays.namespace(*payloads).concat([payload[_FLAGS_BYTE:_FLAGS_BYTE + 1] for payload in payloads])
+    return arrays.adapter(flags).to_numpy(flags).tolist()
 
 
 def nonfinite_error(name: str, step: int, rank: int, nan: int, inf: int, more: int = 0) -> NonFiniteGradientError:
