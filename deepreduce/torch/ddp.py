@@ -61,7 +61,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..dist import agreement, buckets, slots, totals
+from ..dist import agreement, buckets, inflight, slots, totals
 from ..dist.comm.torch_distributed import TorchDistributedCommunicator
 from ..dist.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
@@ -261,7 +261,7 @@ class DeepReduceState(BucketReduction):
 
     def _work(self) -> None:
         """The worker thread: reduce each queued bucket in hook order and complete its future;
-        after the step's last bucket, end the step (:meth:`_end_step`)."""
+        after the step's last bucket, end the step (:func:`deepreduce.dist.inflight.end_step`)."""
         while True:
             job = self._jobs.get()
             if job is None:   # close(): the worker ends before its process group goes
@@ -273,10 +273,10 @@ class DeepReduceState(BucketReduction):
             except Exception as exc:  # every failure reaches DDP's wait on this rank
                 error = exc
                 self._errors.append(exc)
-            if job.last:   # the step's residuals are kept, or undone when a bucket failed
-                errors, self._errors = self._errors, []
+            if job.last:   # the step's residuals are kept (the auto planner plans), or undone and
+                errors, self._errors = self._errors, []   # the same error raised on every rank
                 try:
-                    self._end_step(job, errors)
+                    inflight.end_step(self._protocol, job.step, errors)
                 except Exception as exc:
                     error = error or exc
             if error is None:
@@ -284,15 +284,6 @@ class DeepReduceState(BucketReduction):
             else:
                 job.future.set_exception(error)
             self._jobs.task_done()
-
-    def _end_step(self, job: Job, errors: List[BaseException]) -> None:
-        """After the step's last bucket: keep its residuals (and let the auto planner plan), or,
-        if a bucket failed or any rank sent a non-finite container under ``nonfinite: raise``,
-        undo them and raise (the same error on every rank)."""
-        if self._protocol is not None:
-            self._protocol.end_step(job.step, errors)
-        elif errors:
-            raise errors[0]
 
     def close(self) -> None:
         """Stop the worker thread, then release the private process group, in that order (a

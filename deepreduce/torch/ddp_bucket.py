@@ -19,7 +19,7 @@ the protocol gives it (:meth:`deepreduce.dist.protocol.ReductionProtocol.route`)
   the header first on the bucket's first step, or when any rank flagged.
 
 After the step's last bucket the protocol commits or undoes the step's residual changes and
-raises the step's error on every rank (``DeepReduceState._end_step``). Bucket names and
+raises the step's error on every rank (``deepreduce.dist.inflight.end_step``). Bucket names and
 merges come from :mod:`deepreduce.dist.buckets`, the totals from :mod:`deepreduce.dist.totals`.
 """
 import contextlib
