@@ -93,3 +93,17 @@ def spawn_ranks(run, *args, world: int = 2, timeout: int = 240) -> dict:
     assert exitcodes == [0] * world, f"ranks exited with {exitcodes}; results from ranks {sorted(results)}"
     return results
 
+
+
+def run_threads(target, args_per_rank, timeout: float, what: str = "a rank hung") -> None:
+    """``target(*args)`` on one thread per entry of ``args_per_rank`` (ranks simulated in one
+    process, e.g. over a thread allgather); joins them within ``timeout`` seconds each and fails
+    with ``what`` when one is still running (a hang becomes a failure, not a stuck suite)."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=tuple(args)) for args in args_per_rank]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), what

@@ -5,6 +5,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import run_threads
 
 import deepreduce
 from deepreduce.dist import agreement
@@ -40,12 +41,7 @@ def exchange(layouts):
         except CommunicationError as exc:
             errors[rank] = str(exc)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(layouts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads), "the exchange hung"
+    run_threads(run, [(r,) for r in range(len(layouts))], 10, "the exchange hung")
     return errors
 
 

@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+from conftest import run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,11 +81,7 @@ def test_ranks_blocking_on_matched_collectives_never_deadlock(workers, items, ot
     def rank(r, count):
         results[r] = overlap.run_in_order(collective, range(items), count)
 
-    threads = [threading.Thread(target=rank, args=(r, c)) for r, c in ((0, workers), (1, other_workers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(rank, [(0, workers), (1, other_workers)], 60)
     assert results == {0: list(range(items)), 1: list(range(items))}
 
 

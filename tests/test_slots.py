@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import run_threads
 
 from deepreduce.dist import agreement, slots
 from deepreduce.errors import CommunicationError
@@ -110,11 +111,7 @@ def test_the_exchange_gathers_every_payload_in_one_collective_once_the_slot_fits
             out.append((headers[:, 0].tolist(), [p.tolist() for p in parts], ranks.calls - before))
         results[r] = out
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_threads(rank, [(0,), (1,)], 30)
     assert results[0] == results[1]
     for (reported, parts, _), sizes_now in zip(results[0], sizes):
         assert reported == sizes_now

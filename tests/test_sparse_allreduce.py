@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import run_ranks
+from conftest import run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
@@ -140,12 +140,7 @@ def _reduce_on_threads(config, grads, corrupt=None):
             outs.append("aborted")
         results[rank] = (outs, pipe.memory.residual("w"), sra.owner_residual("w"), pipe.stats.tensors_decoded)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    run_threads(run, [(r,) for r in range(size)], 120)
     return results
 
 

@@ -19,13 +19,12 @@ is kept and re-raised unchanged (type, message, traceback) by its future's ``res
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import overlap
+from . import overlap, totals
 
 
 def route_of(protocol, name: str, sparse: bool = False, summed_dense: bool = False) -> str:
@@ -99,12 +98,9 @@ class InFlight:
         except Exception as exc:  # kept for finish(), as on the worker
             future.set_exception(exc)
 
-    @contextlib.contextmanager
     def timed(self, phase: str):
-        """Add the seconds the ``with`` block took to ``seconds[phase]`` (when it does not raise)."""
-        began = time.perf_counter()
-        yield
-        self.seconds[phase] += time.perf_counter() - began
+        """A ``with`` block whose seconds go to ``seconds[phase]`` (:func:`deepreduce.dist.totals.timed`)."""
+        return totals.timed(self.seconds, phase)
 
     def finish(self, finish: Callable[[object, object, str, object], None], since: float) -> List[BaseException]:
         """Wait for every task (``since``: when the step began to wait), then ``finish(key, handle,

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import watchdog  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_ddp_hook import LOSSLESS, TOPK, flat_params, make, train  # noqa: E402
+from torch_ddp_hook import LOSSLESS, TOPK, flat_params, make, run_scenarios, train  # noqa: E402
 
 from deepreduce.torch import ddp  # noqa: E402
 
@@ -85,16 +84,8 @@ def scenario_sparse(rank):
     return out
 
 
-def run(rank, world, port, queue, names):
-    watchdog.arm(150)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name in names:
-            results[name] = globals()[f"scenario_{name}"](rank)
-    finally:
-        queue.put((rank, results))
-        watchdog.disarm()
-        dist.destroy_process_group()
+SCENARIOS = [scenario_pickle, scenario_sparse]
+
+
+def run(rank, world, port, queue):
+    run_scenarios(rank, world, port, queue, SCENARIOS, 150)

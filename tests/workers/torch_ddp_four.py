@@ -9,13 +9,11 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import watchdog  # noqa: E402
-from torch_ddp_hook import LOSSLESS, TOPK, flat_params, make, train  # noqa: E402
+from torch_ddp_hook import LOSSLESS, TOPK, flat_params, make, run_scenarios, train  # noqa: E402
 
 from deepreduce.torch import ddp  # noqa: E402
 
@@ -89,15 +87,4 @@ SCENARIOS = [scenario_allgather_and_sparse_allreduce, scenario_one_shard]
 
 
 def run(rank, world, port, queue):
-    watchdog.arm(200)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for scenario in SCENARIOS:
-            results[scenario.__name__] = scenario(rank)
-    finally:
-        queue.put((rank, results))
-        watchdog.disarm()
-        dist.destroy_process_group()
+    run_scenarios(rank, world, port, queue, SCENARIOS, 200)

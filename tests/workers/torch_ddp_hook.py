@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import os
+import sys
 import time
 
 import numpy as np
@@ -15,7 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deepreduce.torch import GradiVeQ, ddp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import watchdog  # noqa: E402
+
+from deepreduce.torch import GradiVeQ, ddp  # noqa: E402
 from deepreduce.wire import container
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw", "memory": "residual"}
@@ -430,14 +434,23 @@ SCENARIOS = [scenario_collectives, scenario_summable_collectives, scenario_auto,
              scenario_unused, scenario_bad_input, scenario_nonfinite, scenario_failed_encode, scenario_disagreement]
 
 
-def run(rank, world, port, queue):
+def run_scenarios(rank, world, port, queue, scenarios, watchdog_s: float) -> None:
+    """Join a gloo group of ``world`` ranks on localhost:``port``, run every scenario, put
+    ``(rank, {scenario name: result})`` on ``queue`` and leave the group; a rank still running
+    after ``watchdog_s`` seconds dumps its stacks and exits (workers/watchdog.py)."""
+    watchdog.arm(watchdog_s)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             results[scenario.__name__] = scenario(rank)
     finally:
         queue.put((rank, results))
+        watchdog.disarm()
         dist.destroy_process_group()
+
+
+def run(rank, world, port, queue):
+    run_scenarios(rank, world, port, queue, SCENARIOS, 220)
