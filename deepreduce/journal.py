@@ -1,7 +1,7 @@
 """Undo for a skipped step: what one step's encodes changed in a pipeline.
 
 Under ``nonfinite: raise`` every rank skips a step in which any rank's gradient was non-finite
-(:mod:`deepreduce.dist.agreement` takes that decision collectively); the pipeline must then be
+(:mod:`deepreduce.collective.agreement` takes that decision collectively); the pipeline must then be
 as it was before the step. The journal keeps what an encode changes the first time it changes
 it in a step, and puts it back on :meth:`StepJournal.undo`.
 """

@@ -50,7 +50,7 @@ class Pipeline:
     Args:
         sparsifier, index, value, memory: built components (see ``deepreduce.build``).
         communicator: optional communicator component used by the training integrations.
-        aggregation: optional aggregation component (``deepreduce.dist.aggregation``): how the
+        aggregation: optional aggregation component (``deepreduce.collective.aggregation``): how the
             integrations combine the ranks' containers (default: allgather).
         min_numel: tensors with fewer elements travel dense (float32) in the container.
         threads: threads of the C++ kernels (a positive int, or "auto": this host's usable CPUs
@@ -197,7 +197,7 @@ class Pipeline:
     # ------------------------------------------------------------------ steps decided by every rank
     def collective_steps(self) -> None:
         """Let the ranks decide together whether a step is applied (the distributed integrations
-        turn this on; see :mod:`deepreduce.dist.agreement`).
+        turn this on; see :mod:`deepreduce.collective.agreement`).
 
         Under ``nonfinite: raise``, :meth:`encode` then packs a non-finite gradient in the
         flagged dense container instead of raising, so it reaches every rank and every rank
@@ -372,7 +372,7 @@ class Pipeline:
 
     def encode_shards(self, grad, name: str, step: int, bounds: Sequence[int]) -> list:
         """One container per contiguous shard ``[bounds[j], bounds[j+1])`` of one gradient (the
-        first phase of the sparse all-reduce, :mod:`deepreduce.dist.sparse_allreduce`).
+        first phase of the sparse all-reduce, :mod:`deepreduce.collective.sparse_allreduce`).
 
         Compensation and selection run once over the whole tensor, exactly as :meth:`encode`
         does; the selected entries of each shard are encoded with the config's codecs as a

@@ -14,8 +14,8 @@ from typing import Dict, Tuple, Type
 from .errors import ConfigError, quote
 
 KINDS = ("sparsifier", "index", "value", "memory", "communicator", "aggregation")
-_BUILTIN_PACKAGES = ("sparsify", "index", "values", "dist.comm")
-_BUILTIN_MODULES = ("memory", "dist.aggregation")
+_BUILTIN_PACKAGES = ("sparsify", "index", "values", "collective.comm")
+_BUILTIN_MODULES = ("memory", "collective.aggregation")
 
 _classes: Dict[Tuple[str, str], type] = {}
 _wire_ids: Dict[Tuple[str, int], type] = {}

@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 import deepreduce
-from deepreduce.dist.comm.mpi import MPICommunicator
-from deepreduce.dist.sparse_allreduce import SparseAllreduce
+from deepreduce.collective.comm.mpi import MPICommunicator
+from deepreduce.collective.sparse_allreduce import SparseAllreduce
 
 
 def gradient(numel: int, rank: int, step: int, seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""deepreduce.dist.agreement in one process: layouts, the two-round exchange between threads standing in
+"""deepreduce.collective.agreement in one process: layouts, the two-round exchange between threads standing in
 for ranks, the non-finite flag, and undoing a skipped step. The real 2-rank runs are in
 test_multirank.py, test_torch_ddp.py and test_tensorflow_distributed.py."""
 import threading
@@ -8,7 +8,7 @@ import pytest
 from conftest import run_threads
 
 import deepreduce
-from deepreduce.dist import agreement
+from deepreduce.collective import agreement
 from deepreduce.errors import CommunicationError
 from deepreduce.summable.gradiveq import Settings
 

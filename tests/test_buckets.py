@@ -1,9 +1,9 @@
-"""The bucket plan of deepreduce.dist.buckets (the 2-rank optimizer test is in test_multirank.py)."""
+"""The bucket plan of deepreduce.collective.buckets (the 2-rank optimizer test is in test_multirank.py)."""
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepreduce.dist import buckets
+from deepreduce.collective import buckets
 from deepreduce.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepreduce.dist.cost_model import (
+from deepreduce.collective.cost_model import (
     CodecCosts,
     Link,
     PowerSGDCosts,
@@ -20,8 +20,8 @@ from deepreduce.dist.cost_model import (
     ring_allreduce_s,
     sparse_allreduce_cost,
 )
-from deepreduce.dist.cost_probe import measure_codec_costs, measure_powersgd_costs
-from deepreduce.dist.linear_fit import fit_nonnegative
+from deepreduce.collective.cost_probe import measure_codec_costs, measure_powersgd_costs
+from deepreduce.collective.linear_fit import fit_nonnegative
 from deepreduce.errors import ConfigError
 
 LINK = Link(alpha_s=1e-5, bandwidth=1e9)

@@ -55,7 +55,7 @@ def test_num_groups_and_groups_are_refused_with_a_clear_error(kwargs):
     import torch
 
     import deepreduce.torch as drt
-    from deepreduce.dist.buckets import refuse_groups
+    from deepreduce.collective.buckets import refuse_groups
     from deepreduce.errors import ConfigError
 
     hvd.init()

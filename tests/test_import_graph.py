@@ -12,7 +12,7 @@ PACKAGE = ROOT / "deepreduce"
 FRAMEWORKS = ("torch", "tensorflow", "horovod", "keras", "mpi4py")
 BINDINGS = ("deepreduce.torch", "deepreduce.tensorflow")
 # the layers above the core; everything else in deepreduce/ is the framework-blind core
-ABOVE_CORE = BINDINGS + ("deepreduce.dist", "deepreduce.cli", "deepreduce.__main__")
+ABOVE_CORE = BINDINGS + ("deepreduce.collective", "deepreduce.cli", "deepreduce.__main__")
 ADAPTER = "deepreduce.backend.arrays"
 
 
@@ -94,5 +94,5 @@ def test_the_core_imports_no_binding_no_distributed_layer_and_no_framework(graph
 
 def test_the_distributed_layer_imports_no_binding(graph):
     wrong = {m: sorted(t for t in ts if within(t, BINDINGS))
-             for m, ts in graph.items() if within(m, ("deepreduce.dist",))}
+             for m, ts in graph.items() if within(m, ("deepreduce.collective",))}
     assert not {m: ts for m, ts in wrong.items() if ts}

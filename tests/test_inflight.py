@@ -1,11 +1,11 @@
-"""deepreduce.dist.inflight: routes, a step's encode tasks on the worker, their finishing order,
+"""deepreduce.collective.inflight: routes, a step's encode tasks on the worker, their finishing order,
 error labels and timing (framework-free; the Horovod optimizer's tests cover it through torch)."""
 import threading
 import time
 
 import pytest
 
-from deepreduce.dist import inflight
+from deepreduce.collective import inflight
 
 
 class Routed:

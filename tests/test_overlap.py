@@ -1,4 +1,4 @@
-"""deepreduce.dist.overlap: per-tensor chains on worker threads and the hidden-time measure."""
+"""deepreduce.collective.overlap: per-tensor chains on worker threads and the hidden-time measure."""
 import threading
 
 import pytest
@@ -6,7 +6,7 @@ from conftest import run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce.dist import overlap
+from deepreduce.collective import overlap
 from deepreduce.errors import ConfigError
 
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepreduce.cli import main
-from deepreduce.dist.cost_model import CodecCosts, Link
-from deepreduce.dist.planner import (
+from deepreduce.collective.cost_model import CodecCosts, Link
+from deepreduce.collective.planner import (
     SLACK_TOLERANCE_S,
     Bucket,
     Choice,

@@ -1,10 +1,10 @@
-"""deepreduce.dist.protocol in one process: ``reduce_flat``, the one-call reduction TensorFlow's host
+"""deepreduce.collective.protocol in one process: ``reduce_flat``, the one-call reduction TensorFlow's host
 ops run, over a stand-in for two ranks that send the same array. The real multi-rank runs are in
 test_tensorflow_protocol.py (auto, sparse all-reduce) and test_tensorflow_distributed.py."""
 import numpy as np
 
 import deepreduce
-from deepreduce.dist.protocol import FINE, ReductionProtocol
+from deepreduce.collective.protocol import FINE, ReductionProtocol
 
 AUTO = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0, "aggregation": {"id": "auto", "bandwidth_gbit": 1.0}}

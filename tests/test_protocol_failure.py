@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 import deepreduce
-from deepreduce.dist import agreement
-from deepreduce.dist.protocol import ReductionProtocol
+from deepreduce.collective import agreement
+from deepreduce.collective.protocol import ReductionProtocol
 from deepreduce.errors import NonFiniteGradientError
 
 FOUND = (2, "nonfinite", "NonFiniteGradientError: overflowed")

@@ -1,4 +1,4 @@
-"""The slot sizes of the DDP hook's one collective per bucket (deepreduce.dist.slots): a slot
+"""The slot sizes of the DDP hook's one collective per bucket (deepreduce.collective.slots): a slot
 grows past an overflowing payload with slack, keeps its size while payloads fit, shrinks when
 far too large; headers round-trip; disagreeing headers raise the same clear error; the exchange
 (NumPy arrays, ranks simulated by threads) gives every rank every payload, in one gather once the
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_threads
 
-from deepreduce.dist import agreement, slots
+from deepreduce.collective import agreement, slots
 from deepreduce.errors import CommunicationError
 
 

@@ -1,4 +1,4 @@
-"""The sparse all-reduce (deepreduce.dist.sparse_allreduce): shard boundaries, bad settings, and
+"""The sparse all-reduce (deepreduce.collective.sparse_allreduce): shard boundaries, bad settings, and
 real runs on 2, 4 and 8 ranks (mpirun, mpi4py communicator; 8 marked slow) and 2 and 4 ranks
 (horovodrun, Horovod's alltoall): exact equality with the allgather without re-selection, conservation of both
 residuals with it, an uneven split, receive volume under 3k entries, and checkpoint resume
@@ -11,7 +11,7 @@ from conftest import run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
-from deepreduce.dist.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
+from deepreduce.collective.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 
 SCENARIOS = ("exact", "conserve", "uneven", "volume", "resume")

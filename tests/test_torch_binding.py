@@ -43,7 +43,7 @@ def _torch_distributed_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from deepreduce.dist.comm.torch_distributed import TorchDistributedCommunicator
+        from deepreduce.collective.comm.torch_distributed import TorchDistributedCommunicator
 
         comm = TorchDistributedCommunicator()
         pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.01 * (rank + 1)}, "index": "raw",

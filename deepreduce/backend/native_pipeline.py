@@ -41,7 +41,7 @@ def unsupported(core) -> Optional[str]:
         return stage
     if core.nonfinite != "propagate":
         # the ranks then decide each step together and undo it through the core's journal
-        # (deepreduce.dist.agreement), which holds the core's residuals, not the binding's; and
+        # (deepreduce.collective.agreement), which holds the core's residuals, not the binding's; and
         # the core's decode_sum refuses a sum that overflows, which the C++ one returns as Inf
         return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
     return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..dist import buckets, overlap
+from ..collective import buckets, overlap
 from ..errors import ConfigError
 from .collectives import import_horovod, is_summable_compressor
 from .pipeline import build
@@ -140,7 +140,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     as for the tape (gradients in buckets of at most that many MiB, one container each).
     ``device_*`` are accepted for compatibility and have no effect here; ``num_groups``/``groups``
     are passed to Horovod's own wrapper where it takes over (legacy optimizer, no deepreduce
-    config) and refused otherwise (:func:`deepreduce.dist.buckets.refuse_groups`).
+    config) and refused otherwise (:func:`deepreduce.collective.buckets.refuse_groups`).
     For a Keras optimizer a new optimizer of the same class and config is returned (its state
     starts empty, as with Horovod's Keras wrapper).
     """

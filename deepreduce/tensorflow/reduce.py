@@ -6,7 +6,7 @@ allreduce cannot carry them), and every rank splits the gathered bytes, decodes 
 container, sums, and divides by the number of ranks for ``op=Average``. Every stage is a graph
 op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
 reduction code run only while the graph is traced). The steps every rank takes alike are the
-framework-free :class:`~deepreduce.dist.protocol.ReductionProtocol`'s; this module and its parts
+framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; this module and its parts
 (:mod:`~deepreduce.tensorflow.routes`, :mod:`~deepreduce.tensorflow.sparse`) make them ops.
 
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.DenseRoutes`'s
@@ -17,7 +17,7 @@ ranks whatever order they are submitted in.
 
 Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
 first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
-one small eager allgather (:func:`deepreduce.dist.agreement.agree`), so ranks running different
+one small eager allgather (:func:`deepreduce.collective.agreement.agree`), so ranks running different
 models or configs fail with the same CommunicationError instead of stalling. Under
 ``nonfinite: raise`` a NaN/Inf gradient travels as a flagged container, and a rank whose encode
 raises sends the protocol's failure payload (``on_error`` of :meth:`TFPipeline.encode`); every
@@ -35,9 +35,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from ..dist import agreement, buckets, overlap
-from ..dist.comm.horovod import HorovodCommunicator
-from ..dist.protocol import ReductionProtocol
+from ..collective import agreement, buckets, overlap
+from ..collective.comm.horovod import HorovodCommunicator
+from ..collective.protocol import ReductionProtocol
 from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
@@ -63,7 +63,7 @@ class Reducer(DenseRoutes, SliceRoutes):
 
     ``background`` and ``bucket_cap_mb``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape`.
     An error raised in a ``background`` worker is re-raised here (the first in tensor order, once
-    every tensor's chain has ended). Buckets (:func:`deepreduce.dist.buckets.plan_backward`, as the
+    every tensor's chain has ended). Buckets (:func:`deepreduce.collective.buckets.plan_backward`, as the
     torch optimizer's) are concatenated, travel as one container each and are split back.
     """
 

@@ -6,7 +6,7 @@ config's default aggregation each gradient is encoded into a container (a graph 
 (``ReductionProtocol.report``) and decode-summed. Eagerly, each op runs when it is called, so one
 tensor after another would make every encode wait for the previous tensor's allgather round trip;
 with ``background`` on (the default) the eager chains run on a few worker threads instead
-(:func:`deepreduce.dist.overlap.run_chains`), and ``compression_stats()["encode_hidden_seconds"]``
+(:func:`deepreduce.collective.overlap.run_chains`), and ``compression_stats()["encode_hidden_seconds"]``
 sums the encode time that ran while another tensor's collective or decode was in flight. Inside
 ``tf.function`` all encodes come first in program order (see :meth:`DenseRoutes._reduce_containers`).
 
@@ -25,7 +25,7 @@ from typing import List, Optional
 import numpy as np
 import tensorflow as tf
 
-from ..dist import overlap
+from ..collective import overlap
 from ..wire import container
 from .collectives import gather, tensor_key
 from .pipeline import numpy_op
@@ -40,7 +40,7 @@ class DenseRoutes:
         all-reduce or ``auto``, :meth:`_reduce_host`); each tensor's report (:meth:`_check_op`) is
         appended to ``reports``.
 
-        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.dist.overlap.run_chains`:
+        Eagerly, each tensor's chain runs as one task of :func:`deepreduce.collective.overlap.run_chains`:
         on ``background`` worker threads, so encodes proceed while other tensors' collectives and
         decodes are in flight, or one after another on this thread; the encode times and their
         overlap go to the pipeline's statistics. Inside ``tf.function`` every encode comes first

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..dist import buckets
+from ..collective import buckets
 from .collectives import is_summable_compressor
 from .pipeline import TFPipeline, shared
 from .reduce import Reducer
@@ -113,17 +113,17 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             same on every rank; use another prefix when one step calls ``gradient()`` for
             different variable lists.
         background: eagerly, run each tensor's encode -> allgather -> decode on worker threads
-            (``True``: :data:`deepreduce.dist.overlap.DEFAULT_WORKERS` of them; an int: that many), so
+            (``True``: :data:`deepreduce.collective.overlap.DEFAULT_WORKERS` of them; an int: that many), so
             encodes overlap other tensors' communication; ``False``: one tensor after another.
             Same containers and gradients either way; no effect inside ``tf.function``.
         bucket_cap_mb: None (default): one container per gradient; a number of MiB: the float32
             gradients with at least the config's ``min_numel`` elements travel concatenated, one
-            container per bucket of at most that size (see ``deepreduce.dist.buckets``; a sparsifier
+            container per bucket of at most that size (see ``deepreduce.collective.buckets``; a sparsifier
             then selects over the bucket).
 
     ``device_dense``/``device_sparse`` are accepted for compatibility: containers are built on
     the host. ``num_groups``/``groups`` are refused with a ``ConfigError``
-    (:func:`deepreduce.dist.buckets.refuse_groups`: use ``bucket_cap_mb``). An ``IndexedSlices``
+    (:func:`deepreduce.collective.buckets.refuse_groups`: use ``bucket_cap_mb``). An ``IndexedSlices``
     gradient (an embedding lookup's) travels as its touched rows' entries and comes back as an
     ``IndexedSlices`` of every rank's touched rows (:mod:`deepreduce.tensorflow.sparse`), as
     Horovod's allgather of its parts; it is made dense first with ``sparse_as_dense=True``, with a

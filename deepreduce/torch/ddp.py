@@ -36,7 +36,7 @@ would reach the group in an order that can differ between ranks.
 Whole buckets (``per_parameter=False``): the gradients of a bucket's parameters with at least
 the config's ``min_numel`` elements are concatenated (in bucket order) and encoded as one tensor,
 one container for all of them, as ``DistributedOptimizer(bucket_cap_mb=...)`` does
-(:mod:`deepreduce.dist.buckets`: far less per-tensor cost for models with many tensors; a sparsifier
+(:mod:`deepreduce.collective.buckets`: far less per-tensor cost for models with many tensors; a sparsifier
 then selects over the concatenation); the smaller ones keep a container each. The concatenation
 is named after its parameters (``bucket:<first>..<last>/<count>``), which keys its residual. DDP
 rebuilds its buckets once, after the first iteration, in the order gradients became ready; the
@@ -61,9 +61,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..dist import agreement, buckets, inflight, slots, totals
-from ..dist.comm.torch_distributed import TorchDistributedCommunicator
-from ..dist.protocol import ReductionProtocol
+from ..collective import agreement, buckets, inflight, slots, totals
+from ..collective.comm.torch_distributed import TorchDistributedCommunicator
+from ..collective.protocol import ReductionProtocol
 from ..errors import CommunicationError, ConfigError
 from .arguments import build_pipeline, is_summable, named_parameter_map
 from .checkpoint import compression_state_dict, load_compression_state_dict
@@ -261,7 +261,7 @@ class DeepReduceState(BucketReduction):
 
     def _work(self) -> None:
         """The worker thread: reduce each queued bucket in hook order and complete its future;
-        after the step's last bucket, end the step (:func:`deepreduce.dist.inflight.end_step`)."""
+        after the step's last bucket, end the step (:func:`deepreduce.collective.inflight.end_step`)."""
         while True:
             job = self._jobs.get()
             if job is None:   # close(): the worker ends before its process group goes

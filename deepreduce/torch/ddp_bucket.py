@@ -2,11 +2,11 @@
 
 :class:`BucketReduction` holds the methods of ``DeepReduceState`` that its worker thread, the only
 thread issuing collectives on the state's private process group, runs per bucket, by the route
-the protocol gives it (:meth:`deepreduce.dist.protocol.ReductionProtocol.route`):
+the protocol gives it (:meth:`deepreduce.collective.protocol.ReductionProtocol.route`):
 
 * ``allgather`` (the default): the bucket's containers (one per parameter, or the merged
   gradients as one), concatenated; every rank gathers every rank's in **one collective**
-  (:meth:`deepreduce.dist.slots.Slots.exchange`: a slot whose prefix carries the size, the
+  (:meth:`deepreduce.collective.slots.Slots.exchange`: a slot whose prefix carries the size, the
   digests of compressor and layout, and the step; a disagreement is the same error on every
   rank, never a hang); the protocol splits, decodes, sums and averages them into the bucket. A
   rank whose encode raised sends the protocol's failure payload instead: every peer raises.
@@ -15,12 +15,12 @@ the protocol gives it (:meth:`deepreduce.dist.protocol.ReductionProtocol.route`)
 * ``dense`` / ``fp16`` (the ``auto`` plan's choices): one ``all_reduce`` of the bucket, each
   container's residual added first; the plan is agreed, so no header travels.
 * a summable compressor (``FP16Compressor``, GradiVeQ): one ``all_reduce`` of the codes and a
-  flag once the ranks have agreed on them (:mod:`deepreduce.dist.slots`, "Summed payloads");
+  flag once the ranks have agreed on them (:mod:`deepreduce.collective.slots`, "Summed payloads");
   the header first on the bucket's first step, or when any rank flagged.
 
 After the step's last bucket the protocol commits or undoes the step's residual changes and
-raises the step's error on every rank (``deepreduce.dist.inflight.end_step``). Bucket names and
-merges come from :mod:`deepreduce.dist.buckets`, the totals from :mod:`deepreduce.dist.totals`.
+raises the step's error on every rank (``deepreduce.collective.inflight.end_step``). Bucket names and
+merges come from :mod:`deepreduce.collective.buckets`, the totals from :mod:`deepreduce.collective.totals`.
 """
 import contextlib
 from dataclasses import dataclass
@@ -29,8 +29,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..dist import agreement, buckets, slots, totals
-from ..dist.protocol import ReductionProtocol
+from ..collective import agreement, buckets, slots, totals
+from ..collective.protocol import ReductionProtocol
 from . import summable
 from .sparse import entries, from_entries
 
@@ -104,12 +104,12 @@ class BucketReduction:
         return job.buffer
 
     def _exchange(self, job: Job, payload: Optional[torch.Tensor], nbytes: int, layout: agreement.Layout):
-        """The bucket's one collective (:meth:`deepreduce.dist.slots.Slots.exchange`): every rank's
-        header (``nbytes``: the payload's size, or :data:`~deepreduce.dist.slots.FAILED`), and with
+        """The bucket's one collective (:meth:`deepreduce.collective.slots.Slots.exchange`): every rank's
+        header (``nbytes``: the payload's size, or :data:`~deepreduce.collective.slots.FAILED`), and with
         a ``payload`` every rank's payload. Raises the same error on every rank when the ranks'
         layouts differ. Returns (headers, every rank's payload or None)."""
         def explain() -> str:   # a collective of the communicator: the first difference, named
-            return agreement.explain(layout, lambda data: self._communicator.allgather(data, "deepreduce.dist.agreement"))
+            return agreement.explain(layout, lambda data: self._communicator.allgather(data, "deepreduce.collective.agreement"))
         return self._slots.exchange(job.index, slots.prefix(nbytes, layout, job.step), payload, self._all_gather,
                                     job.buffer, job.where, explain)
 
@@ -228,7 +228,7 @@ class BucketReduction:
 
     def _steady_sum(self, job: Job, codes: Optional[tuple], signature: Optional[tuple]) -> bool:
         """Once the ranks agreed on the bucket's codes: their one ``all_reduce`` with this rank's
-        flag (:meth:`deepreduce.dist.slots.Slots.flag`; zeros for codes where it is 1). Whether
+        flag (:meth:`deepreduce.collective.slots.Slots.flag`; zeros for codes where it is 1). Whether
         the bucket was reduced (not before any agreement, nor when a rank flagged)."""
         agreed = self._slots.agreed(job.index)
         if agreed is None:
@@ -240,7 +240,7 @@ class BucketReduction:
 
     def _reduce_codes(self, job: Job, codes: list, contexts: list, signature: tuple, flag: Optional[int] = None) -> bool:
         """The codes' ``all_reduce`` (a ``flag`` element after them unless None); unless a rank
-        flagged, the codes' ``signature`` agreed (:meth:`deepreduce.dist.slots.Slots.agree`) and each
+        flagged, the codes' ``signature`` agreed (:meth:`deepreduce.collective.slots.Slots.agree`) and each
         parameter's sum decompressed into the bucket and averaged. Whether it was."""
         flat = torch.cat([c.reshape(-1) for c in codes] + ([codes[0].new_full((1,), flag)] if flag is not None else []))
         self._all_reduce(flat)

@@ -1,5 +1,5 @@
 """Buckets of ``DistributedOptimizer``: the gradients of consecutive parameters compressed as one
-flat tensor (the plan itself is :mod:`deepreduce.dist.buckets`)."""
+flat tensor (the plan itself is :mod:`deepreduce.collective.buckets`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +7,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..dist import buckets
+from ..collective import buckets
 
 
 @dataclass(eq=False)

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..dist import buckets
-from ..dist.comm.horovod import HorovodCommunicator
+from ..collective import buckets
+from ..collective.comm.horovod import HorovodCommunicator
 from ..errors import BackendUnavailableError, ConfigError, DeepReduceError
 from .checkpoint import compression_state_dict, load_compression_state_dict
 

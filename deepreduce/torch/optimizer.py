@@ -5,16 +5,16 @@ Like ``horovod.torch.DistributedOptimizer`` it wraps any torch optimizer (the co
 compressed and sent as soon as backward produces it; ``step()`` (or ``synchronize()``) waits for
 the results. The difference is the wire: each rank encodes its gradient into a DeepReduce
 container, containers (whose sizes differ per rank) travel by allgather, and every rank decodes
-all of them and averages or sums (:class:`deepreduce.dist.protocol.ReductionProtocol`). Horovod
+all of them and averages or sums (:class:`deepreduce.collective.protocol.ReductionProtocol`). Horovod
 is used through its public collectives only, never patched.
 
 The hook hands each gradient (or full bucket, :mod:`deepreduce.torch.grad_buckets`) to a worker
-thread (:class:`deepreduce.dist.inflight.InFlight`), which encodes it and starts its collective
+thread (:class:`deepreduce.collective.inflight.InFlight`), which encodes it and starts its collective
 while backward goes on. Starting Horovod collectives there is safe: ``horovod.torch`` allocates
 handles under a mutex, its tensor queue is mutex-protected and its handle map is a dict updated
 under the GIL; Horovod matches tensors by name, so the ranks need not enqueue in one order. Before
 the first collective (and after ``add_param_group``) the ranks compare parameters and compressor
-(:mod:`deepreduce.dist.agreement`): a mismatch is the same CommunicationError on every rank,
+(:mod:`deepreduce.collective.agreement`): a mismatch is the same CommunicationError on every rank,
 raised from ``backward()``, never a stall.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from ..dist import agreement, buckets, inflight
-from ..dist.comm import Communicator
-from ..dist.comm.horovod import HorovodCommunicator
-from ..dist.protocol import ReductionProtocol
+from ..collective import agreement, buckets, inflight
+from ..collective.comm import Communicator
+from ..collective.comm.horovod import HorovodCommunicator
+from ..collective.protocol import ReductionProtocol
 from . import grad_buckets
 from .arguments import build_pipeline, is_summable, parameter_names
 from .grad_buckets import GradBucket
@@ -38,7 +38,7 @@ from .sparse import entries, from_entries
 class _DistributedOptimizer(HorovodOptimizer):
     """The reduction, grafted with the Horovod contract onto the wrapped optimizer's class.
 
-    Each gradient (or bucket) travels by the route :func:`deepreduce.dist.inflight.route_of`
+    Each gradient (or bucket) travels by the route :func:`deepreduce.collective.inflight.route_of`
     gives it; a rank whose encode raised sends the protocol's failure payload instead.
     """
 
@@ -69,7 +69,7 @@ class _DistributedOptimizer(HorovodOptimizer):
 
     def _agree(self) -> None:
         """Plan the buckets, then compare every rank's parameters, buckets and compression (one
-        small allgather, :mod:`deepreduce.dist.agreement`) before the step's first collective."""
+        small allgather, :mod:`deepreduce.collective.agreement`) before the step's first collective."""
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self._bucket_cap_mb is not None:
             self._buckets, self._bucket_of = grad_buckets.plan(params, self._names, self._bucket_cap_mb,
@@ -78,7 +78,7 @@ class _DistributedOptimizer(HorovodOptimizer):
             agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
             [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
             + [(f"<{b.name}>", (b.buffer.numel(),), "bucket") for b in self._buckets], "parameter")
-        agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.dist.agreement"),
+        agreement.agree(layout, lambda payload: self._communicator.allgather(payload, "deepreduce.collective.agreement"),
                         "DistributedOptimizer")
         self._agreed = True
 
@@ -212,7 +212,7 @@ class _DistributedOptimizer(HorovodOptimizer):
     def compression_stats(self) -> dict:
         """The pipeline's bytes before and after compression and decode time (a summable
         compressor's: ``decode_seconds``, its decompress time), where the time went
-        (:meth:`deepreduce.dist.inflight.InFlight.stats`), ``buckets`` (how many buckets the
+        (:meth:`deepreduce.collective.inflight.InFlight.stats`), ``buckets`` (how many buckets the
         gradients travel in; 0 without ``bucket_cap_mb``) and the aggregation's figures."""
         stats = {} if self._pipeline is None else self._pipeline.stats.as_dict()
         if self._summable:
@@ -233,7 +233,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     Takes the arguments of ``horovod.torch.DistributedOptimizer``. ``compression`` is a config
     (YAML path or dict), a built pipeline, or a Horovod-style summable compressor; None sends
     gradients losslessly. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``. ``num_groups`` and
-    ``groups`` are refused with a ConfigError (:func:`deepreduce.dist.buckets.refuse_groups`: use
+    ``groups`` are refused with a ConfigError (:func:`deepreduce.collective.buckets.refuse_groups`: use
     ``bucket_cap_mb``). Sparse COO gradients (``nn.Embedding(sparse=True)``) travel as their
     touched entries and come back sparse (:mod:`deepreduce.torch.sparse`); ``sparse_as_dense=True``
     reduces them dense and hands them back sparse, as Horovod does. ``process_set``: as Horovod's,
@@ -245,7 +245,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     kernels; every path sends the same bytes and gives the same parameters. ``bucket_cap_mb``
     (default None: every gradient is its own container) compresses the gradients of consecutive
     parameters, in backward order, as one tensor per bucket of at most that many MiB
-    (:mod:`deepreduce.dist.buckets`: one selection, filter, container and allgather per bucket instead
+    (:mod:`deepreduce.collective.buckets`: one selection, filter, container and allgather per bucket instead
     of per parameter; Top-r then selects over the bucket); gradients below the config's
     ``min_numel`` stay out of buckets.
     """

@@ -80,7 +80,7 @@ class Container:
 
     ``digest``: the first 8 bytes of the sender's config digest (``Pipeline`` sets it; it names the
     config a container came from in ``deepreduce inspect`` and errors; ranks with different configs
-    are caught before the first collective by ``deepreduce.dist.agreement``, which compares the
+    are caught before the first collective by ``deepreduce.collective.agreement``, which compares the
     same digest); None in a v1 container.
     ``version``: the format version it was read from (``pack`` always writes the current one).
     """

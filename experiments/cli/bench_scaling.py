@@ -1,9 +1,9 @@
 """``deepreduce bench-scaling``: predicted step time from 2 to 1024 ranks, by simulation.
 
 The simulator combines each config's codec costs, measured on this machine by the library's own
-pipeline (:func:`deepreduce.dist.cost_probe.measure_codec_costs`; or read from ``--costs``), with
-the alpha-beta link model of :mod:`deepreduce.dist.cost_model` and the backward timeline of
-:mod:`deepreduce.dist.planner`. For ResNet-50 (the shipped shapes) and a 350M-parameter
+pipeline (:func:`deepreduce.collective.cost_probe.measure_codec_costs`; or read from ``--costs``), with
+the alpha-beta link model of :mod:`deepreduce.collective.cost_model` and the backward timeline of
+:mod:`deepreduce.collective.planner`. For ResNet-50 (the shipped shapes) and a 350M-parameter
 transformer (GPT-2 medium's shapes, :mod:`experiments.models.transformer_shapes`), gradients are
 grouped in backward order into buckets of at most ``--bucket-mb`` MiB; each bucket is ready when
 backward has produced it, and can hide behind the backward compute still to come (the compute is
@@ -121,8 +121,8 @@ def model_buckets(shapes, cap_mb: float, backward_s: float):
     """``[(Bucket, shapes)]`` in backward order (the reverse of the parameters'): consecutive
     gradients up to ``cap_mb`` MiB of fp32 (one larger than the cap alone); a bucket hides behind
     the backward compute of the parameters after it, compute being proportional to size."""
-    from deepreduce.dist.buckets import MIB
-    from deepreduce.dist.planner import Bucket
+    from deepreduce.collective.buckets import MIB
+    from deepreduce.collective.planner import Bucket
 
     order = list(reversed(shapes))
     sizes = [math.prod(shape) for _, shape in order]
@@ -144,7 +144,7 @@ def model_buckets(shapes, cap_mb: float, backward_s: float):
 
 def load_costs(path: str):
     """(codec costs, PowerSGD costs) from a file written by :func:`save_costs`."""
-    from deepreduce.dist.cost_model import CodecCosts, PowerSGDCosts
+    from deepreduce.collective.cost_model import CodecCosts, PowerSGDCosts
 
     with open(path) as f:
         data = json.load(f)
@@ -158,7 +158,7 @@ def save_costs(path: str, codecs, powersgd) -> None:
 
 def measure_costs(configs: Sequence[str], args):
     """Measure every config's codec costs and PowerSGD's compute on this machine."""
-    from deepreduce.dist.cost_probe import measure_codec_costs, measure_powersgd_costs
+    from deepreduce.collective.cost_probe import measure_codec_costs, measure_powersgd_costs
 
     sizes = QUICK_PROBE_SIZES if args.quick else tuple(_csv(args.probe_sizes, int, "--probe-sizes"))
     repeat = 1 if args.quick else args.repeat
@@ -170,8 +170,8 @@ def measure_costs(configs: Sequence[str], args):
 # ---------------------------------------------------------------------------- simulation
 def simulate(buckets, ranks: int, link, codecs, powersgd, compute_s: float) -> Tuple[Dict[str, float], object]:
     """(predicted step seconds of every method, auto's plan) for one (model, N, link)."""
-    from deepreduce.dist.cost_model import powersgd_cost
-    from deepreduce.dist.planner import PlanInputs, alternatives, exposed_seconds, plan
+    from deepreduce.collective.cost_model import powersgd_cost
+    from deepreduce.collective.planner import PlanInputs, alternatives, exposed_seconds, plan
 
     inputs = PlanInputs(tuple(b for b, _ in buckets), ranks, link, tuple(codecs))
     steps = {}
@@ -199,7 +199,7 @@ def auto_summary(auto_plan) -> str:
 def crossover(buckets, link, codec, limit: int = 1024):
     """The first N in 2..limit at which allgather with ``codec`` is predicted slower than dense
     fp32 ring all-reduce (None: never up to ``limit``)."""
-    from deepreduce.dist.planner import Choice, PlanInputs, plan
+    from deepreduce.collective.planner import Choice, PlanInputs, plan
 
     for ranks in range(2, limit + 1):
         inputs = PlanInputs(tuple(b for b, _ in buckets), ranks, link, (codec,))
@@ -216,11 +216,11 @@ def compare_with_runs(runs: Iterable[dict], codecs) -> List[dict]:
     (the config's name, for the coded two), ``ranks``, ``numels`` (the elements of every bucket or
     tensor reduced per step) and ``received_bytes``: bytes one rank received from the other ranks
     per step, measured; optionally ``decode_s`` (one rank's decode seconds per step, measured).
-    Predictions come from :func:`deepreduce.dist.planner.choice_cost` (the link does not change
+    Predictions come from :func:`deepreduce.collective.planner.choice_cost` (the link does not change
     bytes or decode work).
     """
-    from deepreduce.dist.cost_model import Link
-    from deepreduce.dist.planner import Bucket, Choice, PlanInputs, choice_cost
+    from deepreduce.collective.cost_model import Link
+    from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost
 
     rows = []
     for run_ in runs:
@@ -368,7 +368,7 @@ def _csv(text: str, cast, option: str) -> list:
 
 
 def run(args) -> int:
-    from deepreduce.dist.cost_model import Link, check_nonnegative
+    from deepreduce.collective.cost_model import Link, check_nonnegative
     from deepreduce.errors import ConfigError
 
     ranks = list(QUICK_RANKS) if args.quick else _csv(args.ranks, int, "--ranks")

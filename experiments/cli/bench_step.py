@@ -19,7 +19,7 @@ does, and the bytes one rank sends.
   one-process gloo group; decode includes the reduction of ``--ranks`` contributions.
 
 * ``--bucket-mb X``: each config runs a second time as ``DistributedOptimizer(bucket_cap_mb=X)``
-  sends it (:mod:`deepreduce.dist.buckets`): the gradients with a container, in backward order (the
+  sends it (:mod:`deepreduce.collective.buckets`): the gradients with a container, in backward order (the
   reverse of the set's), concatenated into buckets of at most X MiB, one container per bucket
   (a gradient that shares no bucket goes on its own); the copies into a bucket and back into
   the ``.grad`` buffers are timed with encode and decode.
@@ -158,7 +158,7 @@ class ConfigRunner:
     def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None,
                  bucket_mb=None) -> None:
         from deepreduce.config import load_config
-        from deepreduce.dist.buckets import MIB, check_bucket_cap, plan
+        from deepreduce.collective.buckets import MIB, check_bucket_cap, plan
         from deepreduce.torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]

@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from deepreduce.config import build
-    from deepreduce.dist.comm.torch_distributed import TorchDistributedCommunicator
+    from deepreduce.collective.comm.torch_distributed import TorchDistributedCommunicator
 
     from ..models.ncf import NCF
     from ..recsys_data import QUICK, ZipfConfig, generate

@@ -2,7 +2,7 @@
 import numpy as np
 
 import deepreduce
-from deepreduce.dist.comm.mpi import MPICommunicator
+from deepreduce.collective.comm.mpi import MPICommunicator
 
 comm = MPICommunicator()
 pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.01 * (comm.rank + 1)}, "index": "raw",

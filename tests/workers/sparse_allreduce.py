@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import deepreduce
-from deepreduce.dist.sparse_allreduce import SparseAllreduce
+from deepreduce.collective.sparse_allreduce import SparseAllreduce
 
 D = 20_000
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw",
@@ -24,12 +24,12 @@ TOPK = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "r
 
 def communicator(kind):
     if kind == "mpi":
-        from deepreduce.dist.comm.mpi import MPICommunicator
+        from deepreduce.collective.comm.mpi import MPICommunicator
 
         return MPICommunicator()
     import horovod.torch as hvd
 
-    from deepreduce.dist.comm.horovod import HorovodCommunicator
+    from deepreduce.collective.comm.horovod import HorovodCommunicator
 
     hvd.init()
     return HorovodCommunicator()

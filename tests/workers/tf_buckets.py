@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import deepreduce
 from deepreduce import CommunicationError, ConfigError
-from deepreduce.dist.comm.horovod import HorovodCommunicator
+from deepreduce.collective.comm.horovod import HorovodCommunicator
 from deepreduce.tensorflow import build
 from deepreduce.tensorflow.reduce import Reducer
 
@@ -79,7 +79,7 @@ def main():
     hvd.init()
     result = {"lossless": lossless_equal(), "topk_max_diff": topk_matches_core()}
     # 0.005 MiB: two buckets; other names, so that neither rank's layout was agreed before (ranks
-    # compare a layout once, deepreduce.dist.agreement)
+    # compare a layout once, deepreduce.collective.agreement)
     mixed = Reducer(build(TOPK), bucket_cap_mb=1.0 if hvd.rank() == 0 else 0.005)
     result["mixed"] = error_of(lambda: reduce(mixed, gradients(0), 0, names=[f"mixed_{n}" for n in NAMES]))
     result["summable"] = error_of(lambda: Reducer(None, hvd_compression=hvd.Compression.fp16, bucket_cap_mb=1.0))

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import deepreduce
-from deepreduce.dist.comm.horovod import HorovodCommunicator
+from deepreduce.collective.comm.horovod import HorovodCommunicator
 from deepreduce.wire import container
 
 hvd.init()

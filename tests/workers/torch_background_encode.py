@@ -20,7 +20,7 @@ import torch
 
 import deepreduce.torch as drt
 from deepreduce import NonFiniteGradientError
-from deepreduce.dist.comm.horovod import HorovodCommunicator
+from deepreduce.collective.comm.horovod import HorovodCommunicator
 
 STEPS = 4
 CONFIGS = {
@@ -33,14 +33,14 @@ CONFIGS = {
 
 class RecordingCommunicator(HorovodCommunicator):
     """Horovod allgather that keeps a copy of every container this rank sends, by collective name
-    (not the record the ranks compare before the first step, deepreduce.dist.agreement)."""
+    (not the record the ranks compare before the first step, deepreduce.collective.agreement)."""
 
     def _validate(self):
         super()._validate()
         self.sent = []
 
     def allgather_async(self, payload, name):
-        if name != "deepreduce.dist.agreement":
+        if name != "deepreduce.collective.agreement":
             self.sent.append((name, bytes(payload)))
         return super().allgather_async(payload, name)
 

@@ -1,12 +1,12 @@
 """The ``auto`` aggregation at run time: measure, agree, plan per bucket, re-plan on drift.
 
-The planner (:mod:`deepreduce.dist.planner`) is a pure function of its inputs. This module
+The planner (:mod:`deepreduce.collective.planner`) is a pure function of its inputs. This module
 gathers those inputs during training and makes every rank use the same ones:
 
 * the **backward timeline**: when each tensor (or bucket) became ready and when backward ended,
   recorded by the adapter's hooks (:meth:`AutoPlanner.ready`, :meth:`AutoPlanner.backward_done`);
 * the **codec costs** of the config, measured on this machine by
-  :func:`deepreduce.dist.cost_probe.measure_codec_costs` (small sizes: a fraction of a second);
+  :func:`deepreduce.collective.cost_probe.measure_codec_costs` (small sizes: a fraction of a second);
 * the **link**: the config's ``bandwidth_gbit`` and ``latency_us``, or, with ``bandwidth_gbit: 0``,
   a short probe that times allgathers of a few sizes through the communicator.
 

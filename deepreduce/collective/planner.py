@@ -5,7 +5,7 @@ The timeline (after Espresso, Wang et al., EuroSys'23): backward produces the bu
 another; bucket ``i`` is ready ``hide_s`` seconds before backward ends (the backward compute still
 to come after it, behind which its reduction can hide). One rank reduces its buckets one at a
 time, in the order they become ready, each taking the alternative's ``Cost.total_s`` (encode,
-collectives, decode: :mod:`deepreduce.dist.cost_model`): bucket ``i`` starts at
+collectives, decode: :mod:`deepreduce.collective.cost_model`): bucket ``i`` starts at
 ``max(ready_i, end_{i-1})``. What the step pays for communication is ``max(0, end_last)``,
 measured from the end of backward: the *exposed* time.
 
@@ -51,7 +51,7 @@ class Bucket:
     """One bucket of gradients as the planner sees it.
 
     Attributes:
-        name: the bucket's name (its first gradient's, as :mod:`deepreduce.dist.buckets` names it).
+        name: the bucket's name (its first gradient's, as :mod:`deepreduce.collective.buckets` names it).
         numel: its elements.
         hide_s: backward compute remaining when the bucket is ready, in seconds (0: ready last).
     """

@@ -20,7 +20,7 @@ Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MP
   about ``k/N`` entries and the re-selected shards are allgathered. A rank receives
   ``2 k (N-1)/N`` entries, Ok-Topk's lower bound, whatever ``N``.
 
-Codec costs are linear fits measured on this machine (:mod:`deepreduce.dist.cost_probe`):
+Codec costs are linear fits measured on this machine (:mod:`deepreduce.collective.cost_probe`):
 encoding a ``d``-element tensor into ``c`` containers costs ``c encode_call_s + encode_element_s * d``
 (one container per shard: the per-call cost is counted per container); decoding one
 received container of a ``d``-element tensor holding ``n`` entries into the sum costs
@@ -198,7 +198,7 @@ _COST_FIELDS = ("encode_call_s", "encode_element_s", "decode_call_s", "decode_el
 
 @dataclass(frozen=True)
 class PowerSGDCosts:
-    """PowerSGD's compute per rank, per unit of work (measured by :mod:`deepreduce.dist.cost_probe`).
+    """PowerSGD's compute per rank, per unit of work (measured by :mod:`deepreduce.collective.cost_probe`).
 
     Attributes:
         mac_s: seconds per multiply-accumulate of its skinny matmuls (``M Q``, ``M^T P``, ``P Q^T``).

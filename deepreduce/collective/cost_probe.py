@@ -6,7 +6,7 @@ config runs in the C++ pipeline, the Python core's loop over the containers othe
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
 ratios (the config's and a quarter of it, which separates a decode's per-element cost from its
 per-entry cost), and fits the per-container, per-element and per-entry constants of
-:class:`~deepreduce.dist.cost_model.CodecCosts` (:mod:`deepreduce.dist.linear_fit`). As in
+:class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`). As in
 ``deepreduce bench-step``, decode times another pipeline's containers (a peer encoding the negated
 gradient): a rank's own container is added from what its encode kept, so timing it would time
 that shortcut.

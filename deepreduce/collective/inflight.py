@@ -46,7 +46,7 @@ def route_of(protocol, name: str, sparse: bool = False, summed_dense: bool = Fal
 
 def end_step(protocol, step: int, errors: Sequence[BaseException], order: Optional[Sequence[str]] = None) -> None:
     """After the step's last collective: the protocol commits or undoes the step and raises its
-    first error (:meth:`~deepreduce.dist.protocol.ReductionProtocol.end_step`); without one (a
+    first error (:meth:`~deepreduce.collective.protocol.ReductionProtocol.end_step`); without one (a
     summable compressor keeps no residuals) the first of ``errors`` is raised."""
     if protocol is not None:
         protocol.end_step(step, errors, order)
@@ -60,7 +60,7 @@ class InFlight:
     A task encodes one tensor (or bucket) and starts its collective; it returns
     ``(handle, route, data)``, which :meth:`finish` hands to the binding's ``finish``, or
     ``(handle, "failed", error)`` when the encode raised and the protocol's failure payload was
-    sent instead (:meth:`~deepreduce.dist.protocol.ReductionProtocol.start_encoded`).
+    sent instead (:meth:`~deepreduce.collective.protocol.ReductionProtocol.start_encoded`).
     ``seconds``: ``encode`` (the tasks' run time), ``encode_hidden`` (the part of it before the
     step began to wait, i.e. behind backward: 0 inline; where ranks have fewer cores than busy
     threads, it still shared the CPU with backward), ``encode_wait`` (waiting for the tasks),
@@ -99,7 +99,7 @@ class InFlight:
             future.set_exception(exc)
 
     def timed(self, phase: str):
-        """A ``with`` block whose seconds go to ``seconds[phase]`` (:func:`deepreduce.dist.totals.timed`)."""
+        """A ``with`` block whose seconds go to ``seconds[phase]`` (:func:`deepreduce.collective.totals.timed`)."""
         return totals.timed(self.seconds, phase)
 
     def finish(self, finish: Callable[[object, object, str, object], None], since: float) -> List[BaseException]:

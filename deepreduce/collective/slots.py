@@ -5,7 +5,7 @@ allgather) cannot take containers whose sizes differ per rank without learning t
 which costs a second collective per bucket. Instead every rank sends one **slot** of a size all
 ranks know before the step: a :data:`PREFIX_BYTES` header, then up to ``capacity`` bytes of its
 payload. The header carries what the ranks must compare anyway: the payload's size, the digest
-of the compressor, the digest of the bucket's layout (:class:`deepreduce.dist.agreement.Layout`)
+of the compressor, the digest of the bucket's layout (:class:`deepreduce.collective.agreement.Layout`)
 and the step. Every rank sees every header in the same gather, so every rank takes the same
 decisions:
 

@@ -3,7 +3,7 @@
 One step of data-parallel training reduces each tensor (or bucket) of every rank:
 
 1. **agree** (once per layout): the ranks compare tensors and compressor
-   (:func:`deepreduce.dist.agreement.agree`);
+   (:func:`deepreduce.collective.agreement.agree`);
 2. **encode** (the binding: its tensors, its device) and **exchange** by the config's
    aggregation: the allgather of containers (:meth:`ReductionProtocol.start`), or the sparse
    all-reduce (:meth:`ReductionProtocol.reduce_sparse`);
@@ -49,7 +49,7 @@ class ReductionProtocol:
 
     ``average``: divide sums by the number of ranks (``op=Average``). ``sparse`` is the sparse
     all-reduce when the config's ``aggregation`` asks for it, else None (allgather); ``auto`` the
-    planner of ``aggregation: auto`` (:mod:`deepreduce.dist.auto`), else None.
+    planner of ``aggregation: auto`` (:mod:`deepreduce.collective.auto`), else None.
     """
 
     def __init__(self, core: Pipeline, communicator, average: bool = True) -> None:

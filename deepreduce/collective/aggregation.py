@@ -2,13 +2,13 @@
 
 ``allgather`` (the default, DeepReduce's scheme): every rank receives every rank's container
 and decodes all of them; per-rank receive volume and decode work grow with the number of ranks.
-``sparse_allreduce`` (:mod:`deepreduce.dist.sparse_allreduce`): an alltoall of index-space
+``sparse_allreduce`` (:mod:`deepreduce.collective.sparse_allreduce`): an alltoall of index-space
 shards, the owner re-selects, an allgather returns the shards; per-rank volume does not grow
-with the ranks. ``auto`` (:mod:`deepreduce.dist.auto`): a planner picks, per tensor or bucket,
+with the ranks. ``auto`` (:mod:`deepreduce.collective.auto`): a planner picks, per tensor or bucket,
 dense or fp16 all-reduce, the allgather or the sparse all-reduce, from measured costs, the link
 and the backward timeline. The section changes no container byte (it is not part of the wire digest), but
 ranks must agree on it: it is part of the compressor identity every rank compares before the
-first collective (:func:`deepreduce.dist.agreement.compressor_identity`).
+first collective (:func:`deepreduce.collective.agreement.compressor_identity`).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class SparseAllreduceAggregation(Aggregation):
 @register
 class AutoAggregation(SparseAllreduceAggregation):
     """Per tensor or bucket, the aggregation the planner predicts fastest (see
-    :mod:`deepreduce.dist.auto`); ``reselect`` and ``repartition_every`` apply where it picks the
+    :mod:`deepreduce.collective.auto`); ``reselect`` and ``repartition_every`` apply where it picks the
     sparse all-reduce."""
 
     id = "auto"
