@@ -23,25 +23,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..backend import arrays
-from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
+from ..errors import CommunicationError, DeepReduceError
 from ..pipeline import Pipeline
 from ..wire import container
-from . import agreement
-
-FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
+from . import agreement, failure
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
 FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
-
-
-def on_host(payload):
-    """A payload to read byte by byte: a torch tensor (on any device) copied to the host in one
-    transfer, as a uint8 NumPy array (reading a device tensor's elements one by one costs a
-    device synchronisation each); anything else as it is."""
-    if not arrays.is_torch(payload):
-        return payload
-    return np.frombuffer(arrays.head_bytes(payload, len(payload)), dtype=np.uint8)
 
 
 class ReductionProtocol:
@@ -97,10 +85,11 @@ class ReductionProtocol:
 
     def reduce_sparse(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Optional[Found]]:
         """The sparse all-reduce of a flat float32 host array: (the sum, or the average with
-        ``average``; a non-finite report or None). Every rank must call it for the same tensors
+        ``average``; a non-finite report under ``nonfinite: raise``, else None: under
+        ``propagate`` the NaN/Inf is in the sum, as on every route). Every rank must call it for the same tensors
         in the same order (the adapters sort by name)."""
         total = self.sparse.reduce(flat, name, step)
-        found = self.sparse.last_nonfinite
+        found = self.sparse.last_nonfinite if self.core.nonfinite == "raise" else None
         if found is None and self.average:
             total /= self.communicator.size
         return total, found
@@ -112,41 +101,9 @@ class ReductionProtocol:
         residual = self.take_residual(name)
         return flat if residual is None else flat + residual.reshape(flat.shape)
 
-    @staticmethod
-    def failure_payload(exc: BaseException) -> np.ndarray:
-        """What a rank whose encode raised sends in place of its container: every rank's collective
-        completes, every peer raises (:meth:`finish`: a NonFiniteGradientError for a non-finite
-        gradient, as the README's skip-the-step pattern catches, else a CommunicationError), and
-        the rank raises its own error; the step is undone everywhere and the next one is in phase."""
-        kind = "nonfinite" if isinstance(exc, NonFiniteGradientError) else "error"
-        text = f"{kind}\n{type(exc).__name__}: {exc}"[:500]
-        return agreement.wrap_bytes(FAILED + text.encode("utf-8", "replace"))
-
-    @staticmethod
-    def failed_rank(payloads: Sequence) -> Optional[Tuple[int, str, str]]:
-        """(rank, "nonfinite" or "error", its message) of the first rank that sent
-        :meth:`failure_payload`, or None. Only a small payload holding the marker is parsed; a
-        small torch payload is read on the host (:func:`on_host`)."""
-        for rank, payload in enumerate(payloads):
-            if len(payload) > 1024:
-                continue
-            payload = on_host(payload)
-            if FAILED[:12] in bytes(payload[:64]):
-                data = agreement.unwrap_bytes(payload)
-                if data.startswith(FAILED):
-                    kind, _, message = data[len(FAILED):].decode("utf-8", "replace").partition("\n")
-                    return rank, kind, message
-        return None
-
-    @classmethod
-    def raise_if_failed(cls, payloads: Sequence, label: str, step: int) -> None:
-        """Raise on this rank what a peer's :meth:`failure_payload` among ``payloads`` reports:
-        a NonFiniteGradientError for a non-finite gradient, else a CommunicationError."""
-        failed = cls.failed_rank(payloads)
-        if failed is not None:
-            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            raise error(f"{label} at step {step}: rank {failed[0]} could not encode its gradient "
-                        f"({failed[2]}); every rank skips this step")
+    failure_payload = staticmethod(failure.payload)
+    failed_rank = staticmethod(failure.failed_rank)
+    raise_if_failed = staticmethod(failure.raise_if_failed)
 
     @classmethod
     def split_per_rank(cls, payloads: Sequence, count: int, label: str, step: int) -> List[list]:
@@ -282,8 +239,12 @@ class ReductionProtocol:
         errors = list(errors) + [error for _, error in failed]
         if errors or skipped:
             self.core.undo_step()
+            if self.sparse is not None:
+                self.sparse.undo()
         else:
             self.core.commit_step()
+            if self.sparse is not None:
+                self.sparse.commit()
             self._plan(step)
         if errors:
             raise errors[0]
