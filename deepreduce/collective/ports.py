@@ -72,11 +72,15 @@ class Tensors(Protocol):
     def copy(self, target, source) -> None:
         """Copy the binding tensor ``source`` into ``target``."""
 
-    def cast(self, tensor, dtype: str) -> Any:
-        """A new tensor: ``tensor`` as ``"float16"`` / ``"float32"``, or its own dtype (``"same"``)."""
+    def with_flag(self, tensor, dtype: str, flag: float) -> Any:
+        """A new flat tensor: ``tensor`` in ``dtype`` (``"same"``: its own; zeros where ``flag``),
+        then one element holding ``flag`` (:mod:`deepreduce.collective.routes.dense`)."""
 
-    def fill_nan(self, tensor) -> None:
-        """Fill ``tensor`` with NaN (what a rank that failed sends on an all-reduce route)."""
+    def split_flag(self, summed) -> Tuple[Any, float]:
+        """(the data, the flag's value) of an all-reduced :meth:`with_flag` tensor."""
+
+    def like(self, flat, shaped) -> Any:
+        """``flat`` in ``shaped``'s shape."""
 
     def all_finite(self, tensor) -> bool: ...
 

@@ -239,8 +239,13 @@ class SparseAllreduce:
                     name: str, step: int) -> np.ndarray:
         """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
         m = hi - lo
+        if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
+            total = np.zeros(m, np.float32)
+            for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
+                total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
+            return self.pipeline.encode_dense(total, flagged=True)
         total = self.sum_shard(payloads, m)
-        if agreement.first_nonfinite(payloads) is not None or not np.isfinite(total).all():
+        if not np.isfinite(total).all():
             return self.pipeline.encode_dense(total, flagged=True)
         total += owner[lo:hi]
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too

@@ -42,16 +42,28 @@ class TorchTensors:
             target.add_(torch.from_numpy(flat).view(target.shape).to(target.device, target.dtype))
 
     @staticmethod
-    def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
-        """A new tensor: ``tensor`` in float16 / float32, or its own dtype (``"same"``)."""
-        if dtype == "same":
-            return tensor.detach().clone()
-        return tensor.detach().to(getattr(torch, dtype), copy=True)
+    def with_flag(tensor: torch.Tensor, dtype: str, flag: float) -> torch.Tensor:
+        """A new flat tensor of ``tensor``'s elements in ``dtype`` (``"same"``: its own), zeros
+        where ``flag`` is set, then one element holding ``flag`` (the all-reduce routes' flag)."""
+        kind = tensor.dtype if dtype == "same" else getattr(torch, dtype)
+        out = torch.empty(tensor.numel() + 1, dtype=kind, device=tensor.device)
+        with torch.no_grad():
+            if flag:
+                out.zero_()
+            else:
+                out[:-1].copy_(tensor.detach().reshape(-1))
+            out[-1] = flag
+        return out
 
     @staticmethod
-    def fill_nan(tensor: torch.Tensor) -> None:
-        with torch.no_grad():
-            tensor.fill_(float("nan"))
+    def split_flag(summed: torch.Tensor):
+        """(the data, a view; the flag's value) of a tensor :meth:`with_flag` made, after its all-reduce."""
+        return summed[:-1], float(summed[-1])
+
+    @staticmethod
+    def like(flat: torch.Tensor, shaped: torch.Tensor) -> torch.Tensor:
+        """``flat`` viewed in ``shaped``'s shape."""
+        return flat.view(shaped.shape)
 
     @staticmethod
     def all_finite(tensor: torch.Tensor) -> bool:

@@ -20,53 +20,21 @@ Adding a route: one file here with a class implementing the above, and one line 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict
 
-Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a flagged payload
+from ._base import Outcome, Route
+from .allgather import Allgather
+from .dense import Dense, Fp16
+from .entries import Entries
+from .sparse_allreduce import SparseAllreduceRoute
+from .summable import Summable
 
+__all__ = ["Outcome", "Route", "ROUTES", "registry"]
 
-@dataclass
-class Outcome:
-    """What a route's ``finish`` hands the engine: ``nonfinite``, the first flagged payload's
-    report (or None); ``write(divisor)`` writes the sum divided by ``divisor`` into the item's
-    destination (under ``nonfinite: raise`` the engine never calls it for a flagged tensor)."""
-
-    write: Callable[[int], None]
-    nonfinite: Optional[Found] = None
-
-
-class Route:
-    """Base of the routes: the defaults of the interface described in the module docstring."""
-
-    id = ""
-    ORDER = 0
-
-    def settle(self, engine, item, started):
-        return started
-
-    def commit(self) -> None:
-        """The step was applied on every rank: keep what it changed in this route's state."""
-
-    def undo(self) -> None:
-        """The step was skipped on every rank: restore this route's state from before it."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
-
-    def stats(self) -> dict:
-        return {}
+#: Route id -> class: every way a tensor travels.
+ROUTES: Dict[str, type] = {cls.id: cls for cls in (Allgather, SparseAllreduceRoute, Dense, Fp16, Entries, Summable)}
 
 
 def registry() -> Dict[str, type]:
-    """Route id -> class (imported here, not at module level: the routes import the engine's helpers)."""
-    from .allgather import Allgather
-    from .dense import Dense, Fp16
-    from .entries import Entries
-    from .sparse_allreduce import SparseAllreduceRoute
-    from .summable import Summable
-
-    return {cls.id: cls for cls in (Allgather, SparseAllreduceRoute, Dense, Fp16, Entries, Summable)}
+    """:data:`ROUTES` (a copy)."""
+    return dict(ROUTES)

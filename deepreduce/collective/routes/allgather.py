@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...backend import arrays
 from ...errors import DeepReduceError
 from .. import agreement, failure
-from . import Outcome, Route
+from ._base import Outcome, Route
 
 
 class Allgather(Route):

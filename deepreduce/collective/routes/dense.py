@@ -2,12 +2,43 @@
 small tensor the framework's fusion sends best (``Pipeline.summed_dense``), or one the ``auto``
 plan leaves uncompressed because its communication hides behind backward. What error feedback
 had held back for the tensor goes with it (the residual flush), so nothing is lost when the plan
-moves a tensor off compression."""
+moves a tensor off compression.
+
+An all-reduce has no room for a failure payload, so every tensor on an all-reduce route travels
+with one more element, a flag: 0 from a rank that sent its data, 1 from a rank whose preparation
+raised (it sends zeros). The sum's flag tells every rank at once that the step failed, so every
+rank raises and none applies a partial sum. :func:`flagged` and :func:`unflagged` are the one
+definition, which the summable route shares.
+"""
 from __future__ import annotations
 
 import numpy as np
 
-from . import Outcome, Route
+from ...errors import CommunicationError
+from ._base import Outcome, Route
+
+
+def flagged(tensors, data, dtype: str, failed: bool):
+    """A new flat tensor: ``data`` (zeros where ``failed``) in ``dtype``, then the flag."""
+    return tensors.with_flag(data, dtype, 1.0 if failed else 0.0)
+
+
+def unflagged(tensors, summed, item):
+    """The sum's data (a view) after checking its flag; a CommunicationError names the step when
+    any rank failed (that rank raises its own error instead)."""
+    data, flag = tensors.split_flag(summed)
+    if flag != 0.0:
+        raise CommunicationError(f"{item.label} at step {item.step}: a rank could not prepare its gradient "
+                                 "(it raises its own error); every rank skips this step")
+    return data
+
+
+def nonfinite_report(tensors, data):
+    """(-1, NaN count, Inf count) when the sum holds NaN/Inf (the rank is unknown in a sum), else None."""
+    if tensors.all_finite(data):
+        return None
+    flat = tensors.host(data)
+    return -1, int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
 
 
 class Dense(Route):
@@ -26,31 +57,23 @@ class Dense(Route):
             residual = engine.protocol.take_residual(item.name)
             if residual is not None:
                 tensors.add(item.grad, residual)
-        sent = item.grad if self.dtype == "float32" else tensors.cast(item.grad, self.dtype)
+        sent = flagged(tensors, item.grad, self.dtype, failed=False)
         return sent, engine.allreduce(sent, item.name, False)
 
     def fail(self, engine, item, error):
-        """A rank that could not prepare its tensor still all-reduces one of the same shape, made
-        of NaN (an all-reduce has no room for a failure payload): every rank stays in phase and
-        sees a non-finite sum, which the ``nonfinite`` policy handles as any NaN gradient (the
-        step skipped on every rank under ``raise``; NaN handed on, and counted, under
-        ``propagate``); the rank itself raises its own error."""
-        sent = engine.tensors.cast(item.grad, self.dtype)
-        engine.tensors.fill_nan(sent)
+        sent = flagged(engine.tensors, item.grad, self.dtype, failed=True)
         return sent, engine.allreduce(sent, item.name, False)
 
     def finish(self, engine, item, started):
         sent, pending = started
         pending.wait()
-        flat = engine.tensors.host(sent)
-        found = None if np.isfinite(flat).all() else (-1, int(np.isnan(flat).sum()), int(np.isinf(flat).sum()))
+        data = unflagged(engine.tensors, sent, item)
 
         def write(divisor: int) -> None:
-            if sent is not item.target:
-                engine.tensors.copy(item.target, sent)
+            engine.tensors.copy(item.target, data)
             if divisor != 1:
                 engine.tensors.divide(item.target, divisor)
-        return Outcome(write, found)
+        return Outcome(write, nonfinite_report(engine.tensors, data))
 
 
 class Fp16(Dense):

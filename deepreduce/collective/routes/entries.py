@@ -6,7 +6,7 @@ import numpy as np
 
 from ...errors import DeepReduceError
 from .. import agreement, failure
-from . import Outcome, Route
+from ._base import Outcome, Route
 
 
 class Entries(Route):

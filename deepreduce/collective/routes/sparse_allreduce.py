@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import Outcome, Route
+from ._base import Outcome, Route
 
 
 class SparseAllreduceRoute(Route):

@@ -2,10 +2,12 @@
 ``Compressor`` contract, ``compress(tensor) -> (codes, ctx)`` then ``decompress(codes, ctx)``.
 The codes are averaged by the all-reduce itself, as Horovod's own optimizer does, so the result
 equals ``hvd.DistributedOptimizer(compression=...)``'s bit for bit; the engine's divisor is not
-applied again."""
+applied again. The codes travel with the all-reduce routes' failure flag
+(:func:`deepreduce.collective.routes.dense.flagged`)."""
 from __future__ import annotations
 
-from . import Outcome, Route
+from ._base import Outcome, Route
+from .dense import flagged, nonfinite_report, unflagged
 
 
 class Summable(Route):
@@ -14,7 +16,7 @@ class Summable(Route):
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self._last_codes = {}   # name -> the last codes sent (a failed rank sends NaN codes of that shape)
+        self._last_codes = {}   # name -> the last codes sent (a failed rank sends zeros of that shape)
 
     def start(self, engine, item):
         compressor = engine.compressor
@@ -23,22 +25,20 @@ class Summable(Route):
         else:
             codes, ctx = compressor.compress(item.grad)
         self._last_codes[item.name] = codes
-        return codes, ctx, engine.allreduce(codes, item.name, engine.average)
+        sent = flagged(engine.tensors, codes, "same", failed=False)
+        return codes, ctx, sent, engine.allreduce(sent, item.name, engine.average)
 
     def fail(self, engine, item, error):
-        """NaN codes of the last step's shape (the gradient's on the first step): every rank stays
-        in phase and sees a non-finite result; the rank raises its own error."""
-        like = self._last_codes.get(item.name, item.grad)
-        codes = engine.tensors.cast(like, "same")
-        engine.tensors.fill_nan(codes)
-        return codes, None, engine.allreduce(codes, item.name, engine.average)
+        """Zero codes of the last step's shape (the gradient's on the first step) and the flag."""
+        codes = self._last_codes.get(item.name, item.grad)
+        sent = flagged(engine.tensors, codes, "same", failed=True)
+        return codes, None, sent, engine.allreduce(sent, item.name, engine.average)
 
     def finish(self, engine, item, started):
-        codes, ctx, pending = started
-        summed = pending.wait()
-        flat = engine.tensors.host(summed)
-        found = None if engine.tensors.all_finite(summed) else (-1, int((flat != flat).sum()), 0)
+        codes, ctx, sent, pending = started
+        pending.wait()
+        summed = engine.tensors.like(unflagged(engine.tensors, sent, item), codes)
 
         def write(_divisor: int) -> None:
             engine.tensors.copy(item.target, engine.compressor.decompress(summed, ctx))
-        return Outcome(write, found)
+        return Outcome(write, nonfinite_report(engine.tensors, summed))
