@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire import container
 from ...errors import BackendUnavailableError
 from ...params import Param
 from ...registry import register
+from ...wire import container
 from ._base import Communicator, Handle
 
 
