@@ -23,8 +23,8 @@ import torch
 import watchdog
 
 import deepreduce.torch as drt
-from deepreduce.torch.summable import FP16Compressor
 from deepreduce.errors import CommunicationError, NonFiniteGradientError
+from deepreduce.torch.summable import FP16Compressor
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0}
