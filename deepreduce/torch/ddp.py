@@ -63,6 +63,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint
 from ..collective import agreement, buckets, inflight, slots, totals
 from ..collective.comm.torch_distributed import TorchDistributedCommunicator
 from ..collective.protocol import ReductionProtocol
@@ -185,13 +186,15 @@ class DeepReduceState(BucketReduction):
         ``PowerSGDState``), with its private group made on the first bucket. Call :meth:`bind`
         (or ``register(model, state=...)``) to give its parameters their names again; without it,
         the hook names them by the order DDP hands them over (:meth:`_first_name`)."""
+        checkpoint.checked_progress("DeepReduceState", state.get("step"), state.get("stats"), totals.KEYS)
         state = dict(state)
         state.setdefault("_handed", [])   # pickled before the hand-over order was recorded
         sparse_state = state.pop("_sparse_state")
         self.__dict__.update(state)
         self._process_local()
         if sparse_state is not None:
-            self._protocol.sparse.load_state_dict(sparse_state)
+            self._protocol.sparse.load_state_dict(
+                checkpoint.checked_aggregation("DeepReduceState", sparse_state, self._protocol.sparse.communicator.size))
 
     def bind(self, named_parameters) -> None:
         """Name the parameters again after unpickling: ``model.named_parameters()`` of the model
@@ -364,7 +367,7 @@ class DeepReduceState(BucketReduction):
         stats = state.pop("stats")
         self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState",
                                                 None if self._protocol is None else self._protocol.sparse)
-        self.stats.update(stats)
+        self.stats.update(checkpoint.checked_totals("DeepReduceState", stats, totals.KEYS))
 
 
 def _close_at_exit(ref) -> None:
