@@ -101,3 +101,59 @@ def start_alltoall(communicator, payloads: List[np.ndarray], name: str):
     """``communicator``'s asynchronous alltoall, or its blocking one issued at ``wait()``."""
     start = getattr(communicator, "alltoall_async", None)
     return start(payloads, name) if start is not None else Pending(lambda: communicator.alltoall(payloads, name))
+
+
+class NumpyTensors:
+    """The tensor port for flat float32 NumPy arrays (a binding that reduces host copies: the
+    TensorFlow reducer's host op). Stateless."""
+
+    @staticmethod
+    def host(tensor) -> np.ndarray:
+        return np.asarray(tensor, dtype=np.float32).reshape(-1)
+
+    @staticmethod
+    def write(target, flat) -> None:
+        np.copyto(target.reshape(-1), np.asarray(flat).reshape(-1), casting="same_kind")
+
+    copy = write
+
+    @staticmethod
+    def divide(target, ranks: int) -> None:
+        np.divide(target, target.dtype.type(ranks), out=target)
+
+    @staticmethod
+    def add(target, flat) -> None:
+        target.reshape(-1)[...] += np.asarray(flat, dtype=target.dtype).reshape(-1)
+
+    @staticmethod
+    def with_flag(tensor, dtype: str, flag: float) -> np.ndarray:
+        kind = np.asarray(tensor).dtype if dtype == "same" else np.dtype(dtype)
+        out = np.zeros(np.size(tensor) + 1, dtype=kind)
+        if not flag:
+            out[:-1] = np.asarray(tensor).reshape(-1)
+        out[-1] = flag
+        return out
+
+    @staticmethod
+    def split_flag(summed):
+        return summed[:-1], float(summed[-1])
+
+    @staticmethod
+    def like(flat, shaped):
+        return flat.reshape(np.shape(shaped))
+
+    @staticmethod
+    def all_finite(tensor) -> bool:
+        return bool(np.isfinite(tensor).all())
+
+    @staticmethod
+    def is_sparse(tensor) -> bool:
+        return False
+
+    @staticmethod
+    def numel(tensor) -> int:
+        return int(np.size(tensor))
+
+    @staticmethod
+    def shape(tensor) -> Sequence[int]:
+        return tuple(np.shape(tensor))

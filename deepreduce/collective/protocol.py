@@ -47,7 +47,6 @@ class ReductionProtocol:
         self.auto = None if aggregation is None else aggregation.planner(core, communicator)
         self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
         self._failed: Dict[int, List[Tuple[str, BaseException]]] = {}
-        self.routes_taken: Dict[str, Dict[str, int]] = {}   # name -> route -> times (:meth:`reduce_flat`)
 
     # ------------------------------------------------------------------ route
     def route(self, name: str) -> str:
@@ -117,54 +116,6 @@ class ReductionProtocol:
             if len(parts) != count:
                 raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
         return per_rank
-
-    def reduce_allgather(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Found]:
-        """One flat float32 host array through the whole allgather protocol, for adapters that run
-        a tensor's reduction as one host call (TensorFlow's planned routes): encode (the failure
-        payload where it raises), allgather, :meth:`finish` into a new array. Returns (the sum or
-        average, :meth:`report`'s verdict); a failure or decode error is recorded for
-        :meth:`end_step`, which raises it on every rank after the step's last collective."""
-        try:
-            payload = self.core.encode(flat, name=name, step=step)
-        except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-            payload = self.failure_payload(exc)
-        out = np.zeros_like(flat)
-        try:
-            found = self.finish(self.communicator.allgather(payload, f"deepreduce.{name}"), name, step,
-                                lambda parts: self.core.decode_sum(parts, expected_shape=flat.shape, out=out),
-                                lambda ranks: np.divide(out, ranks, out=out))
-        except DeepReduceError as exc:
-            self.fail(name, step, exc)
-            return out, FAILED_REPORT
-        return out, FINE if found is None else found
-
-    def reduce_flat(self, flat: np.ndarray, name: str, step: int,
-                    allreduce: Callable[[np.ndarray, str], np.ndarray]) -> Tuple[np.ndarray, Found]:
-        """One flat float32 host array by its :meth:`route`, in one blocking host call, for adapters
-        that reduce each tensor in one host op (TensorFlow under the sparse all-reduce or ``auto``):
-        the sparse all-reduce (a non-finite report recorded as :meth:`skip`), the allgather
-        (:meth:`reduce_allgather`), or, for the plan's ``dense`` / ``fp16``, the array plus its
-        residual (:meth:`flush_residual`) in float32 / float16 summed by the binding's
-        ``allreduce(array, route)`` and averaged here. The ``auto`` planner hears that ``name`` is
-        ready, and :attr:`routes_taken` counts the route. Returns (the sum or average, as
-        :meth:`report` says of it)."""
-        route = self.route(name)
-        if self.auto is not None:
-            self.auto.ready(name, flat.size)
-        counts = self.routes_taken.setdefault(name, {})
-        counts[route] = counts.get(route, 0) + 1
-        if route == "sparse_allreduce":
-            total, found = self.reduce_sparse(flat, name, step)
-            if found is not None:
-                self.skip(name, step, found)
-            return total, FINE if found is None else found
-        if route not in ("dense", "fp16"):
-            return self.reduce_allgather(flat, name, step)
-        flat = self.flush_residual(name, flat)
-        if route == "dense":
-            self.core.count_summed_dense(flat.size)
-        total = np.asarray(allreduce(flat.astype(np.float16) if route == "fp16" else flat, route), dtype=np.float32)
-        return (total / np.float32(self.communicator.size) if self.average else total), FINE
 
     def report(self, payloads: Sequence, name: str, step: int) -> Found:
         """The receive-side decision for one tensor, for adapters that decode in a later op

@@ -79,7 +79,7 @@ class StepEngine:
     def __init__(self, codec, communicator, tensors, allreduce: Callable, *, average: bool = True,
                  background: bool = True, compressor=None) -> None:
         self.codec, self.compressor = codec, compressor
-        self.core = None if codec is None else codec.core
+        self.core = None if codec is None else getattr(codec, "core", codec)   # a binding pipeline, or the core itself
         self.communicator, self.tensors, self.allreduce = communicator, tensors, allreduce
         self.average = average
         self.protocol = None if codec is None else ReductionProtocol(self.core, communicator, average=average)
@@ -91,7 +91,8 @@ class StepEngine:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self.nonfinite_propagated = 0   # tensors written with NaN/Inf under nonfinite: propagate
-        self.routes_taken: Dict[str, int] = {}
+        self.routes_taken: Dict[str, int] = {}             # route -> items it carried
+        self.routes_by_name: Dict[str, Dict[str, int]] = {}   # tensor -> route -> times
 
     # ------------------------------------------------------------------ the step
     def begin(self, layout: agreement.Layout, who: str) -> None:
@@ -138,10 +139,12 @@ class StepEngine:
             return "dense"
         return self.protocol.route(item.name)
 
-    def finish(self, step: int, order: Sequence[str] = ()) -> None:
+    def finish(self, step: int, order: Sequence[str] = (), end: bool = True) -> None:
         """Wait for every submitted item and write its result, then decide, commit or undo and
         raise the step's first error (``order``: tensor names, the first named error first) or the
-        same NonFiniteGradientError on every rank (see the module docstring)."""
+        same NonFiniteGradientError on every rank (see the module docstring). ``end=False`` (a
+        binding that ends the step in an op of its own, TensorFlow's) records the errors and
+        skips with the protocol instead, for its ``end_step``."""
         since = time.perf_counter()
         if self.auto is not None:
             self.auto.backward_done()
@@ -149,9 +152,11 @@ class StepEngine:
         items = [future.result() for _, future in pending]
         self._account_encodes(items, since)
         items.sort(key=lambda it: (self.routes[it.route].ORDER, it.name))
-        errors: List[BaseException] = []
+        errors: List[tuple] = [(it.name, it.error) for it in items if it.error is not None]
         for it in items:
             self.routes_taken[it.route] = self.routes_taken.get(it.route, 0) + 1
+            counts = self.routes_by_name.setdefault(it.name, {})
+            counts[it.route] = counts.get(it.route, 0) + 1
             with totals.timed(self.seconds, "communication_wait"):
                 it.started = self._guarded(it, errors, self.routes[it.route].settle, it.started)
         for it in items:
@@ -159,20 +164,26 @@ class StepEngine:
                 outcome = self._guarded(it, errors, self.routes[it.route].finish, it.started)
             if outcome is not None and it.error is None:
                 self._decide(it, outcome, step, errors)
-        self._end(step, errors, order)
+        if end:
+            self._end(step, [error for _, error in errors], order)
+        elif self.protocol is not None:
+            for name, error in errors:
+                self.protocol.fail(name, step, error)
+        elif errors:
+            raise errors[0][1]
 
-    def _guarded(self, item: Item, errors: List[BaseException], phase, started):
-        """``phase(self, item, started)``; an error is kept (a rank's own encode error wins over
-        what its own failure payload says) and the next items are still finished."""
+    def _guarded(self, item: Item, errors: List[tuple], phase, started):
+        """``phase(self, item, started)``; an error is kept as (name, error) and the next items are
+        still finished (an item whose own encode raised keeps that error: what its own failure
+        payload says of it is not kept)."""
         try:
             return phase(self, item, started)
         except Exception as exc:   # noqa: BLE001 (drain every collective before raising)
-            errors.append(item.error if item.error is not None else exc)
-            if item.error is not None:
-                item.error = None   # reported once
+            if item.error is None:   # else its own failure payload speaking: its own error is kept
+                errors.append((item.name, exc))
             return None
 
-    def _decide(self, item: Item, outcome, step: int, errors: List[BaseException]) -> None:
+    def _decide(self, item: Item, outcome, step: int, errors: List[tuple]) -> None:
         """The one reader of the ``nonfinite`` policy; the one divisor for averaging."""
         if outcome.nonfinite is not None and self._raises_on_nonfinite():
             self.protocol.skip(item.name, step, outcome.nonfinite)
@@ -181,7 +192,7 @@ class StepEngine:
             with totals.timed(self.seconds, "decode"):
                 outcome.write(self.communicator.size if self.average else 1)
         except Exception as exc:   # noqa: BLE001
-            errors.append(exc)
+            errors.append((item.name, exc))
             return
         if outcome.nonfinite is not None:
             self.nonfinite_propagated += 1

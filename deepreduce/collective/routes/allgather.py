@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...backend import arrays
 from ...errors import DeepReduceError
-from .. import agreement, failure
+from .. import agreement, failure, ports
 from ._base import Outcome, Route
 
 
@@ -26,7 +26,7 @@ class Allgather(Route):
     def _gather(engine, item, payload):
         if arrays.is_torch(payload) and payload.device.type == "cpu":
             payload = payload.numpy()   # a host torch payload gathers as NumPy; device bytes stay there
-        return engine.communicator.allgather_async(payload, f"deepreduce.{item.name}")
+        return ports.start_allgather(engine.communicator, payload, f"deepreduce.{item.name}")
 
     def finish(self, engine, item, pending):
         payloads = pending.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeepReduceError
-from .. import agreement, failure
+from .. import agreement, failure, ports
 from ._base import Outcome, Route
 
 
@@ -20,10 +20,10 @@ class Entries(Route):
         positions, values = engine.tensors.entries(item.grad)
         payload = engine.core.encode_entries(positions, values, tuple(engine.tensors.shape(item.grad)),
                                              name=item.name, step=item.step)
-        return engine.communicator.allgather_async(payload, f"deepreduce.{item.name}")
+        return ports.start_allgather(engine.communicator, payload, f"deepreduce.{item.name}")
 
     def fail(self, engine, item, error):
-        return engine.communicator.allgather_async(failure.payload(error), f"deepreduce.{item.name}")
+        return ports.start_allgather(engine.communicator, failure.payload(error), f"deepreduce.{item.name}")
 
     def finish(self, engine, item, pending):
         payloads = pending.wait()
