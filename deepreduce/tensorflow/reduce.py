@@ -9,7 +9,7 @@ reduction code run only while the graph is traced). The steps every rank takes a
 framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; this module and its parts
 (:mod:`~deepreduce.tensorflow.routes`, :mod:`~deepreduce.tensorflow.sparse`) make them ops.
 
-Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.DenseRoutes`'s
+Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
 routes (containers; under the sparse all-reduce or ``auto`` one host op), an ``IndexedSlices`` one
 as its touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`); every collective is
 named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
@@ -30,6 +30,7 @@ wait for them, so in a compiled step it may still count the skipped step).
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -42,13 +43,13 @@ from ..collective.step import StepEngine
 from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
-from .routes import DenseRoutes, graph_or_eager, step_tensor
+from .routes import ContainerRoutes, graph_or_eager, host_allreduce, step_tensor
 from .sparse import SliceRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
 
 
-class Reducer(DenseRoutes, SliceRoutes):
+class Reducer:
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
@@ -97,10 +98,14 @@ class Reducer(DenseRoutes, SliceRoutes):
             self.pipeline.core.collective_steps()
             key = (id(self.process_set), self.op == "average")
             if key not in self.pipeline.protocols:
-                self.pipeline.protocols[key] = StepEngine(self.pipeline.core, self._communicator, NumpyTensors(),
-                                                          self.host_allreduce, average=key[1], background=False)
+                self.pipeline.protocols[key] = StepEngine(
+                    self.pipeline.core, self._communicator, NumpyTensors(),
+                    functools.partial(host_allreduce, self.hvd, self.process_set), average=key[1], background=False)
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol
+        self._containers = ContainerRoutes(self.pipeline, self._engine, self.hvd, self.process_set, self.op,
+                                           self.predivide, self.workers)
+        self._slices = SliceRoutes(self.pipeline, sparse_as_dense, self._containers)
 
     def compression_stats(self) -> dict:
         """The pipeline's running statistics (bytes, encode/decode time; with the sparse
@@ -140,7 +145,7 @@ class Reducer(DenseRoutes, SliceRoutes):
             step = tf.identity(counter.read_value())
         elif step is not None and hasattr(step, "dtype") and not isinstance(step, tf.Tensor):
             step = tf.convert_to_tensor(step)  # a (Keras) variable: read it once, before the update
-        slices = [i for i, g in enumerate(grads) if self._native_slices(g)]
+        slices = [i for i, g in enumerate(grads) if self._slices.native(g)]
         live = [i for i, g in enumerate(grads) if g is not None and i not in slices]
         # containers carry dense tensors (the sparsifier finds the non-zeros again), IndexedSlices
         # their touched rows' entries (the baseline: Horovod's allgather of their parts)
@@ -155,7 +160,7 @@ class Reducer(DenseRoutes, SliceRoutes):
         if self.pipeline is None:
             reduced, sent_names = [self._allreduce(g, names[i]) for g, i in zip(dense, live)], live_names
         elif not groups:
-            reduced, sent_names = self._reduce_containers(dense, live_names, step, reports), live_names
+            reduced, sent_names = self._containers.reduce(dense, live_names, step, reports), live_names
         else:
             reduced, sent_names = self._reduce_buckets(dense, live_names, groups, step, reports)
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
@@ -163,7 +168,7 @@ class Reducer(DenseRoutes, SliceRoutes):
             out[i] = g
         for i in slices:
             out[i] = self._allreduce(grads[i], names[i]) if self.pipeline is None else \
-                self._reduce_slices(grads[i], names[i], step, reports)
+                self._slices.reduce(grads[i], names[i], step, reports)
         if self.pipeline is not None:
             out = self._finish_step(out, reports, sent_names + [names[i] for i in slices], step)
         if own_counter:
@@ -174,14 +179,14 @@ class Reducer(DenseRoutes, SliceRoutes):
 
     def _reduce_buckets(self, dense: List[tf.Tensor], names: List[str], groups: List[List[int]], step,
                         reports: list):
-        """:meth:`_reduce_containers` of each bucket's concatenated gradients (named
+        """:meth:`ContainerRoutes.reduce` of each bucket's concatenated gradients (named
         ``bucket<k>.<first gradient's name>``) and of the other gradients; the reduced buckets
         are split back. Returns (the reduced gradients in ``dense``'s order, the containers' names)."""
         flats = [tf.concat([tf.reshape(dense[j], [-1]) for j in g], 0) for g in groups]
         inside = {j for g in groups for j in g}
         singles = [j for j in range(len(dense)) if j not in inside]
         sent_names = [f"bucket{k}.{names[g[0]]}" for k, g in enumerate(groups)] + [names[j] for j in singles]
-        reduced = self._reduce_containers(flats + [dense[j] for j in singles], sent_names, step, reports)
+        reduced = self._containers.reduce(flats + [dense[j] for j in singles], sent_names, step, reports)
         out: List[Optional[tf.Tensor]] = [None] * len(dense)
         for g, total in zip(groups, reduced):
             for j, part in zip(g, tf.split(total, [dense[j].shape.num_elements() for j in g])):

@@ -1,6 +1,6 @@
 """How the reducer's dense gradients travel, as TensorFlow ops: containers, or one host op each.
 
-:class:`DenseRoutes` is a part of :class:`deepreduce.tensorflow.reduce.Reducer`. With the
+:class:`ContainerRoutes` is held by :class:`deepreduce.tensorflow.reduce.Reducer`. With the
 config's default aggregation each gradient is encoded into a container (a graph op), gathered by
 ``hvd.allgather`` (:func:`~deepreduce.tensorflow.collectives.gather`), checked
 (``ReductionProtocol.report``) and decode-summed. Eagerly, each op runs when it is called, so one
@@ -8,7 +8,7 @@ tensor after another would make every encode wait for the previous tensor's allg
 with ``background`` on (the default) the eager chains run on a few worker threads instead
 (:func:`deepreduce.collective.overlap.run_chains`), and ``compression_stats()["encode_hidden_seconds"]``
 sums the encode time that ran while another tensor's collective or decode was in flight. Inside
-``tf.function`` all encodes come first in program order (see :meth:`DenseRoutes._reduce_containers`).
+``tf.function`` all encodes come first in program order (see :meth:`ContainerRoutes.reduce`).
 
 Under ``aggregation: sparse_allreduce`` or ``auto`` the step's gradients are reduced by one op
 that runs on the host: the step engine takes each tensor's route at this step (the sparse
@@ -32,11 +32,21 @@ from .collectives import gather, tensor_key
 from .pipeline import numpy_op
 
 
-class DenseRoutes:
-    """The dense routes of the Reducer (it provides ``_protocol``, ``pipeline``, ``hvd``,
-    ``process_set``, ``size``, ``op``, ``predivide`` and ``workers``)."""
+class ContainerRoutes:
+    """How the reducer's dense gradients travel, held by :class:`~deepreduce.tensorflow.reduce.Reducer`:
+    its ``pipeline`` and step ``engine`` (None without a pipeline), Horovod (``hvd``,
+    ``process_set``), ``op`` ("average" or "sum"), ``predivide`` and the eager ``workers``."""
 
-    def _reduce_containers(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
+    def __init__(self, pipeline, engine, hvd, process_set, op: str, predivide: float, workers) -> None:
+        self.pipeline, self._engine, self.hvd, self.process_set = pipeline, engine, hvd, process_set
+        self.op, self.predivide, self.workers = op, predivide, workers
+        self._protocol = None if engine is None else engine.protocol
+
+    @property
+    def size(self) -> int:
+        return self.process_set.size()
+
+    def reduce(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
         """Every gradient through encode -> ``hvd.allgather`` -> decode_sum (or, under the sparse
         all-reduce or ``auto``, :meth:`_reduce_host`); each tensor's report (:meth:`_check_op`) is
         appended to ``reports``.
@@ -76,8 +86,8 @@ class DenseRoutes:
         gathered = gather(name, payload, self.process_set)
         size = self.size
         shape = grad.shape if grad.shape.is_fully_defined() else None
-        found = self._check_op(name, gathered, step)
-        total = self._unless_skipped(found, lambda: self.pipeline.decode_sum(gathered, shape, count=size),
+        found = self.check_op(name, gathered, step)
+        total = self.unless_skipped(found, lambda: self.pipeline.decode_sum(gathered, shape, count=size),
                                      lambda: tf.zeros(tf.shape(grad), tf.float32))
         if shape is None:
             total = tf.reshape(total, tf.shape(grad))
@@ -85,7 +95,7 @@ class DenseRoutes:
             total = total * (self.predivide / size)
         return (tf.cast(total, grad.dtype) if grad.dtype != tf.float32 else total), found
 
-    def _check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
+    def check_op(self, name: str, gathered: tf.Tensor, step) -> tf.Tensor:
         """This tensor's ``ReductionProtocol.report`` on the gathered bytes, as an int64 op (eagerly: now)."""
         def check(buf, step_value):
             with self.pipeline.lock:
@@ -94,7 +104,7 @@ class DenseRoutes:
         return graph_or_eager(check, [gathered, step_tensor(step)], tf.int64, "deepreduce_check")
 
     @staticmethod
-    def _unless_skipped(found: tf.Tensor, decode, nothing):
+    def unless_skipped(found: tf.Tensor, decode, nothing):
         """``decode()`` unless the report says some rank failed or sent a non-finite container
         (``nothing()`` then: the step's end raises on every rank once the step's collectives ran)."""
         skip = tf.not_equal(found[0], -1)
@@ -125,13 +135,14 @@ class DenseRoutes:
         return [tf.cast(tf.reshape(total, tf.shape(g)), g.dtype) if g.dtype != tf.float32
                 else tf.reshape(total, tf.shape(g)) for total, g in zip(results[:-1], grads)]
 
-    def host_allreduce(self, array: np.ndarray, name: str, average: bool) -> Pending:
-        """The engine's all-reduce port for the host op: Horovod's eager all-reduce (sum, or
-        average), written back into ``array``."""
-        result = self.hvd.allreduce(tf.constant(array), op=self.hvd.Average if average else self.hvd.Sum,
-                                    name=f"{tensor_key(name)}.host", process_set=self.process_set).numpy()
-        np.copyto(array, result)
-        return Pending(lambda: array)
+
+def host_allreduce(hvd, process_set, array: np.ndarray, name: str, average: bool) -> Pending:
+    """The step engine's all-reduce port for the host op (bound to ``hvd`` and ``process_set``):
+    Horovod's eager all-reduce (sum, or average), written back into ``array``."""
+    result = hvd.allreduce(tf.constant(array), op=hvd.Average if average else hvd.Sum,
+                           name=f"{tensor_key(name)}.host", process_set=process_set).numpy()
+    np.copyto(array, result)
+    return Pending(lambda: array)
 
 
 def step_tensor(step) -> tf.Tensor:

@@ -66,10 +66,16 @@ def rows(positions: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.nda
 
 
 class SliceRoutes:
-    """The IndexedSlices route of the Reducer (it provides ``pipeline``, ``sparse_as_dense``,
-    ``process_set``, ``_protocol``, ``_check_op`` and ``_unless_skipped``)."""
+    """The IndexedSlices route, held by :class:`~deepreduce.tensorflow.reduce.Reducer`: its
+    ``pipeline`` and ``sparse_as_dense``, and its ``containers`` (a
+    :class:`~deepreduce.tensorflow.routes.ContainerRoutes`, whose Horovod set, protocol and
+    report op the slices share)."""
 
-    def _native_slices(self, grad) -> bool:
+    def __init__(self, pipeline, sparse_as_dense: bool, containers) -> None:
+        self.pipeline, self.sparse_as_dense, self.containers = pipeline, sparse_as_dense, containers
+        self._protocol, self.process_set = containers._protocol, containers.process_set
+
+    def native(self, grad) -> bool:
         """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
         ``sparse_as_dense``, with a config whose aggregation is the allgather (error feedback
         keeps a sparse residual, ``deepreduce.memory.SparseResidual``), or with Horovod's
@@ -78,7 +84,7 @@ class SliceRoutes:
             return False
         return self.pipeline is None or self._protocol.sparse is None
 
-    def _reduce_slices(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
+    def reduce(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
         """One ``IndexedSlices`` gradient through the index and value codecs
         (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
         (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
@@ -107,7 +113,7 @@ class SliceRoutes:
         payload = graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
                                   "deepreduce_encode_entries")
         gathered = gather(name, tf.reshape(payload, [-1]), self.process_set)
-        found = self._check_op(name, gathered, step)
+        found = self.containers.check_op(name, gathered, step)
         reports.append(found)
         slice_shape = grad.values.shape[1:]
 
@@ -121,6 +127,6 @@ class SliceRoutes:
                 summed = tf.ensure_shape(summed, [None] + slice_shape.as_list())
             return touched, summed
 
-        touched, summed = self._unless_skipped(found, decoded, nothing)
+        touched, summed = self.containers.unless_skipped(found, decoded, nothing)
         return tf.IndexedSlices(tf.cast(summed, grad.values.dtype), tf.cast(touched, grad.indices.dtype),
                                 grad.dense_shape)

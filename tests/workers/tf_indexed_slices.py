@@ -101,13 +101,13 @@ def check_fit(pipe) -> None:
                               keras.layers.Flatten(), keras.layers.Dense(1)])
     optimizer = drk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=pipe)
     reducer, traced = optimizer._deepreduce_reducer, []
-    reduce_slices = reducer._reduce_slices
+    reduce_slices = reducer._slices.reduce
 
     def spy(grad, name, step, reports):   # records which gradients are reduced as IndexedSlices
         traced.append(name)
         return reduce_slices(grad, name, step, reports)
 
-    reducer._reduce_slices = spy
+    reducer._slices.reduce = spy
     model.compile(optimizer=optimizer, loss="mse")
     rng = np.random.default_rng(hvd.rank())
     x, y = rng.integers(0, ROWS, (32, 4)), rng.standard_normal((32, 1)).astype(np.float32)
