@@ -131,6 +131,8 @@ class StepEngine:
 
     def _route_of(self, item: Item) -> str:
         """The plan: how ``item`` travels this step (a route id of :func:`~deepreduce.collective.routes.registry`)."""
+        if item.route:   # the binding fixed it (FSDP's reduce-scatter: "shard")
+            return item.route
         if self.compressor is not None:
             return "summable"
         if self.tensors.is_sparse(item.grad):

@@ -26,6 +26,7 @@ from ._base import Outcome, Route
 from .allgather import Allgather
 from .dense import Dense, Fp16
 from .entries import Entries
+from .shard import Shard
 from .sparse_allreduce import SparseAllreduceRoute
 from .summable import Summable
 
@@ -33,6 +34,7 @@ __all__ = ["Outcome", "Route", "ROUTES", "registry"]
 
 #: Route id -> class: every way a tensor travels.
 ROUTES: Dict[str, type] = {cls.id: cls for cls in (Allgather, SparseAllreduceRoute, Dense, Fp16, Entries, Summable)}
+ROUTES[Shard.id] = Shard   # the compressed reduce-scatter (deepreduce.torch.fsdp); a binding names it in Item.route
 
 
 def registry() -> Dict[str, type]:

@@ -1,0 +1,89 @@
+"""The compressed reduce-scatter (FSDP's ``reduce_scatter`` comm): the first phase of the sparse
+all-reduce, ended at the owner.
+
+Each rank's flat input is N equal chunks, rank-major (chunk ``j`` goes to rank ``j``). The rank
+compensates and selects once over the whole input and encodes one container per chunk with the
+config's codecs (``Pipeline.encode_shards``, the sparse all-reduce's phase one); one alltoall
+carries chunk ``j``'s container to rank ``j`` (its own stays local), and the owner decode-sums
+the N containers of its chunk into the item's target, in float32, written in the target's dtype.
+
+Scaling: the engine's divisor (1 for a binding that does not average), then the collective's own
+``op`` that the binding passes as ``item.key`` (:class:`Scaling`): FSDP's reduce op is part of
+the collective's contract (AVG divides the sum by N, PreMulSum multiplies it by its factor), as
+Horovod's op is part of the Dense route's all-reduce. With lossless codecs on two ranks the
+result equals ``reduce_scatter_single``'s bit for bit (one addition per element; a division by N
+or a multiplication by a power of two commutes with the final rounding to bfloat16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ...errors import CommunicationError, DeepReduceError
+from .. import agreement, failure, ports
+from ..sparse_allreduce import even_bounds
+from ._base import Outcome, Route
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """What the collective's reduce op asks of the sum: divide it by ``divide`` (AVG: the group
+    size) and/or multiply it by ``multiply`` (PreMulSum's factor); None: leave it."""
+
+    divide: Optional[int] = None
+    multiply: Optional[float] = None
+
+    def apply(self, total: np.ndarray) -> None:
+        if self.divide not in (None, 1):
+            np.divide(total, np.float32(self.divide), out=total)
+        if self.multiply is not None:
+            np.multiply(total, np.float32(self.multiply), out=total)
+
+
+class Shard(Route):
+    id = "shard"
+    ORDER = 1   # collectives in a fixed order (alltoall), after those Horovod matches by name
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def _bounds(engine, item) -> np.ndarray:
+        numel, size = engine.tensors.numel(item.grad), engine.communicator.size
+        if numel % size:
+            raise CommunicationError(f"{item.label}: a reduce-scatter input of {numel} elements does not "
+                                     f"split into {size} equal chunks")
+        if engine.tensors.numel(item.target) * size != numel:
+            raise CommunicationError(f"{item.label}: the output holds {engine.tensors.numel(item.target)} "
+                                     f"elements, the input's chunk {numel // size}")
+        return even_bounds(numel, size)
+
+    def start(self, engine, item):
+        bounds = self._bounds(engine, item)
+        payloads = engine.core.encode_shards(engine.tensors.host(item.grad), item.name, item.step, bounds)
+        return ports.start_alltoall(engine.communicator, payloads, f"deepreduce.shard.{item.name}")
+
+    def fail(self, engine, item, error):
+        payloads = [failure.payload(error)] * engine.communicator.size
+        return ports.start_alltoall(engine.communicator, payloads, f"deepreduce.shard.{item.name}")
+
+    def finish(self, engine, item, pending):
+        mine = pending.wait()
+        if len(mine) != engine.communicator.size:
+            raise CommunicationError(f"{item.label}: {len(mine)} chunks for {engine.communicator.size} ranks")
+        failure.raise_if_failed(mine, item.label, item.step)
+        chunk = engine.tensors.numel(item.target)
+        scaling = item.key if isinstance(item.key, Scaling) else Scaling()
+
+        def write(divisor: int) -> None:
+            try:
+                total = engine.core.decode_sum(mine, expected_shape=(chunk,)).reshape(-1)
+            except DeepReduceError as exc:
+                raise type(exc)(f"{item.label}: {exc}") from exc
+            if divisor != 1:
+                np.divide(total, np.float32(divisor), out=total)
+            scaling.apply(total)
+            engine.tensors.write(item.target, total)
+        return Outcome(write, agreement.first_nonfinite(mine))
