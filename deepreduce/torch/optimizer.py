@@ -5,11 +5,11 @@ Like ``horovod.torch.DistributedOptimizer`` it wraps any torch optimizer (the co
 compressed and sent as soon as backward produces it; ``step()`` (or ``synchronize()``) waits for
 the results. The difference is the wire: each rank encodes its gradient into a DeepReduce
 container, containers (whose sizes differ per rank) travel by allgather, and every rank decodes
-all of them and averages or sums (:class:`deepreduce.collective.protocol.ReductionProtocol`). Horovod
+all of them and averages or sums. Horovod
 is used through its public collectives only, never patched.
 
 The hook hands each gradient (or full bucket, :mod:`deepreduce.torch.grad_buckets`) to a worker
-thread (:class:`deepreduce.collective.inflight.InFlight`), which encodes it and starts its collective
+thread (the step engine, :class:`deepreduce.collective.step.StepEngine`), which encodes it and starts its collective
 while backward goes on. Starting Horovod collectives there is safe: ``horovod.torch`` allocates
 handles under a mutex, its tensor queue is mutex-protected and its handle map is a dict updated
 under the GIL; Horovod matches tensors by name, so the ranks need not enqueue in one order. Before
