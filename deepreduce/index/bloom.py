@@ -525,7 +525,7 @@ def unpack_params_python(params: bytes) -> BloomParams:
 # positives and work").
 POSITIVE_MARGIN = 2.0        # accepted false positives: this times the expected ...
 POSITIVE_SLACK = 64          # ... plus this many
-MAX_PROBE_RATE = 2.0         # P2: k * rate at most this
+MAX_PROBE_RATE = 2.0         # every policy and family: k * rate at most this
 MAX_PROBES_PER_BIT = 2       # P2 with k >= 2: k * r at most this times m
 MAX_KEYS_PER_SET_BIT = 64    # P2: r at most this times the set bits
 _POPCOUNT = np.array([bin(v).count("1") for v in range(256)], dtype=np.uint8)
@@ -549,9 +549,9 @@ def positive_limit(section, size: int, k: int, r: int, d: int, family: str = "bl
     inserted all hit set bits: the mean over blocks of ``(set bits / 512)**k`` (blocked),
     ``(set bits / m)**k`` (splitmix). An honest filter has its ``r`` keys plus Binomial(d - r,
     rate) false positives, so at most ``min(d, r + ceil(2 rate d) + 64)`` are accepted; it has at
-    most ``k r`` set bits (each one a probe of a key). P2's
-    conflict sets hold ``k |P|`` pairs visited in about ``r / set bits`` passes: it also needs
-    ``k rate <= 2``, ``k r <= 2 m`` when ``k >= 2``, and ``r <= 64`` set bits.
+    most ``k r`` set bits (each one a probe of a key) and, whatever the policy and family,
+    ``k rate <= 2`` (encoders stay below 0.76). P2's conflict sets hold ``k |P|`` pairs visited in
+    about ``r / set bits`` passes: it also needs ``k r <= 2 m`` when ``k >= 2``, and ``r <= 64`` set bits.
     """
     a = arrays.adapter(like)
     packed = a.from_section(section, "<u1", like)
@@ -575,11 +575,11 @@ def positive_limit(section, size: int, k: int, r: int, d: int, family: str = "bl
     if set_bits > k * r:   # ValueError, as the C++ module raises (the codec reports it as ContainerError)
         raise ValueError(f"Bloom filter has {set_bits} bits set; {r} keys of k = {k} hashes set at most "
                          f"{min(k * r, MASK64)}")
+    if k * rate > MAX_PROBE_RATE:
+        raise ValueError(f"Bloom filter claims {r} keys with k = {k} hashes at its false-positive rate {rate:.3g}: "
+                         "k * rate above 2, a filter far fuller than its k was chosen for")
     if conflict:   # ValueError, as the C++ module raises (the codec reports both as ContainerError)
         keys = f"Bloom P2 filter claims {r} keys"
-        if k * rate > MAX_PROBE_RATE:
-            raise ValueError(f"{keys} with k = {k} hashes at its false-positive rate {rate:.3g}: k * rate "
-                                 "above 2, a filter far fuller than its k was chosen for")
         if k >= 2 and k * r > MAX_PROBES_PER_BIT * m:
             raise ValueError(f"{keys} with k = {k} hashes in {m} bits: k * r above twice the bits, beyond "
                                  "any encoder's sizing")
@@ -710,9 +710,15 @@ class BloomIndex(IndexCodec):
 
     def decode(self, params, payload, count, numel):
         """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a
-        uint8 tensor."""
+        uint8 tensor. With the C++ kernels, one call to their decode (csrc/bloom/bloom_wire.h), whose
+        positives are a bitmap of ``numel`` bits; otherwise the array path below, its twin."""
         native = self._kernels(payload)
         a = arrays.adapter(payload)
+        if native is not None:
+            try:
+                return a.index(native.decode(bytes(params), payload, count, numel, self.threads))
+            except ValueError as exc:   # ErrorKind::CONTAINER, with the text of the checks below
+                raise ContainerError(str(exc)) from None
         p = unpack_params(params)
         if len(payload) != p.filter_bytes:
             unit = f"{p.size} blocks" if p.family == "blocked" else f"m = {p.size}"
@@ -723,13 +729,18 @@ class BloomIndex(IndexCodec):
             if count:
                 raise ContainerError(f"empty Bloom filter cannot carry {count} indices")
             return a.from_numpy(np.zeros(0, dtype=np.int64), payload)
-        with _errors(ContainerError, "Bloom decode"):
-            limit = self._positive_limit(native, p, payload, count, numel)
-            if p.policy in PREFIX:
-                limit = count
-            P = self._query(native, p, payload, numel, limit, payload)
-            check_positives(p.policy, P.shape[0], count, limit)
-            return a.index(self._select(native, p, P, count))
+        try:
+            with _errors(ContainerError, "Bloom decode"):
+                limit = self._positive_limit(native, p, payload, count, numel)
+                if p.policy in PREFIX:
+                    limit = count
+                P = self._query(native, p, payload, numel, limit, payload)
+                check_positives(p.policy, P.shape[0], count, limit)
+                return a.index(self._select(native, p, P, count))
+        except MemoryError:   # the C++ decode's words for the same failure (bloom_wire.cpp)
+            unit = f"{p.size} blocks" if p.family == "blocked" else f"m = {p.size}"
+            raise ContainerError(f"Bloom decode ran out of memory: a {p.policy} filter of {unit} and k = {p.k} "
+                                 f"claims {count} keys over {numel} positions") from None
 
     @classmethod
     def describe_params(cls, params: bytes) -> dict:
