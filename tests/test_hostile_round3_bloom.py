@@ -229,6 +229,21 @@ def test_kernel_out_of_memory_is_a_deepreduce_error(tmp_path):
     assert out.startswith("DeepReduceError out of memory in a deepreduce C++ kernel"), out
 
 
+@pytest.mark.skipif(NATIVE is None, reason="C++ Bloom kernels not built")
+def test_p1_radix_selection_takes_the_r_smallest_priorities():
+    """P1 by radix selection (C++ and NumPy) against a full sort of the priorities, with enough
+    positives for the histogram passes to run."""
+    rng = np.random.default_rng(5)
+    P = np.sort(rng.choice(1 << 22, 300_000, replace=False)).astype(np.uint64)
+    for r in (1, 2, 4_567, 150_000, 299_999, 300_000):
+        for draw in (0, 12345, 2**64 - 1):
+            prio = bloom.mix64(np.uint64(draw) + (P + np.uint64(1)) * np.uint64(bloom.GAMMA))
+            expected = np.sort(P[np.argsort(prio, kind="stable")[:r]])
+            assert np.array_equal(NATIVE.select_random(P, r, draw), expected), (r, draw)
+            assert np.array_equal(bloom.np_select_random(P, r, draw), expected), (r, draw)
+            assert np.array_equal(bloom.np_select_random(P.astype(np.uint32), r, draw), expected), (r, draw)
+
+
 def _filter(rng, family: str, d: int, r: int, k: int, seed: int):
     """(size, filter bytes) holding r random keys of [0, d), with up to k * r - (set bits) more
     bits set at random half of the time (fuller filters, still within the set-bit check)."""
