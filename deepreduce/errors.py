@@ -24,6 +24,15 @@ def quote(value) -> str:
     return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS - 3] + "..."
 
 
+def size_text(nbytes: float) -> str:
+    """A byte count for a message: ``94.6 GiB``, ``512 B``."""
+    for unit, scale in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20),
+                        ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 class DeepReduceError(Exception):
     """Base class of every error deepreduce raises."""
 

@@ -36,10 +36,14 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from . import checkpoint
 from .backend import arrays, kernels
-from .errors import CommunicationError, ConfigError
-from .params import Component
+from .errors import CommunicationError, ConfigError, quote
+from .params import Component, Param
 from .registry import register
+
+#: A sparse residual's tensor size in a checkpoint (deepreduce.wire.container.MAX_TENSOR_NUMEL).
+_NUMEL = Param(int, low=0, high=1 << 60, doc="elements of the residual's tensor")
 
 
 class Compensated(NamedTuple):
@@ -130,13 +134,14 @@ class ResidualMemory(Memory):
         residual = self._residuals.get(name)
         if residual is None:
             return None
-        if isinstance(residual, SparseResidual):   # the tensor travelled as entries until now
-            residual = self._residuals[name] = residual.dense()
-        if residual.shape[0] != flat.shape[0]:
+        held = residual.numel if isinstance(residual, SparseResidual) else residual.shape[0]
+        if held != flat.shape[0]:   # checked before a sparse one is densified (a checkpoint's numel)
             raise CommunicationError(
-                f"residual memory: tensor {name!r} had {residual.shape[0]} elements, now {flat.shape[0]}; "
+                f"residual memory: tensor {name!r} had {held} elements, now {flat.shape[0]}; "
                 "a name must keep its size"
             )
+        if isinstance(residual, SparseResidual):   # the tensor travelled as entries until now
+            residual = self._residuals[name] = residual.dense()
         if arrays.is_torch(flat) and (not arrays.is_torch(residual) or residual.device != flat.device):
             residual = self._residuals[name] = arrays.adapter(flat).from_numpy(_host(residual), flat)
         elif not arrays.is_torch(flat) and arrays.is_torch(residual):
@@ -230,45 +235,36 @@ class ResidualMemory(Memory):
                               for name, r in self._residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Replace every residual with the checkpoint's; errors name a malformed entry."""
-        residuals = _checked_keys(self, state, ("residuals",))["residuals"]
+        """Replace every residual with the checkpoint's; errors name a malformed entry
+        (:mod:`deepreduce.checkpoint`)."""
+        owner = f"memory {self.id!r}"
+        residuals = checkpoint.checked_keys(owner, state, ("residuals",))["residuals"]
         if not isinstance(residuals, dict):
-            raise ConfigError(f"memory {self.id!r}: 'residuals' must be a dict of name -> array")
+            raise ConfigError(f"{owner}: 'residuals' must be a dict of name -> array")
         loaded = {}
         for name, residual in residuals.items():
+            if not isinstance(name, str):
+                raise ConfigError(f"{owner}: residual names must be strings, got {quote(name)}")
             if isinstance(residual, dict):
-                loaded[name] = _checked_sparse(self, name, residual)
-                continue
-            array = np.asarray(residual)
-            if not isinstance(name, str) or array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
-                raise ConfigError(f"memory {self.id!r}: residual {name!r} must be a 1-D float array, "
-                                  f"got {array.dtype} of shape {array.shape}")
-            loaded[name] = np.array(array, dtype=np.float32, copy=True)
-            if not np.isfinite(loaded[name]).all():
-                raise ConfigError(f"memory {self.id!r}: residual {name!r} holds NaN/Inf (or values beyond float32's "
-                                  "range); a checkpoint must hold finite residuals")
+                loaded[name] = _checked_sparse(owner, name, residual)
+            else:
+                loaded[name] = checkpoint.checked_array(owner, f"residual {name!r}", residual, "float")
         self.reset()
         self._residuals.update(loaded)
 
 
-def _checked_sparse(component, name, state: dict) -> SparseResidual:
-    """A checkpoint's sparse residual, checked: ascending distinct positions inside the tensor,
-    as many finite float values."""
-    state = _checked_keys(component, state, ("positions", "values", "numel"))
-    positions, values, numel = np.asarray(state["positions"]), np.asarray(state["values"]), state["numel"]
-    numel = int(numel.item() if isinstance(numel, np.ndarray) else numel)
-    if (positions.ndim != 1 or values.shape != positions.shape or not np.issubdtype(positions.dtype, np.integer)
-            or not np.issubdtype(values.dtype, np.floating)):
-        raise ConfigError(f"memory {component.id!r}: sparse residual {name!r} needs 1-D integer positions and as "
-                          f"many float values, got {positions.dtype}{positions.shape} and {values.dtype}{values.shape}")
-    positions = positions.astype(np.int64)
+def _checked_sparse(owner: str, name: str, state: dict) -> SparseResidual:
+    """A checkpoint's sparse residual, checked: a tensor of at most 2**60 elements, ascending
+    distinct positions inside it, as many finite float values."""
+    state = checkpoint.checked_keys(f"{owner} sparse residual {name!r}", state, ("positions", "values", "numel"))
+    numel = checkpoint.checked_fields(f"{owner} sparse residual {name!r}", {"numel": state["numel"]},
+                                      {"numel": _NUMEL})["numel"]
+    positions = checkpoint.checked_array(owner, f"sparse residual {name!r} positions", state["positions"], "int")
+    values = checkpoint.checked_array(owner, f"residual {name!r}", state["values"], "float",
+                                      length=positions.shape[0])
     if positions.size and (positions[0] < 0 or positions[-1] >= numel or np.any(np.diff(positions) <= 0)):
-        raise ConfigError(f"memory {component.id!r}: sparse residual {name!r} has positions that are not ascending "
+        raise ConfigError(f"{owner}: sparse residual {name!r} has positions that are not ascending "
                           f"and distinct inside its {numel} elements")
-    values = np.array(values, dtype=np.float32, copy=True)
-    if not np.isfinite(values).all():
-        raise ConfigError(f"memory {component.id!r}: residual {name!r} holds NaN/Inf (or values beyond float32's "
-                          "range); a checkpoint must hold finite residuals")
     return SparseResidual(positions, values, numel)
 
 
@@ -281,12 +277,3 @@ def _copy(flat):
 def _host(residual) -> np.ndarray:
     """A residual as a float32 NumPy array (a torch residual is copied to the host)."""
     return np.asarray(arrays.adapter(residual).to_numpy(residual), dtype=np.float32)
-
-
-def _checked_keys(component, state, keys) -> dict:
-    """``state`` if it is a dict with exactly ``keys``; a ConfigError naming the difference otherwise."""
-    if not isinstance(state, dict) or set(state) != set(keys):
-        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"{component.kind} {component.id!r}: checkpoint state must have the keys "
-                          f"{list(keys)}, got {got}")
-    return state

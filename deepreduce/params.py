@@ -21,7 +21,8 @@ class Param:
     """One keyword argument of a component.
 
     ``kind`` is ``float``, ``int``, ``bool`` or ``str``. ``low``/``high`` bound numbers
-    (``low_open``/``high_open`` make a bound exclusive); ``choices`` restricts strings.
+    (``low_open``/``high_open`` make a bound exclusive); ``choices`` restricts strings;
+    ``finite=False`` lets a float be +-Inf (within the bounds; NaN never passes).
     """
 
     kind: type
@@ -32,6 +33,7 @@ class Param:
     high_open: bool = False
     choices: Optional[Sequence[Any]] = None
     doc: str = ""
+    finite: bool = True
 
     @property
     def required(self) -> bool:
@@ -49,9 +51,10 @@ class Param:
             return f"a {self.kind.__name__} in {left}{lo}, {hi}{right}"
         return f"a {self.kind.__name__}"
 
-    def check(self, owner: str, key: str, value: Any) -> Any:
-        """Return ``value`` converted to this parameter's type, or raise ConfigError."""
-        where = f"{owner}: parameter {key!r}"
+    def check(self, owner: str, key: str, value: Any, what: str = "parameter") -> Any:
+        """Return ``value`` converted to this parameter's type, or raise ConfigError naming
+        ``owner`` and ``what`` ``key`` is (a parameter, a checkpoint field)."""
+        where = f"{owner}: {what} {key!r}"
         if self.kind is bool:
             if not isinstance(value, bool):
                 raise ConfigError(f"{where} must be true or false, got {quote(value)}")
@@ -69,8 +72,9 @@ class Param:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{where} must be a number, got {quote(value)}")
             value = float(value)
-            if not math.isfinite(value):
-                raise ConfigError(f"{where} must be finite, got {quote(value)}")
+            if math.isnan(value) or (self.finite and not math.isfinite(value)):
+                raise ConfigError(f"{where} must be {'finite' if self.finite else 'a number, not NaN'}, "
+                                  f"got {quote(value)}")
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{where} is {quote(value)}; allowed: {self.allowed()}")
         if self.kind in (int, float):
@@ -137,9 +141,11 @@ class Component:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned; a stateless component accepts only ``{}``."""
+        if not isinstance(state, dict):
+            raise ConfigError(f"{self.kind} {self.id!r}: checkpoint state must be a dict, got {type(state).__name__}")
         if state:
             raise ConfigError(f"{self.kind} {self.id!r} keeps no state, but the checkpoint holds "
-                              f"{', '.join(sorted(map(str, state)))}")
+                              f"{quote(sorted(map(str, state)))}")
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.get_config() == other.get_config()

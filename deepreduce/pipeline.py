@@ -157,9 +157,15 @@ class Pipeline:
             raise ConfigError(f"pipeline checkpoint must have the keys {sorted(expected)}, got {got}")
         if state["config_digest"] != self._digest.hex():
             raise ConfigError("pipeline checkpoint was saved by a pipeline with another config "
-                              f"(digest {state['config_digest']}, this pipeline {self._digest.hex()})")
-        for kind in _STATEFUL_PARTS:
-            getattr(self, kind).load_state_dict(state[kind])
+                              f"(digest {quote(state['config_digest'])}, this pipeline {self._digest.hex()})")
+        before = {kind: getattr(self, kind).state_dict() for kind in _STATEFUL_PARTS}
+        try:
+            for kind in _STATEFUL_PARTS:
+                getattr(self, kind).load_state_dict(state[kind])
+        except Exception:   # a part refused its state: none of the checkpoint is applied
+            for kind in _STATEFUL_PARTS:
+                getattr(self, kind).load_state_dict(before[kind])
+            raise
 
     def summed_dense(self, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements may skip the container and be summed by a plain
@@ -670,6 +676,9 @@ class Pipeline:
         on_device = f"torch on {device}"
 
         def codec(component):
+            if component.array_api and str(device).split(":")[0] == "cpu" and \
+                    getattr(component, "cpu_tensor_kernels", False):
+                return f"{on_device} (c++ kernels on its memory)"
             return on_device if component.array_api else f"host: {component.backend} (compact data copied)"
 
         return {"memory": on_device, "finiteness": on_device,

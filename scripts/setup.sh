@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bring a fresh Debian machine (root, Python 3.11) to a working deepreduce checkout:
 #   OS packages -> .venv -> torch (CPU) -> pinned requirements -> patched Horovod 0.28.1
-#   -> horovodrun --check-build -> editable install of deepreduce -> TF custom ops.
+#   -> horovodrun --check-build -> editable install of deepreduce -> the harness's commands -> TF custom ops.
 # Every step is skipped when it is already done: a stamp under .venv/.deepreduce-stamps/
 # records a hash of that step's inputs, and the step re-runs only when the hash changes.
 #
@@ -292,13 +292,25 @@ csrc_hash() {
     fi
 }
 
-# The experiment harness (experiments/: main job, models, data, benchmarks) is not part of the
-# wheel; a .pth file puts this checkout on the venv's path so that `python -m experiments.train`
-# and the `deepreduce bench-*` / `reproduce` commands work from anywhere.
-harness_path() {
-    local site
+# ---------------------------------------------------------------- 5b. the experiment harness
+# The harness (experiments/: main job, models, data, benchmarks) is not part of the wheel. A .pth
+# file puts this checkout on the venv's path so that `python -m experiments.train` works from
+# anywhere, and the metadata-only distribution deepreduce-experiments (scripts/harness/) declares
+# the harness's commands in the entry point group deepreduce.commands, where `deepreduce` finds
+# the bench-* / reproduce commands (the library never imports the harness by name).
+step_harness() {
+    local site key
     site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     printf '%s\n' "$ROOT" > "$site/deepreduce-experiments.pth"
+    key="$(hash_files scripts/harness/pyproject.toml)"
+    if stamp_ok harness "$key" && "$VPY" -c 'import importlib.metadata as m; m.distribution("deepreduce-experiments")' \
+            >/dev/null 2>&1; then
+        log "harness: checkout on the path, commands registered, skipping"
+        return
+    fi
+    log "harness: registering the experiment commands (pip install scripts/harness)"
+    pipv install -q --no-deps --no-build-isolation "$ROOT/scripts/harness"
+    stamp_set harness "$key"
 }
 
 step_project() {
@@ -308,7 +320,6 @@ step_project() {
     fi
     local key
     key="$(hash_files setup.py pyproject.toml setup.cfg)-$(csrc_hash)-torch$(installed_version torch)"
-    harness_path
     if stamp_ok project "$key" && "$VPY" -c 'import deepreduce' >/dev/null 2>&1; then
         log "project: deepreduce installed and csrc/ unchanged, skipping"
         return
@@ -346,5 +357,6 @@ step_torch
 step_requirements
 step_horovod
 step_project
+step_harness
 step_tf_ops
 log "done in $(( $(date +%s) - T0 )) s (activate with: source .venv/bin/activate)"

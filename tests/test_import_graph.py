@@ -1,14 +1,25 @@
 """The package's layering, checked from its imports (every import statement, also those inside
 functions): no cycle among the library's modules, no arrow from the library to the experiment
 harness, none from the framework-blind core to a binding or to the distributed layer, and no
-framework imported by the core except through the array adapter (``deepreduce.backend.arrays``)."""
+framework imported by the core except through the array adapter (``deepreduce.backend.arrays``).
+
+Imports by name at run time (``importlib.import_module``, ``__import__``, ``runpy.run_module``:
+the registry's built-in component lists, the CLI's command modules, the C++ extension loader) are
+resolved too: each must name its module with a string or an f-string whose fields the test can
+read (``__name__``, a loop over a module-level tuple of strings such as the registry's
+``_BUILTIN_PACKAGES``; any other field stands for any dotted name), and none may reach the
+harness. They load lazily, after every module is imported, and the registry is the one place that
+names component packages of every layer, so they are not part of the cycle and layer checks.
+"""
 import ast
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "deepreduce"
+HARNESS = ROOT / "experiments"
 FRAMEWORKS = ("torch", "tensorflow", "horovod", "keras", "mpi4py")
 BINDINGS = ("deepreduce.torch", "deepreduce.tensorflow")
 # the layers above the core; everything else in deepreduce/ is the framework-blind core
@@ -21,8 +32,8 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict:
-    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def modules(tree: pathlib.Path = PACKAGE) -> dict:
+    return {module_name(p): p for p in tree.rglob("*.py")}
 
 
 def imports_of(name: str, path: pathlib.Path, known: dict) -> set:
@@ -47,6 +58,89 @@ def imports_of(name: str, path: pathlib.Path, known: dict) -> set:
 def graph():
     known = modules()
     return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+#: Calls that import a module named by a string.
+BY_NAME = ("import_module", "__import__", "run_module")
+#: What an f-string field the test cannot read may stand for: any dotted name.
+ANY_NAME = r"[A-Za-z_][\w.]*"
+
+
+def harness_modules() -> set:
+    return set(modules(HARNESS))
+
+
+def extension_modules() -> set:
+    """The compiled extensions, ``deepreduce._<folder>`` for each csrc folder with a pybind11 module."""
+    return {f"deepreduce._{p.parent.name}" for p in (ROOT / "csrc").glob("*/py_module.cpp")}
+
+
+def loop_strings(tree: ast.Module) -> dict:
+    """``name -> strings`` for every ``for name in CONST`` of the module, where ``CONST`` is a
+    module-level tuple or list of string literals (the registry's built-in lists)."""
+    consts = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List)):
+            items = node.value.elts
+            if items and all(isinstance(i, ast.Constant) and isinstance(i.value, str) for i in items):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        consts[target.id] = [i.value for i in items]
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Name) \
+                and node.iter.id in consts:
+            bound.setdefault(node.target.id, []).extend(consts[node.iter.id])
+    return bound
+
+
+def name_pattern(arg: ast.expr, module: str, bound: dict):
+    """A regular expression for the module names an import-by-name argument can take, or None
+    when it is neither a string nor an f-string."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return re.escape(arg.value)
+    if not isinstance(arg, ast.JoinedStr):
+        return None
+    parts = []
+    for value in arg.values:
+        if isinstance(value, ast.Constant):
+            parts.append(re.escape(value.value))
+        elif isinstance(value.value, ast.Name) and value.value.id == "__name__":
+            parts.append(re.escape(module))
+        elif isinstance(value.value, ast.Name) and value.value.id in bound:
+            parts.append("(?:" + "|".join(map(re.escape, bound[value.value.id])) + ")")
+        else:
+            parts.append(ANY_NAME)
+    return "".join(parts)
+
+
+def imports_by_name(name: str, path: pathlib.Path) -> list:
+    """``(line, pattern)`` of every import by name in a module (pattern None: unreadable)."""
+    tree = ast.parse(path.read_text())
+    bound = loop_strings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if func in BY_NAME:
+                found.append((node.lineno, name_pattern(node.args[0], name, bound)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def by_name():
+    """``module -> [(line, pattern, targets)]``: the library's imports by name, with the known modules
+    (library, extensions, harness) each pattern matches."""
+    known = set(modules()) | extension_modules() | harness_modules()
+    result = {}
+    for name, path in modules().items():
+        sites = []
+        for line, pattern in imports_by_name(name, path):
+            targets = sorted(m for m in known if pattern is not None and re.fullmatch(pattern, m))
+            sites.append((line, pattern, targets))
+        if sites:
+            result[name] = sites
+    return result
 
 
 def within(name: str, prefixes) -> bool:
@@ -74,9 +168,45 @@ def test_the_library_has_no_import_cycle(graph):
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_library_never_imports_the_harness(graph):
+def test_the_library_never_imports_the_harness(graph, by_name):
     wrong = {m: sorted(t for t in ts if within(t, ("experiments",))) for m, ts in graph.items()}
+    for m, sites in by_name.items():
+        for line, pattern, targets in sites:
+            wrong.setdefault(f"{m}:{line}", []).extend(t for t in targets if within(t, ("experiments",)))
     assert not {m: ts for m, ts in wrong.items() if ts}
+
+
+def test_no_literal_of_the_library_names_a_harness_module():
+    """Nor through a string that another mechanism imports (an entry point value, ``sys.modules``):
+    no string literal of the library other than a docstring is a harness module's name."""
+    harness = harness_modules()
+    wrong = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if node.value.split(":")[0].strip() in harness:
+                    wrong.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert not wrong
+
+
+def test_every_import_by_name_is_resolved(by_name):
+    """Each names a known module, so the test above sees where it leads: the registry's lists, the
+    CLI's command modules and the extension loader all resolve, and a typo in a list fails here."""
+    assert {"deepreduce.registry", "deepreduce.cli", "deepreduce.backend._native"} <= set(by_name)
+    unreadable = [f"{m}:{line}" for m, sites in by_name.items() for line, pattern, _ in sites if pattern is None]
+    assert not unreadable, "write the module name as a string or an f-string: " + ", ".join(unreadable)
+    unresolved = [f"{m}:{line} {pattern}" for m, sites in by_name.items() for line, pattern, targets in sites
+                  if not targets]
+    assert not unresolved
+    registry = {t for _, _, targets in by_name["deepreduce.registry"] for t in targets}
+    assert {"deepreduce.sparsify.sidco", "deepreduce.collective.comm.horovod", "deepreduce.memory",
+            "deepreduce.collective.aggregation"} <= registry
+    commands = {m for m in modules() if m.startswith("deepreduce.cli.")}
+    assert {t for _, _, targets in by_name["deepreduce.cli"] for t in targets} == commands == {"deepreduce.cli.inspect"}
 
 
 def test_the_core_imports_no_binding_no_distributed_layer_and_no_framework(graph):

@@ -7,7 +7,8 @@ configs as package data. A fresh venv sees this machine's torch through a .pth f
 environment would have its own), and the wheel is installed into it. The installed package must leave torch
 alone, carry its compiled extensions and the shipped configs (loadable by name), import without
 Horovod or TensorFlow, and hold the library only: the experiment harness (``experiments/``, in
-the sources beside it) is not installed.
+the sources beside it) is not installed, and the ``deepreduce`` command offers the library's own
+commands only.
 """
 import json
 import os
@@ -71,6 +72,10 @@ def test_wheel_with_torch_extra_installs_into_an_environment_that_has_torch(tmp_
         in_wheel = sorted(Path(n).stem for n in archive.namelist() if n.startswith("deepreduce/configs/")
                           and n.endswith(".yaml"))
     assert in_wheel == shipped
+    with zipfile.ZipFile(wheel) as archive:                            # the harness registers no command here
+        (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        assert archive.read(entry_points).decode().split() == ["[console_scripts]", "deepreduce", "=",
+                                                               "deepreduce.cli:main"]
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-input",
                               f"deepreduce[torch] @ {wheel.as_uri()}"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=600)
@@ -87,3 +92,7 @@ def test_wheel_with_torch_extra_installs_into_an_environment_that_has_torch(tmp_
     assert result["native"] == {n: True for n in natives}            # the C++ extensions were built
     assert result["configs"] == shipped and len(shipped) > 20          # every shipped config by name
     assert not (site / "experiments").exists()                         # the harness stays in the sources
+    usage = subprocess.run([str(venv / "bin" / "deepreduce"), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 0, usage.stderr[-3000:]
+    assert "{inspect}" in usage.stdout                                 # the console command: the library's own only

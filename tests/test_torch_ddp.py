@@ -122,6 +122,26 @@ def test_resumed_state_sends_identical_containers(ranks):
         assert not result["without_state_identical"]   # the saved residuals and stage counts matter
 
 
+def test_an_unpickled_state_registered_without_bind_trains_on_like_the_original():
+    """PyTorch's PowerSGD pickling pattern (workers/torch_ddp_hook.py, scenario_hook_pickling; one
+    launch of its own)."""
+    r0, r1 = both(spawn_ranks(worker.run_hook_pickling), "scenario_hook_pickling")
+    for r in (r0, r1):
+        assert r["names"] == ["conv.bias", "conv.weight", "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+        assert r["lazy_identical"] and r["bound_identical"], r   # the containers of step 3, byte for byte
+        np.testing.assert_array_equal(r["lazy"], r["params"])      # as if it was never pickled
+        np.testing.assert_array_equal(r["bound"], r["params"])
+        assert r["lazy_step"] == 4
+        np.testing.assert_array_equal(r["fresh_pickled"], r["unnamed"])
+        assert r["fresh_names"] == r["unnamed_names"] == sorted(f"param.{k}" for k in range(6))
+        kind, message, _ = r["mismatch"]
+        assert kind == "ConfigError" and "position 0 of DDP's hand-over order has shape (3, 4)" in message, message
+        assert "'conv.weight' there (16, 3, 3, 3)" in message and "state.bind(" in message, message
+    for key in ("params", "lazy", "fresh_pickled"):
+        np.testing.assert_array_equal(r0[key], r1[key])   # the ranks agree
+    assert r0["mismatch"][1] == r1["mismatch"][1]
+
+
 def test_warmup_steps_send_dense_containers_and_resume_after_them(ranks):
     for result in both(ranks, "scenario_warmup"):
         assert result["warm"] == [True, True] and result["after"] == [False]

@@ -212,7 +212,7 @@ def test_bitpack_identical_on_torch(values, width_extra):
 def test_backends_report_where_each_component_runs():
     dev = torch_build("configs/bfp2_polyfit.yaml", path="device")
     report = dev.backends("cpu")
-    assert report["index"] == "torch on cpu" and report["memory"] == "torch on cpu"
+    assert report["index"] == "torch on cpu (c++ kernels on its memory)" and report["memory"] == "torch on cpu"
     assert report["value"].startswith("host")
     host = torch_build("configs/bf_p0.yaml").backends("cpu")
     assert all(v.startswith("host") for v in host.values())

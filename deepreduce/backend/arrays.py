@@ -198,6 +198,8 @@ class TorchAdapter(Adapter):
         return raw.view(self._dtypes[dtype])
 
     def as_bytes(self, x):
+        if x.numel() == 0:   # torch keeps a stride of 0 (as_strided, expand) through contiguous(),
+            return self.torch.zeros(0, dtype=self.torch.uint8, device=x.device)   # and view needs 1
         return x.contiguous().reshape(-1).view(self.torch.uint8)
 
     def concat_bytes(self, parts):

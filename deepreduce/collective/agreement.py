@@ -35,8 +35,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..backend import arrays
-from ..wire import container
 from ..errors import CommunicationError, NonFiniteGradientError
+from ..wire import container
 
 Allgather = Callable[[np.ndarray], List[np.ndarray]]
 """Gathers one uint8 container from every rank; returns them in rank order (a communicator's allgather)."""

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from ..wire.container import unpack
 from .cost_model import CodecCosts, PowerSGDCosts
 from .linear_fit import fit_nonnegative
 from .sparse_allreduce import SparseAllreduce, even_bounds
-from ..wire.container import unpack
 
 DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 #: The containers per call of the second row of every size (the first: one).

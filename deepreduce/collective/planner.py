@@ -31,7 +31,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from .cost_model import (
-    FLOAT16_BYTES, CodecCosts, Cost, Link, allgather_cost, check_nonnegative, check_ranks, dense_cost,
+    FLOAT16_BYTES,
+    CodecCosts,
+    Cost,
+    Link,
+    allgather_cost,
+    check_nonnegative,
+    check_ranks,
+    dense_cost,
     sparse_allreduce_cost,
 )
 

@@ -23,25 +23,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..backend import arrays
-from ..errors import CommunicationError, DeepReduceError, NonFiniteGradientError
+from ..errors import CommunicationError, DeepReduceError
 from ..pipeline import Pipeline
 from ..wire import container
-from . import agreement
-
-FAILED = b"\xffdeepreduce: encode failed\xff"   # opens the payload a rank sends when its encode raised
+from . import agreement, failure
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
 FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
-
-
-def on_host(payload):
-    """A payload to read byte by byte: a torch tensor (on any device) copied to the host in one
-    transfer, as a uint8 NumPy array (reading a device tensor's elements one by one costs a
-    device synchronisation each); anything else as it is."""
-    if not arrays.is_torch(payload):
-        return payload
-    return np.frombuffer(arrays.head_bytes(payload, len(payload)), dtype=np.uint8)
 
 
 class ReductionProtocol:
@@ -59,7 +47,6 @@ class ReductionProtocol:
         self.auto = None if aggregation is None else aggregation.planner(core, communicator)
         self._skipped: Dict[int, List[Tuple[str, Found]]] = {}
         self._failed: Dict[int, List[Tuple[str, BaseException]]] = {}
-        self.routes_taken: Dict[str, Dict[str, int]] = {}   # name -> route -> times (:meth:`reduce_flat`)
 
     # ------------------------------------------------------------------ route
     def route(self, name: str) -> str:
@@ -97,10 +84,11 @@ class ReductionProtocol:
 
     def reduce_sparse(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Optional[Found]]:
         """The sparse all-reduce of a flat float32 host array: (the sum, or the average with
-        ``average``; a non-finite report or None). Every rank must call it for the same tensors
+        ``average``; a non-finite report under ``nonfinite: raise``, else None: under
+        ``propagate`` the NaN/Inf is in the sum, as on every route). Every rank must call it for the same tensors
         in the same order (the adapters sort by name)."""
         total = self.sparse.reduce(flat, name, step)
-        found = self.sparse.last_nonfinite
+        found = self.sparse.last_nonfinite if self.core.nonfinite == "raise" else None
         if found is None and self.average:
             total /= self.communicator.size
         return total, found
@@ -112,41 +100,9 @@ class ReductionProtocol:
         residual = self.take_residual(name)
         return flat if residual is None else flat + residual.reshape(flat.shape)
 
-    @staticmethod
-    def failure_payload(exc: BaseException) -> np.ndarray:
-        """What a rank whose encode raised sends in place of its container: every rank's collective
-        completes, every peer raises (:meth:`finish`: a NonFiniteGradientError for a non-finite
-        gradient, as the README's skip-the-step pattern catches, else a CommunicationError), and
-        the rank raises its own error; the step is undone everywhere and the next one is in phase."""
-        kind = "nonfinite" if isinstance(exc, NonFiniteGradientError) else "error"
-        text = f"{kind}\n{type(exc).__name__}: {exc}"[:500]
-        return agreement.wrap_bytes(FAILED + text.encode("utf-8", "replace"))
-
-    @staticmethod
-    def failed_rank(payloads: Sequence) -> Optional[Tuple[int, str, str]]:
-        """(rank, "nonfinite" or "error", its message) of the first rank that sent
-        :meth:`failure_payload`, or None. Only a small payload holding the marker is parsed; a
-        small torch payload is read on the host (:func:`on_host`)."""
-        for rank, payload in enumerate(payloads):
-            if len(payload) > 1024:
-                continue
-            payload = on_host(payload)
-            if FAILED[:12] in bytes(payload[:64]):
-                data = agreement.unwrap_bytes(payload)
-                if data.startswith(FAILED):
-                    kind, _, message = data[len(FAILED):].decode("utf-8", "replace").partition("\n")
-                    return rank, kind, message
-        return None
-
-    @classmethod
-    def raise_if_failed(cls, payloads: Sequence, label: str, step: int) -> None:
-        """Raise on this rank what a peer's :meth:`failure_payload` among ``payloads`` reports:
-        a NonFiniteGradientError for a non-finite gradient, else a CommunicationError."""
-        failed = cls.failed_rank(payloads)
-        if failed is not None:
-            error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            raise error(f"{label} at step {step}: rank {failed[0]} could not encode its gradient "
-                        f"({failed[2]}); every rank skips this step")
+    failure_payload = staticmethod(failure.payload)
+    failed_rank = staticmethod(failure.failed_rank)
+    raise_if_failed = staticmethod(failure.raise_if_failed)
 
     @classmethod
     def split_per_rank(cls, payloads: Sequence, count: int, label: str, step: int) -> List[list]:
@@ -160,54 +116,6 @@ class ReductionProtocol:
             if len(parts) != count:
                 raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
         return per_rank
-
-    def reduce_allgather(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Found]:
-        """One flat float32 host array through the whole allgather protocol, for adapters that run
-        a tensor's reduction as one host call (TensorFlow's planned routes): encode (the failure
-        payload where it raises), allgather, :meth:`finish` into a new array. Returns (the sum or
-        average, :meth:`report`'s verdict); a failure or decode error is recorded for
-        :meth:`end_step`, which raises it on every rank after the step's last collective."""
-        try:
-            payload = self.core.encode(flat, name=name, step=step)
-        except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-            payload = self.failure_payload(exc)
-        out = np.zeros_like(flat)
-        try:
-            found = self.finish(self.communicator.allgather(payload, f"deepreduce.{name}"), name, step,
-                                lambda parts: self.core.decode_sum(parts, expected_shape=flat.shape, out=out),
-                                lambda ranks: np.divide(out, ranks, out=out))
-        except DeepReduceError as exc:
-            self.fail(name, step, exc)
-            return out, FAILED_REPORT
-        return out, FINE if found is None else found
-
-    def reduce_flat(self, flat: np.ndarray, name: str, step: int,
-                    allreduce: Callable[[np.ndarray, str], np.ndarray]) -> Tuple[np.ndarray, Found]:
-        """One flat float32 host array by its :meth:`route`, in one blocking host call, for adapters
-        that reduce each tensor in one host op (TensorFlow under the sparse all-reduce or ``auto``):
-        the sparse all-reduce (a non-finite report recorded as :meth:`skip`), the allgather
-        (:meth:`reduce_allgather`), or, for the plan's ``dense`` / ``fp16``, the array plus its
-        residual (:meth:`flush_residual`) in float32 / float16 summed by the binding's
-        ``allreduce(array, route)`` and averaged here. The ``auto`` planner hears that ``name`` is
-        ready, and :attr:`routes_taken` counts the route. Returns (the sum or average, as
-        :meth:`report` says of it)."""
-        route = self.route(name)
-        if self.auto is not None:
-            self.auto.ready(name, flat.size)
-        counts = self.routes_taken.setdefault(name, {})
-        counts[route] = counts.get(route, 0) + 1
-        if route == "sparse_allreduce":
-            total, found = self.reduce_sparse(flat, name, step)
-            if found is not None:
-                self.skip(name, step, found)
-            return total, FINE if found is None else found
-        if route not in ("dense", "fp16"):
-            return self.reduce_allgather(flat, name, step)
-        flat = self.flush_residual(name, flat)
-        if route == "dense":
-            self.core.count_summed_dense(flat.size)
-        total = np.asarray(allreduce(flat.astype(np.float16) if route == "fp16" else flat, route), dtype=np.float32)
-        return (total / np.float32(self.communicator.size) if self.average else total), FINE
 
     def report(self, payloads: Sequence, name: str, step: int) -> Found:
         """The receive-side decision for one tensor, for adapters that decode in a later op
@@ -282,8 +190,12 @@ class ReductionProtocol:
         errors = list(errors) + [error for _, error in failed]
         if errors or skipped:
             self.core.undo_step()
+            if self.sparse is not None:
+                self.sparse.undo()
         else:
             self.core.commit_step()
+            if self.sparse is not None:
+                self.sparse.commit()
             self._plan(step)
         if errors:
             raise errors[0]

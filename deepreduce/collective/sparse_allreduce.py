@@ -29,15 +29,16 @@ per container is a microsecond or two rather than a Python loop's tens (docs/sca
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..backend import kernels, native_pipeline
-from ..errors import CommunicationError, ConfigError
+from ..errors import CommunicationError, ConfigError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
-from . import agreement
+from . import agreement, failure, ports
 
 RESELECT = ("topk", "none")
 
@@ -72,40 +73,115 @@ class SparseAllreduce:
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
+        # start each phase's collective when it is ready (the step engine's route) rather than
+        # when it is waited for (the blocking reduce(); a communicator without asynchronous calls)
+        self.asynchronous = False
+        # under nonfinite: raise, each tensor's owner residual and bounds from before the step
+        self._journal: Optional[Dict[str, tuple]] = {} if pipeline.nonfinite == "raise" else None
 
     # ------------------------------------------------------------------ the step
     def reduce(self, grad: np.ndarray, name: str, step: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The sum over the ranks of ``grad`` (flat float32 NumPy, ``name`` and ``step`` alike on
-        every rank), written into ``out`` when given."""
+        every rank), written into ``out`` when given: the three phases below in one blocking call."""
+        phase = self.start(grad, name, step)
+        self.exchange(phase)
+        return self.complete(phase, out)[0]
+
+    def start(self, grad: np.ndarray, name: str, step: int) -> "Phase":
+        """Phase one: compensate, select, encode one container per shard and start the alltoall
+        (asynchronous where the communicator can). May raise (the encode): then
+        :meth:`start_failed` sends the failure payload in its place."""
         flat = np.asarray(grad).reshape(-1)
-        rank, size = self.communicator.rank, self.communicator.size
-        bounds = self._bounds.setdefault(name, even_bounds(flat.shape[0], size))
-        owner = self._owner_residual(name, flat.shape[0])
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        phase = self._phase(name, step, flat.shape[0])
+        owner = self._owner_residual(name, phase.numel)
         if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
             self._moved.discard(name)
-            flat = self._with_stranded_mass(flat, owner, lo, hi)
-
-        sent = self.pipeline.encode_shards(flat, name, step, bounds)
+            flat = self._with_stranded_mass(flat, owner, phase.lo, phase.hi)
+        sent = self.pipeline.encode_shards(flat, name, step, phase.bounds)
         self.sent_bytes += sum(int(p.shape[0]) for p in sent)
-        mine = self.communicator.alltoall(sent, f"deepreduce.sra1.{name}")
-        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
-        shard = self._owner_step(mine, owner, lo, hi, name, step)
-        self.sent_bytes += int(shard.shape[0])
+        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        return phase
 
-        shards = self.communicator.allgather(shard, f"deepreduce.sra2.{name}")
+    def start_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
+        """Phase one of a rank whose encode raised ``error``: the failure payload to every owner."""
+        phase = self._phase(name, step, numel)
+        sent = [failure.payload(error)] * self.communicator.size
+        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        return phase
+
+    def _alltoall(self, payloads, name: str):
+        if self.asynchronous:
+            return ports.start_alltoall(self.communicator, payloads, name)
+        return ports.Pending(lambda: self.communicator.alltoall(payloads, name))
+
+    def _allgather(self, payload, name: str):
+        if self.asynchronous:
+            return ports.start_allgather(self.communicator, payload, name)
+        return ports.Pending(lambda: self.communicator.allgather(payload, name))
+
+    def _phase(self, name: str, step: int, numel: int) -> "Phase":
+        rank, size = self.communicator.rank, self.communicator.size
+        bounds = self._bounds.setdefault(name, even_bounds(numel, size))
+        if self._journal is not None and name not in self._journal:
+            owner = self._owner_residuals.get(name)
+            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy(), name in self._moved)
+        return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
+
+    def exchange(self, phase: "Phase") -> None:
+        """Phase two, in one order on every rank: wait for this rank's shard containers,
+        decode-sum them, re-select with the owner residual, encode, and start the allgather. A
+        peer's failure payload is passed on in place of the shard, so every rank hears of it."""
+        mine = phase.pending.wait()
+        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
+        failed = failure.failed_rank(mine)
+        if failed is not None:
+            kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            shard = failure.payload(kind(f"rank {failed[0]}: {failed[2]}"))
+        else:
+            owner = self._owner_residual(phase.name, phase.numel)
+            shard = self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
+        self.sent_bytes += int(shard.shape[0])
+        phase.pending = self._allgather(shard, f"deepreduce.sra2.{phase.name}")
+
+    def complete(self, phase: "Phase", out: Optional[np.ndarray] = None):
+        """Phase three: wait for every shard and decode them into ``out`` (or a new array);
+        returns (the sum, the first flagged shard's (rank, NaN, Inf) or None). A peer's failure
+        payload raises (:func:`deepreduce.collective.failure.raise_if_failed`)."""
+        shards = phase.pending.wait()
         self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in shards)
+        size = self.communicator.size
         if len(shards) != size:
-            raise CommunicationError(f"sparse_allreduce of {name!r}: {len(shards)} shards for {size} ranks")
+            raise CommunicationError(f"sparse_allreduce of {phase.name!r}: {len(shards)} shards for {size} ranks")
+        failure.raise_if_failed(shards, f"sparse_allreduce of {phase.name!r}", phase.step)
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
-        target = np.zeros(flat.shape[0], np.float32) if out is None else out.reshape(-1)
-        self._decode_shards(shards, bounds, target)
-        if flagged is None and (step + 1) % self.repartition_every == 0:
-            moved = balanced_bounds(kernels.nonzero(target), flat.shape[0], size)
-            if not np.array_equal(moved, bounds):
-                self._bounds[name] = moved
-                self._moved.add(name)
-        return target
+        target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
+        self._decode_shards(shards, phase.bounds, target)
+        if flagged is None and (phase.step + 1) % self.repartition_every == 0:
+            moved = balanced_bounds(kernels.nonzero(target), phase.numel, size)
+            if not np.array_equal(moved, phase.bounds):
+                self._bounds[phase.name] = moved
+                self._moved.add(phase.name)
+        return target, flagged
+
+    # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
+    def commit(self) -> None:
+        """The step was applied on every rank: forget the owner residuals saved for :meth:`undo`."""
+        if self._journal is not None:
+            self._journal.clear()
+
+    def undo(self) -> None:
+        """The step was skipped on every rank: owner residuals and shard bounds as before it (the
+        per-rank residuals are the pipeline's, restored by its own journal)."""
+        if self._journal is None:
+            return
+        for name, (owner, bounds, moved) in self._journal.items():
+            if owner is None:
+                self._owner_residuals.pop(name, None)
+            else:
+                self._owner_residuals[name] = owner
+            self._bounds[name] = bounds
+            (self._moved.add if moved else self._moved.discard)(name)
+        self._journal.clear()
 
     def _native(self):
         """The C++ pipeline when it decodes this config's containers, else None."""
@@ -163,8 +239,13 @@ class SparseAllreduce:
                     name: str, step: int) -> np.ndarray:
         """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
         m = hi - lo
+        if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
+            total = np.zeros(m, np.float32)
+            for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
+                total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
+            return self.pipeline.encode_dense(total, flagged=True)
         total = self.sum_shard(payloads, m)
-        if agreement.first_nonfinite(payloads) is not None or not np.isfinite(total).all():
+        if not np.isfinite(total).all():
             return self.pipeline.encode_dense(total, flagged=True)
         total += owner[lo:hi]
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
@@ -207,6 +288,20 @@ class SparseAllreduce:
     def owner_residual(self, name: str) -> Optional[np.ndarray]:
         """The owner residual held for ``name`` (non-zero only inside this rank's shard)."""
         return self._owner_residuals.get(name)
+
+
+@dataclass
+class Phase:
+    """One tensor's sparse all-reduce between its phases: its shard bounds, this rank's shard
+    ``[lo, hi)``, and the collective in flight (``pending``)."""
+
+    name: str
+    step: int
+    numel: int
+    bounds: np.ndarray
+    lo: int
+    hi: int
+    pending: object = None
 
 
 def even_bounds(numel: int, ranks: int) -> np.ndarray:

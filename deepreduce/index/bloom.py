@@ -59,6 +59,11 @@ BLOCKED = FAMILIES.index("blocked")
 
 _LO32 = 0xFFFFFFFF
 _CHUNK = 1 << 20          # positions per query pass on a CPU (cache-sized)
+# torch tensors on a CPU (without the extension): below torch's grain size (32768 elements), so
+# every operation of a pass stays on the calling thread; beyond it torch splits each of the
+# pass's ~40 small operations over its intra-op threads, which on a busy host cost 10 to 100
+# times the operation (measured: a shift of 2**16 int64, 0.01 ms on one thread, 8 ms on two)
+_CHUNK_TORCH_CPU = 1 << 15
 _CHUNK_GPU = 1 << 26      # on a GPU: few passes, so kernel launches do not dominate
 
 BLOCK_BITS = 512
@@ -280,7 +285,7 @@ def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str
 
     found, total = [], 0
     narrow = not arrays.is_torch(packed) and d <= 1 << 32
-    chunk = _CHUNK_GPU if str(packed.device).startswith("cuda") else _CHUNK
+    chunk = _CHUNK_GPU if str(packed.device).startswith("cuda") else _CHUNK_TORCH_CPU if a.name == "torch" else _CHUNK
     for base in range(0, d, chunk):
         cand = a.words(xp.arange(base, min(d, base + chunk), device=packed.device))
         if family == "blocked":   # each probe tests only the survivors of the previous ones
@@ -643,6 +648,16 @@ def unpack_params_python(params: bytes) -> BloomParams:
     return BloomParams("blocked", policy, k, blocks, seed, draw_seed)
 
 
+def _host_tensor(x) -> bool:
+    """Whether ``x`` is a torch CPU tensor that the C++ kernels read in place (extension built)."""
+    return arrays.is_torch(x) and x.device.type == "cpu" and _native.load("bloom") is not None
+
+
+def _host_view(x) -> np.ndarray:
+    """A torch CPU tensor as NumPy (no copy for a contiguous one)."""
+    return np.ascontiguousarray(x.detach().numpy())
+
+
 # ---------------------------------------------------------------------------------- receiver bounds
 # The constants of positive_limit (csrc/bloom/bloom.h; docs/reliability.md, "Bloom filters:
 # positives and work").
@@ -762,6 +777,12 @@ class BloomIndex(IndexCodec):
         "hash_seed": Param(int, default=0, low=0, high=MASK64, doc="seed of the hash family"),
     }
 
+    @property
+    def cpu_tensor_kernels(self) -> bool:
+        """Whether torch CPU tensors are encoded and decoded by the C++ kernels on their memory
+        (the extension is built; see :meth:`encode`)."""
+        return _native.load("bloom") is not None
+
     # -- backend dispatch ---------------------------------------------------------------
     def _kernels(self, like):
         """The C++ module for NumPy input (None: the array path, for NumPy without the
@@ -808,7 +829,17 @@ class BloomIndex(IndexCodec):
     # -- encode / decode ----------------------------------------------------------------
     def encode(self, indices, values, dense, ctx):
         """Written against the array namespace: NumPy input runs the C++ kernels (or NumPy),
-        torch input runs on the tensors' device (only P2's conflict selection visits the host)."""
+        torch input runs on the tensors' device (only P2's conflict selection visits the host).
+
+        A torch tensor on the CPU is host memory: with the extension built, the C++ kernels
+        encode it through zero-copy NumPy views (the same bytes). The array path would scan its
+        ``d`` positions with some 40 torch operations per chunk, each a pass over a fresh
+        temporary, that torch spreads over its intra-op threads beyond 32768 elements: 10 to 100
+        times the C++ scan's CPU time on a busy host (docs/reliability.md, round 3)."""
+        if _host_tensor(dense):
+            a = arrays.adapter(dense)
+            enc = self.encode(*(_host_view(x) for x in (indices, values, dense)), ctx)
+            return enc._replace(indices=a.from_numpy(enc.indices, dense), values=a.from_numpy(enc.values, dense))
         native = self._kernels(dense)
         a, xp = arrays.adapter(dense), arrays.namespace(dense)
         d = int(dense.shape[0])
@@ -833,8 +864,12 @@ class BloomIndex(IndexCodec):
 
     def decode(self, params, payload, count, numel):
         """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a
-        uint8 tensor. With the C++ kernels, one call to their decode (csrc/bloom/bloom_wire.h), whose
-        positives are a bitmap of ``numel`` bits; otherwise the array path below, its twin."""
+        uint8 tensor (a CPU one through the C++ kernels, as in :meth:`encode`). With the C++
+        kernels, one call to their decode (csrc/bloom/bloom_wire.h), whose positives are a bitmap
+        of ``numel`` bits; otherwise the array path below, its twin."""
+        if _host_tensor(payload):
+            return arrays.adapter(payload).from_numpy(self.decode(params, _host_view(payload).tobytes(), count, numel),
+                                                      payload)   # the filter: as compact as the container
         native = self._kernels(payload)
         a = arrays.adapter(payload)
         if native is not None:

@@ -28,7 +28,9 @@ from typing import Dict
 
 import numpy as np
 
+from .. import checkpoint
 from ..backend import _native, arrays, kernels
+from ..errors import ConfigError, quote
 from ..params import Param
 from ..registry import register
 from . import _fits
@@ -39,6 +41,11 @@ from .basic import RATIO
 # zero, so a subnormal threshold would select every entry there and subnormal magnitudes would
 # count as non-zero in NumPy but not in TF.
 SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+# The checkpoint fields of a tensor's stage state (_fits.StageState), but ``stages``, whose cap
+# is the sparsifier's (SIDCo.load_state_dict).
+_STAGE_FIELDS = {"acc": checkpoint.COUNT, "cnt": checkpoint.COUNT,
+                 "direction": Param(int, choices=(-1, 1), doc="flip mode's step direction"),
+                 "last_error": Param(float, low=0.0, finite=False, doc="flip mode's last relative error")}
 
 
 def _count_at_least(x, eta: float) -> int:
@@ -285,8 +292,6 @@ class SIDCo(Sparsifier):
 
     def _validate(self) -> None:
         if self.max_stages and self.stages > self.max_stages:
-            from ..errors import ConfigError
-
             raise ConfigError(f"sparsifier 'sidco': 'stages' ({self.stages}) exceeds 'max_stages' "
                               f"({self.max_stages})")
 
@@ -315,19 +320,20 @@ class SIDCo(Sparsifier):
                             for name, state in self._states.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the stage states :meth:`state_dict` returned."""
-        from ..errors import ConfigError
-
-        tensors = state.get("tensors") if isinstance(state, dict) and set(state) == {"tensors"} else None
+        """Restore the stage states :meth:`state_dict` returned, each field checked
+        (:mod:`deepreduce.checkpoint`): a stage count beyond this config's cap would make every
+        later encode fit that many stages."""
+        tensors = checkpoint.checked_keys("sparsifier 'sidco'", state, ("tensors",))["tensors"]
         if not isinstance(tensors, dict):
             raise ConfigError("sparsifier 'sidco': checkpoint state must be {'tensors': {name: stage state}}")
+        fields = dict(_STAGE_FIELDS, stages=Param(int, low=1, high=max(self.stage_cap(), 1)))
         loaded = {}
         for name, slots in tensors.items():
-            if not isinstance(slots, dict) or set(slots) != set(_fits.StageState.__slots__):
-                raise ConfigError(f"sparsifier 'sidco': stage state of {name!r} must have the keys "
-                                  f"{list(_fits.StageState.__slots__)}")
-            loaded[name] = _fits.StageState(int(slots["stages"]))
-            for slot, value in slots.items():
+            if not isinstance(name, str):
+                raise ConfigError(f"sparsifier 'sidco': checkpoint tensor names must be strings, got {quote(name)}")
+            values = checkpoint.checked_fields(f"sparsifier 'sidco' stage state of {quote(name)}", slots, fields)
+            loaded[name] = _fits.StageState(values["stages"])
+            for slot, value in values.items():
                 setattr(loaded[name], slot, value)
         self._states = loaded
 

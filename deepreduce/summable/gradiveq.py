@@ -29,9 +29,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, size_text
 
 LAYOUTS = ("torch", "tf")
+#: The most memory one tensor's sampling window may take (:func:`window_bytes`): the window keeps
+#: ``sample_iters`` float64 copies of each group's first slice and a float64 running sum of
+#: every slice, so ``reuse = 1`` with a large ``sample_iters`` on a large layer asks for
+#: ``8 sample_iters`` bytes per element (a 25M-element layer at the paper's 100 samples: 20 GB).
+MAX_WINDOW_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,14 @@ def slice_plan(shape: Sequence[int], layout: str = "torch", slice_size: int = 0,
         return None
     group = n_slices if reuse == 0 else min(reuse, n_slices)
     return SlicePlan(shape, k, n_slices, group, layout)
+
+
+def window_bytes(plan: SlicePlan, sample_iters: int) -> int:
+    """Bytes of a full sampling window of ``plan``: ``sample_iters`` float64 first slices per
+    group (:class:`SampleWindow` and the torch and TF adapters keep the same) and the float64
+    running sum of every slice."""
+    groups = -(-plan.n_slices // plan.group)
+    return 8 * plan.slice_size * (sample_iters * groups + plan.n_slices)
 
 
 def slice_order(shape: Sequence[int], layout: str) -> Optional[Tuple[int, ...]]:
@@ -315,8 +328,20 @@ class Settings:
         return "GradiVeQ(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
 
     def plan(self, shape: Sequence[int]) -> Optional[SlicePlan]:
-        """The slicing of a tensor of ``shape`` under these settings (None: uncompressed)."""
-        return slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel, self.reuse)
+        """The slicing of a tensor of ``shape`` under these settings (None: uncompressed), refused
+        with a ConfigError when its sampling window would hold more than
+        :data:`MAX_WINDOW_BYTES` (asked on a tensor's first step, before anything is kept)."""
+        plan = slice_plan(shape, self.layout, self.slice_size, self.max_slice, self.min_numel, self.reuse)
+        if plan is not None:
+            groups = -(-plan.n_slices // plan.group)
+            window = window_bytes(plan, self.schedule.sample_iters)
+            if window > MAX_WINDOW_BYTES:
+                raise ConfigError(
+                    f"GradiVeQ: sample_iters={self.schedule.sample_iters} x {groups} groups (reuse={self.reuse}) x "
+                    f"slice_size={plan.slice_size} float64 samples would need {size_text(window)} for the sampling "
+                    f"window of a tensor of shape {plan.shape}; at most {size_text(MAX_WINDOW_BYTES)} per tensor "
+                    "(lower sample_iters, or raise reuse)")
+        return plan
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from .collectives import import_horovod, is_summable_compressor
 from .pipeline import build
 from .reduce import Reducer
+from .sparse import refuse_sparse_tensors
 
 
 def _keras_wrapper_class(base):
@@ -41,6 +42,7 @@ def _keras_wrapper_class(base):
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
+        refuse_sparse_tensors(grads, [f"{self._deepreduce_prefix}_{i}" for i in range(len(grads))])
         passes = self._deepreduce_passes
         if passes == 1:
             return reduce_and_apply(self, grads, trainable_variables)
@@ -96,6 +98,7 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*pairs) if pairs else ((), ())
         names = [f"{self._deepreduce_prefix}_{i}" for i in range(len(grads))]
+        refuse_sparse_tensors(grads, names)
         # step: the pipeline's own counter, advanced once per compute_gradients call
         return list(zip(self._deepreduce_reducer.reduce(list(grads), names, step=None), variables))
 

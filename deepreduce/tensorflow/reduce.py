@@ -37,7 +37,8 @@ import tensorflow as tf
 
 from ..collective import agreement, buckets, overlap
 from ..collective.comm.horovod import HorovodCommunicator
-from ..collective.protocol import ReductionProtocol
+from ..collective.ports import NumpyTensors
+from ..collective.step import StepEngine
 from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
@@ -58,7 +59,7 @@ class Reducer(DenseRoutes, SliceRoutes):
 
     Holds no per-step state: the pipeline owns residuals, statistics and the step counter, and
     the reduction protocol (with the sparse all-reduce's owner residuals and the ``auto`` plan)
-    is kept with the pipeline (``TFPipeline.protocols``), so a new tape each step (the Horovod
+    is kept with the pipeline (the step engine in ``TFPipeline.protocols``), so a new tape each step (the Horovod
     idiom) keeps using the same state.
 
     ``background`` and ``bucket_cap_mb``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape`.
@@ -91,13 +92,15 @@ class Reducer(DenseRoutes, SliceRoutes):
         self._communicator = HorovodCommunicator(framework="tensorflow")
         if self.process_set is not self.hvd.global_process_set:
             self._communicator.process_set = self.process_set
-        self._protocol = None
-        if self.pipeline is not None:   # one protocol per pipeline and process set, kept with the pipeline
+        self._engine = self._protocol = None
+        if self.pipeline is not None:   # one step engine per pipeline and process set, kept with the pipeline
             self.pipeline.core.collective_steps()
             key = (id(self.process_set), self.op == "average")
             if key not in self.pipeline.protocols:
-                self.pipeline.protocols[key] = ReductionProtocol(self.pipeline.core, self._communicator, average=key[1])
-            self._protocol = self.pipeline.protocols[key]
+                self.pipeline.protocols[key] = StepEngine(self.pipeline.core, self._communicator, NumpyTensors(),
+                                                          self.host_allreduce, average=key[1], background=False)
+            self._engine = self.pipeline.protocols[key]
+            self._protocol = self._engine.protocol
 
     def compression_stats(self) -> dict:
         """The pipeline's running statistics (bytes, encode/decode time; with the sparse
@@ -110,7 +113,7 @@ class Reducer(DenseRoutes, SliceRoutes):
         out = self.pipeline.compression_stats()
         out.update(self._protocol.stats())
         if self._protocol.auto is not None:
-            out["auto_routes"] = {name: dict(counts) for name, counts in self._protocol.routes_taken.items()}
+            out["auto_routes"] = {name: dict(counts) for name, counts in self._engine.routes_by_name.items()}
         return out
 
     @property

@@ -10,22 +10,23 @@ with ``background`` on (the default) the eager chains run on a few worker thread
 sums the encode time that ran while another tensor's collective or decode was in flight. Inside
 ``tf.function`` all encodes come first in program order (see :meth:`DenseRoutes._reduce_containers`).
 
-Under ``aggregation: sparse_allreduce`` or ``auto`` each gradient is reduced by one op that runs
-on the host: ``ReductionProtocol.reduce_flat`` takes the tensor's route at this step (the sparse
-all-reduce, the allgather, or Horovod's dense or fp16 all-reduce that the binding passes it). The
-route is chosen when the op runs, so a plan made after the first step applies inside a
-``tf.function`` traced before it. The ops are chained in name order, so every rank runs the
-collectives alike. Also the helpers the reducer's ops share: :func:`graph_or_eager` and
+Under ``aggregation: sparse_allreduce`` or ``auto`` the step's gradients are reduced by one op
+that runs on the host: the step engine takes each tensor's route at this step (the sparse
+all-reduce, the allgather, or Horovod's dense or fp16 all-reduce). The route is chosen when the
+op runs, so a plan made after the first step applies inside a ``tf.function`` traced before it;
+the engine issues the collectives in one order on every rank. Also the helpers the reducer's ops share: :func:`graph_or_eager` and
 :func:`step_tensor`.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import tensorflow as tf
 
 from ..collective import overlap
+from ..collective.ports import Pending
+from ..collective.step import Item
 from ..wire import container
 from .collectives import gather, tensor_key
 from .pipeline import numpy_op
@@ -102,38 +103,35 @@ class DenseRoutes:
         return tf.cond(skip, nothing, decode, name="deepreduce_decode_unless_skipped")
 
     def _reduce_host(self, grads: List[tf.Tensor], names: List[str], step, reports: list) -> List[tf.Tensor]:
-        """Every gradient through one host op (``ReductionProtocol.reduce_flat``, averaging directly:
-        ``gradient_predivide_factor`` would cancel out), chained in name order so every rank runs
-        the collectives alike; each op's report (as :meth:`_check_op`'s) is appended to ``reports``."""
-        protocol, lock, step = self._protocol, self.pipeline.lock, step_tensor(step)
-        out: List[Optional[tf.Tensor]] = [None] * len(grads)
-        found_of: List[Optional[tf.Tensor]] = [None] * len(grads)
-        previous: list = []
-        for i in sorted(range(len(grads)), key=names.__getitem__):
-            def reduce_one(grad, step_value, name=names[i], first=not previous):
-                if first and protocol.auto is not None:   # every gradient of a tape is ready at once
-                    protocol.auto.backward_done()
-                with lock:
-                    total, found = protocol.reduce_flat(np.ascontiguousarray(grad, dtype=np.float32).reshape(-1),
-                                                        name, int(step_value), self._allreduce_host(name))
-                return total.reshape(np.shape(grad)), np.array(found, dtype=np.int64)
+        """Every gradient through one host op running the step engine
+        (:class:`deepreduce.collective.step.StepEngine`: each tensor's route at this step, the
+        sparse all-reduce's phases, the one ``nonfinite`` decision and divisor; its errors and
+        skips are left for the step's end op). Averaging is the engine's
+        (``gradient_predivide_factor`` would cancel out). Its report goes to ``reports``."""
+        engine, lock, step = self._engine, self.pipeline.lock, step_tensor(step)
 
-            with tf.control_dependencies(previous):
-                total, found = graph_or_eager(reduce_one, [grads[i], step], [tf.float32, tf.int64],
-                                              "deepreduce_host_reduce")
-                total = tf.reshape(total, tf.shape(grads[i]))
-            previous = [total]
-            out[i] = tf.cast(total, grads[i].dtype) if grads[i].dtype != tf.float32 else total
-            found_of[i] = found
-        reports.extend(found_of)
-        return out
+        def reduce_all(step_value, *arrays):
+            outs = [np.zeros(np.shape(a), np.float32) for a in arrays]
+            with lock:
+                for name, array, out in zip(names, arrays, outs):
+                    engine.submit(Item(name, int(step_value), np.array(array, dtype=np.float32),   # writable: a residual may join it
+                                       target=out))
+                engine.finish(int(step_value), end=False)
+            return (*outs, np.int64(0))
 
-    def _allreduce_host(self, name: str):
-        """The sum of a host array over the ranks by Horovod's all-reduce, as ``reduce_flat`` calls it."""
-        def allreduce(array: np.ndarray, route: str) -> np.ndarray:
-            return self.hvd.allreduce(tf.constant(array), op=self.hvd.Sum, name=f"{tensor_key(name)}.{route}",
-                                      process_set=self.process_set).numpy()
-        return allreduce
+        results = graph_or_eager(reduce_all, [step] + list(grads), [tf.float32] * len(grads) + [tf.int64],
+                                 "deepreduce_host_reduce")
+        reports.append(results[-1])
+        return [tf.cast(tf.reshape(total, tf.shape(g)), g.dtype) if g.dtype != tf.float32
+                else tf.reshape(total, tf.shape(g)) for total, g in zip(results[:-1], grads)]
+
+    def host_allreduce(self, array: np.ndarray, name: str, average: bool) -> Pending:
+        """The engine's all-reduce port for the host op: Horovod's eager all-reduce (sum, or
+        average), written back into ``array``."""
+        result = self.hvd.allreduce(tf.constant(array), op=self.hvd.Average if average else self.hvd.Sum,
+                                    name=f"{tensor_key(name)}.host", process_set=self.process_set).numpy()
+        np.copyto(array, result)
+        return Pending(lambda: array)
 
 
 def step_tensor(step) -> tf.Tensor:

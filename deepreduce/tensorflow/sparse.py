@@ -25,6 +25,19 @@ from .collectives import gather
 from .routes import graph_or_eager, step_tensor
 
 
+def refuse_sparse_tensors(grads, names) -> None:
+    """A ConfigError naming the first ``tf.SparseTensor`` among ``grads`` (named ``names``):
+    gradients travel dense or as ``IndexedSlices`` (what ``tf.GradientTape`` gives for variables),
+    as with Horovod, and the error says how to pass one. Checked where gradients enter
+    (``DistributedGradientTape.gradient``, ``DistributedOptimizer``), before any conversion, which
+    would fail in ``tf.convert_to_tensor``."""
+    for grad, name in zip(grads, names):
+        if isinstance(grad, tf.SparseTensor):
+            raise ConfigError(
+                f"gradient {name!r} is a tf.SparseTensor; deepreduce reduces dense tensors and tf.IndexedSlices: pass "
+                "tf.sparse.to_dense(grad), or its rows as tf.IndexedSlices(values, row indices, dense_shape)")
+
+
 def entries(indices: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.ndarray, np.ndarray]:
     """(ascending distinct flat positions, float32 values) of IndexedSlices parts; repeated rows are
     summed first (in the order they appear), as every reduction of the gradient would add them."""

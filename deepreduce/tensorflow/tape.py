@@ -25,6 +25,7 @@ from ..collective import buckets
 from .collectives import is_summable_compressor
 from .pipeline import TFPipeline, shared
 from .reduce import Reducer
+from .sparse import refuse_sparse_tensors
 
 
 def _source_key(source):
@@ -78,6 +79,7 @@ class _DeepReduceGradientTape(tf.GradientTape):
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         positions = [i for i, s in enumerate(flat_sources) if _source_key(s) not in self._local_sources]
+        refuse_sparse_tensors([flat_grads[i] for i in positions], [f"{self._prefix}_{i}" for i in positions])
         reduced = self._deepreduce.reduce(
             [flat_grads[i] for i in positions], [f"{self._prefix}_{i}" for i in positions], step=self._step)
         out = list(flat_grads)

@@ -54,12 +54,14 @@ def load_compression_state_dict(pipeline, compressor, state, owner: str, aggrega
     """Restore :func:`compression_state_dict`'s output; return its step. Errors name ``owner``.
     ``aggregation``: the sparse all-reduce whose state the checkpoint must hold."""
     step = checkpoint.checked_step(state, owner, aggregation is not None)
-    if aggregation is not None:
-        aggregation.load_state_dict(to_numpy(state["aggregation"]))
+    if aggregation is not None:   # checked first, applied last: a refused checkpoint changes nothing
+        owned = checkpoint.checked_aggregation(owner, to_numpy(state["aggregation"]), aggregation.communicator.size)
     if pipeline is not None:
         pipeline.core.load_state_dict(to_numpy(state["compression"]))
     elif hasattr(compressor, "load_state_dict"):
         compressor.load_state_dict(state["compression"])
     elif state["compression"]:
         raise ConfigError(f"{owner}.load_state_dict: {compressor!r} keeps no state, but the checkpoint holds some")
+    if aggregation is not None:
+        aggregation.load_state_dict(owned)
     return step

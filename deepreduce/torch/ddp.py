@@ -49,18 +49,21 @@ optimizer state and ``load_state_dict`` it after building the state on resume. A
 sends byte-identical containers to one that never stopped. The state object also pickles
 (``torch.save(state)``, as PyTorch's ``PowerSGDState``): process groups, the worker and its queue
 stay behind and are made again in the loading process; ``register(model, state=loaded)`` binds it
-to the restored model's parameters.
+to the restored model's parameters, and ``model.register_comm_hook(loaded, deepreduce_hook)`` (no
+bind, as with ``PowerSGDState``) names them by the order DDP hands them over, which the state
+recorded (:meth:`DeepReduceState._first_name`).
 """
 
 import atexit
 import queue
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint
 from ..collective import agreement, buckets, inflight, slots, totals
 from ..collective.comm.torch_distributed import TorchDistributedCommunicator
 from ..collective.protocol import ReductionProtocol
@@ -74,7 +77,7 @@ __all__ = ["DeepReduceState", "FP16Compressor", "deepreduce_hook", "register"]
 
 # what a pickled DeepReduceState leaves out (DeepReduceState.__getstate__)
 _PROCESS_LOCAL = ("_group", "_communicator", "_protocol", "_auto", "_slots", "_errors", "_jobs", "_worker", "_flats",
-                  "process_group", "_auto_names", "_stepping")
+                  "process_group", "_named", "_stepping")
 
 
 class DeepReduceState(BucketReduction):
@@ -125,6 +128,9 @@ class DeepReduceState(BucketReduction):
         self._compressor_id = (label if per_parameter else label + " (whole buckets)", digest)
         self._names = None if named_parameters is None else named_parameter_map(named_parameters)
         self._unbound: Optional[List[str]] = None   # an unpickled state's names, until bind()
+        # (name, shape) of each parameter in the order DDP first handed it over (pickled): how an
+        # unpickled state names a restored model's parameters without bind() (_first_name)
+        self._handed: List[Tuple[str, Tuple[int, ...]]] = []
         # state
         self.step = 0
         # statistics
@@ -145,7 +151,7 @@ class DeepReduceState(BucketReduction):
         self._slots = slots.Slots()
         self._stepping = False   # a bucket of the step was handed over, its last one not yet
         self._errors: List[BaseException] = []   # the failed buckets of the step under way
-        self._auto_names: Dict[torch.Tensor, str] = {}
+        self._named: Dict[torch.Tensor, str] = {}   # every parameter named in this process
         self._flats: Dict[str, torch.Tensor] = {}   # per_parameter=False: each merge's flat tensor, by name
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
@@ -178,13 +184,17 @@ class DeepReduceState(BucketReduction):
     def __setstate__(self, state: dict) -> None:
         """A pickled state in this process: over the default process group (as
         ``PowerSGDState``), with its private group made on the first bucket. Call :meth:`bind`
-        (or ``register(model, state=...)``) first when it was built with ``named_parameters``."""
+        (or ``register(model, state=...)``) to give its parameters their names again; without it,
+        the hook names them by the order DDP hands them over (:meth:`_first_name`)."""
+        checkpoint.checked_progress("DeepReduceState", state.get("step"), state.get("stats"), totals.KEYS)
         state = dict(state)
+        state.setdefault("_handed", [])   # pickled before the hand-over order was recorded
         sparse_state = state.pop("_sparse_state")
         self.__dict__.update(state)
         self._process_local()
         if sparse_state is not None:
-            self._protocol.sparse.load_state_dict(sparse_state)
+            self._protocol.sparse.load_state_dict(
+                checkpoint.checked_aggregation("DeepReduceState", sparse_state, self._protocol.sparse.communicator.size))
 
     def bind(self, named_parameters) -> None:
         """Name the parameters again after unpickling: ``model.named_parameters()`` of the model
@@ -195,6 +205,7 @@ class DeepReduceState(BucketReduction):
             raise ConfigError(f"DeepReduceState.bind: the parameters' names differ from the pickled state's "
                               f"(missing: {missing}); pass the named_parameters of the same model")
         self._names, self._unbound = mapping, None
+        self._named.clear()
 
     def __repr__(self) -> str:
         what = self.compressor if self.pipeline is None else self.pipeline.get_config()
@@ -202,16 +213,44 @@ class DeepReduceState(BucketReduction):
 
     # ------------------------------------------------------------------ the hook's side
     def _name(self, param: torch.Tensor) -> str:
-        if self._unbound is not None:
-            raise ConfigError("DeepReduceState was unpickled: call state.bind(model.named_parameters()) (or "
-                              "deepreduce.torch.ddp.register(model, state=state)) before training")
-        if self._names is None:
-            return self._auto_names.setdefault(param, f"param.{len(self._auto_names)}")
-        name = self._names.get(param)
+        name = self._named.get(param)
         if name is None:
-            raise ConfigError(f"DDP bucket holds a parameter of shape {tuple(param.shape)} that is not in the "
-                              "named_parameters given to DeepReduceState (is the state registered on another "
-                              "model? pass model.module.named_parameters())")
+            name = self._named[param] = self._first_name(param)
+        return name
+
+    def _first_name(self, param: torch.Tensor) -> str:
+        """The name of a parameter DDP hands over for the first time in this process: its name in
+        ``named_parameters`` (given, or :meth:`bind`); else the name recorded at its position in
+        the order DDP first handed parameters to this state (``_handed``, which pickles); else
+        ``param.<k>`` for the k-th. A parameter is named before its bucket is encoded, so a pickled
+        state recorded every name its residuals and seeds are keyed by, and an unpickled one that
+        is registered without bind() (``model.register_comm_hook(state, deepreduce_hook)``, as
+        PyTorch's PowerSGD state) names a restored model's parameters from the buckets alone:
+        every rank alike, since DDP hands buckets over in index order. This assumes the restored
+        model hands parameters over in the original's order (same model and DDP arguments, the
+        hook registered before the first backward); a shape that differs from the recorded one
+        is a ConfigError asking for bind()."""
+        k, shape = len(self._named), tuple(param.shape)
+        if self._names is not None:
+            name = self._names.get(param)
+            if name is None:
+                raise ConfigError(f"DDP bucket holds a parameter of shape {shape} that is not in the "
+                                  "named_parameters given to DeepReduceState (is the state registered on another "
+                                  "model? pass model.module.named_parameters())")
+        elif k < len(self._handed):
+            name, recorded = self._handed[k]
+            if tuple(recorded) != shape:
+                raise ConfigError(f"DeepReduceState was unpickled: the parameter at position {k} of DDP's hand-over "
+                                  f"order has shape {shape}, the state's {name!r} there {tuple(recorded)} (another "
+                                  "model or bucketing); call state.bind(model.module.named_parameters()) before training")
+        elif self._unbound is not None and self.step > 0:
+            raise ConfigError(f"DeepReduceState was unpickled after {self.step} step(s) without the order of its "
+                              "parameters (pickled by an older version, or given a state_dict before its first "
+                              "bucket): call state.bind(model.module.named_parameters()) before training")
+        else:
+            name = f"param.{k}"
+        if k == len(self._handed):
+            self._handed.append((name, shape))
         return name
 
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -328,7 +367,7 @@ class DeepReduceState(BucketReduction):
         stats = state.pop("stats")
         self.step = load_compression_state_dict(self.pipeline, self.compressor, state, "DeepReduceState",
                                                 None if self._protocol is None else self._protocol.sparse)
-        self.stats.update(stats)
+        self.stats.update(checkpoint.checked_totals("DeepReduceState", stats, totals.KEYS))
 
 
 def _close_at_exit(ref) -> None:

@@ -29,13 +29,19 @@ fire in the same order every step (true for a fixed model). deepreduce's own opt
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .. import checkpoint
+from ..errors import ConfigError, quote
+from ..params import Param
 from ..summable import gradiveq as gv
+
+_SIZE = Param(int, low=0, high=1 << 60, doc="a size (a dimension, a code width)")
 
 
 @dataclass
@@ -127,26 +133,86 @@ class GradiVeQ(gv.Settings):
         return {"config": self.get_config(), "tensors": tensors, "stats": dict(self.stats)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output into a GradiVeQ built with the same arguments."""
+        """Restore :meth:`state_dict`'s output into a GradiVeQ built with the same arguments; every
+        field is checked against this compressor's plans (:mod:`deepreduce.checkpoint`) before
+        anything is replaced."""
+        owner = "GradiVeQ.load_state_dict"
         if not isinstance(state, dict) or set(state) != {"config", "tensors", "stats"}:
-            raise ConfigError("GradiVeQ.load_state_dict: expected a dict with the keys config, tensors, stats")
+            raise ConfigError(f"{owner}: expected a dict with the keys config, tensors, stats")
         if state["config"] != self.get_config():
-            raise ConfigError(f"GradiVeQ.load_state_dict: checkpoint of GradiVeQ({state['config']}), "
-                              f"this compressor is {self!r}")
+            raise ConfigError(f"{owner}: checkpoint of GradiVeQ({quote(state['config'])}), this compressor is {self!r}")
+        if not isinstance(state["tensors"], dict):
+            raise ConfigError(f"{owner}: 'tensors' must map tensor keys to their states")
+        stats = checkpoint.checked_fields(f"{owner} stats", state["stats"], {key: checkpoint.COUNT for key in self.stats})
+        restored = {key: self._restored(f"{owner} tensor {quote(key)}", entry) for key, entry in state["tensors"].items()}
         self._states.clear()
-        for key, entry in state["tensors"].items():
-            restored = self._state(key, tuple(entry["shape"]))
-            restored.t, restored.n_samples = int(entry["t"]), int(entry["n_samples"])
-            restored.samples = [list(group) for group in entry["samples"]]
-            restored.running = entry["running"]
-            if entry["model"] is not None:
-                groups = [gv.GroupModel(start, count, None if u is None else u.numpy())
-                          for start, count, u in entry["model"]["groups"]]
-                restored.model = gv.Model(restored.plan, groups, entry["model"]["offset"].numpy(),
-                                          list(entry["model"]["dims"]))
-        self.stats.update(state["stats"])
+        self._states.update(restored)
+        self.stats.update(stats)
         self._occurrence.clear()
         self._new_step = True
+
+    def _restored(self, owner: str, entry) -> _TensorState:
+        """One tensor's checkpointed state, checked: a shape this compressor compresses, its
+        schedule position, an open window of ``n_samples < sample_iters`` samples of its plan's
+        slice size and a model whose groups are its plan's."""
+        entry = checkpoint.checked_keys(owner, entry, ("shape", "t", "n_samples", "samples", "running", "model"))
+        shape = entry["shape"]
+        if not isinstance(shape, (list, tuple)) or len(shape) > 64:
+            raise ConfigError(f"{owner}: 'shape' must be a list of at most 64 sizes, got {quote(shape)}")
+        shape = tuple(_SIZE.check(owner, "shape", checkpoint.scalar(s), "checkpoint field") for s in shape)
+        plan = self.plan(shape) if math.prod(shape) <= 1 << 60 else None
+        if plan is None:
+            raise ConfigError(f"{owner}: this compressor sends a tensor of shape {quote(shape)} uncompressed "
+                              "and keeps no state for it")
+        fields = checkpoint.checked_fields(owner, {"t": entry["t"], "n_samples": entry["n_samples"]},
+                                           {"t": checkpoint.STEP, "n_samples": Param(
+                                               int, low=0, high=self.schedule.sample_iters - 1)})
+        restored = _TensorState(plan, fields["t"], n_samples=fields["n_samples"])
+        samples, k = entry["samples"], plan.slice_size
+        if restored.n_samples == 0:
+            if samples != [] or entry["running"] is not None:
+                raise ConfigError(f"{owner}: no samples taken, but 'samples' or 'running' holds some")
+        else:
+            if not isinstance(samples, (list, tuple)) or len(samples) != len(plan.groups) or \
+                    any(not isinstance(group, (list, tuple)) or len(group) != restored.n_samples for group in samples):
+                raise ConfigError(f"{owner}: 'samples' must hold {restored.n_samples} samples for each of the "
+                                  f"plan's {len(plan.groups)} groups")
+            restored.samples = [[torch.from_numpy(checkpoint.checked_array(owner, "a sample", x, "float64", k))
+                                 for x in group] for group in samples]
+            restored.running = torch.from_numpy(checkpoint.checked_array(
+                owner, "'running'", entry["running"], "float64", shape=(plan.n_slices, k)))
+        if entry["model"] is not None:
+            restored.model = self._restored_model(owner, plan, entry["model"])
+        return restored
+
+    @staticmethod
+    def _restored_model(owner: str, plan: gv.SlicePlan, model) -> gv.Model:
+        """A checkpointed model, checked against ``plan``: its groups, compressors ``K x d``
+        (``1 <= d < K``, or none), offsets and dims."""
+        model = checkpoint.checked_keys(f"{owner} model", model, ("groups", "offset", "dims"))
+        groups, dims, k = model["groups"], model["dims"], plan.slice_size
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(plan.groups) or \
+                not isinstance(dims, (list, tuple)) or len(dims) != len(plan.groups):
+            raise ConfigError(f"{owner}: the model must have one group and one dim for each of the plan's "
+                              f"{len(plan.groups)} groups")
+        restored = []
+        for (start, count), group in zip(plan.groups, groups):
+            if not isinstance(group, (list, tuple)) or len(group) != 3 or \
+                    (checkpoint.scalar(group[0]), checkpoint.scalar(group[1])) != (start, count):
+                raise ConfigError(f"{owner}: model group {quote(group)} is not the plan's ({start}, {count}, U)")
+            u = group[2]
+            if u is not None:
+                u = np.asarray(u)
+                width = u.shape[1] if u.ndim == 2 else 0
+                if not 1 <= width < k:
+                    raise ConfigError(f"{owner}: a model's compressor must be {k} x d with 1 <= d < {k}, "
+                                      f"got shape {u.shape}")
+                u = checkpoint.checked_array(owner, "a compressor U", u, "float", shape=(k, width))
+            restored.append(gv.GroupModel(start, count, u))
+        offset = checkpoint.checked_array(owner, "the model's offset", model["offset"], "float",
+                                          shape=(plan.n_slices, k))
+        return gv.Model(plan, restored, offset,
+                        [_SIZE.check(owner, "dims", checkpoint.scalar(d), "checkpoint field") for d in dims])
 
     # ---------------------------------------------------------------- slicing on device
     def _slices(self, tensor: torch.Tensor, plan: gv.SlicePlan):

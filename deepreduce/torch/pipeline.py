@@ -109,7 +109,7 @@ class TorchPipeline:
             target = device if out is None else out.device
             if out is None:
                 shape = container.unpack(payloads[0], expected_shape, self.core.max_numel).shape   # bounded first
-                out = torch.zeros(shape, dtype=torch.float32, device=target)
+                out = torch.empty(shape, dtype=torch.float32, device=target)   # the decode writes all of it
             if out.dtype == torch.float32 and out.is_contiguous():
                 self.core.decode_sum(list(payloads), expected_shape, out=out)
                 return out

@@ -46,12 +46,19 @@ import struct
 
 import numpy as np
 
-from ..errors import ContainerError
+from ..errors import ConfigError, ContainerError, size_text
 from ..params import Param
 from ..registry import register
 from ..wire import bitpack, huffman_code
 from ._base import ValueCodec, ValueEncoding
 
+#: The most sketch cells per encoded value (``rows x col_ratio``): the encoder holds ``rows x t``
+#: int64 cells per group, ``t = ceil(col_ratio * keys)``, so its memory is ``8 rows col_ratio``
+#: bytes per value: at most 128 (32 times the float32 value). SketchML's own settings are below
+#: 1 (a sketch is meant to be smaller than the indices it replaces); ``rows = 255`` with
+#: ``col_ratio = 1000`` asked for 2 MB per value, 94.6 GiB for a layer's first encode.
+MAX_CELLS_PER_VALUE = 16
+CELL_BYTES = 8
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SEED_MUL = np.uint64(0xD1B54A32D192ED03)
 FLAG_SEPARATE = 0x01
@@ -141,6 +148,16 @@ class SketchML(ValueCodec):
         "groups": Param(int, default=1, low=1, high=65535, doc="MinMaxSketch groups r"),
         "hash_seed": Param(int, default=0, low=0, high=2**32 - 1, doc="MinMaxSketch hash seed"),
     }
+
+    def _validate(self) -> None:
+        cells = self.rows * self.col_ratio
+        if self.sketch and cells > MAX_CELLS_PER_VALUE:
+            per_value = CELL_BYTES * cells
+            raise ConfigError(
+                f"value codec {self.id!r}: rows={self.rows} x col_ratio={self.col_ratio:g} = {cells:g} sketch cells "
+                f"per value would need {size_text(per_value)} per encoded value ({size_text(per_value * 2**20)} "
+                f"for a tensor of 2**20 values); at most rows x col_ratio = {MAX_CELLS_PER_VALUE} "
+                f"({size_text(CELL_BYTES * MAX_CELLS_PER_VALUE)} per value)")
 
     # ------------------------------------------------------------------ streams
     def _put_stream(self, symbols: np.ndarray, alphabet: int) -> bytes:
@@ -264,8 +281,9 @@ class SketchML(ValueCodec):
             if members.size == 0:
                 continue
             t = r.u32()
-            if not 1 <= t <= max(1, 1000 * members.size):
-                raise ContainerError(f"sketchml sketch width {t} is implausible for {members.size} keys")
+            if not 1 <= t or rows * (t - 1) > MAX_CELLS_PER_VALUE * members.size:   # t <= ceil(col_ratio keys)
+                raise ContainerError(f"sketchml sketch of {rows} x {t} cells is implausible for {members.size} keys "
+                                     f"(an encoder writes at most {MAX_CELLS_PER_VALUE} cells per key)")
             cells = self._get_stream(r, rows * t, gsize).reshape(rows, t)
             index[members] = g * gsize + minmax_query(cells, keys[members], seed)
         if index.max() >= q:

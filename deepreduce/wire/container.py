@@ -364,14 +364,19 @@ def _checked_header(buf: bytes, expected_shape, max_numel: int) -> _Header:
 def split(buffer) -> List[np.ndarray]:
     """Split the concatenation of several containers (an allgather result, any mix of v1 and v2).
 
-    A torch tensor on an accelerator (a collective's result on the device path) is split into
+    A host uint8 array is split into segments of itself (no copy; only the headers are read). A
+    torch tensor on an accelerator (a collective's result on the device path) is split into
     slices of itself on its device; the headers are read on a host copy of the compact bytes.
     """
     if arrays.is_torch(buffer) and buffer.device.type != "cpu":
         parts = split(buffer.cpu().numpy())
         offsets = np.cumsum([0] + [p.size for p in parts])
         return [buffer[int(o):int(o) + p.size] for o, p in zip(offsets, parts)]
-    buf = _as_bytes(buffer)
+    if type(buffer) is np.ndarray and buffer.dtype == np.uint8 and buffer.ndim == 1:
+        whole = np.ascontiguousarray(buffer)   # a host receive: segments of it, no copy
+    else:
+        whole = np.frombuffer(_as_bytes(buffer), dtype=np.uint8)
+    buf = memoryview(whole)   # headers are read in place
     out, offset = [], 0
     while offset < len(buf):
         length = _read_header(buf, offset).total
@@ -379,7 +384,7 @@ def split(buffer) -> List[np.ndarray]:
             raise ContainerError(
                 f"truncated container at byte {offset}: needs {length} bytes, {len(buf) - offset} remain"
             )
-        out.append(np.frombuffer(buf, dtype=np.uint8, count=length, offset=offset))
+        out.append(whole[offset:offset + length])
         offset += length
     return out
 

@@ -111,6 +111,10 @@ def register(subparsers) -> None:
     parser.add_argument("--real-config", default="topk_raw", help="config of the real runs")
     parser.add_argument("--real-numels", default="2359296,1048576,262144",
                         help="tensor sizes reduced per step in the real runs (default: ResNet-50's three largest)")
+    parser.add_argument("--real-engine", metavar="N,N,...",
+                        help="also time the Horovod optimizer's step (the step engine) on these rank counts "
+                             "(horovodrun, oversubscribed): CPU and wall seconds per step of the sparse all-reduce "
+                             "against the allgather on --real-numels, and the model's CPU seconds against them")
     parser.add_argument("--runs", metavar="JSON", help="real runs' per-rank bytes to check the model against "
                                                        "(see compare_with_runs)")
     parser.set_defaults(func=run)
@@ -284,6 +288,59 @@ def print_real(rows: List[dict]) -> None:
                   f"at most {worst:.2f}k entries from other ranks")
 
 
+def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
+    """``experiments/engine_scaling_worker.py`` under ``horovodrun -np N`` for each N: one row per
+    (N, aggregation) with the slowest rank's wall and CPU seconds per step."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    rows = []
+    for n in ranks:
+        cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", sys.executable, "-m",
+               "experiments.engine_scaling_worker", "--config", config, "--numels", numels]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+        rows += [json.loads(line.split("ENGINE ", 1)[1]) for line in proc.stdout.splitlines() if "ENGINE " in line]
+    return rows
+
+
+def print_engine(rows: List[dict], codecs) -> None:
+    """The step engine's real step per N: the sparse all-reduce's CPU and wall seconds against the
+    allgather's (targets of issue 31: CPU ratio <= 1 at N=8, <= 1.2 at N=2), and the cost model's
+    CPU seconds (encode + decode of :func:`deepreduce.collective.planner.choice_cost`) against the
+    measured CPU seconds."""
+    from deepreduce.collective.cost_model import Link
+    from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost
+
+    print("\nstep engine, real runs (horovodrun, oversubscribed): one rank's step (backward + synchronize), "
+          "slowest rank, median of steps")
+    print(f"{'aggregation':<18} {'N':>3} {'wall ms':>8} {'cpu ms':>8} {'encode':>7} {'comm':>7} {'decode':>7} "
+          f"{'model cpu ms':>13} {'measured/model':>15}")
+    known = {c.name: c for c in codecs}
+    by = {}
+    for r in rows:
+        codec = known.get(r["codec"])
+        model = None
+        if codec is not None:
+            inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(r["numels"])), r["ranks"],
+                                Link(0.0, 1.0), (codec,))
+            costs = [choice_cost(Choice(r["aggregation"], codec.name), n, inputs) for n in r["numels"]]
+            model = sum(c.encode_s + c.decode_s for c in costs)
+        by[(r["aggregation"], r["ranks"])] = r
+        model_text = f"{1e3 * model:>13.1f} {r['cpu_s'] / model:>15.2f}" if model else ""
+        print(f"{r['aggregation']:<18} {r['ranks']:>3} {1e3 * r['wall_s']:>8.1f} {1e3 * r['cpu_s']:>8.1f} "
+              f"{1e3 * r['encode_s']:>7.1f} {1e3 * r['communication_s']:>7.1f} {1e3 * r['decode_s']:>7.1f} {model_text}")
+    for n in sorted({r["ranks"] for r in rows}):
+        a, s = by.get(("allgather", n)), by.get(("sparse_allreduce", n))
+        if a and s:
+            print(f"  N={n}: sparse_allreduce / allgather: CPU {s['cpu_s'] / a['cpu_s']:.2f}x, "
+                  f"wall {s['wall_s'] / a['wall_s']:.2f}x")
+
+
 # ---------------------------------------------------------------------------- output
 def print_table(title: str, results: Dict[int, Tuple[dict, object]]) -> None:
     """One model and bandwidth: a row per N, predicted step ms per method, auto's choices counted."""
@@ -422,6 +479,9 @@ def run(args) -> int:
     if args.real:
         runs = real_runs(_csv(args.real, int, "--real"), args.real_config, args.real_numels)
         print_real(runs)
+    if args.real_engine:
+        engine_rows = engine_runs(_csv(args.real_engine, int, "--real-engine"), args.real_config, args.real_numels)
+        print_engine(engine_rows, codecs)
     if args.runs:
         with open(args.runs) as f:
             runs += json.load(f)

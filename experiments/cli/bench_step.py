@@ -157,8 +157,8 @@ class ConfigRunner:
 
     def __init__(self, path: str, grads: Dict[str, np.ndarray], ranks: int, threads: int, device=None,
                  bucket_mb=None) -> None:
-        from deepreduce.config import load_config
         from deepreduce.collective.buckets import MIB, check_bucket_cap, plan
+        from deepreduce.config import load_config
         from deepreduce.torch import build
 
         self.method = os.path.splitext(os.path.basename(path))[0]

@@ -88,8 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from deepreduce.config import build
     from deepreduce.collective.comm.torch_distributed import TorchDistributedCommunicator
+    from deepreduce.config import build
 
     from ..models.ncf import NCF
     from ..recsys_data import QUICK, ZipfConfig, generate

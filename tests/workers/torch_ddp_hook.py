@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import os
+import pickle
 import sys
 import time
 
@@ -293,6 +294,60 @@ def scenario_checkpoint(rank):
             "step": resumed_state.step}
 
 
+def scenario_hook_pickling(rank):
+    """PyTorch's PowerSGD pickling pattern: a state pickled after 2 steps, loaded and registered
+    on a restored model with ``model.register_comm_hook(state, deepreduce_hook)``, no bind(). It
+    names the parameters from the buckets, by the order it recorded, and trains on exactly as the
+    state that was never pickled and as the loaded state bound with ``register(model, state=)``
+    (same containers, names, residuals and seeds). A state pickled before its first bucket names
+    them ``param.<k>``, as one built without named_parameters; a restored model of other shapes
+    is a ConfigError on every rank, asking for bind()."""
+    model, opt, state = make(STATEFUL)
+    train(model, opt, rank, 2)
+    pickled = pickle.dumps(state)
+    saved = copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict())
+    never_pickled = record_containers(state.pipeline)
+    train(model, opt, rank, 2, start=2)
+
+    def restore(bind: bool):
+        net, net_opt, _ = make()
+        net.module.load_state_dict(saved[0])
+        net_opt.load_state_dict(copy.deepcopy(saved[1]))   # load_state_dict keeps the momentum tensors
+        loaded = pickle.loads(pickled)
+        if bind:
+            ddp.register(net, state=loaded)
+        else:
+            net.register_comm_hook(loaded, ddp.deepreduce_hook)
+        sent = record_containers(loaded.pipeline)
+        train(net, net_opt, rank, 2, start=2)
+        return flat_params(net), sent, loaded.step
+
+    lazy, lazy_sent, lazy_step = restore(bind=False)
+    bound, bound_sent, _ = restore(bind=True)
+
+    def fresh(named: bool):
+        net, net_opt, _ = make()
+        names = Net().named_parameters() if named else None
+        hook_state = ddp.DeepReduceState(compression=STATEFUL, named_parameters=names)
+        if named:
+            hook_state = pickle.loads(pickle.dumps(hook_state))
+        net.register_comm_hook(hook_state, ddp.deepreduce_hook)
+        sent = record_containers(hook_state.pipeline)
+        train(net, net_opt, rank, 2)
+        return flat_params(net), sorted(sent)
+
+    fresh_pickled, fresh_names = fresh(named=True)
+    unnamed, unnamed_names = fresh(named=False)
+
+    other = DDP(nn.Linear(4, 3))
+    other.register_comm_hook(pickle.loads(pickled), ddp.deepreduce_hook)
+    mismatch = error_of(lambda: other(torch.randn(2, 4)).sum().backward())
+    return {"params": flat_params(model), "lazy": lazy, "bound": bound, "lazy_step": lazy_step,
+            "names": sorted(never_pickled), "lazy_identical": lazy_sent == never_pickled,
+            "bound_identical": bound_sent == never_pickled, "fresh_pickled": fresh_pickled, "unnamed": unnamed,
+            "fresh_names": fresh_names, "unnamed_names": unnamed_names, "mismatch": mismatch}
+
+
 def scenario_warmup(rank):
     """``warmup: 2``: the containers of steps 0 and 1 are dense, those of step 2 sparse; a state
     resumed from a checkpoint taken after step 1 goes on sparse (the step counter is saved), a
@@ -454,3 +509,8 @@ def run_scenarios(rank, world, port, queue, scenarios, watchdog_s: float) -> Non
 
 def run(rank, world, port, queue):
     run_scenarios(rank, world, port, queue, SCENARIOS, 220)
+
+
+def run_hook_pickling(rank, world, port, queue):
+    """The pickling pattern alone (its own launch: tests/test_torch_ddp.py)."""
+    run_scenarios(rank, world, port, queue, [scenario_hook_pickling], 150)

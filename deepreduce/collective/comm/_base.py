@@ -53,6 +53,12 @@ class Communicator(Component):
         raise CommunicationError(f"communicator {self.id!r} has no alltoall; the sparse all-reduce needs "
                                  "one (horovod, mpi and torch_distributed have it)")
 
+    def alltoall_async(self, payloads: List[np.ndarray], name: str) -> Handle:
+        """:meth:`alltoall` started now where the transport can (Horovod torch), else when
+        ``wait()`` is called (callers wait in one order on every rank, so a blocking collective
+        issued then stays matched)."""
+        return Handle(lambda: self.alltoall(payloads, name))
+
     def _check_split(self, payloads: List[np.ndarray], name: str) -> np.ndarray:
         """The payloads of an alltoall as one uint8 array, after checking there is one per rank."""
         if len(payloads) != self.size:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire import container
 from ...errors import BackendUnavailableError
 from ...params import Param
 from ...registry import register
+from ...wire import container
 from ._base import Communicator, Handle
 
 
@@ -66,6 +66,25 @@ class HorovodCommunicator(Communicator):
 
         gathered = hvd.allgather(tf.constant(payload), name=name, **kwargs).numpy()
         return Handle(lambda: self._check_count(container.split(gathered), name))
+
+    def alltoall_async(self, payloads, name):
+        """Horovod torch's ``alltoall_async`` (the worker starts it while backward goes on);
+        TensorFlow's blocking alltoall when waited for."""
+        if self.framework != "torch":
+            return super().alltoall_async(payloads, name)
+        import torch
+
+        from .mpi import _split
+
+        send = self._check_split(payloads, name)
+        counts = torch.tensor([int(np.asarray(p).size) for p in payloads], dtype=torch.int32)
+        kwargs = {} if self.process_set is None else {"process_set": self.process_set}
+        handle = self.hvd.alltoall_async(torch.from_numpy(send), splits=counts, name=name, **kwargs)
+
+        def wait():
+            received, incoming = self.hvd.synchronize(handle)
+            return _split(received.numpy(), incoming.numpy().astype(np.int64))
+        return Handle(wait)
 
     def alltoall(self, payloads, name):
         """Horovod's ``alltoall`` with splits (the byte count for every rank)."""

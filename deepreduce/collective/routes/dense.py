@@ -1,0 +1,81 @@
+"""A tensor summed by the binding's all-reduce, in float32 (``dense``) or float16 (``fp16``): a
+small tensor the framework's fusion sends best (``Pipeline.summed_dense``), or one the ``auto``
+plan leaves uncompressed because its communication hides behind backward. What error feedback
+had held back for the tensor goes with it (the residual flush), so nothing is lost when the plan
+moves a tensor off compression.
+
+An all-reduce has no room for a failure payload, so every tensor on an all-reduce route travels
+with one more element, a flag: 0 from a rank that sent its data, 1 from a rank whose preparation
+raised (it sends zeros). The sum's flag tells every rank at once that the step failed, so every
+rank raises and none applies a partial sum. :func:`flagged` and :func:`unflagged` are the one
+definition, which the summable route shares.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import CommunicationError
+from ._base import Outcome, Route
+
+
+def flagged(tensors, data, dtype: str, failed: bool):
+    """A new flat tensor: ``data`` (zeros where ``failed``) in ``dtype``, then the flag."""
+    return tensors.with_flag(data, dtype, 1.0 if failed else 0.0)
+
+
+def unflagged(tensors, summed, item):
+    """The sum's data (a view) after checking its flag; a CommunicationError names the step when
+    any rank failed (that rank raises its own error instead)."""
+    data, flag = tensors.split_flag(summed)
+    if flag != 0.0:
+        raise CommunicationError(f"{item.label} at step {item.step}: a rank could not prepare its gradient "
+                                 "(it raises its own error); every rank skips this step")
+    return data
+
+
+def nonfinite_report(tensors, data):
+    """(-1, NaN count, Inf count) when the sum holds NaN/Inf (the rank is unknown in a sum), else None."""
+    if tensors.all_finite(data):
+        return None
+    flat = tensors.host(data)
+    return -1, int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
+
+
+class Dense(Route):
+    id = "dense"
+    ORDER = 0
+    dtype = "float32"
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def start(self, engine, item):
+        tensors = engine.tensors
+        if item.summed_dense:
+            engine.core.count_summed_dense(tensors.numel(item.grad))
+        else:
+            residual = engine.protocol.take_residual(item.name)
+            if residual is not None:
+                tensors.add(item.grad, residual)
+        sent = flagged(tensors, item.grad, self.dtype, failed=False)
+        return sent, engine.allreduce(sent, item.name, False)
+
+    def fail(self, engine, item, error):
+        sent = flagged(engine.tensors, item.grad, self.dtype, failed=True)
+        return sent, engine.allreduce(sent, item.name, False)
+
+    def finish(self, engine, item, started):
+        sent, pending = started
+        pending.wait()
+        data = unflagged(engine.tensors, sent, item)
+
+        def write(divisor: int) -> None:
+            engine.tensors.copy(item.target, data)
+            if divisor != 1:
+                engine.tensors.divide(item.target, divisor)
+        return Outcome(write, nonfinite_report(engine.tensors, data))
+
+
+class Fp16(Dense):
+    id = "fp16"
+    dtype = "float16"

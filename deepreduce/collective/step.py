@@ -1,0 +1,241 @@
+"""The step engine: one owner of a training step, whichever binding feeds it.
+
+A binding (the Horovod optimizer; next the DDP hook, the TF tape, FSDP's comms, an outer loop)
+says where gradients come from and plugs in two ports (:mod:`deepreduce.collective.ports`):
+how bytes move (a communicator with ``allgather_async`` / ``alltoall_async``, plus an
+``allreduce``) and how to read and write its tensors. Everything else happens here, once:
+
+* :meth:`StepEngine.begin`: the ranks agree on the layout and compressor before the first
+  collective (:mod:`deepreduce.collective.agreement`);
+* :meth:`StepEngine.submit`: an item is ready; the plan picks its route
+  (:mod:`deepreduce.collective.routes`) and the route's ``start`` (select, encode, first
+  collective) runs on the engine's one background worker while backward goes on (or inline,
+  ``background=False``: same bytes). An error there sends the failure payload instead
+  (:mod:`deepreduce.collective.failure`), so every rank stays in phase;
+* :meth:`StepEngine.finish`: in one canonical order on every rank (route order, then name), each
+  route's middle phases, then its last wait; then the one decision (the ``nonfinite`` policy:
+  ``propagate`` writes the NaN/Inf and counts it in :meth:`stats`; ``raise`` writes nothing for the
+  step), one divisor for averaging, commit or undo of every residual the step touched (the
+  pipeline's and the routes'), and the step's first error raised on every rank.
+
+Why one worker thread: the pipeline's per-tensor state (residuals, statistics) is touched by one
+encode at a time, in submission order; the C++ kernels and large NumPy passes release the GIL, so
+encodes overlap backward where the rank has a core to spare.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import agreement, overlap, totals
+from .protocol import ReductionProtocol
+from .routes import registry
+
+PHASES = ("encode", "encode_hidden", "encode_wait", "communication_wait", "decode")
+
+
+@dataclass(eq=False)
+class Item:
+    """One tensor (or bucket) of a step. ``grad``: the binding's tensor to send; ``target``: where
+    the reduced result goes (often ``grad`` itself); ``label`` names it in errors; ``written``
+    (optional) runs after the result was written, e.g. a bucket copying its slices back;
+    ``replace`` (optional) takes a new tensor where the result cannot be written in place (a
+    sparse gradient's entries); ``summed_dense``: the binding lets its framework's all-reduce sum
+    it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`)."""
+
+    name: str
+    step: int
+    grad: Any
+    target: Any = None
+    label: str = ""
+    key: Any = None
+    summed_dense: bool = False
+    written: Optional[Callable[[], None]] = None
+    replace: Optional[Callable[[Any], None]] = None
+    route: str = ""
+    started: Any = None
+    error: Optional[BaseException] = None
+    span: tuple = field(default=(0.0, 0.0))
+
+    def __post_init__(self):
+        self.target = self.grad if self.target is None else self.target
+        self.label = self.label or f"tensor {self.name!r}"
+
+
+class StepEngine:
+    """One step of one pipeline (or summable compressor) over one group (see the module docstring).
+
+    ``codec``: the binding's pipeline (``encode(grad, name=, step=)``, ``decode_sum(payloads,
+    expected_shape=, out=)`` and ``core``, the framework-free :class:`~deepreduce.pipeline.Pipeline`),
+    or None with ``compressor`` (a Horovod-style summable compressor). ``communicator``:
+    allgather / alltoall transport; ``allreduce(tensor, name, average) -> handle`` with
+    ``wait()``: the binding's all-reduce (sum, or average where ``average``); ``tensors``: the
+    binding's tensor port. ``average``: divide sums by the number of ranks.
+    """
+
+    def __init__(self, codec, communicator, tensors, allreduce: Callable, *, average: bool = True,
+                 background: bool = True, compressor=None) -> None:
+        self.codec, self.compressor = codec, compressor
+        self.core = None if codec is None else getattr(codec, "core", codec)   # a binding pipeline, or the core itself
+        self.communicator, self.tensors, self.allreduce = communicator, tensors, allreduce
+        self.average = average
+        self.protocol = None if codec is None else ReductionProtocol(self.core, communicator, average=average)
+        self.auto = None if self.protocol is None else self.protocol.auto
+        self.routes = {rid: cls(self) for rid, cls in registry().items()}
+        self.background = bool(background)
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: List[tuple] = []
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self.nonfinite_propagated = 0   # tensors written with NaN/Inf under nonfinite: propagate
+        self.routes_taken: Dict[str, int] = {}             # route -> items it carried
+        self.routes_by_name: Dict[str, Dict[str, int]] = {}   # tensor -> route -> times
+
+    # ------------------------------------------------------------------ the step
+    def begin(self, layout: agreement.Layout, who: str) -> None:
+        """Collective, once per layout (the binding calls it before its first item and after the
+        layout changed): every rank compares ``layout`` in one small allgather; a mismatch is the
+        same CommunicationError on every rank, naming the first difference."""
+        agreement.agree(layout, lambda payload: self.communicator.allgather(payload, "deepreduce.collective.agreement"), who)
+
+    def submit(self, item: Item) -> None:
+        """``item`` is ready: its route's ``start`` runs on the worker (or now, inline)."""
+        if self.auto is not None and self.compressor is None and not item.summed_dense \
+                and not self.tensors.is_sparse(item.grad):
+            self.auto.ready(item.name, self.tensors.numel(item.grad))
+        future: Future
+        if self.background:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepreduce-step")
+            future = self._executor.submit(self._start, item)
+        else:
+            future = Future()
+            future.set_result(self._start(item))
+        self._pending.append((item, future))
+
+    def _start(self, item: Item) -> Item:
+        began = time.perf_counter()
+        item.route = self._route_of(item)
+        route = self.routes[item.route]
+        try:
+            item.started = route.start(self, item)
+        except Exception as exc:   # noqa: BLE001 (every peer must hear of it: the failure payload goes instead)
+            exc.add_note(f"deepreduce: raised while encoding {item.label} at step {item.step}")
+            item.error = exc
+            item.started = route.fail(self, item, exc)
+        item.span = (began, time.perf_counter())
+        return item
+
+    def _route_of(self, item: Item) -> str:
+        """The plan: how ``item`` travels this step (a route id of :func:`~deepreduce.collective.routes.registry`)."""
+        if self.compressor is not None:
+            return "summable"
+        if self.tensors.is_sparse(item.grad):
+            return "entries"
+        if item.summed_dense:
+            return "dense"
+        return self.protocol.route(item.name)
+
+    def finish(self, step: int, order: Sequence[str] = (), end: bool = True) -> None:
+        """Wait for every submitted item and write its result, then decide, commit or undo and
+        raise the step's first error (``order``: tensor names, the first named error first) or the
+        same NonFiniteGradientError on every rank (see the module docstring). ``end=False`` (a
+        binding that ends the step in an op of its own, TensorFlow's) records the errors and
+        skips with the protocol instead, for its ``end_step``."""
+        since = time.perf_counter()
+        if self.auto is not None:
+            self.auto.backward_done()
+        pending, self._pending = self._pending, []
+        items = [future.result() for _, future in pending]
+        self._account_encodes(items, since)
+        items.sort(key=lambda it: (self.routes[it.route].ORDER, it.name))
+        errors: List[tuple] = [(it.name, it.error) for it in items if it.error is not None]
+        for it in items:
+            self.routes_taken[it.route] = self.routes_taken.get(it.route, 0) + 1
+            counts = self.routes_by_name.setdefault(it.name, {})
+            counts[it.route] = counts.get(it.route, 0) + 1
+            with totals.timed(self.seconds, "communication_wait"):
+                it.started = self._guarded(it, errors, self.routes[it.route].settle, it.started)
+        for it in items:
+            with totals.timed(self.seconds, "communication_wait"):
+                outcome = self._guarded(it, errors, self.routes[it.route].finish, it.started)
+            if outcome is not None and it.error is None:
+                self._decide(it, outcome, step, errors)
+        if end:
+            self._end(step, [error for _, error in errors], order)
+        elif self.protocol is not None:
+            for name, error in errors:
+                self.protocol.fail(name, step, error)
+        elif errors:
+            raise errors[0][1]
+
+    def _guarded(self, item: Item, errors: List[tuple], phase, started):
+        """``phase(self, item, started)``; an error is kept as (name, error) and the next items are
+        still finished (an item whose own encode raised keeps that error: what its own failure
+        payload says of it is not kept)."""
+        try:
+            return phase(self, item, started)
+        except Exception as exc:   # noqa: BLE001 (drain every collective before raising)
+            if item.error is None:   # else its own failure payload speaking: its own error is kept
+                errors.append((item.name, exc))
+            return None
+
+    def _decide(self, item: Item, outcome, step: int, errors: List[tuple]) -> None:
+        """The one reader of the ``nonfinite`` policy; the one divisor for averaging."""
+        if outcome.nonfinite is not None and self._raises_on_nonfinite():
+            self.protocol.skip(item.name, step, outcome.nonfinite)
+            return
+        try:
+            with totals.timed(self.seconds, "decode"):
+                outcome.write(self.communicator.size if self.average else 1)
+        except Exception as exc:   # noqa: BLE001
+            errors.append((item.name, exc))
+            return
+        if outcome.nonfinite is not None:
+            self.nonfinite_propagated += 1
+        if item.written is not None:
+            item.written()
+
+    def _raises_on_nonfinite(self) -> bool:
+        return self.core is not None and self.core.nonfinite == "raise"
+
+    def _end(self, step: int, errors: List[BaseException], order: Sequence[str]) -> None:
+        """Commit or undo every residual of the step and raise its first error; ``steps`` counts
+        the steps applied."""
+        if self.protocol is not None:
+            self.protocol.end_step(step, errors, order)
+        elif errors:
+            raise errors[0]
+        self.steps += 1
+
+    def _account_encodes(self, items: List[Item], since: float) -> None:
+        spans = [it.span for it in items]
+        self.seconds["encode"] += sum(b - a for a, b in spans)
+        if self.background:
+            self.seconds["encode_hidden"] += overlap.covered_seconds(spans, [(-math.inf, since)])
+        self.seconds["encode_wait"] += time.perf_counter() - since
+
+    # ------------------------------------------------------------------ statistics, state, life
+    def stats(self) -> dict:
+        """Where the time went (every route's encode, communication and decode), the pipeline's
+        bytes, the routes taken and the aggregation's figures."""
+        out = {} if self.core is None else self.core.stats.as_dict()
+        s = self.seconds
+        out.update(encode_seconds=s["encode"], encode_hidden_seconds=s["encode_hidden"],
+                   encode_wait_seconds=s["encode_wait"], communication_wait_seconds=s["communication_wait"],
+                   steps=self.steps, background=self.background, nonfinite_propagated=self.nonfinite_propagated,
+                   routes_taken=dict(self.routes_taken))
+        if self.core is None:
+            out.update(decode_seconds=s["decode"])
+        if self.protocol is not None:
+            out.update(self.protocol.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop the worker (after the last step)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

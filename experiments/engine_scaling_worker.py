@@ -1,0 +1,80 @@
+"""One rank of ``deepreduce bench-scaling --real-engine``: the Horovod optimizer's step (the step
+engine, as a training job runs it) per aggregation, in wall and CPU seconds.
+
+Launched by ``horovodrun -np N`` (oversubscribed on one machine: N ranks share its cores). A
+model of one parameter per tensor size gets, each step, a fixed Laplace gradient per rank
+(``loss = sum(p * g)``), and ``backward()`` + ``synchronize()`` is timed, once with the
+allgather of containers and once with the sparse all-reduce, same config. CPU seconds are the
+process's (every thread: the engine's worker and Horovod's background thread included), so on
+an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
+Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
+slowest rank's, and the engine's ``compression_stats()`` split.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import deepreduce
+import deepreduce.torch as drt
+
+
+def gradients(numels, step: int, seed: int):
+    return [torch.from_numpy(np.random.default_rng([seed, hvd.rank(), step, n]).laplace(size=n).astype(np.float32))
+            for n in numels]
+
+
+def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dict:
+    torch.manual_seed(0)
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in numels])
+    compression = dict(deepreduce.build(config).get_config(), aggregation={"id": aggregation})
+    compression.pop("communicator", None)
+    opt = drt.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0),
+                                   named_parameters=params.named_parameters(), compression=compression)
+    wall, cpu = [], []
+    for step in range(steps + 1):
+        grads = gradients(numels, step, seed)
+        opt.zero_grad()
+        hvd.allreduce(torch.zeros(1), name=f"barrier.{aggregation}.{step}")   # every rank starts together
+        w0, c0 = time.perf_counter(), time.process_time()
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        opt.synchronize()
+        w1, c1 = time.perf_counter(), time.process_time()
+        with opt.skip_synchronize():
+            opt.step()
+        if step:   # the first step agrees the layout and warms the caches
+            wall.append(w1 - w0)
+            cpu.append(c1 - c0)
+    stats = opt.compression_stats()
+    mine = torch.tensor([float(np.median(wall)), float(np.median(cpu)), stats["encode_seconds"] / (steps + 1),
+                         stats["communication_wait_seconds"] / (steps + 1), stats["decode_seconds"] / (steps + 1)],
+                        dtype=torch.float64)
+    worst = hvd.allreduce(mine, op=hvd.Max, name=f"result.{aggregation}").tolist()
+    return {"aggregation": aggregation, "codec": config, "ranks": hvd.size(), "numels": list(numels),
+            "wall_s": worst[0], "cpu_s": worst[1], "encode_s": worst[2], "communication_s": worst[3],
+            "decode_s": worst[4]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="topk_raw")
+    parser.add_argument("--numels", default="2359296,1048576,262144")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    numels = [int(n) for n in args.numels.split(",")]
+    for aggregation in ("allgather", "sparse_allreduce"):
+        row = measure(aggregation, args.config, numels, args.steps, args.seed)
+        if hvd.rank() == 0:
+            print("ENGINE " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
