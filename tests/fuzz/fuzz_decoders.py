@@ -10,9 +10,13 @@ and with the expected shape) when TensorFlow and the ops load; anything but a De
 and a NaN/Inf decoded from a container without the non-finite flag, is a finding (atheris stops
 and writes the input to the artifact prefix).
 
-    python tests/fuzz/fuzz_decoders.py -max_total_time=60 build/fuzz/corpus tests/fuzz_corpus
+    python tests/fuzz/fuzz_decoders.py -keep_seed=1 -max_total_time=60 build/fuzz/corpus tests/fuzz_corpus
     FUZZ_TF=1 python tests/fuzz/fuzz_decoders.py ...   # the TF op too
     python tests/fuzz/fuzz_decoders.py --write-corpus tests/fuzz_corpus   # the seed set
+
+``-keep_seed=1`` keeps every seed in the corpus: the hostile Bloom seeds (:func:`hostile_bloom_seeds`)
+reach the same Python lines as the valid Bloom containers, so libFuzzer would otherwise drop them
+after the first run and mutate only the others.
 """
 import glob
 import os
