@@ -82,23 +82,40 @@ int parts_for(uint64_t n, int threads) {
     return static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(threads, n / MIN_PER_THREAD)));
 }
 
-// Query [0, d) by ranges, one per thread, each range(lo, hi, limit, out) appending its ascending
-// positives (stopping once it holds more than `limit`); concatenated in order and cut to limit + 1,
-// so the result is the first min(|P|, limit + 1) positives whatever the thread count.
-template <class Range>
-void query_by_ranges(uint64_t d, uint64_t limit, int threads, Range range, std::vector<uint64_t>& out) {
-    const int parts = parts_for(d, threads);
-    if (parts == 1) {
-        range(uint64_t(0), d, limit, out);
-    } else {
-        std::vector<std::vector<uint64_t>> found(parts);
-        run_parts(d, parts, [&](int t, uint64_t lo, uint64_t hi) { range(lo, hi, limit, found[t]); });
-        for (auto& part : found) {
-            out.insert(out.end(), part.begin(), part.end());
-            if (out.size() > limit) break;
-        }
+// Where a query range writes its positives: their bits in the shared bitmap (a range covers
+// whole words, so no two threads write one word) and their count.
+struct BitSink {
+    uint64_t* words;
+    uint64_t count = 0;
+    void set(uint64_t x) { words[x >> 6] |= uint64_t(1) << (x & 63); }
+    // base + cand[0 .. c): a batch's positives
+    void add(uint64_t base, const uint32_t* cand, size_t c) {
+        for (size_t a = 0; a < c; ++a) set(base + cand[a]);
+        count += c;
     }
-    if (out.size() > limit) out.resize(static_cast<size_t>(limit) + 1);
+    void add(const uint64_t* x, size_t c) {
+        for (size_t a = 0; a < c; ++a) set(x[a]);
+        count += c;
+    }
+};
+
+// Query [0, d) into `out` by word-aligned ranges, one per thread, each range(lo, hi, limit, sink)
+// setting its ascending positives (stopping once it holds more than `limit`). A range stops early
+// only after more than `limit` positives of its own, so the ranges before it hold all of theirs:
+// the first min(|P|, limit + 1) set bits are the first positives whatever the thread count.
+template <class Range>
+void query_by_ranges(uint64_t d, uint64_t limit, int threads, Range range, Positives& out) {
+    out.reset(d);
+    const int parts = parts_for(d, threads);
+    std::vector<uint64_t> counts(static_cast<size_t>(parts), 0);
+    run_parts(out.words.size(), parts, [&](int t, uint64_t lo, uint64_t hi) {
+        BitSink sink{out.words.data()};
+        range(lo * 64, std::min(hi * 64, d), limit, sink);
+        counts[t] = sink.count;
+    });
+    uint64_t total = 0;  // at most d: each position is counted by one range
+    for (uint64_t c : counts) total += c;
+    out.count = limit < total ? limit + 1 : total;
 }
 
 // ---------------------------------------------------------------- blocked family
@@ -164,21 +181,14 @@ size_t probe_batch(const uint8_t* bits, int k, size_t n, uint32_t* blk, uint32_t
     return further_probes(bits, k, n, c, blk, g, cand);
 }
 
-// Append base + cand[0 .. c) (a batch's positives, ascending) to out.
-void append_positives(uint64_t base, const uint32_t* cand, size_t c, std::vector<uint64_t>& out) {
-    const size_t at = out.size();
-    out.resize(at + c);
-    for (size_t a = 0; a < c; ++a) out[at + a] = base + cand[a];
-}
-
 void blocked_query_range(const uint8_t* bits, uint64_t blocks, int k, uint64_t key, uint64_t lo, uint64_t hi,
-                         uint64_t limit, std::vector<uint64_t>& out) {
+                         uint64_t limit, BitSink& out) {
     alignas(64) uint32_t blk[BATCH], g[BATCH], cand[BATCH];
     for (uint64_t base = lo; base < hi; base += BATCH) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(BATCH, hi - base));
         hash_batch(key + base * GAMMA, n, blocks, blk, g);
-        append_positives(base, cand, probe_batch(bits, k, n, blk, g, cand), out);
-        if (out.size() > limit) return;
+        out.add(base, cand, probe_batch(bits, k, n, blk, g, cand));
+        if (out.count > limit) return;
     }
 }
 
@@ -289,7 +299,7 @@ DR_AVX2 void hash_batch_avx2(uint64_t z0, size_t n, uint64_t blocks, const uint8
 }
 
 DR_AVX2 void blocked_query_range_avx2(const uint8_t* bits, uint64_t blocks, int k, uint64_t key, uint64_t lo,
-                                      uint64_t hi, uint64_t limit, std::vector<uint64_t>& out) {
+                                      uint64_t hi, uint64_t limit, BitSink& out) {
     alignas(64) uint32_t hblk[BATCH], hg[BATCH];
     alignas(64) uint32_t blk[BATCH + 8], g[BATCH + 8], cand[BATCH + 8];  // + 8: compress_store's spill
     const int* words = reinterpret_cast<const int*>(bits);
@@ -314,8 +324,8 @@ DR_AVX2 void blocked_query_range_avx2(const uint8_t* bits, uint64_t blocks, int 
             compress_store(g + c, _mm256_mullo_epi32(g1, mul), mask);
             c += static_cast<size_t>(_mm_popcnt_u32(static_cast<unsigned>(mask)));
         }
-        append_positives(base, cand, further_probes_avx2(words, k, c, blk, g, cand), out);
-        if (out.size() > limit) return;
+        out.add(base, cand, further_probes_avx2(words, k, c, blk, g, cand));
+        if (out.count > limit) return;
     }
 }
 
@@ -350,7 +360,7 @@ void insert_range(const uint64_t* idx, uint64_t lo, uint64_t hi, uint64_t blocks
 
 // ---------------------------------------------------------------- SplitMix64 family
 void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t* keys, uint64_t lo, uint64_t hi,
-                          uint64_t limit, std::vector<uint64_t>& out) {
+                          uint64_t limit, BitSink& out) {
     // Blocks of candidates: hash function 0 over the block, then each further function over the
     // survivors only (early exit at the first zero bit), compacting without branches.
     uint64_t buf[BATCH];
@@ -371,8 +381,8 @@ void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t
             }
             n = n2;
         }
-        out.insert(out.end(), buf, buf + n);
-        if (out.size() > limit) return;
+        out.add(buf, n);
+        if (out.count > limit) return;
     }
 }
 
@@ -386,68 +396,93 @@ void splitmix_query_range(const uint8_t* bits, uint64_t m, int k, const uint64_t
 // unchosen are built and handed to the general greedy (phase B), which continues the same first
 // pass. The v1 family builds every set and runs the greedy from the start. Same choices, byte
 // for byte, either way.
+//
+// Members are the set bits of a bitmap, of type Pos (uint32_t while they fit, else uint64_t): the
+// positives themselves for a query's bitmap (Members below), ranks into the list for a list of
+// positives; either way ascending members are ascending positions, so the draws pick the same
+// positives. Which members are chosen is a bitmap too. Per positive that is 4 bytes of grouping,
+// 4 per (set, member) pair still open after the singletons and an eighth of a byte; a hash is
+// recomputed rather than stored.
+
+// The members P1 and P2 work on: the set bits m of `set`, each standing for the position at(m):
+// m itself for a query's bitmap, list[m] for an ascending list of positives (set: [0, |list|)).
+struct Members {
+    const Positives& set;
+    const uint64_t* list = nullptr;
+    uint64_t at(uint64_t m) const { return list ? list[m] : m; }
+};
 
 // Conflict sets in CSR form, in ascending bit order: set s is the filter's bit bit[s], has size[s]
-// members, of which members[start[s] .. start[s+1]) (indices into P, ascending) are listed: all
-// of them, or those not chosen when the greedy starts (then every bit of a listed member is a set).
+// members, of which members[start[s] .. start[s+1]) (ascending) are listed: all of them, or
+// those not chosen when the greedy starts (then every bit of a listed member is a set).
+template <class Pos>
 struct ConflictSets {
     std::vector<uint64_t> start{0}, bit;
-    std::vector<uint32_t> members, size;
+    std::vector<Pos> members;
+    std::vector<uint32_t> size;
 };
 
 // Per-thread scratch of P2, reused across calls so that a call does not fault in fresh pages;
-// released after a call that left it above SCRATCH_KEEP bytes (about 17 bytes per positive:
-// kept up to ~1M positives, so a pool of threads that each ran P2 holds little).
+// released after a call that left it above SCRATCH_KEEP bytes (kept up to a few million
+// positives, so a pool of threads that each ran P2 holds little).
 constexpr size_t SCRATCH_KEEP = size_t(16) << 20;
 
+template <class Pos>
 struct Scratch {
-    std::vector<uint32_t> g0, member;  // positives grouped by block: sorted by (block, member)
-    std::vector<uint32_t> ends;        // where each non-empty block's group ends, ascending
-    std::vector<uint32_t> hashed_block, hashed_g0, bucket;
-    std::vector<uint8_t> chosen;  // one flag per positive
+    std::vector<Pos> member;       // the positives grouped by block, ascending within a block
+    std::vector<uint32_t> ends;    // where each non-empty block's group ends, ascending
+    std::vector<uint32_t> bucket;  // the counting sort's bounds, one per block
+    Positives chosen;              // the positives chosen so far
 
     size_t bytes() const {
-        return 4 * (ends.capacity() + g0.capacity() + member.capacity() + hashed_block.capacity() +
-                    hashed_g0.capacity() + bucket.capacity()) +
-               chosen.capacity();
+        return sizeof(Pos) * member.capacity() + 4 * (ends.capacity() + bucket.capacity()) +
+               8 * chosen.words.capacity();
     }
 };
 
-// Hash every positive and group them by block: a stable counting sort, or a stable sort when the
-// block count dwarfs the positives (a hostile container's).
-void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed, Scratch& s) {
-    const uint64_t key = blocked::key(seed);
-    s.g0.resize(np);
-    s.member.resize(np);
-    s.hashed_block.resize(np);
-    s.hashed_g0.resize(np);
-    uint32_t* hb = s.hashed_block.data();
-    uint32_t* hg = s.hashed_g0.data();
-    for (size_t a = 0; a < np; ++a) {
-        const uint64_t h = blocked::hash(P[a], key);
-        hb[a] = static_cast<uint32_t>(blocked::block(h, blocks));
-        hg[a] = static_cast<uint32_t>(h);
+// fn(p) for each distinct bit p (within its block) of the k probes from g_0 = g.
+template <class F>
+inline void distinct_probes(uint32_t g, int k, F fn) {
+    uint64_t seen[blocked::BLOCK_BITS / 64] = {};
+    for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
+        const uint32_t p = g >> 23;
+        const uint64_t bit = uint64_t(1) << (p & 63);
+        if (!(seen[p >> 6] & bit)) {
+            seen[p >> 6] |= bit;
+            fn(p);
+        }
     }
+}
+
+// Group the positives by block: a stable counting sort (hashing each positive twice rather than
+// storing its hash), or a sort of (block, position) when the block count dwarfs the positives
+// (a hostile container's; then the pairs take less than the filter's bytes).
+template <class Pos>
+void group_by_block(const Members& M, uint64_t blocks, uint64_t key, Scratch<Pos>& s) {
+    const Positives& P = M.set;
+    const size_t np = static_cast<size_t>(P.count);
+    const auto block_of = [&](uint64_t x) {
+        return static_cast<uint32_t>(blocked::block(blocked::hash(M.at(x), key), blocks));
+    };
+    s.member.resize(np);
+    s.ends.clear();
     if (blocks <= 4 * static_cast<uint64_t>(np) + 4096) {
         s.bucket.assign(blocks + 1, 0);
         uint32_t* bucket = s.bucket.data();
-        for (size_t a = 0; a < np; ++a) ++bucket[hb[a] + 1];
+        P.each([&](uint64_t x) { return ++bucket[block_of(x) + 1], true; });
         for (uint64_t b = 0; b < blocks; ++b) bucket[b + 1] += bucket[b];
-        for (size_t a = 0; a < np; ++a) {
-            const uint32_t at = bucket[hb[a]]++;
-            s.g0[at] = hg[a];
-            s.member[at] = static_cast<uint32_t>(a);
-        }
-        s.ends.clear();  // bucket[b] is now the end of block b's group, bucket[b - 1] its start
-        for (uint64_t b = 0; b < blocks; ++b)
+        Pos* member = s.member.data();
+        P.each([&](uint64_t x) { return member[bucket[block_of(x)]++] = static_cast<Pos>(x), true; });
+        for (uint64_t b = 0; b < blocks; ++b)  // bucket[b] is now the end of block b's group
             if (bucket[b] != (b ? bucket[b - 1] : 0)) s.ends.push_back(bucket[b]);
     } else {
-        for (size_t a = 0; a < np; ++a) s.member[a] = static_cast<uint32_t>(a);
-        std::stable_sort(s.member.begin(), s.member.end(), [&](uint32_t x, uint32_t y) { return hb[x] < hb[y]; });
-        s.ends.clear();
+        std::vector<std::pair<uint32_t, Pos>> keyed;
+        keyed.reserve(np);
+        P.each([&](uint64_t x) { return keyed.emplace_back(block_of(x), static_cast<Pos>(x)), true; });
+        std::sort(keyed.begin(), keyed.end());
         for (size_t e = 0; e < np; ++e) {
-            s.g0[e] = hg[s.member[e]];
-            if (e + 1 == np || hb[s.member[e + 1]] != hb[s.member[e]]) s.ends.push_back(static_cast<uint32_t>(e + 1));
+            s.member[e] = keyed[e].second;
+            if (e + 1 == np || keyed[e + 1].first != keyed[e].first) s.ends.push_back(static_cast<uint32_t>(e + 1));
         }
     }
 }
@@ -456,24 +491,38 @@ void group_by_block(const uint64_t* P, size_t np, uint64_t blocks, uint64_t seed
 // a member still unchosen now stays unchosen until phase B (its singletons lie in its block),
 // and a set whose members are all chosen gives nothing and draws nothing when the greedy visits
 // it. So only the sets probed by an unchosen member matter: appended in ascending bit, with the
-// full size (count, the order key) and the unchosen members, ascending.
-void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t* count, const uint8_t* chosen,
-                  std::vector<uint64_t>& pairs, ConflictSets& open) {
-    const uint64_t base = uint64_t(s.hashed_block[s.member[lo]]) * blocked::BLOCK_BITS;
-    pairs.clear();
+// full size (count, the order key) and the unchosen members, ascending (a counting sort by bit:
+// one pass counts, one places).
+template <class Pos>
+void collect_open(const Members& M, const Scratch<Pos>& s, size_t lo, size_t hi, uint64_t blocks, int k, uint64_t key,
+                  const uint32_t* count, const Positives& chosen, ConflictSets<Pos>& open) {
+    constexpr uint32_t BITS = blocked::BLOCK_BITS;
+    uint32_t listed[BITS] = {};
+    bool any = false;
     for (size_t e = lo; e < hi; ++e) {
-        if (chosen[s.member[e]]) continue;
-        uint32_t g = s.g0[e];
-        for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) pairs.push_back(uint64_t(g >> 23) << 32 | s.member[e]);
+        if (chosen.has(s.member[e])) continue;
+        any = true;
+        distinct_probes(static_cast<uint32_t>(blocked::hash(M.at(s.member[e]), key)), k,
+                        [&](uint32_t p) { ++listed[p]; });
     }
-    std::sort(pairs.begin(), pairs.end());  // by (bit, member); a member repeating a bit counts once
-    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
-    for (size_t j = 0; j < pairs.size();) {
-        const uint64_t p = pairs[j] >> 32;
-        for (; j < pairs.size() && pairs[j] >> 32 == p; ++j) open.members.push_back(static_cast<uint32_t>(pairs[j]));
-        open.start.push_back(open.members.size());
+    if (!any) return;
+    const uint64_t base = blocked::block(blocked::hash(M.at(s.member[lo]), key), blocks) * blocked::BLOCK_BITS;
+    uint64_t at[BITS];
+    uint64_t end = open.members.size();
+    for (uint32_t p = 0; p < BITS; ++p) {
+        if (!listed[p]) continue;
+        at[p] = end;
+        end += listed[p];
+        open.start.push_back(end);
         open.bit.push_back(base + p);
         open.size.push_back(count[p]);
+    }
+    open.members.resize(end);
+    for (size_t e = lo; e < hi; ++e) {
+        const Pos x = s.member[e];
+        if (chosen.has(x)) continue;
+        distinct_probes(static_cast<uint32_t>(blocked::hash(M.at(x), key)), k,
+                        [&](uint32_t p) { open.members[at[p]++] = x; });
     }
 }
 
@@ -481,20 +530,20 @@ void collect_open(const Scratch& s, size_t lo, size_t hi, int k, const uint32_t*
 // the last member that counted it, so a member repeating a bit counts once), then serve the
 // singleton sets in bit order: each chooses its member unless already chosen. Returns true once
 // nchosen reaches r (r >= 1); otherwise `open` holds phase B's sets.
-bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* chosen, size_t& nchosen,
-                      ConflictSets& open) {
+template <class Pos>
+bool serve_singletons(const Members& M, const Scratch<Pos>& s, uint64_t blocks, int k, uint64_t key, size_t r,
+                      Positives& chosen, size_t& nchosen, ConflictSets<Pos>& open) {
     constexpr uint32_t BITS = blocked::BLOCK_BITS;
-    uint32_t count[BITS] = {}, stamp[BITS] = {}, owner[BITS], served[BITS];
-    std::vector<uint64_t> pairs;
-    const uint32_t* g0 = s.g0.data();
-    const uint32_t* member = s.member.data();
-    size_t n = nchosen;  // a local: the compiler cannot keep it in a register across byte stores
+    uint32_t count[BITS] = {}, stamp[BITS] = {};
+    Pos owner[BITS], served[BITS];
+    const Pos* member = s.member.data();
+    size_t n = nchosen;  // a local: the compiler cannot keep it in a register across the stores
     for (size_t b = 0, lo = 0; b < s.ends.size(); lo = s.ends[b++]) {
         const size_t hi = s.ends[b];
         uint64_t touched[BITS / 64] = {};
         for (size_t e = lo; e < hi; ++e) {
             const uint32_t tag = static_cast<uint32_t>(e + 1);
-            uint32_t g = g0[e];
+            uint32_t g = static_cast<uint32_t>(blocked::hash(M.at(member[e]), key));
             for (int i = 0; i < k; ++i, g = blocked::next_probe(g)) {
                 const uint32_t p = g >> 23;
                 count[p] += stamp[p] != tag;
@@ -512,31 +561,66 @@ bool serve_singletons(const Scratch& s, size_t np, int k, size_t r, uint8_t* cho
             }
         }
         for (size_t i = 0; i < ns; ++i) {
-            n += chosen[served[i]] ^ 1u;
-            chosen[served[i]] = 1;
+            n += !chosen.has(served[i]);
+            chosen.add(served[i]);
             if (n == r) {
                 nchosen = n;
                 return true;
             }
         }
-        collect_open(s, lo, hi, k, count, chosen, pairs, open);
+        collect_open(M, s, lo, hi, blocks, k, key, count, chosen, open);
         std::fill(count, count + BITS, 0);
     }
     nchosen = n;
     return false;
 }
 
-// SplitMix64 family (v1 containers): sort the distinct (bit, member) pairs.
-ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint64_t seed) {
-    uint64_t keys[MAX_K];
+// The sorted distinct bits of the k SplitMix64 probes of x; returns how many.
+int splitmix_bits(uint64_t x, const uint64_t* keys, int k, uint64_t m, uint64_t* bits) {
+    for (int i = 0; i < k; ++i) bits[i] = splitmix::position(x, keys[i], m);
+    std::sort(bits, bits + k);
+    return static_cast<int>(std::unique(bits, bits + k) - bits);
+}
+
+// SplitMix64 family (v1 containers): every set, by a counting sort over the m bits when they are
+// no more than the (bit, member) pairs, else by sorting the pairs.
+template <class Pos>
+ConflictSets<Pos> splitmix_sets(const Members& M, uint64_t m, int k, uint64_t seed) {
+    const Positives& P = M.set;
+    uint64_t keys[MAX_K], bits[MAX_K];
     for (int i = 0; i < k; ++i) keys[i] = splitmix::hash_key(seed, i);
-    std::vector<std::pair<uint64_t, uint32_t>> pairs;
-    pairs.reserve(np * static_cast<size_t>(k));
-    for (size_t a = 0; a < np; ++a)
-        for (int i = 0; i < k; ++i) pairs.emplace_back(splitmix::position(P[a], keys[i], m), static_cast<uint32_t>(a));
+    ConflictSets<Pos> sets;
+    if (m <= static_cast<uint64_t>(k) * P.count + 4096) {
+        std::vector<uint64_t> at(m + 1, 0);  // pairs of bit b: at[b] .. at[b + 1]
+        P.each([&](uint64_t x) {
+            const int n = splitmix_bits(M.at(x), keys, k, m, bits);
+            for (int i = 0; i < n; ++i) ++at[bits[i] + 1];
+            return true;
+        });
+        for (uint64_t b = 0; b < m; ++b) {
+            if (at[b + 1]) {
+                sets.bit.push_back(b);
+                sets.size.push_back(static_cast<uint32_t>(at[b + 1]));
+            }
+            at[b + 1] += at[b];
+            if (at[b + 1] != at[b]) sets.start.push_back(at[b + 1]);
+        }
+        sets.members.resize(at[m]);
+        P.each([&](uint64_t x) {
+            const int n = splitmix_bits(M.at(x), keys, k, m, bits);
+            for (int i = 0; i < n; ++i) sets.members[at[bits[i]]++] = static_cast<Pos>(x);
+            return true;
+        });
+        return sets;
+    }
+    std::vector<std::pair<uint64_t, Pos>> pairs;
+    pairs.reserve(static_cast<size_t>(k) * P.count);
+    P.each([&](uint64_t x) {
+        const int n = splitmix_bits(M.at(x), keys, k, m, bits);
+        for (int i = 0; i < n; ++i) pairs.emplace_back(bits[i], static_cast<Pos>(x));
+        return true;
+    });
     std::sort(pairs.begin(), pairs.end());
-    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
-    ConflictSets sets;
     sets.members.reserve(pairs.size());
     for (size_t e = 0; e < pairs.size(); ++e) {
         if (e == 0 || pairs[e].first != pairs[e - 1].first) sets.bit.push_back(pairs[e].first);
@@ -549,74 +633,104 @@ ConflictSets splitmix_sets(const uint64_t* P, size_t np, uint64_t m, int k, uint
     return sets;
 }
 
+// The position of the i-th (from 0) set bit of w.
+inline uint32_t select_bit(uint64_t w, uint64_t i) {
+    for (; i; --i) w &= w - 1;
+    return static_cast<uint32_t>(__builtin_ctzll(w));
+}
+
 // The members not yet chosen of each listed conflict set, ascending, indexed so that finding the
-// i-th of a set and removing a chosen member from a set cost O(log set size): the slots of each
-// set (its listed members) hold a Fenwick tree of the members removed, zero until a removal
-// reaches it (calloc: the pages of sets never touched are never written). Rescanning a set's
-// members on every visit instead made an all-ones filter cost passes x positives. The NumPy twin
-// is _Unchosen in deepreduce/index/bloom.py.
+// i-th of a set and removing a chosen member from a set cost O(log set size): per set, one bit
+// per listed member (set: chosen; the slots past the last member start set) in whole words, and
+// a Fenwick tree over those words counting the set bits (node j of a set covers the j & -j words
+// up to word j). About 0.19 bytes per listed member. Rescanning a set's members on every visit
+// instead made an all-ones filter cost passes x positives. The NumPy twin is _Unchosen in
+// deepreduce/index/bloom.py.
+template <class Pos>
 class Unchosen {
   public:
-    explicit Unchosen(const ConflictSets& sets)
-        : sets_(sets),
-          live_(sets.size.size()),
-          removed_(static_cast<uint32_t*>(std::calloc(sets.members.size() + 1, sizeof(uint32_t))), &std::free) {
-        if (!removed_) throw std::bad_alloc();
-        for (size_t s = 0; s < live_.size(); ++s) live_[s] = static_cast<uint32_t>(sets.start[s + 1] - sets.start[s]);
+    explicit Unchosen(const ConflictSets<Pos>& sets)
+        : sets_(sets), live_(sets.size.size()), first_word_(sets.size.size() + 1, 0) {
+        for (size_t s = 0; s < live_.size(); ++s) {
+            const uint64_t n = sets.start[s + 1] - sets.start[s];
+            live_[s] = static_cast<uint32_t>(n);
+            first_word_[s + 1] = first_word_[s] + (n + 63) / 64;
+        }
+        taken_.assign(first_word_.back(), 0);
+        removed_.assign(first_word_.back(), 0);
+        for (size_t s = 0; s < live_.size(); ++s) {
+            const uint64_t used = live_[s] % 64;  // slots used in the set's last word (0: all 64)
+            if (!used) continue;
+            const uint64_t last = first_word_[s + 1] - 1;  // word W of the set: only Fenwick node W covers it
+            taken_[last] = ~uint64_t(0) << used;
+            removed_[last] = static_cast<uint32_t>(64 - used);
+        }
     }
 
     uint32_t live(uint32_t s) const { return live_[s]; }
 
-    // The i-th (from 0, i < live(s)) unchosen member of set s: a Fenwick descent (node j of a set
-    // covers the j & -j slots up to slot j, of which `step - removed` are unchosen).
-    uint32_t nth(uint32_t s, uint64_t i) const {
-        const uint64_t lo = sets_.start[s], n = sets_.start[s + 1] - lo;
-        const uint32_t* removed = removed_.get() + lo;  // node j at removed[j - 1]
+    // The i-th (from 0, i < live(s)) unchosen member of set s: a Fenwick descent to its word (node
+    // j covers 64 (j & -j) slots, of which that minus removed are unchosen), then a bit select.
+    Pos nth(uint32_t s, uint64_t i) const {
+        const uint64_t lo = first_word_[s], words = first_word_[s + 1] - lo;
         uint64_t at = 0;
-        for (uint64_t step = uint64_t(1) << (63 - __builtin_clzll(n)); step; step >>= 1)
-            if (at + step <= n && step - removed[at + step - 1] <= i) {
+        for (uint64_t step = uint64_t(1) << (63 - __builtin_clzll(words)); step; step >>= 1) {
+            if (at + step > words) continue;
+            const uint64_t free = 64 * step - removed_[lo + at + step - 1];
+            if (free <= i) {
                 at += step;
-                i -= step - removed[at - 1];
+                i -= free;
             }
-        return sets_.members[lo + at];
+        }
+        return sets_.members[sets_.start[s] + 64 * at + select_bit(~taken_[lo + at], i)];
     }
 
     // Mark `member` chosen in the set of filter bit `bit`, if a listed set holds it.
-    void remove(uint64_t bit, uint32_t member) {
+    void remove(uint64_t bit, Pos member) {
         const auto set = std::lower_bound(sets_.bit.begin(), sets_.bit.end(), bit);
         if (set == sets_.bit.end() || *set != bit) return;
         const size_t s = static_cast<size_t>(set - sets_.bit.begin());
-        const uint32_t* first = sets_.members.data() + sets_.start[s];
-        const uint64_t n = sets_.start[s + 1] - sets_.start[s];
-        const uint32_t* at = std::lower_bound(first, first + n, member);
-        if (at == first + n || *at != member) return;
+        const Pos* first = sets_.members.data() + sets_.start[s];
+        const Pos* last = sets_.members.data() + sets_.start[s + 1];
+        const Pos* at = std::lower_bound(first, last, member);
+        if (at == last || *at != member) return;
+        const uint64_t slot = static_cast<uint64_t>(at - first), lo = first_word_[s];
+        const uint64_t words = first_word_[s + 1] - lo, mask = uint64_t(1) << (slot % 64);
+        if (taken_[lo + slot / 64] & mask) return;
+        taken_[lo + slot / 64] |= mask;
         --live_[s];
-        uint32_t* removed = removed_.get() + sets_.start[s];
-        for (uint64_t j = static_cast<uint64_t>(at - first) + 1; j <= n; j += j & (~j + 1)) ++removed[j - 1];
+        for (uint64_t j = slot / 64 + 1; j <= words; j += j & (~j + 1)) ++removed_[lo + j - 1];
     }
 
   private:
-    const ConflictSets& sets_;
+    const ConflictSets<Pos>& sets_;
     std::vector<uint32_t> live_;
-    std::unique_ptr<uint32_t[], decltype(&std::free)> removed_;
+    std::vector<uint64_t> first_word_, taken_;
+    std::vector<uint32_t> removed_;
 };
 
-// Algorithm 1 over conflict sets ordered by (size, bit), continuing from `chosen` (a flag per
-// positive) and `nchosen`: passes over the active sets; each set gives one not yet chosen member
+// Algorithm 1 over conflict sets ordered by (size, bit), continuing from `chosen` (the chosen
+// positives) and `nchosen`: passes over the active sets; each set gives one not yet chosen member
 // (drawn when it has several), and stays for the next pass while it had several; stop at r.
 // `probes(member, out)` writes the member's k filter bits (the sets it belongs to).
-template <typename Probes>
-void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, int k, const Probes& probes, uint8_t* chosen,
-                   size_t& nchosen) {
+template <class Pos, typename Probes>
+void greedy_select(const ConflictSets<Pos>& sets, size_t r, uint64_t draw_seed, int k, const Probes& probes,
+                   Positives& chosen, size_t& nchosen) {
     const size_t nsets = sets.size.size();
-    const uint32_t max_size = nsets ? *std::max_element(sets.size.begin(), sets.size.end()) : 0;
-    std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);  // stable counting sort by size
-    for (size_t s = 0; s < nsets; ++s) ++by_size[sets.size[s] + 1];
-    for (size_t z = 1; z < by_size.size(); ++z) by_size[z] += by_size[z - 1];
     std::vector<uint32_t> active(nsets);  // by (size, bit): the sets are in ascending bit order
-    for (size_t s = 0; s < nsets; ++s) active[by_size[sets.size[s]]++] = static_cast<uint32_t>(s);
+    for (size_t s = 0; s < nsets; ++s) active[s] = static_cast<uint32_t>(s);
+    const uint32_t max_size = nsets ? *std::max_element(sets.size.begin(), sets.size.end()) : 0;
+    if (max_size <= 4 * static_cast<uint64_t>(nsets) + 4096) {  // a stable counting sort by size
+        std::vector<size_t> by_size(static_cast<size_t>(max_size) + 2, 0);
+        for (size_t s = 0; s < nsets; ++s) ++by_size[sets.size[s] + 1];
+        for (size_t z = 1; z < by_size.size(); ++z) by_size[z] += by_size[z - 1];
+        for (size_t s = 0; s < nsets; ++s) active[by_size[sets.size[s]]++] = static_cast<uint32_t>(s);
+    } else {  // few sets of many members (an all-ones filter's): a count per size would dwarf them
+        std::stable_sort(active.begin(), active.end(),
+                         [&](uint32_t a, uint32_t b) { return sets.size[a] < sets.size[b]; });
+    }
 
-    Unchosen unchosen(sets);
+    Unchosen<Pos> unchosen(sets);
     std::vector<uint32_t> next;
     uint64_t bits[MAX_K];
     uint64_t draw = 0;
@@ -632,17 +746,58 @@ void greedy_select(const ConflictSets& sets, size_t r, uint64_t draw_seed, int k
                 pick = splitmix::mulhi64(mix64(draw_seed + draw * GAMMA), ncand);
                 next.push_back(s);
             }
-            const uint32_t member = unchosen.nth(s, pick);
+            const Pos member = unchosen.nth(s, pick);
             probes(member, bits);
             std::sort(bits, bits + k);  // a member repeating a bit is in that set once
             for (int i = 0; i < k; ++i)
                 if (i == 0 || bits[i] != bits[i - 1]) unchosen.remove(bits[i], member);
-            chosen[member] = 1;
+            chosen.add(member);
             ++nchosen;
         }
         active.swap(next);
     }
     if (nchosen != r) fail(ErrorKind::ARGUMENT, "Bloom P2: positives do not cover r distinct indices");
+}
+
+// select_conflict with members of type Pos.
+template <class Pos>
+void select_conflict_as(Family family, const Members& M, size_t r, uint64_t size, int k, uint64_t seed,
+                        uint64_t draw_seed, uint64_t* out) {
+    thread_local Scratch<Pos> scratch;
+    struct Release {  // keep the scratch for the next call unless it grew too large
+        Scratch<Pos>& s;
+        ~Release() {
+            if (s.bytes() > SCRATCH_KEEP) s = Scratch<Pos>{};
+        }
+    } release{scratch};
+    Positives& chosen = scratch.chosen;
+    chosen.reset(M.set.d);
+    size_t nchosen = 0;
+    if (family == Family::BLOCKED) {
+        const uint64_t key = blocked::key(seed);
+        group_by_block(M, size, key, scratch);
+        ConflictSets<Pos> open;
+        if (!serve_singletons(M, scratch, size, k, key, r, chosen, nchosen, open)) {
+            if (sizeof(Pos) * scratch.member.capacity() > SCRATCH_KEEP) std::vector<Pos>().swap(scratch.member);
+            greedy_select(
+                open, r, draw_seed, k,
+                [&](Pos x, uint64_t* bits) {
+                    const uint64_t at = M.at(x);
+                    blocked::positions(&at, 1, size, k, seed, bits);
+                },
+                chosen, nchosen);
+        }
+    } else {
+        greedy_select(
+            splitmix_sets<Pos>(M, size, k, seed), r, draw_seed, k,
+            [&](Pos x, uint64_t* bits) {
+                const uint64_t at = M.at(x);
+                splitmix::positions(&at, 1, size, k, seed, bits);
+            },
+            chosen, nchosen);
+    }
+    size_t o = 0;
+    chosen.each([&](uint64_t x) { return out[o++] = M.at(x), true; });
 }
 
 }  // namespace
@@ -680,16 +835,17 @@ void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed,
 }
 
 void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
-           std::vector<uint64_t>& out, bool simd) {
+           Positives& out, bool simd) {
     check_k(k);
     check_blocks(blocks);
     check_threads(threads);
+    out.reset(d);
     if (blocks == 0 || d == 0) return;
     const uint64_t kk = key(seed);
     const bool avx2 = simd && avx2_query_usable(blocks);
     query_by_ranges(
         d, limit, threads,
-        [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+        [&](uint64_t lo, uint64_t hi, uint64_t lim, BitSink& o) {
 #if DR_AVX2_QUERY
             if (avx2) return blocked_query_range_avx2(bits, blocks, k, kk, lo, hi, lim, o);
 #endif
@@ -713,15 +869,16 @@ void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, ui
 }
 
 void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
-           std::vector<uint64_t>& out) {
+           Positives& out) {
     check_k(k);
     check_threads(threads);
+    out.reset(d);
     if (m == 0 || d == 0) return;
     uint64_t keys[MAX_K];
     for (int i = 0; i < k; ++i) keys[i] = hash_key(seed, i);
     query_by_ranges(
         d, limit, threads,
-        [&](uint64_t lo, uint64_t hi, uint64_t lim, std::vector<uint64_t>& o) {
+        [&](uint64_t lo, uint64_t hi, uint64_t lim, BitSink& o) {
             splitmix_query_range(bits, m, k, keys, lo, hi, lim, o);
         },
         out);
@@ -729,52 +886,125 @@ void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, ui
 
 }  // namespace splitmix
 
+// ---------------------------------------------------------------- positives
+void Positives::reset(uint64_t d_) {
+    d = d_;
+    count = 0;
+    words.assign(static_cast<size_t>(d_ / 64 + (d_ % 64 != 0)), 0);
+}
+
+void list_positives(const Positives& P, uint64_t from, uint64_t n, uint64_t* out) {
+    if (n > P.count || from > P.count - n) fail(ErrorKind::ARGUMENT, "Bloom positives: ranks beyond the positives");
+    if (n == 0) return;
+    uint64_t rank = 0, o = 0;
+    for (uint64_t w = 0; w < P.words.size(); ++w) {
+        uint64_t bits = P.words[w];
+        const uint64_t c = static_cast<uint64_t>(__builtin_popcountll(bits));
+        if (rank + c <= from) {  // the whole word lies before the first rank wanted
+            rank += c;
+            continue;
+        }
+        for (; bits; bits &= bits - 1, ++rank) {
+            if (rank < from) continue;
+            out[o++] = w * 64 + static_cast<uint64_t>(__builtin_ctzll(bits));
+            if (o == n) return;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- policies
-void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out) {
-    if (r > np) fail(ErrorKind::ARGUMENT, "Bloom P1: more indices requested than positives");
-    check_ascending(P, np, "Bloom P1");
+namespace {
+
+// The members [0, np) of a list of np ascending positives (checked).
+Positives ranks_of(const uint64_t* P, size_t np, const char* what) {
+    check_ascending(P, np, what);
+    Positives all;
+    all.reset(np);
+    for (uint64_t w = 0; w < np / 64; ++w) all.words[w] = ~uint64_t(0);
+    if (np % 64) all.words[np / 64] = (uint64_t(1) << (np % 64)) - 1;
+    all.count = np;
+    return all;
+}
+
+void select_random_in(const Members& M, size_t r, uint64_t draw_seed, uint64_t* out) {
+    const Positives& P = M.set;
+    if (r > P.count) fail(ErrorKind::ARGUMENT, "Bloom P1: more indices requested than positives");
     if (r == 0) return;
-    std::vector<std::pair<uint64_t, uint64_t>> pri(np);
-    for (size_t a = 0; a < np; ++a) pri[a] = {mix64(draw_seed + (P[a] + 1) * GAMMA), P[a]};
-    if (r < np) std::nth_element(pri.begin(), pri.begin() + (r - 1), pri.end());
-    for (size_t a = 0; a < r; ++a) out[a] = pri[a].second;
-    std::sort(out, out + r);
+    const auto priority = [&](uint64_t m) { return mix64(draw_seed + (M.at(m) + 1) * GAMMA); };
+    // The threshold is the rank-th smallest (from 1) of the priorities whose top `known` bits are
+    // `prefix`: each pass counts them by their next 16 bits, until few enough remain to collect.
+    constexpr int RADIX = 16;
+    constexpr uint64_t FEW = uint64_t(1) << 16;
+    uint64_t prefix = 0, rank = r, candidates = P.count;
+    int known = 0;
+    const auto candidate = [&](uint64_t v) { return known == 0 || v >> (64 - known) == prefix; };
+    std::vector<uint64_t> hist;
+    while (candidates > FEW) {
+        hist.assign(uint64_t(1) << RADIX, 0);
+        const int shift = 64 - known - RADIX;
+        P.each([&](uint64_t m) {
+            const uint64_t v = priority(m);
+            if (candidate(v)) ++hist[(v >> shift) & ((uint64_t(1) << RADIX) - 1)];
+            return true;
+        });
+        uint64_t b = 0;
+        while (hist[b] < rank) rank -= hist[b++];
+        prefix = prefix << RADIX | b;
+        known += RADIX;
+        candidates = hist[b];  // after 64 bits: one priority
+    }
+    std::vector<uint64_t> few;
+    few.reserve(static_cast<size_t>(candidates));
+    P.each([&](uint64_t m) {
+        const uint64_t v = priority(m);
+        if (candidate(v)) few.push_back(v);
+        return true;
+    });
+    std::nth_element(few.begin(), few.begin() + static_cast<std::ptrdiff_t>(rank - 1), few.end());
+    const uint64_t threshold = few[rank - 1];
+    size_t o = 0;  // exactly r priorities are at most the threshold: they are distinct
+    P.each([&](uint64_t m) {
+        if (priority(m) <= threshold) out[o++] = M.at(m);
+        return o < r;
+    });
+}
+
+void select_conflict_in(Family family, const Members& M, size_t r, uint64_t size, int k, uint64_t seed,
+                        uint64_t draw_seed, uint64_t* out) {
+    check_k(k);
+    if (r > M.set.count) fail(ErrorKind::ARGUMENT, "Bloom P2: more indices requested than positives");
+    if (M.set.count >= (uint64_t(1) << 32)) fail(ErrorKind::ARGUMENT, "Bloom P2: at most 2^32 - 1 positives");
+    if (r == 0) return;
+    if (size == 0) fail(ErrorKind::ARGUMENT, "Bloom P2: empty filter with positives");
+    if (family == Family::BLOCKED) check_blocks(size);
+    if (M.set.d <= (uint64_t(1) << 32))
+        select_conflict_as<uint32_t>(family, M, r, size, k, seed, draw_seed, out);
+    else
+        select_conflict_as<uint64_t>(family, M, r, size, k, seed, draw_seed, out);
+}
+
+}  // namespace
+
+void select_random(const Positives& P, size_t r, uint64_t draw_seed, uint64_t* out) {
+    select_random_in(Members{P}, r, draw_seed, out);
+}
+
+void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out) {
+    const Positives ranks = ranks_of(P, np, "Bloom P1");
+    select_random_in(Members{ranks, P}, r, draw_seed, out);
+}
+
+void select_conflict(Family family, const Positives& P, size_t r, uint64_t size, int k, uint64_t seed,
+                     uint64_t draw_seed, uint64_t* out) {
+    select_conflict_in(family, Members{P}, r, size, k, seed, draw_seed, out);
 }
 
 void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k, uint64_t seed,
                      uint64_t draw_seed, uint64_t* out) {
     check_k(k);
-    if (r > np) fail(ErrorKind::ARGUMENT, "Bloom P2: more indices requested than positives");
     if (np >= (uint64_t(1) << 32)) fail(ErrorKind::ARGUMENT, "Bloom P2: at most 2^32 - 1 positives");
-    check_ascending(P, np, "Bloom P2");
-    if (r == 0) return;
-    if (size == 0) fail(ErrorKind::ARGUMENT, "Bloom P2: empty filter with positives");
-    thread_local Scratch scratch;
-    struct Release {  // keep the scratch for the next call unless it grew too large
-        Scratch& s;
-        ~Release() {
-            if (s.bytes() > SCRATCH_KEEP) s = Scratch{};
-        }
-    } release{scratch};
-    scratch.chosen.assign(np, 0);
-    uint8_t* chosen = scratch.chosen.data();
-    size_t nchosen = 0;
-    if (family == Family::BLOCKED) {
-        check_blocks(size);
-        group_by_block(P, np, size, seed, scratch);
-        ConflictSets open;
-        if (!serve_singletons(scratch, np, k, r, chosen, nchosen, open))
-            greedy_select(
-                open, r, draw_seed, k,
-                [&](uint32_t a, uint64_t* out) { blocked::positions(P + a, 1, size, k, seed, out); }, chosen, nchosen);
-    } else {
-        greedy_select(
-            splitmix_sets(P, np, size, k, seed), r, draw_seed, k,
-            [&](uint32_t a, uint64_t* out) { splitmix::positions(P + a, 1, size, k, seed, out); }, chosen, nchosen);
-    }
-    size_t o = 0;
-    for (size_t a = 0; a < np; ++a)
-        if (chosen[a]) out[o++] = P[a];
+    const Positives ranks = ranks_of(P, np, "Bloom P2");
+    select_conflict_in(family, Members{ranks, P}, r, size, k, seed, draw_seed, out);
 }
 
 // ---------------------------------------------------------------- receiver bounds
@@ -834,12 +1064,12 @@ uint64_t positive_limit(Family family, const uint8_t* bits, uint64_t size, int k
              "Bloom filter has " + std::to_string(set_bits) + " bits set; " + std::to_string(r) +
                  " keys of k = " + std::to_string(k) + " hashes set at most " +
                  std::to_string(static_cast<unsigned __int128>(k) * r > ~uint64_t(0) ? ~uint64_t(0) : k * r));
+    if (k * rate > MAX_PROBE_RATE)
+        fail(ErrorKind::ARGUMENT, "Bloom filter claims " + std::to_string(r) + " keys with k = " + std::to_string(k) +
+                                      " hashes at its false-positive rate " + number(rate) +
+                                      ": k * rate above 2, a filter far fuller than its k was chosen for");
     if (conflict) {
         const std::string keys = "Bloom P2 filter claims " + std::to_string(r) + " keys";
-        if (k * rate > MAX_PROBE_RATE)
-            fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes at its false-positive rate " +
-                                          number(rate) +
-                                          ": k * rate above 2, a filter far fuller than its k was chosen for");
         if (k >= 2 && static_cast<unsigned __int128>(k) * r > MAX_PROBES_PER_BIT * m)
             fail(ErrorKind::ARGUMENT, keys + " with k = " + std::to_string(k) + " hashes in " +
                                           std::to_string(static_cast<uint64_t>(m)) +

@@ -46,6 +46,33 @@ inline uint64_t filter_bytes(uint64_t m) {
     return m / 8 + (m % 8 != 0);
 }
 
+// ------------------------------------------------------------------ positives
+// A set of positions of [0, d): a bitmap (bit x % 64 of words[x / 64]), d / 8 bytes however many
+// positions it holds. The queries write the positives P of a filter here and the policies read
+// them from here: a list of uint64 positions took 8 bytes per positive, 64 times the bitmap when
+// every position is one (an all-ones filter), and the receiver's memory is then bounded by the
+// tensor it expects, not by what a filter claims.
+struct Positives {
+    uint64_t d = 0;
+    uint64_t count = 0;  // after a query: min(|P|, limit + 1); the bitmap holds all of P when count <= limit
+    std::vector<uint64_t> words;
+
+    // The empty set over [0, d).
+    void reset(uint64_t d_);
+    bool has(uint64_t x) const { return (words[x >> 6] >> (x & 63)) & 1u; }
+    void add(uint64_t x) { words[x >> 6] |= uint64_t(1) << (x & 63); }  // count is the caller's
+    // fn(x) for every position, ascending; stops early when fn returns false.
+    template <class F>
+    void each(F fn) const {
+        for (uint64_t w = 0; w < words.size(); ++w)
+            for (uint64_t bits = words[w]; bits; bits &= bits - 1)
+                if (!fn(w * 64 + static_cast<uint64_t>(__builtin_ctzll(bits)))) return;
+    }
+};
+
+// The positions of ranks [from, from + n) of P (ascending) into out; requires from + n <= |P|.
+void list_positives(const Positives& P, uint64_t from, uint64_t n, uint64_t* out);
+
 // ------------------------------------------------------------------ blocked family (v2)
 namespace blocked {
 
@@ -73,11 +100,12 @@ void positions(const uint64_t* x, size_t n, uint64_t blocks, int k, uint64_t see
 // Set the bits of n indices into `bits` (blocks * 64 bytes, not cleared here); `threads` threads.
 void build(const uint64_t* idx, size_t n, uint64_t blocks, int k, uint64_t seed, uint8_t* bits, int threads);
 
-// The first min(|P|, limit + 1) positives P of [0, d), ascending, into `out` (`threads` threads;
-// the result does not depend on the thread count). `simd`: use the AVX2 code where the CPU has it
-// (same result; false forces the portable loop, for tests that compare the two).
+// The positives P of [0, d) into `out` (reset to [0, d)), stopping once more than `limit` are found:
+// out.count = min(|P|, limit + 1), and the first out.count positions of out are the first of P
+// (`threads` threads; the result does not depend on the thread count). `simd`: use the AVX2 code
+// where the CPU has it (same result; false forces the portable loop, for tests that compare the two).
 void query(const uint8_t* bits, uint64_t blocks, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
-           std::vector<uint64_t>& out, bool simd = true);
+           Positives& out, bool simd = true);
 
 }  // namespace blocked
 
@@ -99,20 +127,30 @@ void positions(const uint64_t* x, size_t n, uint64_t m, int k, uint64_t seed, ui
 
 // As blocked::query, for a filter of m bits.
 void query(const uint8_t* bits, uint64_t m, int k, uint64_t seed, uint64_t d, uint64_t limit, int threads,
-           std::vector<uint64_t>& out);
+           Positives& out);
 
 }  // namespace splitmix
 
 // ------------------------------------------------------------------ policies
 enum class Family { SPLITMIX = 0, BLOCKED = 1 };
 
-// P1: the r entries of P with the smallest priority mix64(draw_seed + (x+1)*GAMMA) (ties by x),
-// written ascending to out. Requires r <= np.
+// The policies read P.count as |P|: P must hold every positive (a query's count <= its limit).
+//
+// P1: the r entries of P with the smallest priority mix64(draw_seed + (x+1)*GAMMA) (distinct for
+// distinct x), written ascending to out. Requires r <= |P|. Found by a radix selection of the r-th
+// smallest priority (16 bits per pass over P) and one more pass: no memory per positive.
+void select_random(const Positives& P, size_t r, uint64_t draw_seed, uint64_t* out);
+// The same over a list of positives P[0 .. np), strictly ascending (the pybind11 module's form).
 void select_random(const uint64_t* P, size_t np, size_t r, uint64_t draw_seed, uint64_t* out);
 
 // P2 (Algorithm 1, reading documented in docs/bloom.md): r entries of P written ascending to
-// out. Requires r <= np, P strictly ascending and the full positive set of the filter;
-// `size` is m (splitmix) or the block count (blocked).
+// out. Requires r <= |P| < 2^32 and P the full positive set of the filter; `size` is m (splitmix)
+// or the block count (blocked). Memory: the positives grouped by block (4 bytes each while
+// d <= 2^32, else 8) and the conflict sets still open after the singletons (the same per
+// (set, member) pair, plus about 0.2 bytes for the index of unchosen members).
+void select_conflict(Family family, const Positives& P, size_t r, uint64_t size, int k, uint64_t seed,
+                     uint64_t draw_seed, uint64_t* out);
+// The same over a list of positives P[0 .. np), strictly ascending (the pybind11 module's form).
 void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint64_t size, int k, uint64_t seed,
                      uint64_t draw_seed, uint64_t* out);
 
@@ -120,7 +158,7 @@ void select_conflict(Family family, const uint64_t* P, size_t np, size_t r, uint
 // Constants of positive_limit (docs/reliability.md, "Bloom filters: positives and work").
 constexpr double POSITIVE_MARGIN = 2.0;        // accepted false positives: this times the expected ...
 constexpr uint64_t POSITIVE_SLACK = 64;        // ... plus this many
-constexpr double MAX_PROBE_RATE = 2.0;         // P2: k * rate at most this
+constexpr double MAX_PROBE_RATE = 2.0;         // every policy and family: k * rate at most this
 constexpr uint64_t MAX_PROBES_PER_BIT = 2;     // P2 with k >= 2: k * r at most this times m
 constexpr uint64_t MAX_KEYS_PER_SET_BIT = 64;  // P2: r at most this times the set bits
 
@@ -130,10 +168,13 @@ constexpr uint64_t MAX_KEYS_PER_SET_BIT = 64;  // P2: r at most this times the s
 // (set bits / m)^k (splitmix). An honest filter has its r keys plus Binomial(d - r, rate) false
 // positives among d positions, so the receiver accepts at most
 //   min(d, r + ceil(POSITIVE_MARGIN * rate * d) + POSITIVE_SLACK)
-// positives: the return value (the query's limit). A filter with more than k * r set bits is
-// refused (each set bit is a probe of one of the r keys). With `conflict` (P2: its conflict sets hold
-// k |P| (bit, positive) pairs, visited in about r / set bits passes) it also refuses a filter no
-// encoder sizes: k * rate > MAX_PROBE_RATE, k >= 2 with k * r > MAX_PROBES_PER_BIT * m, or
+// positives: the return value (the query's limit). Refused, for every policy and both families: a
+// filter with more than k * r set bits (each set bit is a probe of one of the r keys), and one with
+// k * rate > MAX_PROBE_RATE, far fuller than any encoder fills a filter of k hashes (blocked
+// encoders keep k * rate <= 0.76, v1 ones about k / 2^k; a v1 filter with all of its 8 bits set and
+// k = 7 otherwise made 100 bytes claim every position of a 2^28-element tensor). With `conflict`
+// (P2: its conflict sets hold k |P| (bit, positive) pairs, visited in about r / set bits passes) it
+// also refuses a filter no encoder sizes: k >= 2 with k * r > MAX_PROBES_PER_BIT * m, or
 // r > MAX_KEYS_PER_SET_BIT * set bits. Errors are ErrorKind::ARGUMENT with the core's text (the
 // codec, bloom_wire.h decode, reports them as ContainerError "Bloom decode: ..."; deepreduce/index/
 // bloom.py positive_limit is the twin for the NumPy and torch paths). `bits` is the whole filter:

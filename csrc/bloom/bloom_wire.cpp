@@ -2,6 +2,7 @@
 #include "bloom_wire.h"
 
 #include <cmath>
+#include <new>
 
 #include "common/error.h"
 #include "container.h"  // the varints of the params
@@ -98,25 +99,30 @@ uint64_t blocks_for(uint64_t r, double keys_per_block) {
     return blocks < 1 ? 1 : static_cast<uint64_t>(blocks);
 }
 
-std::vector<uint64_t> choose(const Params& p, const std::vector<uint64_t>& P, size_t r) {
-    const size_t np = P.size();
+std::vector<uint64_t> choose(const Params& p, const Positives& P, size_t r) {
+    const uint64_t np = P.count;
+    std::vector<uint64_t> out;
     switch (p.policy) {
         case P0:
-            return P;
+            out.resize(static_cast<size_t>(np));
+            list_positives(P, 0, np, out.data());
+            return out;
         case P1:
         case P2: {
-            std::vector<uint64_t> out(r);
+            out.resize(r);
             if (r == 0) return out;
             if (p.policy == P1)
-                select_random(P.data(), np, r, p.draw_seed, out.data());
+                select_random(P, r, p.draw_seed, out.data());
             else
-                select_conflict(p.family, P.data(), np, r, p.size, p.k, p.seed, p.draw_seed, out.data());
+                select_conflict(p.family, P, r, p.size, p.k, p.seed, p.draw_seed, out.data());
             return out;
         }
         default: {  // a window of r positives: naive and leftmost the first, middle, rightmost the last
             if (r > np) fail(ErrorKind::ARGUMENT, "Bloom policy window: more indices requested than positives");
-            const size_t offset = p.policy == RIGHTMOST ? np - r : p.policy == MIDDLE ? (np - r) / 2 : 0;
-            return std::vector<uint64_t>(P.begin() + offset, P.begin() + offset + r);
+            const uint64_t offset = p.policy == RIGHTMOST ? np - r : p.policy == MIDDLE ? (np - r) / 2 : 0;
+            out.resize(r);
+            list_positives(P, offset, r, out.data());
+            return out;
         }
     }
 }
@@ -132,7 +138,7 @@ Encoded encode(const uint64_t* positions, size_t r, uint64_t numel, int policy, 
     Encoded out;
     out.params = pack_params(p);
     out.filter.assign(p.filter_bytes(), 0);
-    std::vector<uint64_t> P;
+    Positives P;
     try {
         if (r > 0) {
             blocked::build(positions, r, p.size, p.k, p.seed, out.filter.data(), threads);
@@ -160,7 +166,7 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
         if (count) container_error("empty Bloom filter cannot carry " + std::to_string(count) + " indices");
         return {};
     }
-    std::vector<uint64_t> P;
+    Positives P;
     try {
         // The filter's own bound (and P2's refusals) for every policy; the prefix policies need
         // only the first `count` positives.
@@ -170,7 +176,7 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
             blocked::query(section, p.size, p.k, p.seed, numel, limit, threads, P);
         else
             splitmix::query(section, p.size, p.k, p.seed, numel, limit, threads, P);
-        const uint64_t npos = P.size();
+        const uint64_t npos = P.count;
         if (p.policy == P0 && npos != count)
             container_error("Bloom P0 filter has " + std::to_string(npos) + (npos > count ? "+" : "") +
                             " positives, header says " + std::to_string(count));
@@ -185,6 +191,12 @@ std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uin
     } catch (const Error& e) {  // a kernel's refusal of what the container says, as the codec words it
         if (e.kind() == ErrorKind::CONTAINER) throw;
         container_error(std::string("Bloom decode: ") + e.what());
+    } catch (const std::bad_alloc&) {  // what the claim needs (a bitmap of numel bits, P2's sets) is not there
+        container_error(
+            "Bloom decode ran out of memory: a " + std::string(POLICIES[p.policy]) + " filter of " +
+            (p.family == Family::BLOCKED ? std::to_string(p.size) + " blocks" : "m = " + std::to_string(p.size)) +
+            " and k = " + std::to_string(p.k) + " claims " + std::to_string(count) + " keys over " +
+            std::to_string(numel) + " positions");
     }
 }
 

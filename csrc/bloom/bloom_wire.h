@@ -56,9 +56,9 @@ Params unpack_params(const uint8_t* params, size_t len);
 // (at least 1; 0 for r = 0); ErrorKind::ENCODE beyond blocked::MAX_BLOCKS.
 uint64_t blocks_for(uint64_t r, double keys_per_block);
 
-// BloomIndex._select: the positives P (ascending, the first min(|P|, limit + 1) of the query)
-// the policy keeps for r values, ascending (all of P for p0).
-std::vector<uint64_t> choose(const Params& p, const std::vector<uint64_t>& P, size_t r);
+// BloomIndex._select: the positives of P (a query's: its first P.count positives) the policy keeps
+// for r values, ascending (all of P for p0).
+std::vector<uint64_t> choose(const Params& p, const Positives& P, size_t r);
 
 // BloomIndex.encode of r ascending positions of a tensor of numel elements: the params, the
 // filter and the positions that carry values (`chosen`, ascending).
@@ -72,7 +72,10 @@ Encoded encode(const uint64_t* positions, size_t r, uint64_t numel, int policy, 
 
 // BloomIndex.decode: the `count` positions a container's params and filter section stand for
 // (ErrorKind::CONTAINER, with the core's text, if they cannot). The query is bounded by
-// positive_limit (bloom.h) first, so the work is bounded by what the filter's own rate allows.
+// positive_limit (bloom.h) first, so the work is bounded by what the filter's own rate allows;
+// the positives are a bitmap of numel bits, so the memory is bounded by the tensor (P2 adds its
+// conflict sets, O(numel + filter bits)). Running out of memory (std::bad_alloc) is a
+// CONTAINER error that names the claim, never an exception of another kind.
 std::vector<uint64_t> decode(const uint8_t* params, size_t params_len, const uint8_t* section, size_t len,
                              uint64_t count, uint64_t numel, int threads);
 

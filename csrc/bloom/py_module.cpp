@@ -62,6 +62,14 @@ U64Array to_array(const std::vector<uint64_t>& v) {
     return out;
 }
 
+// The positives of P (all P.count of them), ascending.
+U64Array to_array(const bl::Positives& P) {
+    U64Array out(static_cast<py::ssize_t>(P.count));
+    uint64_t* o = out.mutable_data();
+    bl::list_positives(P, 0, P.count, o);
+    return out;
+}
+
 // Runs a kernel without the GIL (its deepreduce::Error reaches Python as ValueError).
 template <class F>
 void run_released(F fn) {
@@ -133,7 +141,7 @@ PYBIND11_MODULE(_bloom, mod) {
             const uint64_t lim = int_arg(limit, "limit", 0, U64_MAX);
             const int t = threads_arg(threads);
             const std::string bits = filter_arg(data, fam, sz);
-            std::vector<uint64_t> out;
+            bl::Positives out;
             const uint8_t* b = reinterpret_cast<const uint8_t*>(bits.data());
             run_released([&] {
                 if (fam == bl::Family::BLOCKED)
@@ -179,6 +187,24 @@ PYBIND11_MODULE(_bloom, mod) {
         },
         py::arg("positives"), py::arg("r"), py::arg("size"), py::arg("k"), py::arg("seed"), py::arg("draw_seed"),
         py::arg("family") = "blocked", "policy P2 (conflict sets, Algorithm 1)");
+
+    mod.def(
+        "decode",
+        [](py::bytes params, py::bytes section, py::object count, py::object numel, py::object threads) {
+            const std::string p = params, sec = section;
+            const uint64_t n = int_arg(count, "count", 0, U64_MAX);
+            const uint64_t d = int_arg(numel, "numel", 0, U64_MAX);
+            const int t = threads_arg(threads);
+            std::vector<uint64_t> out;
+            run_released([&] {
+                out = bl::decode(reinterpret_cast<const uint8_t*>(p.data()), p.size(),
+                                 reinterpret_cast<const uint8_t*>(sec.data()), sec.size(), n, d, t);
+            });
+            return to_array(out);
+        },
+        py::arg("params"), py::arg("section"), py::arg("count"), py::arg("numel"), py::arg("threads") = 1,
+        "BloomIndex.decode: the positions (ascending uint64) of a container's Bloom params and filter section "
+        "claiming `count` values of a `numel`-element tensor; ValueError with the ContainerError text");
 
     mod.def(
         "pack_params",

@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <new>
 #include <string>
 
 #include "common/checks.h"
@@ -30,7 +31,8 @@ using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>
 using FloatInPlace = py::array_t<float, py::array::c_style>;
 
 // Raise deepreduce::Error as ValueError, or as the deepreduce.errors class its COMMUNICATION or
-// OVERFLOW kind names.
+// OVERFLOW kind names; std::bad_alloc (memory a kernel could not get) as
+// deepreduce.errors.DeepReduceError, never as a bare MemoryError.
 inline void register_errors() {
     py::register_local_exception_translator([](std::exception_ptr p) {
         try {
@@ -42,6 +44,9 @@ inline void register_errors() {
             }
             py::object cls = py::module_::import("deepreduce.errors").attr(e.kind_name());
             PyErr_SetString(cls.ptr(), e.what());
+        } catch (const std::bad_alloc&) {
+            py::object cls = py::module_::import("deepreduce.errors").attr("DeepReduceError");
+            PyErr_SetString(cls.ptr(), "out of memory in a deepreduce C++ kernel (std::bad_alloc)");
         }
     });
 }

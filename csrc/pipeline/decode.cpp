@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 
 #include "bitpack.h"
 #include "bloom_wire.h"
@@ -109,13 +110,49 @@ void check_finite(const ct::Header& h, const float* values, uint64_t n, const ch
                             " hold NaN/Inf but its header does not carry the non-finite flag");
 }
 
+// A sparse container's positions and values, decoded and checked without writing anywhere: the
+// first container of a decode_sum is decoded before its tensor is allocated, so a container
+// refused here costs no tensor of the size it claims.
+struct Sparse {
+    std::vector<int64_t> indices;
+    std::vector<float> values;
+};
+
+Sparse decode_sparse(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads) {
+    const uint8_t* params = buf + h.size;
+    const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
+    Sparse s;
+    s.indices = decode_indices(h, params, sections, numel, threads);
+    s.values = decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX]);
+    check_finite(h, s.values.data(), s.values.size(), "values");
+    if (h.permuted()) unpermute(h, sections + h.lengths[ct::INDEX] + h.lengths[ct::VALUE], s.values);
+    const int64_t n = static_cast<int64_t>(h.n);
+    if (n && h.index_id != 1 && h.index_id != elias_fano::WIRE_ID) {  // kernels.check_indices(ascending=False)
+        std::vector<int64_t> sorted(s.indices);
+        std::sort(sorted.begin(), sorted.end());
+        for (int64_t j = 1; j < n; ++j)
+            if (sorted[j] == sorted[j - 1]) container_error("container repeats an index");
+        if (sorted[0] < 0 || static_cast<uint64_t>(sorted[n - 1]) >= numel)
+            container_error("container index out of range for a tensor of " + std::to_string(numel) + " elements");
+    }
+    return s;
+}
+
+// Add a decoded sparse container into target.
+void scatter(const ct::Header& h, const Sparse& s, uint64_t numel, int threads, float* target) {
+    const int64_t n = static_cast<int64_t>(h.n);
+    if (h.index_id == 1 || h.index_id == elias_fano::WIRE_ID)  // ascending sets, checked by the kernel
+        select::scatter_add_checked(target, static_cast<int64_t>(numel), s.indices.data(), s.values.data(), n, threads);
+    else
+        select::scatter_add(target, s.indices.data(), s.values.data(), n, threads);
+}
+
 // Pipeline._decode_into: add the container's tensor into target (`accumulate`), or write it
 // there (target then holds zeros outside the container's entries).
 void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target,
                    bool accumulate = true) {
-    const uint8_t* params = buf + h.size;
-    const uint8_t* sections = params + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
     if (h.dense()) {
+        const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
         std::vector<float> dense(numel);
         if (numel) std::memcpy(dense.data(), sections, 4 * numel);
         check_finite(h, dense.data(), numel, "dense section");
@@ -126,25 +163,9 @@ void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int 
         for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return;
     }
+    const Sparse s = decode_sparse(h, buf, numel, threads);
     if (!accumulate) std::fill(target, target + numel, 0.0f);
-    const std::vector<int64_t> indices = decode_indices(h, params, sections, numel, threads);
-    std::vector<float> values = decode_values(h, params + h.lengths[ct::INDEX_PARAMS], sections + h.lengths[ct::INDEX]);
-    check_finite(h, values.data(), values.size(), "values");
-    if (h.permuted()) unpermute(h, sections + h.lengths[ct::INDEX] + h.lengths[ct::VALUE], values);
-    const int64_t n = static_cast<int64_t>(h.n);
-    if (h.index_id == 1 || h.index_id == elias_fano::WIRE_ID) {  // ascending sets, checked by the kernel
-        select::scatter_add_checked(target, static_cast<int64_t>(numel), indices.data(), values.data(), n, threads);
-        return;
-    }
-    if (n) {  // kernels.check_indices(ascending=False)
-        std::vector<int64_t> sorted(indices);
-        std::sort(sorted.begin(), sorted.end());
-        for (int64_t j = 1; j < n; ++j)
-            if (sorted[j] == sorted[j - 1]) container_error("container repeats an index");
-        if (sorted[0] < 0 || static_cast<uint64_t>(sorted[n - 1]) >= numel)
-            container_error("container index out of range for a tensor of " + std::to_string(numel) + " elements");
-    }
-    select::scatter_add(target, indices.data(), values.data(), n, threads);
+    scatter(h, s, numel, threads, target);
 }
 
 }  // namespace
@@ -172,7 +193,12 @@ void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& b
         const std::vector<uint64_t> shape{static_cast<uint64_t>(bounds[j + 1] - bounds[j])};
         ct::Header h;
         const uint64_t numel = ct::unpack(parts[j].data, parts[j].size, h, &shape);
-        add_container(h, parts[j].data, numel, threads, out + bounds[j], false);
+        try {
+            add_container(h, parts[j].data, numel, threads, out + bounds[j], false);
+        } catch (const std::bad_alloc&) {
+            fail(ErrorKind::CONTAINER,
+                 "shard " + std::to_string(j) + ": container decode ran out of memory (std::bad_alloc)");
+        }
     }
 }
 
@@ -188,15 +214,25 @@ size_t decode_sum(const DecodeConfig& c, const std::vector<Part>& parts, const T
             const uint64_t numel =
                 ct::unpack(parts[rank].data, parts[rank].size, h, have_shape ? &expected : nullptr, c.max_numel);
             if (!target) {  // the first container gives the shape every other one must have
-                target = tensor(h.shape, numel);
-                std::fill(target, target + numel, 0.0f);
                 expected = h.shape;
                 have_shape = true;
+                if (!h.dense()) {  // decoded before its tensor exists: a refused one costs none
+                    const Sparse s = decode_sparse(h, parts[rank].data, numel, c.threads);
+                    target = tensor(h.shape, numel);
+                    std::fill(target, target + numel, 0.0f);
+                    scatter(h, s, numel, c.threads, target);
+                    continue;
+                }
+                target = tensor(h.shape, numel);
+                std::fill(target, target + numel, 0.0f);
             }
             add_container(h, parts[rank].data, numel, c.threads, target);
         } catch (const Error& e) {
             if (c.single) throw;
             throw Error(e.kind(), "rank " + std::to_string(rank) + ": " + e.what());
+        } catch (const std::bad_alloc&) {  // the codecs bound what they allocate; this is what is left
+            const std::string what = "container decode ran out of memory (std::bad_alloc)";
+            fail(ErrorKind::CONTAINER, c.single ? what : "rank " + std::to_string(rank) + ": " + what);
         }
     }
     return parts.size();

@@ -138,6 +138,22 @@ pl::DecodeConfig decode_config(const py::object& shape, uint64_t max_numel, int 
     return c;
 }
 
+// The decoded tensor, created as a NumPy array (the GIL taken back for it); NumPy's MemoryError
+// for the tensor a container claims is a CONTAINER error that names the claim.
+float* new_tensor(py::array_t<float>& out, const std::vector<uint64_t>& dims, uint64_t numel) {
+    py::gil_scoped_acquire acquire;
+    std::vector<py::ssize_t> extents(dims.begin(), dims.end());
+    try {
+        out = py::array_t<float>(extents);
+    } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_MemoryError)) throw;
+        throw deepreduce::Error(deepreduce::ErrorKind::CONTAINER,
+                                "container claims a tensor of " + std::to_string(numel) +
+                                    " elements, which could not be allocated: " + e.what());
+    }
+    return out.mutable_data();
+}
+
 py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& shape, uint64_t max_numel,
                                 int threads) {
     std::vector<py::buffer_info> infos;
@@ -146,12 +162,8 @@ py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& 
     py::array_t<float> out;
     {  // decode runs without the GIL; the allocator takes it back to create the array
         py::gil_scoped_release release;
-        pl::decode_sum(c, parts, [&](const std::vector<uint64_t>& dims, uint64_t) {
-            py::gil_scoped_acquire acquire;
-            std::vector<py::ssize_t> extents(dims.begin(), dims.end());
-            out = py::array_t<float>(extents);
-            return out.mutable_data();
-        });
+        pl::decode_sum(c, parts,
+                       [&](const std::vector<uint64_t>& dims, uint64_t numel) { return new_tensor(out, dims, numel); });
     }
     return out;
 }
@@ -179,12 +191,8 @@ py::array_t<float> decode_sum(const py::buffer& buf, int64_t count, bool single,
     py::array_t<float> out;
     {  // decode runs without the GIL; the allocator takes it back to create the array
         py::gil_scoped_release release;
-        pl::decode_sum(c, b.data, b.size, [&](const std::vector<uint64_t>& dims, uint64_t) {
-            py::gil_scoped_acquire acquire;
-            std::vector<py::ssize_t> extents(dims.begin(), dims.end());
-            out = py::array_t<float>(extents);
-            return out.mutable_data();
-        });
+        pl::decode_sum(c, b.data, b.size,
+                       [&](const std::vector<uint64_t>& dims, uint64_t numel) { return new_tensor(out, dims, numel); });
     }
     return out;
 }

@@ -11,6 +11,8 @@
 // error class ("ContainerError: ...") followed by the core's own text; ops.py raises that class.
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -137,7 +139,9 @@ int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Runs one op body: deepreduce errors become InvalidArgument("<class>: <text>").
+// Runs one op body: deepreduce errors become InvalidArgument("<class>: <text>"). No exception may
+// leave a kernel (TensorFlow is built without them: one that escapes ends the process), so memory
+// the body could not get (std::bad_alloc) and any other C++ exception become a DeepReduceError too.
 template <class Body>
 void run_body(OpKernelContext* ctx, Body body) {
     try {
@@ -146,6 +150,12 @@ void run_body(OpKernelContext* ctx, Body body) {
         ctx->CtxFailure(tensorflow::errors::InvalidArgument(std::string(e.kind_name()) + ": " + e.what()));
     } catch (const TfFailure& f) {
         ctx->CtxFailure(f.status);
+    } catch (const std::bad_alloc&) {
+        ctx->CtxFailure(
+            tensorflow::errors::InvalidArgument("DeepReduceError: out of memory in the deepreduce op "
+                                                "(std::bad_alloc)"));
+    } catch (const std::exception& e) {
+        ctx->CtxFailure(tensorflow::errors::InvalidArgument(std::string("DeepReduceError: ") + e.what()));
     }
 }
 
@@ -281,13 +291,20 @@ class DecodeOp : public OpKernel {
         const auto start = std::chrono::steady_clock::now();
         const Tensor& input = ctx->input(0);
         run_body(ctx, [&] {
-            const size_t containers =
-                pl::decode_sum(config_, input.flat<uint8_t>().data(), static_cast<size_t>(input.NumElements()),
-                               [&](const std::vector<uint64_t>& dims, uint64_t) {
-                                   TensorShape shape;
-                                   for (uint64_t d : dims) shape.AddDim(static_cast<int64_t>(d));
-                                   return allocate_output(ctx, 0, shape)->flat<float>().data();
-                               });
+            const size_t containers = pl::decode_sum(
+                config_, input.flat<uint8_t>().data(), static_cast<size_t>(input.NumElements()),
+                [&](const std::vector<uint64_t>& dims, uint64_t numel) {
+                    TensorShape shape;
+                    for (uint64_t d : dims) shape.AddDim(static_cast<int64_t>(d));
+                    try {
+                        return allocate_output(ctx, 0, shape)->flat<float>().data();
+                    } catch (const TfFailure& f) {  // the tensor the container claims
+                        throw deepreduce::Error(
+                            deepreduce::ErrorKind::CONTAINER,
+                            "container claims a tensor of " + std::to_string(numel) +
+                                " elements, which TensorFlow could not allocate: " + std::string(f.status.message()));
+                    }
+                });
             auto s = allocate_output(ctx, 1, TensorShape({STATS}))->flat<int64_t>();
             for (int i = 0; i < STATS; ++i) s(i) = 0;
             s(DECODED) = static_cast<int64_t>(containers);

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 from array import array
 from typing import NamedTuple
 
@@ -265,8 +266,9 @@ def np_build(indices: np.ndarray, blocks: int, k: int, seed: int) -> bytes:
 def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str = "blocked", like=None):
     """The first ``min(|P|, limit + 1)`` positives ``P`` in [0, d), ascending.
 
-    ``section``: the filter as bytes or a uint8 array; the positives are uint64 for NumPy
-    (``like`` None or a NumPy array) or int64 on ``like``'s device for a torch ``like``.
+    ``section``: the filter as bytes or a uint8 array; the positives are NumPy (``like`` None or
+    a NumPy array: uint32 while ``d <= 2**32``, 4 bytes a positive, else uint64) or int64 on
+    ``like``'s device for a torch ``like``.
     """
     a = arrays.adapter(like)
     m = size * BLOCK_BITS if family == "blocked" else size
@@ -282,6 +284,7 @@ def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str
         return xp.nonzero((a.words(byte) >> (bit_positions & a.const(7))) & a.const(1))[0]
 
     found, total = [], 0
+    narrow = not arrays.is_torch(packed) and d <= 1 << 32
     chunk = _CHUNK_GPU if str(packed.device).startswith("cuda") else _CHUNK_TORCH_CPU if a.name == "torch" else _CHUNK
     for base in range(0, d, chunk):
         cand = a.words(xp.arange(base, min(d, base + chunk), device=packed.device))
@@ -296,7 +299,7 @@ def query(section, size: int, k: int, seed: int, d: int, limit: int, family: str
             for key in keys:
                 kept = survivors(mulhi64(mix64(xg + key), m))
                 cand, xg = a.gather(cand, kept), a.gather(xg, kept)
-        found.append(cand)
+        found.append(cand.astype(np.uint32) if narrow else cand)
         total += cand.shape[0]
         if total > limit:
             break
@@ -310,12 +313,52 @@ def np_query(payload: bytes, size: int, k: int, seed: int, d: int, limit: int, f
 
 
 def select_random(P, r: int, draw_seed: int):
-    """P1: the ``r`` positives of smallest priority ``mix64(draw_seed + (x+1)*GAMMA)`` (ties by x),
-    ascending; ``P`` ascending words."""
+    """P1: the ``r`` positives of smallest priority ``mix64(draw_seed + (x+1)*GAMMA)`` (ties by x,
+    though distinct x have distinct priorities), ascending; ``P`` ascending words. NumPy positives
+    take the radix selection of the C++ kernel (:func:`_select_random_radix`, no array per
+    positive); a torch tensor sorts its priorities on its device."""
+    if not arrays.is_torch(P):
+        return _select_random_radix(np.asarray(P), r, draw_seed)
     a, xp = arrays.adapter(P), arrays.namespace(P)
     prio = mix64(a.const(draw_seed) + (P + a.const(1)) * a.const(GAMMA))
     order = xp.argsort(a.order_key(prio), stable=True)[:r]   # P ascending: a stable sort breaks ties by x
     return xp.sort(P[order])
+
+
+_RADIX = 16
+_FEW = 1 << 16   # the radix selection collects its candidates once at most this many are left
+
+
+def _priority(x: np.ndarray, draw_seed: int) -> np.ndarray:
+    return mix64(np.uint64(draw_seed) + (x.astype(np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
+
+
+def _select_random_radix(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
+    """P1 on NumPy positives, as ``select_random`` in csrc/bloom/bloom.cpp: the r-th smallest
+    priority is found 16 bits a pass (a histogram of the priorities that share the bits found so
+    far, over chunks of P), its few candidates then partitioned; one more pass keeps the positives
+    at most that threshold. Priorities are distinct, so exactly r are kept, in P's order."""
+    if r == 0:
+        return P[:0]
+    chunks = [P[lo:lo + _CHUNK] for lo in range(0, P.size, _CHUNK)]
+
+    def candidates(x: np.ndarray, known: int, prefix: int) -> np.ndarray:
+        v = _priority(x, draw_seed)
+        return v[(v >> np.uint64(64 - known)) == np.uint64(prefix)] if known else v
+
+    prefix, known, rank, left = 0, 0, r, P.size
+    while left > _FEW:
+        shift, hist = np.uint64(64 - known - _RADIX), np.zeros(1 << _RADIX, dtype=np.int64)
+        for x in chunks:
+            top = (candidates(x, known, prefix) >> shift) & np.uint64((1 << _RADIX) - 1)
+            hist += np.bincount(top.astype(np.intp), minlength=1 << _RADIX)
+        cum = np.cumsum(hist)
+        b = int(np.searchsorted(cum, rank))   # the first bucket whose running count reaches rank
+        rank -= int(cum[b - 1]) if b else 0
+        prefix, known, left = prefix << _RADIX | b, known + _RADIX, int(hist[b])
+    few = np.concatenate([candidates(x, known, prefix) for x in chunks])
+    threshold = np.partition(few, rank - 1)[rank - 1]
+    return np.concatenate([x[_priority(x, draw_seed) <= threshold] for x in chunks])
 
 
 def np_select_random(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
@@ -325,45 +368,124 @@ def np_select_random(P: np.ndarray, r: int, draw_seed: int) -> np.ndarray:
 
 def np_select_conflict(P: np.ndarray, r: int, size: int, k: int, seed: int, draw_seed: int,
                        family: str = "blocked") -> np.ndarray:
-    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md).
+    """P2: Algorithm 1 over the conflict sets of the positives (reading in docs/bloom.md); the twin
+    of ``select_conflict`` in csrc/bloom/bloom.cpp, with its two phases.
 
     The first pass serves the singleton sets, in bit order, before any larger one; they never
     draw, so that prefix is vectorised: each chooses its member unless already chosen, up to r.
-    The passes over the larger sets then run as written (:func:`_greedy`), over the sets that
-    still have an unchosen member (a set without one gives nothing and draws nothing when visited).
+    It runs window by window (:func:`_windows`: whole blocks of the blocked family), so that only
+    one window's (bit, member) pairs exist at once, each one sorted uint64 ``local bit << 32 |
+    member`` (members are ranks into ``P``). The passes over the larger sets then run as written
+    (:func:`_greedy`), over the sets that still have an unchosen member (a set without one gives
+    nothing and draws nothing when visited), listed 4 bytes per (set, member).
     """
-    P = np.asarray(P, dtype=np.uint64)
+    P = np.asarray(P)
     if r == 0:
         return np.zeros(0, dtype=np.uint64)
-    pos = positions(P, size, k, seed, family)
-    owner = np.repeat(np.arange(P.size, dtype=np.int64), k)
-    flat = pos.ravel()
-    # Distinct (bit, positive) pairs, grouped by bit, members ascending.
-    order = np.lexsort((owner, flat))
-    flat, owner = flat[order], owner[order]
-    first = np.ones(flat.size, dtype=bool)
-    first[1:] = (flat[1:] != flat[:-1]) | (owner[1:] != owner[:-1])
-    flat, owner = flat[first], owner[first]
-    bits, starts, sizes = np.unique(flat, return_index=True, return_counts=True)
     chosen = np.zeros(P.size, dtype=bool)
-    served = owner[starts[sizes == 1]]                 # singleton members, ascending bit
-    fresh = np.zeros(served.size, dtype=bool)
-    fresh[np.unique(served, return_index=True)[1]] = True
-    cut = int(np.searchsorted(np.cumsum(fresh), r))    # the singleton at which nchosen reaches r
-    chosen[served[:cut + 1]] = True
-    nchosen = int(np.count_nonzero(chosen))
-    del order, first, flat
-    if nchosen < r:   # every singleton chose: the larger sets, listing their unchosen members
-        keep = ~chosen[owner] & np.repeat(sizes > 1, sizes)
+    nchosen, opened = 0, []
+    for members, keys, to_bit in _windows(P, size, k, seed, family):
+        total = keys.size
+        if k > 1:   # a member repeating a bit is in that set once: its repeats become the largest key
+            keys.sort(axis=1)
+            repeat = keys[:, 1:] == keys[:, :-1]
+            total -= int(np.count_nonzero(repeat))
+        keys <<= np.uint64(32)   # (members, k) local bits, turned in place into sorted pair keys
+        keys |= members[:, None]
+        if k > 1:
+            keys[:, 1:][repeat] = np.uint64(MASK64)
+            del repeat
+        keys = keys.ravel()
+        keys.sort()
+        member, local = _halves(keys[:total], copy=False)   # local: a view of keys, read once here
+        starts = np.flatnonzero(np.concatenate(([True], local[1:] != local[:-1])))
+        sizes = np.diff(np.append(starts, total))
+        local = local[starts]   # each set's local bit
+        member = member.copy()
+        del keys
+        served = member[starts[sizes == 1]]   # singleton members, ascending bit: none chosen yet
+        fresh = np.zeros(served.size, dtype=bool)
+        fresh[np.unique(served, return_index=True)[1]] = True
+        cut = int(np.searchsorted(np.cumsum(fresh), r - nchosen))   # the singleton at which nchosen reaches r
+        chosen[served[:cut + 1]] = True
+        nchosen += int(np.count_nonzero(fresh[:cut + 1]))
+        if nchosen == r:
+            break
+        keep = ~chosen[member]   # every singleton chose: the larger sets, listing their unchosen members
         listed = np.add.reduceat(keep, starts, dtype=np.int64)
         sets = np.flatnonzero(listed)
-        index = _Unchosen(bits[sets], listed[sets], owner[keep])
-        del keep, owner
-        visit = np.lexsort((bits[sets], sizes[sets])).tolist()   # by (size, bit)
-        nchosen = _greedy(index, visit, pos, chosen, nchosen, r, draw_seed)
+        opened.append((to_bit(local[sets].astype(np.uint64)), sizes[sets], listed[sets], member[keep]))
+        del member, local, keep
+    if nchosen < r and opened:
+        bits, sizes, listed, members = (np.concatenate(part) for part in zip(*opened))
+        del opened
+        index = _Unchosen(bits, listed, members)
+        visit = np.lexsort((bits, sizes)).tolist()   # by (size, bit)
+
+        def probes(m: int) -> np.ndarray:
+            return np.unique(positions(P[m:m + 1].astype(np.uint64), size, k, seed, family))
+
+        nchosen = _greedy(index, visit, probes, chosen, nchosen, r, draw_seed)
     if nchosen != r:
         raise ContainerError("Bloom P2: the positives do not cover r distinct indices")
-    return P[chosen]
+    return P[chosen].astype(np.uint64)
+
+
+def _halves(x: np.ndarray, copy: bool = True):
+    """(low, high) 32-bit halves of uint64 ``x`` as uint32 arrays: copies (4 bytes each, no uint64
+    temporary), or strided views of ``x`` with ``copy=False``."""
+    pairs = x.view(np.uint32).reshape(-1, 2)
+    low, high = (pairs[:, 0], pairs[:, 1]) if sys.byteorder == "little" else (pairs[:, 1], pairs[:, 0])
+    return (low.copy(), high.copy()) if copy else (low, high)
+
+
+#: (bit, member) pairs of one window of np_select_conflict (a block with more is a window alone)
+_WINDOW = 1 << 21
+_WINDOW_BLOCKS = 1 << 22   # blocks a window may span: its local bits stay below 2**31
+
+
+def _windows(P: np.ndarray, size: int, k: int, seed: int, family: str):
+    """``(members, local bits, to_bit)`` of np_select_conflict's windows, in ascending bit order:
+    ``members`` ranks into ``P`` (uint32, ascending within a block), ``local bits`` their (n, k)
+    filter bits renumbered below 2**32 in the same order (uint64), ``to_bit`` the map back.
+    Blocked family: the positives grouped by block (one sort of ``block << 32 | rank``, 8 bytes
+    each), cut into runs of whole blocks with at most _WINDOW pairs (or one block) and
+    _WINDOW_BLOCKS blocks. SplitMix64 (v1) sets span the whole filter: one window."""
+    if family != "blocked":
+        bits = positions(P.astype(np.uint64), size, k, seed, family)
+        if size <= 1 << 32:
+            yield np.arange(P.size, dtype=np.uint32), bits, lambda local: local
+            return
+        table, dense = np.unique(bits, return_inverse=True)   # the distinct bits, ascending
+        yield np.arange(P.size, dtype=np.uint32), dense.reshape(bits.shape).astype(np.uint64), lambda local: table[local]
+        return
+    key = np.uint64(blocked_key(seed))
+    grouped = np.empty(P.size, dtype=np.uint64)
+    for lo in range(0, P.size, _CHUNK):
+        h = mix64(P[lo:lo + _CHUNK].astype(np.uint64) * np.uint64(GAMMA) + key)
+        grouped[lo:lo + h.size] = ((h >> np.uint64(32)) * np.uint64(size)) >> np.uint64(32) << np.uint64(32)
+    grouped |= np.arange(P.size, dtype=np.uint32)
+    grouped.sort()
+    ranks, blocks = _halves(grouped)
+    del grouped
+    ends = np.append(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1, blocks.size)   # each block's group
+    block_of = blocks[ends - 1].astype(np.int64)
+    del blocks
+    group = 0
+    while group < ends.size:
+        lo = int(ends[group - 1]) if group else 0
+        last = int(np.searchsorted(ends, lo + max(1, _WINDOW // k), side="right")) - 1
+        last = min(last, int(np.searchsorted(block_of, block_of[group] + _WINDOW_BLOCKS)) - 1)
+        last = max(last, group)
+        members = ranks[lo:ends[last]]
+        base = int(block_of[group]) * BLOCK_BITS
+        bits = np.empty((members.size, k), dtype=np.uint64)
+        for at in range(0, members.size, _CHUNK):
+            part = members[at:at + _CHUNK]
+            bits[at:at + part.size] = blocked_positions(P[part].astype(np.uint64), size, k, seed)
+        bits -= np.uint64(base)
+        yield members, bits, lambda local, base=base: local + np.uint64(base)
+        group = last + 1
 
 
 class _Unchosen:
@@ -416,11 +538,12 @@ class _Unchosen:
                 j += j & -j
 
 
-def _greedy(sets: _Unchosen, visit: list, pos: np.ndarray, chosen: np.ndarray, nchosen: int, r: int,
+def _greedy(sets: _Unchosen, visit: list, probes, chosen: np.ndarray, nchosen: int, r: int,
             draw_seed: int) -> int:
     """Algorithm 1's passes over ``sets`` in the order ``visit``, from ``nchosen`` chosen: each set
     gives one unchosen member (drawn when it has several) and stays for the next pass while it
-    had several; stop at r. ``pos``: each positive's filter bits. Returns the new count."""
+    had several; stop at r. ``probes(member)``: the member's distinct filter bits. Returns the new
+    count."""
     active, draw = visit, 0
     while nchosen < r and active:
         following = []
@@ -436,7 +559,7 @@ def _greedy(sets: _Unchosen, visit: list, pos: np.ndarray, chosen: np.ndarray, n
                 pick = (mix64_int(draw_seed + draw * GAMMA) * cand) >> 64
                 following.append(s)
             member = sets.nth(s, pick)
-            sets.remove(np.unique(pos[member]), member)
+            sets.remove(probes(member), member)
             chosen[member] = True
             nchosen += 1
         active = following
@@ -540,7 +663,7 @@ def _host_view(x) -> np.ndarray:
 # positives and work").
 POSITIVE_MARGIN = 2.0        # accepted false positives: this times the expected ...
 POSITIVE_SLACK = 64          # ... plus this many
-MAX_PROBE_RATE = 2.0         # P2: k * rate at most this
+MAX_PROBE_RATE = 2.0         # every policy and family: k * rate at most this
 MAX_PROBES_PER_BIT = 2       # P2 with k >= 2: k * r at most this times m
 MAX_KEYS_PER_SET_BIT = 64    # P2: r at most this times the set bits
 _POPCOUNT = np.array([bin(v).count("1") for v in range(256)], dtype=np.uint8)
@@ -564,9 +687,9 @@ def positive_limit(section, size: int, k: int, r: int, d: int, family: str = "bl
     inserted all hit set bits: the mean over blocks of ``(set bits / 512)**k`` (blocked),
     ``(set bits / m)**k`` (splitmix). An honest filter has its ``r`` keys plus Binomial(d - r,
     rate) false positives, so at most ``min(d, r + ceil(2 rate d) + 64)`` are accepted; it has at
-    most ``k r`` set bits (each one a probe of a key). P2's
-    conflict sets hold ``k |P|`` pairs visited in about ``r / set bits`` passes: it also needs
-    ``k rate <= 2``, ``k r <= 2 m`` when ``k >= 2``, and ``r <= 64`` set bits.
+    most ``k r`` set bits (each one a probe of a key) and, whatever the policy and family,
+    ``k rate <= 2`` (encoders stay below 0.76). P2's conflict sets hold ``k |P|`` pairs visited in
+    about ``r / set bits`` passes: it also needs ``k r <= 2 m`` when ``k >= 2``, and ``r <= 64`` set bits.
     """
     a = arrays.adapter(like)
     packed = a.from_section(section, "<u1", like)
@@ -590,11 +713,11 @@ def positive_limit(section, size: int, k: int, r: int, d: int, family: str = "bl
     if set_bits > k * r:   # ValueError, as the C++ module raises (the codec reports it as ContainerError)
         raise ValueError(f"Bloom filter has {set_bits} bits set; {r} keys of k = {k} hashes set at most "
                          f"{min(k * r, MASK64)}")
+    if k * rate > MAX_PROBE_RATE:
+        raise ValueError(f"Bloom filter claims {r} keys with k = {k} hashes at its false-positive rate {rate:.3g}: "
+                         "k * rate above 2, a filter far fuller than its k was chosen for")
     if conflict:   # ValueError, as the C++ module raises (the codec reports both as ContainerError)
         keys = f"Bloom P2 filter claims {r} keys"
-        if k * rate > MAX_PROBE_RATE:
-            raise ValueError(f"{keys} with k = {k} hashes at its false-positive rate {rate:.3g}: k * rate "
-                                 "above 2, a filter far fuller than its k was chosen for")
         if k >= 2 and k * r > MAX_PROBES_PER_BIT * m:
             raise ValueError(f"{keys} with k = {k} hashes in {m} bits: k * r above twice the bits, beyond "
                                  "any encoder's sizing")
@@ -741,12 +864,19 @@ class BloomIndex(IndexCodec):
 
     def decode(self, params, payload, count, numel):
         """Positions as int64: NumPy for a ``bytes`` section, torch on the section's device for a
-        uint8 tensor (a CPU one through the C++ kernels, as in :meth:`encode`)."""
+        uint8 tensor (a CPU one through the C++ kernels, as in :meth:`encode`). With the C++
+        kernels, one call to their decode (csrc/bloom/bloom_wire.h), whose positives are a bitmap
+        of ``numel`` bits; otherwise the array path below, its twin."""
         if _host_tensor(payload):
             return arrays.adapter(payload).from_numpy(self.decode(params, _host_view(payload).tobytes(), count, numel),
                                                       payload)   # the filter: as compact as the container
         native = self._kernels(payload)
         a = arrays.adapter(payload)
+        if native is not None:
+            try:
+                return a.index(native.decode(bytes(params), payload, count, numel, self.threads))
+            except ValueError as exc:   # ErrorKind::CONTAINER, with the text of the checks below
+                raise ContainerError(str(exc)) from None
         p = unpack_params(params)
         if len(payload) != p.filter_bytes:
             unit = f"{p.size} blocks" if p.family == "blocked" else f"m = {p.size}"
@@ -757,13 +887,18 @@ class BloomIndex(IndexCodec):
             if count:
                 raise ContainerError(f"empty Bloom filter cannot carry {count} indices")
             return a.from_numpy(np.zeros(0, dtype=np.int64), payload)
-        with _errors(ContainerError, "Bloom decode"):
-            limit = self._positive_limit(native, p, payload, count, numel)
-            if p.policy in PREFIX:
-                limit = count
-            P = self._query(native, p, payload, numel, limit, payload)
-            check_positives(p.policy, P.shape[0], count, limit)
-            return a.index(self._select(native, p, P, count))
+        try:
+            with _errors(ContainerError, "Bloom decode"):
+                limit = self._positive_limit(native, p, payload, count, numel)
+                if p.policy in PREFIX:
+                    limit = count
+                P = self._query(native, p, payload, numel, limit, payload)
+                check_positives(p.policy, P.shape[0], count, limit)
+                return a.index(self._select(native, p, P, count))
+        except MemoryError:   # the C++ decode's words for the same failure (bloom_wire.cpp)
+            unit = f"{p.size} blocks" if p.family == "blocked" else f"m = {p.size}"
+            raise ContainerError(f"Bloom decode ran out of memory: a {p.policy} filter of {unit} and k = {p.k} "
+                                 f"claims {count} keys over {numel} positions") from None
 
     @classmethod
     def describe_params(cls, params: bytes) -> dict:

@@ -10,9 +10,13 @@ and with the expected shape) when TensorFlow and the ops load; anything but a De
 and a NaN/Inf decoded from a container without the non-finite flag, is a finding (atheris stops
 and writes the input to the artifact prefix).
 
-    python tests/fuzz/fuzz_decoders.py -max_total_time=60 build/fuzz/corpus tests/fuzz_corpus
+    python tests/fuzz/fuzz_decoders.py -keep_seed=1 -max_total_time=60 build/fuzz/corpus tests/fuzz_corpus
     FUZZ_TF=1 python tests/fuzz/fuzz_decoders.py ...   # the TF op too
     python tests/fuzz/fuzz_decoders.py --write-corpus tests/fuzz_corpus   # the seed set
+
+``-keep_seed=1`` keeps every seed in the corpus: the hostile Bloom seeds (:func:`hostile_bloom_seeds`)
+reach the same Python lines as the valid Bloom containers, so libFuzzer would otherwise drop them
+after the first run and mutate only the others.
 """
 import glob
 import os
@@ -27,12 +31,43 @@ LIMIT = 1 << 20     # the receiver's max_numel while fuzzing
 EXPECTED = (600,)
 
 
+def hostile_bloom_seeds() -> dict:
+    """{name: container} of the hostile Bloom filters of issues 26 and 34, at shapes the fuzzed
+    receiver accepts (at most LIMIT elements, or EXPECTED), so that the fuzzer starts from them:
+    filters fuller than their k (refused by the rate check of every policy and family: the issue's
+    100-byte SplitMix64 container, all 8 bits set, k = 7), and the fullest all-ones P2 filters the
+    checks accept (every position a positive), blocked and SplitMix64, one block and several."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from hostile import bloom_container, splitmix_container
+
+    seeds = {}
+    for policy in ("p1", "middle", "p0", "p2"):
+        for numel in (EXPECTED[0], LIMIT):
+            seeds[f"splitmix-k7-full-{policy}-{numel}"] = splitmix_container(policy, 7, 8, 10, numel)
+    seeds[f"blocked-k9-full-p1-{LIMIT}"] = bloom_container("p1", 9, 1, 57, LIMIT)
+    # the fullest accepted: k = 1 with 64 keys per set bit (one 131 KB seed: its raw values), k = 2
+    # with k r = 2 m; the other seeds carry fewer values (512 keys, one per set bit) to stay small
+    seeds[f"blocked-k1-full-p2-{LIMIT}"] = bloom_container("p2", 1, 1, 64 * 512, LIMIT)
+    for k, n in ((1, 512), (2, 512)):
+        seeds[f"splitmix-k{k}-full-p2-{LIMIT}"] = splitmix_container("p2", k, 512, n, LIMIT)
+        seeds[f"blocked-k{k}-full-p1-{LIMIT}"] = bloom_container("p1", k, 1, n, LIMIT)
+    seeds[f"blocked-k2-full-p2-{LIMIT}"] = bloom_container("p2", 2, 1, 512, LIMIT)
+    seeds[f"blocked-k2-full4-p2-{LIMIT}"] = bloom_container("p2", 2, 4, 4 * 512, LIMIT)
+    seeds[f"blocked-k1-full-p2-{EXPECTED[0]}"] = bloom_container("p2", 1, 1, EXPECTED[0], EXPECTED[0])
+    seeds[f"splitmix-k2-full-p2-{EXPECTED[0]}"] = splitmix_container("p2", 2, 512, 512, EXPECTED[0])
+    return seeds
+
+
 def write_corpus(folder: str) -> None:
     """Valid containers of every config: two sparse gradients, one dense tensor, and the v1
-    golden container, so the fuzzer starts inside every codec of both formats."""
+    golden container, so the fuzzer starts inside every codec of both formats; and the hostile
+    Bloom containers of :func:`hostile_bloom_seeds`."""
     import deepreduce
 
     os.makedirs(folder, exist_ok=True)
+    for name, data in hostile_bloom_seeds().items():
+        with open(os.path.join(folder, f"hostile-bloom-{name}.bin"), "wb") as out:
+            out.write(data)
     rng = np.random.default_rng(13)
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
         name = os.path.splitext(os.path.basename(path))[0]
