@@ -59,7 +59,8 @@ class Header:
     """What a bucket's collective checks (the transport :mod:`deepreduce.collective.comm.torch_slots`):
     ``key``, the bucket's position in the step (its slot); ``layout``, its tensors and the
     compressor; ``step``; ``where``, the bucket in errors; ``dense_bytes``, its float32 size (the
-    totals); ``summed``: for a summable compressor's codes, its name (their sizes must agree)."""
+    totals); ``summed``: for a summable compressor's codes, its name (their sizes must agree);
+    ``device``: where the bucket lives (its collective runs there), None: the transport's default."""
 
     key: Hashable
     layout: agreement.Layout
@@ -67,6 +68,7 @@ class Header:
     where: str
     dense_bytes: int
     summed: Optional[str] = None
+    device: object = None
 
 
 def prefix(size: int, layout: agreement.Layout, step: int) -> np.ndarray:

@@ -47,8 +47,9 @@ class Item:
     sparse gradient's entries); ``summed_dense``: the binding lets its framework's all-reduce sum
     it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`).
 
-    ``parts``: the (name, tensor) of each container the item travels as, encoded from and written
-    into that tensor (default: ``grad`` alone under ``name``); a DDP bucket of many parameters
+    ``parts``: (name, tensor, out) of each container the item travels as, encoded from ``tensor``
+    and written into ``out`` (a pair (name, tensor): written into the tensor; default: ``grad``
+    into ``target`` under ``name``); a DDP bucket of many parameters
     sends one container per parameter in one collective. ``header``: what a transport that checks
     each collective sends ahead of the payload (the DDP hook's slots,
     :class:`deepreduce.collective.slots.Header`), or None. ``timeline``: the ``auto`` planner
@@ -74,7 +75,7 @@ class Item:
     def __post_init__(self):
         self.target = self.grad if self.target is None else self.target
         self.label = self.label or f"tensor {self.name!r}"
-        self.parts = self.parts or [(self.name, self.grad)]
+        self.parts = [(p[0], p[1], p[-1]) for p in (self.parts or [(self.name, self.grad, self.target)])]
 
     def part_label(self, name: str) -> str:
         """A part in errors: the item's label when it is one part, else the parameter's name."""
@@ -91,12 +92,13 @@ class StepEngine:
     ``wait()``: the binding's all-reduce (sum, or average where ``average`` and
     ``allreduce_averages``; a binding whose all-reduce only sums passes False, and the summable
     route divides the decompressed sum); ``tensors``: the binding's tensor port. ``average``:
-    divide sums by the number of ranks. ``worker``: the background thread's name.
+    divide sums by the number of ranks. ``worker``: the background thread's name (the default is
+    the name the Horovod optimizer's worker has always had).
     """
 
     def __init__(self, codec, communicator, tensors, allreduce: Callable, *, average: bool = True,
                  background: bool = True, compressor=None, allreduce_averages: bool = True,
-                 worker: str = "deepreduce-step") -> None:
+                 worker: str = "deepreduce-step_0") -> None:
         self.codec, self.compressor = codec, compressor
         self.core = None if codec is None else getattr(codec, "core", codec)   # a binding pipeline, or the core itself
         self.communicator, self.tensors, self.allreduce = communicator, tensors, allreduce
@@ -250,7 +252,7 @@ class StepEngine:
     def _decide(self, item: Item, outcome, step: int, errors: List[tuple]) -> None:
         """The one reader of the ``nonfinite`` policy; the one divisor for averaging."""
         if outcome.nonfinite is not None and self._raises_on_nonfinite():
-            self.protocol.skip(item.name, step, outcome.nonfinite)
+            self.protocol.skip(outcome.part or item.name, step, outcome.nonfinite)
             return
         try:
             with totals.timed(self.seconds, "decode"):

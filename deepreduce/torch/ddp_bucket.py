@@ -113,7 +113,7 @@ def bucket_item(bucket: dist.GradBucket, names: List[str], step: int, compressor
                                      f"{offset}: cannot cut it into per-parameter gradients")
     layout = agreement.Layout(compressor_id, [(n, tuple(v.shape), str(v.dtype).replace("torch.", ""))
                                               for n, v in zip(names, views)], "parameter")
-    header = slots.Header(bucket.index(), layout, step, where, 4 * buffer.numel(), summed)
+    header = slots.Header(bucket.index(), layout, step, where, 4 * buffer.numel(), summed, buffer.device)
     result = [buffer]
     if buffer.is_sparse:
         item = Item(names[0], step, buffer, label=f"parameter {names[0]!r}", header=header, timeline=step >= 1,

@@ -47,9 +47,11 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
     def allgather_async(self, payload, name, header: Optional[slots.Header] = None):
         if header is None:
             return super().allgather_async(payload, name)
+        device = _on(header)
         if payload is not None and not isinstance(payload, torch.Tensor):
             payload = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.uint8))
-        like = torch.empty(0, dtype=torch.uint8, device=self._device()) if payload is None else payload
+        payload = None if payload is None else payload.to(device or self._device())
+        like = torch.empty(0, dtype=torch.uint8, device=device or self._device()) if payload is None else payload
         nbytes = 0 if payload is None else int(payload.numel())
         _, parts = self._exchange(header, nbytes, payload, like)
         totals.count(self.totals, header.dense_bytes, nbytes)
@@ -82,6 +84,7 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
 
     def allreduce(self, tensor, header: slots.Header) -> Pending:
         """The sum of ``tensor`` (data, then the flag) over the ranks, in place (see the module docstring)."""
+        _on(header)
         nbytes = (tensor.numel() - 1) * tensor.element_size()
         if header.summed is None:   # dense or fp16: the plan is agreed, no header travels
             self._all_reduce(tensor)
@@ -110,3 +113,11 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
         self.slots.agree(header.key, signature, header.step)
         totals.count(self.totals, header.dense_bytes, nbytes)
         return Pending(lambda: tensor)
+
+
+def _on(header: slots.Header):
+    """The bucket's device, made this thread's current CUDA device (NCCL runs there); None: the default."""
+    device = None if header.device is None else torch.device(header.device)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device

@@ -27,9 +27,11 @@ def per_part(engine, item, payloads):
     return [[parts[i] for parts in per_rank] for i in range(len(item.parts))]
 
 
-def first_flagged(groups):
-    """The first part's non-finite report (:func:`deepreduce.collective.agreement.first_nonfinite`), or None."""
-    return next((found for found in map(agreement.first_nonfinite, groups) if found is not None), None)
+def first_flagged(item, groups):
+    """(the first flagged part's name, its non-finite report), or ("", None)
+    (:func:`deepreduce.collective.agreement.first_nonfinite`)."""
+    flagged = ((part[0], agreement.first_nonfinite(group)) for part, group in zip(item.parts, groups))
+    return next(((name, found) for name, found in flagged if found is not None), ("", None))
 
 
 class Allgather(Route):
@@ -40,7 +42,7 @@ class Allgather(Route):
         self.engine = engine
 
     def start(self, engine, item):
-        payload = joined([engine.codec.encode(tensor, name=name, step=item.step) for name, tensor in item.parts])
+        payload = joined([engine.codec.encode(tensor, name=name, step=item.step) for name, tensor, _ in item.parts])
         return self._gather(engine, item, payload)
 
     def fail(self, engine, item, error):
@@ -58,11 +60,12 @@ class Allgather(Route):
         groups = per_part(engine, item, payloads)
 
         def write(divisor: int) -> None:
-            for (name, target), received in zip(item.parts, groups):
+            for (name, _, target), received in zip(item.parts, groups):
                 try:
                     engine.codec.decode_sum(received, expected_shape=tuple(engine.tensors.shape(target)), out=target)
                 except DeepReduceError as exc:
                     raise type(exc)(f"{item.part_label(name)}: {exc}") from exc
                 if divisor != 1:
                     engine.tensors.divide(target, divisor)
-        return Outcome(write, first_flagged(groups))
+        name, found = first_flagged(item, groups)
+        return Outcome(write, found, name)

@@ -55,15 +55,15 @@ class Dense(Route):
         if item.summed_dense:
             engine.core.count_summed_dense(tensors.numel(item.grad))
         else:
-            for name, tensor in item.parts:
+            for name, tensor, _ in item.parts:
                 residual = engine.protocol.take_residual(name)
                 if residual is not None:
                     tensors.add(tensor, residual)
-        sent = flagged(tensors, [tensor for _, tensor in item.parts], self.dtype, failed=False)
+        sent = flagged(tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=False)
         return sent, engine.allreduce(sent, item, False)
 
     def fail(self, engine, item, error):
-        sent = flagged(engine.tensors, [tensor for _, tensor in item.parts], self.dtype, failed=True)
+        sent = flagged(engine.tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=True)
         return sent, engine.allreduce(sent, item, False)
 
     def finish(self, engine, item, started):
@@ -73,7 +73,7 @@ class Dense(Route):
 
         def write(divisor: int) -> None:
             at = 0
-            for _, target in item.parts:   # each part's elements, in the order they were sent
+            for _, _, target in item.parts:   # each part's elements, in the order they were sent
                 numel = engine.tensors.numel(target)
                 engine.tensors.copy(target, data[at:at + numel])
                 at += numel

@@ -30,7 +30,7 @@ class SparseAllreduceRoute(Route):
         if item.header is not None:
             engine.gather(item, None).wait()
         phases = []
-        for name, tensor in sorted(item.parts, key=lambda part: part[0]):
+        for name, tensor, _ in sorted(item.parts, key=lambda part: part[0]):
             try:
                 phases.append(self.reducer.start(engine.tensors.host(tensor), name, item.step))
             except Exception as exc:   # noqa: BLE001 (raised at finish; the peers hear of it)
@@ -42,7 +42,7 @@ class SparseAllreduceRoute(Route):
         if item.header is not None:   # start raised before its header went: the peers wait for it
             engine.gather(item, None).wait()
         return [self.reducer.start_failed(name, item.step, engine.tensors.numel(tensor), error)
-                for name, tensor in sorted(item.parts, key=lambda part: part[0])]
+                for name, tensor, _ in sorted(item.parts, key=lambda part: part[0])]
 
     def settle(self, engine, item, phases):
         for phase in phases:
@@ -50,18 +50,19 @@ class SparseAllreduceRoute(Route):
         return phases
 
     def finish(self, engine, item, phases):
-        targets, done, error = dict(item.parts), [], None
+        targets, done, error = {name: out for name, _, out in item.parts}, [], None
         for phase in phases:   # every part's allgather is waited for, then the first error raised
             try:
-                done.append((targets[phase.name], *self.reducer.complete(phase)))
+                done.append((phase.name, targets[phase.name], *self.reducer.complete(phase)))
             except Exception as exc:   # noqa: BLE001
                 error = error or exc
         if error is not None:
             raise error
 
         def write(divisor: int) -> None:
-            for target, total, _ in done:
+            for _, target, total, _ in done:
                 if divisor != 1:
                     np.divide(total, divisor, out=total)
                 engine.tensors.write(target, total)
-        return Outcome(write, next((found for _, _, found in done if found is not None), None))
+        name, found = next(((name, found) for name, _, _, found in done if found is not None), ("", None))
+        return Outcome(write, found, name)

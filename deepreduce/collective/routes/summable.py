@@ -23,7 +23,7 @@ class Summable(Route):
     def start(self, engine, item):
         compressor = engine.compressor
         named = getattr(compressor, "accepts_name", False)
-        pairs = [compressor.compress(t, name=n) if named else compressor.compress(t) for n, t in item.parts]
+        pairs = [compressor.compress(t, name=n) if named else compressor.compress(t) for n, t, _ in item.parts]
         codes, contexts = [code for code, _ in pairs], [ctx for _, ctx in pairs]
         if len({str(code.dtype) for code in codes}) != 1:   # one all-reduce sums them
             raise ConfigError(f"{compressor!r} returned codes of several dtypes "
@@ -35,7 +35,7 @@ class Summable(Route):
 
     def fail(self, engine, item, error):
         """Zero codes of the last step's shape (the gradient's on the first step) and the flag."""
-        codes = self._last_codes.get(item.name, [tensor for _, tensor in item.parts])
+        codes = self._last_codes.get(item.name, [tensor for _, tensor, _ in item.parts])
         sent = flagged(engine.tensors, codes, "same", failed=True)
         return codes, None, sent, engine.allreduce(sent, item, engine.average)
 
@@ -47,7 +47,7 @@ class Summable(Route):
 
         def write(divisor: int) -> None:
             at = 0
-            for (_, target), code, ctx in zip(item.parts, codes, contexts):
+            for (_, _, target), code, ctx in zip(item.parts, codes, contexts):
                 numel = tensors.numel(code)
                 tensors.copy(target, engine.compressor.decompress(tensors.like(summed[at:at + numel], code), ctx))
                 at += numel
