@@ -23,7 +23,7 @@ def ranks():
 def test_a_nan_gradient_follows_the_policy_on_every_route(ranks, route, policy):
     r0, r1 = (ranks[rank][("nan", route, policy)] for rank in (0, 1))
     for r in (r0, r1):
-        assert r["same"], r
+        assert r["same"] and r["wire_bytes"] > 0, r   # every route's bytes are counted
         if policy == "raise":   # every rank skips the step, nothing applied, residuals as before
             assert r["raised"] and "NonFiniteGradientError" in r["raised"], r
             assert r["unchanged"] and r["residuals_kept"] and not r["nan_applied"], r

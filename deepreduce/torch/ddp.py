@@ -126,7 +126,7 @@ class DeepReduceState:
     def __setstate__(self, state: dict) -> None:
         """A pickled state in this process (its private group made on the first bucket; see :meth:`bind`)."""
         checkpoint.checked_progress("DeepReduceState", state.get("step"), state.get("stats"), totals.KEYS)
-        state = dict(state)
+        state = ParameterNames.upgrade(dict(state))
         sparse_state = state.pop("_sparse_state")
         self.__dict__.update(state)
         self._process_local()

@@ -44,6 +44,16 @@ class ParameterNames:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, named={})
 
+    @staticmethod
+    def upgrade(state: dict) -> dict:
+        """A pickled hook state from before the names were an object of their own (its keys
+        ``_names``, ``_unbound``, ``_handed``), with them as one."""
+        if not isinstance(state.get("_names"), ParameterNames):
+            names = ParameterNames()
+            names.unbound, names.handed = state.pop("_unbound", None), state.pop("_handed", [])
+            state["_names"] = names
+        return state
+
     def bind(self, named_parameters) -> None:
         """Name the parameters again after unpickling (the names must be the pickled state's)."""
         mapping = named_parameter_map(named_parameters)

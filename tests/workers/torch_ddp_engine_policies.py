@@ -106,7 +106,8 @@ def nan_scenario(route, policy):
     poison["on"] = False
     out = {"raised": raised, "unchanged": bool(torch.equal(flat(model), before)),
            "residuals_kept": equal(kept, residuals(state)), "nan_applied": bool(torch.isnan(target).any()),
-           "propagated": state.compression_stats()["nonfinite_propagated"]}
+           "propagated": state.compression_stats()["nonfinite_propagated"],
+           "wire_bytes": state.compression_stats()["wire_bytes"]}
     if policy == "raise":
         out["next"] = step(model, opt, route, 2)
         out["finite_after"] = bool(torch.isfinite(flat(model)).all())

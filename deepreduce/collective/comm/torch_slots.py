@@ -11,7 +11,8 @@ collective carries its header (:mod:`deepreduce.collective.slots`).
   slots' steady state: one all-reduce once the ranks agreed on the codes' size, the header first
   on a bucket's first step or when any rank flagged (:class:`deepreduce.collective.slots.Slots`);
 * without a header, :class:`TorchDistributedCommunicator`'s collectives (the agreement, the
-  sparse all-reduce's rounds, the auto planner).
+  sparse all-reduce's rounds, whose bytes this rank sends count as its wire bytes, the auto
+  planner).
 
 Calls are blocking and come from the step engine's one worker, in the same order on every rank.
 ``totals`` (a :mod:`deepreduce.collective.totals` dict) counts buckets, bytes and seconds.
@@ -27,6 +28,8 @@ from ...errors import CommunicationError
 from .. import agreement, failure, slots, totals
 from ..ports import Pending
 from .torch_distributed import TorchDistributedCommunicator
+
+SPARSE_ROUNDS = "deepreduce.sra"   # the names of the sparse all-reduce's collectives (collective/sparse_allreduce.py)
 
 
 class SlottedTorchDistributed(TorchDistributedCommunicator):
@@ -46,6 +49,7 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
 
     def allgather_async(self, payload, name, header: Optional[slots.Header] = None):
         if header is None:
+            self._count_sparse(name, [payload])
             return super().allgather_async(payload, name)
         device = _on(header)
         if payload is not None and not isinstance(payload, torch.Tensor):
@@ -56,6 +60,17 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
         _, parts = self._exchange(header, nbytes, payload, like)
         totals.count(self.totals, header.dense_bytes, nbytes)
         return Pending(lambda: parts)
+
+    def alltoall(self, payloads, name):
+        self._count_sparse(name, payloads)
+        return super().alltoall(payloads, name)
+
+    def _count_sparse(self, name: str, payloads) -> None:
+        """The sparse all-reduce's rounds (``deepreduce.sra*``): what this rank sends is on the wire."""
+        if name.startswith(SPARSE_ROUNDS):
+            nbytes = sum(int(np.asarray(p).size) for p in payloads)
+            self.totals["wire_bytes"] += nbytes
+            self.totals["collective_bytes"] += nbytes
 
     def _exchange(self, header: slots.Header, nbytes: int, payload, like):
         """:meth:`Slots.exchange` and the step check; their errors are every rank's."""
