@@ -120,3 +120,37 @@ def test_the_plan_picks_the_route(compressor, sparse, summed_dense, chosen, expe
         monkeypatch.setattr(engine.protocol, "route", lambda name: chosen)
     item = Item("w", 0, np.zeros(4, np.float32), summed_dense=summed_dense)
     assert engine._route_of(item) == expected
+
+
+class Ended:
+    """A protocol that records its end_step calls."""
+
+    def __init__(self):
+        self.ended = []
+
+    def end_step(self, step, errors, order):
+        self.ended.append((step, list(errors), order))
+
+
+def test_the_end_of_a_step_goes_through_the_protocol_or_raises_the_first_error():
+    """What the DDP hook's end of a step did (inflight.end_step), now the engine's for every binding;
+    an error every rank raised at one collective loses the frames that differ between routes."""
+    from deepreduce.collective import failure
+
+    engine, first = engine_with([], False), ValueError("first")
+    engine.protocol = Ended()
+    engine._end(4, [first], ["w"])
+    assert engine.protocol.ended == [(4, [first], ["w"])]
+    engine.protocol = None
+    engine._end(4, [], [])
+    with pytest.raises(ValueError) as caught:
+        engine._end(4, [first, KeyError("second")], [])
+    assert caught.value is first
+    try:
+        raise failure.everywhere(CommunicationError("layouts differ"))
+    except CommunicationError as exc:
+        everywhere = exc
+    with pytest.raises(CommunicationError) as caught:
+        engine._end(5, [everywhere], [])
+    assert caught.value is everywhere and caught.traceback[-1].name == "_end"
+    assert engine.stats()["steps"] == 2   # the two steps that raised nothing

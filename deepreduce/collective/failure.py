@@ -59,3 +59,15 @@ def raise_if_failed(payloads: Sequence, label: str, step: int) -> None:
         error = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
         raise error(f"{label} at step {step}: rank {failed[0]} could not encode its gradient "
                     f"({failed[2]}); every rank skips this step")
+
+
+def everywhere(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised by every rank at the same collective (a header check every rank
+    made on the same gathered headers): no failure payload follows it, since no peer waits for one."""
+    exc.deepreduce_every_rank = True
+    return exc
+
+
+def on_every_rank(exc: BaseException) -> bool:
+    """Whether :func:`everywhere` marked ``exc``."""
+    return bool(getattr(exc, "deepreduce_every_rank", False))

@@ -73,8 +73,9 @@ class Tensors(Protocol):
         """Copy the binding tensor ``source`` into ``target``."""
 
     def with_flag(self, tensor, dtype: str, flag: float) -> Any:
-        """A new flat tensor: ``tensor`` in ``dtype`` (``"same"``: its own; zeros where ``flag``),
-        then one element holding ``flag`` (:mod:`deepreduce.collective.routes.dense`)."""
+        """A new flat tensor: ``tensor`` (or a list of tensors, end to end) in ``dtype`` (``"same"``:
+        its own; zeros where ``flag``), then one element holding ``flag``
+        (:mod:`deepreduce.collective.routes.dense`)."""
 
     def split_flag(self, summed) -> Tuple[Any, float]:
         """(the data, the flag's value) of an all-reduced :meth:`with_flag` tensor."""
@@ -127,10 +128,11 @@ class NumpyTensors:
 
     @staticmethod
     def with_flag(tensor, dtype: str, flag: float) -> np.ndarray:
-        kind = np.asarray(tensor).dtype if dtype == "same" else np.dtype(dtype)
-        out = np.zeros(np.size(tensor) + 1, dtype=kind)
+        parts = [np.asarray(t) for t in (tensor if isinstance(tensor, (list, tuple)) else [tensor])]
+        kind = parts[0].dtype if dtype == "same" else np.dtype(dtype)
+        out = np.zeros(sum(p.size for p in parts) + 1, dtype=kind)
         if not flag:
-            out[:-1] = np.asarray(tensor).reshape(-1)
+            out[:-1] = np.concatenate([p.reshape(-1) for p in parts])
         out[-1] = flag
         return out
 

@@ -36,6 +36,7 @@ adapter passes its allgather.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import array_api_compat
@@ -51,6 +52,23 @@ FAILED = -1          # the size a rank reports when its encode raised and it has
 SLACK = 1 / 8        # a grown slot holds the longest payload seen plus this fraction
 SHRINK_BELOW = 1 / 4  # a slot whose longest payload used less than this fraction of it shrinks
 ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a bucket's collective checks (the transport :mod:`deepreduce.collective.comm.torch_slots`):
+    ``key``, the bucket's position in the step (its slot); ``layout``, its tensors and the
+    compressor; ``step``; ``where``, the bucket in errors; ``dense_bytes``, its float32 size (the
+    totals); ``summed``: for a summable compressor's codes, its name (their sizes must agree);
+    ``device``: where the bucket lives (its collective runs there), None: the transport's default."""
+
+    key: Hashable
+    layout: agreement.Layout
+    step: int
+    where: str
+    dense_bytes: int
+    summed: Optional[str] = None
+    device: object = None
 
 
 def prefix(size: int, layout: agreement.Layout, step: int) -> np.ndarray:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import agreement, overlap, totals
+from . import agreement, failure, overlap, ports, totals
 from .protocol import ReductionProtocol
 from .routes import registry
+from .worker import Worker
 
 PHASES = ("encode", "encode_hidden", "encode_wait", "communication_wait", "decode")
 
@@ -44,7 +45,15 @@ class Item:
     (optional) runs after the result was written, e.g. a bucket copying its slices back;
     ``replace`` (optional) takes a new tensor where the result cannot be written in place (a
     sparse gradient's entries); ``summed_dense``: the binding lets its framework's all-reduce sum
-    it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`)."""
+    it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`).
+
+    ``parts``: (name, tensor, out) of each container the item travels as, encoded from ``tensor``
+    and written into ``out`` (a pair (name, tensor): written into the tensor; default: ``grad``
+    into ``target`` under ``name``); a DDP bucket of many parameters
+    sends one container per parameter in one collective. ``header``: what a transport that checks
+    each collective sends ahead of the payload (the DDP hook's slots,
+    :class:`deepreduce.collective.slots.Header`), or None. ``timeline``: the ``auto`` planner
+    records when the item became ready (not on DDP's first step, whose buckets are rebuilt)."""
 
     name: str
     step: int
@@ -55,6 +64,9 @@ class Item:
     summed_dense: bool = False
     written: Optional[Callable[[], None]] = None
     replace: Optional[Callable[[Any], None]] = None
+    parts: Optional[List[tuple]] = None
+    header: Any = None
+    timeline: bool = True
     route: str = ""
     started: Any = None
     error: Optional[BaseException] = None
@@ -63,6 +75,11 @@ class Item:
     def __post_init__(self):
         self.target = self.grad if self.target is None else self.target
         self.label = self.label or f"tensor {self.name!r}"
+        self.parts = [(p[0], p[1], p[-1]) for p in (self.parts or [(self.name, self.grad, self.target)])]
+
+    def part_label(self, name: str) -> str:
+        """A part in errors: the item's label when it is one part, else the parameter's name."""
+        return self.label if len(self.parts) == 1 else f"parameter {name!r}"
 
 
 class StepEngine:
@@ -71,22 +88,26 @@ class StepEngine:
     ``codec``: the binding's pipeline (``encode(grad, name=, step=)``, ``decode_sum(payloads,
     expected_shape=, out=)`` and ``core``, the framework-free :class:`~deepreduce.pipeline.Pipeline`),
     or None with ``compressor`` (a Horovod-style summable compressor). ``communicator``:
-    allgather / alltoall transport; ``allreduce(tensor, name, average) -> handle`` with
-    ``wait()``: the binding's all-reduce (sum, or average where ``average``); ``tensors``: the
-    binding's tensor port. ``average``: divide sums by the number of ranks.
+    allgather / alltoall transport; ``allreduce(tensor, item, average) -> handle`` with
+    ``wait()``: the binding's all-reduce (sum, or average where ``average`` and
+    ``allreduce_averages``; a binding whose all-reduce only sums passes False, and the summable
+    route divides the decompressed sum); ``tensors``: the binding's tensor port. ``average``:
+    divide sums by the number of ranks. ``worker``: the background thread's name (the default is
+    the name the Horovod optimizer's worker has always had).
     """
 
     def __init__(self, codec, communicator, tensors, allreduce: Callable, *, average: bool = True,
-                 background: bool = True, compressor=None) -> None:
+                 background: bool = True, compressor=None, allreduce_averages: bool = True,
+                 worker: str = "deepreduce-step_0") -> None:
         self.codec, self.compressor = codec, compressor
         self.core = None if codec is None else getattr(codec, "core", codec)   # a binding pipeline, or the core itself
         self.communicator, self.tensors, self.allreduce = communicator, tensors, allreduce
-        self.average = average
+        self.average, self.allreduce_averages = average, allreduce_averages
         self.protocol = None if codec is None else ReductionProtocol(self.core, communicator, average=average)
         self.auto = None if self.protocol is None else self.protocol.auto
         self.routes = {rid: cls(self) for rid, cls in registry().items()}
         self.background = bool(background)
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self.worker = Worker(worker)
         self._pending: List[tuple] = []
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
@@ -103,14 +124,12 @@ class StepEngine:
 
     def submit(self, item: Item) -> None:
         """``item`` is ready: its route's ``start`` runs on the worker (or now, inline)."""
-        if self.auto is not None and self.compressor is None and not item.summed_dense \
+        if self.auto is not None and self.compressor is None and not item.summed_dense and item.timeline \
                 and not self.tensors.is_sparse(item.grad):
             self.auto.ready(item.name, self.tensors.numel(item.grad))
         future: Future
         if self.background:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepreduce-step")
-            future = self._executor.submit(self._start, item)
+            future = self.worker.submit(self._start, item)
         else:
             future = Future()
             future.set_result(self._start(item))
@@ -123,11 +142,31 @@ class StepEngine:
         try:
             item.started = route.start(self, item)
         except Exception as exc:   # noqa: BLE001 (every peer must hear of it: the failure payload goes instead)
-            exc.add_note(f"deepreduce: raised while encoding {item.label} at step {item.step}")
-            item.error = exc
-            item.started = route.fail(self, item, exc)
+            item.started = None
+            if failure.on_every_rank(exc):   # every rank raised it at the same collective: nothing follows
+                item.error = item.error or exc
+            else:
+                self.caught(item, exc)
+                try:
+                    item.started = route.fail(self, item, exc)
+                except Exception:   # noqa: BLE001 (its own error is the one to report)
+                    item.started = None
         item.span = (began, time.perf_counter())
         return item
+
+    @staticmethod
+    def caught(item: Item, exc: BaseException) -> None:
+        """Keep ``exc``, raised while starting ``item`` on this rank: the rank raises it at
+        :meth:`finish` (its first one, over what its peers' failure payloads say)."""
+        exc.add_note(f"deepreduce: raised while encoding {item.label} at step {item.step}")
+        if item.error is None:
+            item.error = exc
+
+    def gather(self, item: Item, payload):
+        """Start the allgather of ``item``'s ``payload`` (with its header where it has one)."""
+        if item.header is None:
+            return ports.start_allgather(self.communicator, payload, f"deepreduce.{item.name}")
+        return self.communicator.allgather_async(payload, f"deepreduce.{item.name}", header=item.header)
 
     def _route_of(self, item: Item) -> str:
         """The plan: how ``item`` travels this step (a route id of :func:`~deepreduce.collective.routes.registry`)."""
@@ -147,9 +186,31 @@ class StepEngine:
         same NonFiniteGradientError on every rank (see the module docstring). ``end=False`` (a
         binding that ends the step in an op of its own, TensorFlow's) records the errors and
         skips with the protocol instead, for its ``end_step``."""
-        since = time.perf_counter()
         if self.auto is not None:
             self.auto.backward_done()
+        self._finish(step, order, end)
+
+    def finish_later(self, step: int, order: Sequence[str], then: Callable[[Optional[BaseException]], None]) -> None:
+        """:meth:`finish` on the worker, after every item submitted so far has started (inline
+        without a worker); ``then(error)`` runs after it (None: the step was applied). For a
+        binding that must not block the thread that hands items over (DDP's comm hook)."""
+        if self.auto is not None:
+            self.auto.backward_done()   # now, when backward ended, not when the worker gets to it
+
+        def run() -> None:
+            try:
+                self._finish(step, order, True)
+            except Exception as exc:   # noqa: BLE001 (handed to the binding, which fails its futures)
+                then(exc)
+                return
+            then(None)
+        if self.background:
+            self.worker.submit(run)
+        else:
+            run()
+
+    def _finish(self, step: int, order: Sequence[str], end: bool) -> None:
+        since = time.perf_counter()
         pending, self._pending = self._pending, []
         items = [future.result() for _, future in pending]
         self._account_encodes(items, since)
@@ -159,9 +220,12 @@ class StepEngine:
             self.routes_taken[it.route] = self.routes_taken.get(it.route, 0) + 1
             counts = self.routes_by_name.setdefault(it.name, {})
             counts[it.route] = counts.get(it.route, 0) + 1
-            with totals.timed(self.seconds, "communication_wait"):
-                it.started = self._guarded(it, errors, self.routes[it.route].settle, it.started)
+            if it.started is not None:
+                with totals.timed(self.seconds, "communication_wait"):
+                    it.started = self._guarded(it, errors, self.routes[it.route].settle, it.started)
         for it in items:
+            if it.started is None:   # failed on every rank at its start, or reported by settle
+                continue
             with totals.timed(self.seconds, "communication_wait"):
                 outcome = self._guarded(it, errors, self.routes[it.route].finish, it.started)
             if outcome is not None and it.error is None:
@@ -188,7 +252,7 @@ class StepEngine:
     def _decide(self, item: Item, outcome, step: int, errors: List[tuple]) -> None:
         """The one reader of the ``nonfinite`` policy; the one divisor for averaging."""
         if outcome.nonfinite is not None and self._raises_on_nonfinite():
-            self.protocol.skip(item.name, step, outcome.nonfinite)
+            self.protocol.skip(outcome.part or item.name, step, outcome.nonfinite)
             return
         try:
             with totals.timed(self.seconds, "decode"):
@@ -207,10 +271,15 @@ class StepEngine:
     def _end(self, step: int, errors: List[BaseException], order: Sequence[str]) -> None:
         """Commit or undo every residual of the step and raise its first error; ``steps`` counts
         the steps applied."""
-        if self.protocol is not None:
-            self.protocol.end_step(step, errors, order)
-        elif errors:
-            raise errors[0]
+        try:
+            if self.protocol is not None:
+                self.protocol.end_step(step, errors, order)
+            elif errors:
+                raise errors[0]
+        except Exception as exc:
+            if failure.on_every_rank(exc):   # raised from the same frames on every rank, whatever its route
+                raise exc.with_traceback(None)
+            raise
         self.steps += 1
 
     def _account_encodes(self, items: List[Item], since: float) -> None:
@@ -236,8 +305,10 @@ class StepEngine:
             out.update(self.protocol.stats())
         return out
 
+    def idle(self) -> None:
+        """Block until the worker has run everything handed to it."""
+        self.worker.idle()
+
     def close(self) -> None:
         """Stop the worker (after the last step)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self.worker.close()

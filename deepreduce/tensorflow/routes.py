@@ -136,11 +136,11 @@ class ContainerRoutes:
                 else tf.reshape(total, tf.shape(g)) for total, g in zip(results[:-1], grads)]
 
 
-def host_allreduce(hvd, process_set, array: np.ndarray, name: str, average: bool) -> Pending:
+def host_allreduce(hvd, process_set, array: np.ndarray, item, average: bool) -> Pending:
     """The step engine's all-reduce port for the host op (bound to ``hvd`` and ``process_set``):
-    Horovod's eager all-reduce (sum, or average), written back into ``array``."""
+    Horovod's eager all-reduce (sum, or average) of ``item``'s array, written back into ``array``."""
     result = hvd.allreduce(tf.constant(array), op=hvd.Average if average else hvd.Sum,
-                           name=f"{tensor_key(name)}.host", process_set=process_set).numpy()
+                           name=f"{tensor_key(item.name)}.host", process_set=process_set).numpy()
     np.copyto(array, result)
     return Pending(lambda: array)
 

@@ -57,3 +57,17 @@ def parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
         raise ConfigError(f"named_parameters does not cover {len(missing)} optimizer parameter(s) "
                           f"(positions {missing[:5]} of the optimizer's parameters)")
     return mapping
+
+
+def check_ddp_arguments(process_group, per_parameter, summable: bool) -> None:
+    """``DeepReduceState``'s own arguments: a ConfigError naming the one that is wrong."""
+    import torch.distributed as dist
+
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ConfigError(f"DeepReduceState: process_group must be a torch.distributed.ProcessGroup "
+                          f"or None, got {type(process_group).__name__}")
+    if not isinstance(per_parameter, bool):
+        raise ConfigError(f"DeepReduceState: per_parameter must be True or False, got {per_parameter!r}")
+    if not per_parameter and summable:
+        raise ConfigError("DeepReduceState: per_parameter=False merges containers; a summable compressor "
+                          "already sends each bucket as one all_reduce")

@@ -102,8 +102,8 @@ class FSDPCompression:
         return self._engines[key]
 
     @staticmethod
-    def _unused_allreduce(tensor, name, average) -> Pending:
-        raise CommunicationError(f"deepreduce.torch.fsdp: {name!r} would take a dense all-reduce route, "
+    def _unused_allreduce(tensor, item, average) -> Pending:
+        raise CommunicationError(f"deepreduce.torch.fsdp: {item.name!r} would take a dense all-reduce route, "
                                  "which FSDP's comms do not offer")
 
     def step(self, engine: StepEngine, role: str, module: str, item_args: dict) -> None:

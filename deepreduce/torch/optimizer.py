@@ -79,10 +79,10 @@ class _DistributedOptimizer(HorovodOptimizer):
         self._engine.begin(layout, "DistributedOptimizer")
         self._agreed = True
 
-    def _engine_allreduce(self, tensor: torch.Tensor, name: str, average: bool) -> Pending:
+    def _engine_allreduce(self, tensor: torch.Tensor, item: Item, average: bool) -> Pending:
         """The engine's all-reduce port: Horovod's, in place, on the process set (averaging with
         the predivide factor where ``average``)."""
-        handle = self._allreduce(name, tensor, self._op if average else self._hvd.Sum)
+        handle = self._allreduce(item.name, tensor, self._op if average else self._hvd.Sum)
         return Pending(lambda: self._hvd.synchronize(handle))
 
     def _submit(self, p: torch.Tensor) -> None:

@@ -42,16 +42,22 @@ class TorchTensors:
             target.add_(torch.from_numpy(flat).view(target.shape).to(target.device, target.dtype))
 
     @staticmethod
-    def with_flag(tensor: torch.Tensor, dtype: str, flag: float) -> torch.Tensor:
-        """A new flat tensor of ``tensor``'s elements in ``dtype`` (``"same"``: its own), zeros
-        where ``flag`` is set, then one element holding ``flag`` (the all-reduce routes' flag)."""
-        kind = tensor.dtype if dtype == "same" else getattr(torch, dtype)
-        out = torch.empty(tensor.numel() + 1, dtype=kind, device=tensor.device)
+    def with_flag(tensor, dtype: str, flag: float) -> torch.Tensor:
+        """A new flat tensor of ``tensor``'s elements (or of a list of tensors', end to end) in
+        ``dtype`` (``"same"``: their own), zeros where ``flag`` is set, then one element holding
+        ``flag`` (the all-reduce routes' flag)."""
+        parts = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+        kind = parts[0].dtype if dtype == "same" else getattr(torch, dtype)
+        numel = sum(part.numel() for part in parts)
+        out = torch.empty(numel + 1, dtype=kind, device=parts[0].device)
         with torch.no_grad():
             if flag:
                 out.zero_()
             else:
-                out[:-1].copy_(tensor.detach().reshape(-1))
+                at = 0
+                for part in parts:
+                    out[at:at + part.numel()].copy_(part.detach().reshape(-1))
+                    at += part.numel()
             out[-1] = flag
         return out
 

@@ -10,11 +10,13 @@ Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a flagged paylo
 @dataclass
 class Outcome:
     """What a route's ``finish`` hands the engine: ``nonfinite``, the first flagged payload's
-    report (or None); ``write(divisor)`` writes the sum divided by ``divisor`` into the item's
-    destination (under ``nonfinite: raise`` the engine never calls it for a flagged tensor)."""
+    report (or None), ``part`` the name of the flagged part where the route knows it (else the
+    item's name is reported); ``write(divisor)`` writes the sum divided by ``divisor`` into the
+    item's destination (under ``nonfinite: raise`` the engine never calls it for a flagged item)."""
 
     write: Callable[[int], None]
     nonfinite: Optional[Found] = None
+    part: str = ""
 
 
 class Route:

@@ -19,7 +19,8 @@ from ._base import Outcome, Route
 
 
 def flagged(tensors, data, dtype: str, failed: bool):
-    """A new flat tensor: ``data`` (zeros where ``failed``) in ``dtype``, then the flag."""
+    """A new flat tensor: ``data`` (a tensor, or several end to end; zeros where ``failed``) in
+    ``dtype``, then the flag."""
     return tensors.with_flag(data, dtype, 1.0 if failed else 0.0)
 
 
@@ -54,15 +55,16 @@ class Dense(Route):
         if item.summed_dense:
             engine.core.count_summed_dense(tensors.numel(item.grad))
         else:
-            residual = engine.protocol.take_residual(item.name)
-            if residual is not None:
-                tensors.add(item.grad, residual)
-        sent = flagged(tensors, item.grad, self.dtype, failed=False)
-        return sent, engine.allreduce(sent, item.name, False)
+            for name, tensor, _ in item.parts:
+                residual = engine.protocol.take_residual(name)
+                if residual is not None:
+                    tensors.add(tensor, residual)
+        sent = flagged(tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=False)
+        return sent, engine.allreduce(sent, item, False)
 
     def fail(self, engine, item, error):
-        sent = flagged(engine.tensors, item.grad, self.dtype, failed=True)
-        return sent, engine.allreduce(sent, item.name, False)
+        sent = flagged(engine.tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=True)
+        return sent, engine.allreduce(sent, item, False)
 
     def finish(self, engine, item, started):
         sent, pending = started
@@ -70,9 +72,13 @@ class Dense(Route):
         data = unflagged(engine.tensors, sent, item)
 
         def write(divisor: int) -> None:
-            engine.tensors.copy(item.target, data)
-            if divisor != 1:
-                engine.tensors.divide(item.target, divisor)
+            at = 0
+            for _, _, target in item.parts:   # each part's elements, in the order they were sent
+                numel = engine.tensors.numel(target)
+                engine.tensors.copy(target, data[at:at + numel])
+                at += numel
+                if divisor != 1:
+                    engine.tensors.divide(target, divisor)
         return Outcome(write, nonfinite_report(engine.tensors, data))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeepReduceError
-from .. import agreement, failure, ports
+from .. import agreement, failure
 from ._base import Outcome, Route
 
 
@@ -20,13 +20,13 @@ class Entries(Route):
         positions, values = engine.tensors.entries(item.grad)
         payload = engine.core.encode_entries(positions, values, tuple(engine.tensors.shape(item.grad)),
                                              name=item.name, step=item.step)
-        return ports.start_allgather(engine.communicator, payload, f"deepreduce.{item.name}")
+        return engine.gather(item, payload)
 
     def fail(self, engine, item, error):
-        return ports.start_allgather(engine.communicator, failure.payload(error), f"deepreduce.{item.name}")
+        return engine.gather(item, failure.payload(error))
 
     def finish(self, engine, item, pending):
-        payloads = pending.wait()
+        payloads = [failure.on_host(p) for p in pending.wait()]   # the core decodes host bytes
         failure.raise_if_failed(payloads, item.label, item.step)
 
         def write(divisor: int) -> None:

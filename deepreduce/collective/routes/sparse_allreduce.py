@@ -24,20 +24,45 @@ class SparseAllreduceRoute(Route):
         return reducer
 
     def start(self, engine, item):
-        return self.reducer.start(engine.tensors.host(item.grad), item.name, item.step)
+        """Phase one of every part, in name order (a transport with headers first checks the
+        item's alone). A part whose encode raises sends the failure payload in its place, and
+        the item's other parts go on, so every rank issues the same collectives."""
+        if item.header is not None:
+            engine.gather(item, None).wait()
+        phases = []
+        for name, tensor, _ in sorted(item.parts, key=lambda part: part[0]):
+            try:
+                phases.append(self.reducer.start(engine.tensors.host(tensor), name, item.step))
+            except Exception as exc:   # noqa: BLE001 (raised at finish; the peers hear of it)
+                engine.caught(item, exc)
+                phases.append(self.reducer.start_failed(name, item.step, engine.tensors.numel(tensor), exc))
+        return phases
 
     def fail(self, engine, item, error):
-        return self.reducer.start_failed(item.name, item.step, engine.tensors.numel(item.grad), error)
+        if item.header is not None:   # start raised before its header went: the peers wait for it
+            engine.gather(item, None).wait()
+        return [self.reducer.start_failed(name, item.step, engine.tensors.numel(tensor), error)
+                for name, tensor, _ in sorted(item.parts, key=lambda part: part[0])]
 
-    def settle(self, engine, item, phase):
-        self.reducer.exchange(phase)
-        return phase
+    def settle(self, engine, item, phases):
+        for phase in phases:
+            self.reducer.exchange(phase)
+        return phases
 
-    def finish(self, engine, item, phase):
-        total, found = self.reducer.complete(phase)
+    def finish(self, engine, item, phases):
+        targets, done, error = {name: out for name, _, out in item.parts}, [], None
+        for phase in phases:   # every part's allgather is waited for, then the first error raised
+            try:
+                done.append((phase.name, targets[phase.name], *self.reducer.complete(phase)))
+            except Exception as exc:   # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
 
         def write(divisor: int) -> None:
-            if divisor != 1:
-                np.divide(total, divisor, out=total)
-            engine.tensors.write(item.target, total)
-        return Outcome(write, found)
+            for _, target, total, _ in done:
+                if divisor != 1:
+                    np.divide(total, divisor, out=total)
+                engine.tensors.write(target, total)
+        name, found = next(((name, found) for name, _, _, found in done if found is not None), ("", None))
+        return Outcome(write, found, name)

@@ -2,10 +2,12 @@
 ``Compressor`` contract, ``compress(tensor) -> (codes, ctx)`` then ``decompress(codes, ctx)``.
 The codes are averaged by the all-reduce itself, as Horovod's own optimizer does, so the result
 equals ``hvd.DistributedOptimizer(compression=...)``'s bit for bit; the engine's divisor is not
-applied again. The codes travel with the all-reduce routes' failure flag
+applied again (a binding whose all-reduce only sums, DDP's, has each decompressed sum divided).
+The parts of an item (a DDP bucket's parameters) are compressed each and summed in one all-reduce. The codes travel with the all-reduce routes' failure flag
 (:func:`deepreduce.collective.routes.dense.flagged`)."""
 from __future__ import annotations
 
+from ...errors import ConfigError
 from ._base import Outcome, Route
 from .dense import flagged, nonfinite_report, unflagged
 
@@ -20,25 +22,35 @@ class Summable(Route):
 
     def start(self, engine, item):
         compressor = engine.compressor
-        if getattr(compressor, "accepts_name", False):
-            codes, ctx = compressor.compress(item.grad, name=item.name)
-        else:
-            codes, ctx = compressor.compress(item.grad)
+        named = getattr(compressor, "accepts_name", False)
+        pairs = [compressor.compress(t, name=n) if named else compressor.compress(t) for n, t, _ in item.parts]
+        codes, contexts = [code for code, _ in pairs], [ctx for _, ctx in pairs]
+        if len({str(code.dtype) for code in codes}) != 1:   # one all-reduce sums them
+            raise ConfigError(f"{compressor!r} returned codes of several dtypes "
+                              f"({sorted({str(code.dtype) for code in codes})}) for {item.label}; "
+                              "a summable compressor must use one dtype")
         self._last_codes[item.name] = codes
         sent = flagged(engine.tensors, codes, "same", failed=False)
-        return codes, ctx, sent, engine.allreduce(sent, item.name, engine.average)
+        return codes, contexts, sent, engine.allreduce(sent, item, engine.average)
 
     def fail(self, engine, item, error):
         """Zero codes of the last step's shape (the gradient's on the first step) and the flag."""
-        codes = self._last_codes.get(item.name, item.grad)
+        codes = self._last_codes.get(item.name, [tensor for _, tensor, _ in item.parts])
         sent = flagged(engine.tensors, codes, "same", failed=True)
-        return codes, None, sent, engine.allreduce(sent, item.name, engine.average)
+        return codes, None, sent, engine.allreduce(sent, item, engine.average)
 
     def finish(self, engine, item, started):
-        codes, ctx, sent, pending = started
+        codes, contexts, sent, pending = started
         pending.wait()
-        summed = engine.tensors.like(unflagged(engine.tensors, sent, item), codes)
+        tensors = engine.tensors
+        summed = unflagged(tensors, sent, item)
 
-        def write(_divisor: int) -> None:
-            engine.tensors.copy(item.target, engine.compressor.decompress(summed, ctx))
-        return Outcome(write, nonfinite_report(engine.tensors, summed))
+        def write(divisor: int) -> None:
+            at = 0
+            for (_, _, target), code, ctx in zip(item.parts, codes, contexts):
+                numel = tensors.numel(code)
+                tensors.copy(target, engine.compressor.decompress(tensors.like(summed[at:at + numel], code), ctx))
+                at += numel
+                if not engine.allreduce_averages and divisor != 1:   # else the all-reduce averaged
+                    tensors.divide(target, divisor)
+        return Outcome(write, nonfinite_report(tensors, summed))
