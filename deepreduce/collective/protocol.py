@@ -1,21 +1,16 @@
-"""The reduction protocol every integration runs, framework-free.
+"""The per-step bookkeeping the step engine (:mod:`deepreduce.collective.step`) and the TF
+graph route share, framework-free:
 
-One step of data-parallel training reduces each tensor (or bucket) of every rank:
-
-1. **agree** (once per layout): the ranks compare tensors and compressor
-   (:func:`deepreduce.collective.agreement.agree`);
-2. **encode** (the binding: its tensors, its device) and **exchange** by the config's
-   aggregation: the allgather of containers (:meth:`ReductionProtocol.start`), or the sparse
-   all-reduce (:meth:`ReductionProtocol.reduce_sparse`);
-3. **decide**: under ``nonfinite: raise`` a flagged container of any rank skips the step on every
-   rank (:meth:`ReductionProtocol.decide`);
-4. **decode-accumulate** every rank's container into the output and **average**
-   (:meth:`ReductionProtocol.finish`; the binding passes its ``decode_sum`` and divide);
-5. **commit or undo** the step's residual changes and raise the step's first error on every rank
-   (:meth:`ReductionProtocol.end_step`).
-
-The Horovod optimizer (torch), the DDP hook and the TensorFlow reducer are adapters around this
-object: they own hooks, futures, threads and tensors; the steps above are written here once.
+* the route a tensor takes this step (:meth:`ReductionProtocol.route`: the ``auto`` plan's choice
+  or the config's aggregation) and the residual flush of a tensor sent dense
+  (:meth:`ReductionProtocol.take_residual`);
+* for TF's graph ops, which decide in a later op: the receive-side verdict on gathered containers
+  (:meth:`ReductionProtocol.report`, with :meth:`ReductionProtocol.decide`, the ``nonfinite``
+  policy's reading of a flagged container) and the decode of sparse gradients' entries
+  (:meth:`ReductionProtocol.finish_entries`);
+* the end of a step (:meth:`ReductionProtocol.end_step`): commit or undo every residual the step
+  touched (the pipeline's and the sparse all-reduce's owner residuals), the ``auto`` plan's turn,
+  and the step's first error raised on every rank.
 """
 from __future__ import annotations
 
@@ -67,50 +62,14 @@ class ReductionProtocol:
         residual[...] = 0.0
         return out
 
-    # ------------------------------------------------------------------ exchange
-    def start_encoded(self, encode: Callable[[], object], name: str):
-        """Start the allgather of ``encode()``'s container: ``(handle, None)``; when the encode
-        raises, of :meth:`failure_payload` instead: ``(handle, the error)`` (the collective still
-        runs, so every rank stays in phase; the caller raises the error after waiting)."""
-        try:
-            payload = encode()
-        except Exception as exc:
-            return self.start(self.failure_payload(exc), name), exc
-        return self.start(payload, name), None
-
-    def start(self, payload, name: str):
-        """Start the allgather of this rank's container of ``name``; ``wait()`` gives every rank's."""
-        return self.communicator.allgather_async(payload, f"deepreduce.{name}")
-
-    def reduce_sparse(self, flat: np.ndarray, name: str, step: int) -> Tuple[np.ndarray, Optional[Found]]:
-        """The sparse all-reduce of a flat float32 host array: (the sum, or the average with
-        ``average``; a non-finite report under ``nonfinite: raise``, else None: under
-        ``propagate`` the NaN/Inf is in the sum, as on every route). Every rank must call it for the same tensors
-        in the same order (the adapters sort by name)."""
-        total = self.sparse.reduce(flat, name, step)
-        found = self.sparse.last_nonfinite if self.core.nonfinite == "raise" else None
-        if found is None and self.average:
-            total /= self.communicator.size
-        return total, found
-
-    def flush_residual(self, name: str, flat: np.ndarray) -> np.ndarray:
-        """``flat`` (a flat float32 host array) plus ``name``'s error-feedback residual, which is
-        cleared: a tensor the ``auto`` plan moves to a dense or fp16 all-reduce sends what
-        compression had held back (:meth:`take_residual`)."""
-        residual = self.take_residual(name)
-        return flat if residual is None else flat + residual.reshape(flat.shape)
-
-    failure_payload = staticmethod(failure.payload)
-    failed_rank = staticmethod(failure.failed_rank)
-    raise_if_failed = staticmethod(failure.raise_if_failed)
-
+    # ------------------------------------------------------------------ receive
     @classmethod
     def split_per_rank(cls, payloads: Sequence, count: int, label: str, step: int) -> List[list]:
         """Every rank's payload of ``count`` concatenated containers (a bucket), split into its
         containers (a device tensor into device slices, no copy). A peer's
-        :meth:`failure_payload` raises here (:meth:`raise_if_failed`); a rank that sent another
+        :func:`~deepreduce.collective.failure.payload` raises here ; a rank that sent another
         number of containers is a CommunicationError naming it."""
-        cls.raise_if_failed(payloads, label, step)
+        failure.raise_if_failed(payloads, label, step)
         per_rank = [container.split(payload) for payload in payloads]
         for rank, parts in enumerate(per_rank):
             if len(parts) != count:
@@ -119,11 +78,11 @@ class ReductionProtocol:
 
     def report(self, payloads: Sequence, name: str, step: int) -> Found:
         """The receive-side decision for one tensor, for adapters that decode in a later op
-        (TensorFlow): :data:`FAILED_REPORT` when a rank sent :meth:`failure_payload` (the error is
+        (TensorFlow): :data:`FAILED_REPORT` when a rank sent :func:`~deepreduce.collective.failure.payload` (the error is
         recorded, :meth:`end_step` raises it), a non-finite container's (rank, NaN, Inf) (recorded
         as :meth:`skip`), else :data:`FINE`. Only the first two skip the decode."""
         try:
-            self.raise_if_failed(payloads, name, step)
+            failure.raise_if_failed(payloads, name, step)
         except DeepReduceError as exc:
             self.fail(name, step, exc)
             return FAILED_REPORT
@@ -148,7 +107,7 @@ class ReductionProtocol:
         binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
         :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
         ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
-        self.raise_if_failed(payloads, label or name, step)
+        failure.raise_if_failed(payloads, label or name, step)
         found = self.decide(payloads)
         if found is not None:
             self.skip(name, step, found)

@@ -24,7 +24,7 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
-from ..collective import overlap
+from ..collective import failure, overlap
 from ..collective.ports import Pending
 from ..collective.step import Item
 from ..wire import container
@@ -79,7 +79,7 @@ class ContainerRoutes:
         the protocol's failure payload where the encode raised (the rank stays in phase)."""
         if self.predivide != 1.0:
             grad = grad * tf.cast(1.0 / self.predivide, grad.dtype)
-        return self.pipeline.encode(grad, name=name, step=step, on_error=self._protocol.failure_payload)
+        return self.pipeline.encode(grad, name=name, step=step, on_error=failure.payload)
 
     def _gather_decode(self, grad: tf.Tensor, name: str, payload: tf.Tensor, step):
         """(the average or sum over ranks of ``grad``, its report: see :meth:`_check_op`)."""

@@ -18,6 +18,7 @@ from typing import Tuple
 import numpy as np
 import tensorflow as tf
 
+from ..collective import failure
 from ..errors import ConfigError
 from ..pipeline import to_float32
 from ..wire import container
@@ -102,7 +103,7 @@ class SliceRoutes:
                     return core.encode_entries(*entries(indices, flat, dense_shape), tuple(dense_shape),
                                                name=name, step=int(step_value))
                 except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-                    return protocol.failure_payload(exc)
+                    return failure.payload(exc)
 
         def decode(gathered, dense_shape, step_value):   # runs where every rank's report was fine
             with lock:
