@@ -1,7 +1,7 @@
 """The step engine: one owner of a training step, whichever binding feeds it.
 
-A binding (the Horovod optimizer; next the DDP hook, the TF tape, FSDP's comms, an outer loop)
-says where gradients come from and plugs in two ports (:mod:`deepreduce.collective.ports`):
+A binding (the Horovod optimizer, the DDP hook, FSDP's comms, the TF tape's host op; next an
+outer loop) says where gradients come from and plugs in two ports (:mod:`deepreduce.collective.ports`):
 how bytes move (a communicator with ``allgather_async`` / ``alltoall_async``, plus an
 ``allreduce``) and how to read and write its tensors. Everything else happens here, once:
 
