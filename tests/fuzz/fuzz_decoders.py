@@ -99,7 +99,19 @@ def tf_decoder(receiver):
     except Exception as exc:   # absent or not built: say so once, fuzz the rest
         print(f"fuzz_decoders: TF op not fuzzed ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
-    return lambda payload, shape: op.decode(tf.constant(payload), shape, None, True).numpy()
+    from tensorflow.python.eager import context
+
+    calls = [0]
+
+    def decode(payload, shape):
+        # TF's eager kernel cache keeps one kernel per distinct attribute set, and the expected
+        # shape is an attribute: fuzzed shapes would grow it by ~38 KB each until the RSS limit
+        # (a training job has one shape per tensor). Clearing it every 1000 calls keeps RSS flat.
+        calls[0] += 1
+        if calls[0] % 1000 == 0:
+            context.context().clear_kernel_cache()
+        return op.decode(tf.constant(payload), shape, None, True).numpy()
+    return decode
 
 
 def main() -> None:
