@@ -95,11 +95,10 @@ class DeepReduceSplit:
 
     @contextlib.contextmanager
     def profile(self):
-        before = dict(self.state.stats)
+        before = self.state.compression_stats()
         out: dict = {}
         yield out
-        self.state.wait_idle()
-        after = self.state.stats
+        after = self.state.compression_stats()
 
         def delta(key):
             return after[key] - before[key]
