@@ -17,7 +17,7 @@ import hostile
 import numpy as np
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import OneRank, spawn_ranks
 from hostile import run_bounded
 
 import deepreduce
@@ -178,19 +178,9 @@ def test_ddp_hook_state_checks_checkpoints_and_pickles():
         assert sparse[case][0] == "ConfigError" and needle in sparse[case][1], (case, sparse[case])
 
 
-class _OneRank:
-    rank, size = 0, 1
-
-    def alltoall(self, payloads, name):
-        return list(payloads)
-
-    def allgather(self, payload, name):
-        return [payload]
-
-
 def test_sparse_allreduce_state_is_checked_before_anything_is_applied():
     pipe = deepreduce.build("topk_sparse_allreduce")
-    sparse = SparseAllreduce(pipe, _OneRank())
+    sparse = SparseAllreduce(pipe, OneRank())
     tp = torch_build(pipe)
     good = {"owner_residuals": {"w": np.ones(6, np.float32)}, "bounds": {"w": np.array([0, 6])}}
     state = compression_state_dict(tp, None, 3, good)

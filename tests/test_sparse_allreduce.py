@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import run_ranks, run_threads
+from conftest import OneRank, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
@@ -26,39 +26,29 @@ def test_even_and_balanced_bounds():
     assert balanced_bounds(np.arange(8), 100, 4).tolist() == [0, 2, 4, 6, 100]
 
 
-class _OneRank:
-    rank, size = 0, 1
-
-    def alltoall(self, payloads, name):
-        return list(payloads)
-
-    def allgather(self, payload, name):
-        return [payload]
-
-
 def test_settings_are_checked():
     pipe = deepreduce.build("topk_raw")
     with pytest.raises(ConfigError, match="reselect"):
-        SparseAllreduce(pipe, _OneRank(), reselect="random")
+        SparseAllreduce(pipe, OneRank(), reselect="random")
     with pytest.raises(ConfigError, match="repartition_every"):
-        SparseAllreduce(pipe, _OneRank(), repartition_every=0)
+        SparseAllreduce(pipe, OneRank(), repartition_every=0)
     with pytest.raises(ConfigError, match="needs a 'ratio'"):
-        SparseAllreduce(deepreduce.build("none_raw"), _OneRank())
+        SparseAllreduce(deepreduce.build("none_raw"), OneRank())
     with pytest.raises(ConfigError, match="owner_residuals"):
-        SparseAllreduce(pipe, _OneRank()).load_state_dict({"bounds": {}})
+        SparseAllreduce(pipe, OneRank()).load_state_dict({"bounds": {}})
 
 
 def test_one_rank_delivers_the_selection_and_keeps_the_rest():
     pipe = deepreduce.build("topk_raw")
     g = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
-    out = SparseAllreduce(pipe, _OneRank()).reduce(g, "w", 0)
+    out = SparseAllreduce(pipe, OneRank()).reduce(g, "w", 0)
     assert np.count_nonzero(out) == 100
     np.testing.assert_allclose(out + pipe.memory.residual("w"), g, rtol=0, atol=1e-6)
 
 
 def test_warmup_steps_reduce_dense_on_both_phases():
     pipe = deepreduce.build(dict(deepreduce.load_config("topk_raw"), warmup=1))
-    reducer = SparseAllreduce(pipe, _OneRank())
+    reducer = SparseAllreduce(pipe, OneRank())
     g = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
     np.testing.assert_array_equal(reducer.reduce(g, "w", 0), g)
     assert not pipe.memory.residual("w").any() and not reducer.state_dict()["owner_residuals"]["w"].any()

@@ -14,13 +14,12 @@ For each route (allgather, sparse_allreduce, dense, fp16, entries, summable) and
 After each scenario the next step works and every rank holds the same parameters. A summable
 compressor has no ``nonfinite`` option: it runs once, and a NaN propagates.
 """
-import copy
 import os
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import watchdog
+from policy_checks import equal, flat, residuals
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from deepreduce.torch import ddp
@@ -68,30 +67,10 @@ def step(model, opt, route, i):
     return None
 
 
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def same_on_every_rank(tensor):
     everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, torch.nan_to_num(tensor, nan=7.0))
     return all(torch.equal(everyone[0], row) for row in everyone)
-
-
-def residuals(state):
-    if state.pipeline is None:
-        return {}
-    kept = {k: copy.deepcopy(v) for k, v in state.pipeline.core.memory.state_dict().get("residuals", {}).items()}
-    sparse = state._protocol.sparse
-    if sparse is not None:
-        kept.update({f"owner.{k}": v for k, v in sparse.state_dict()["owner_residuals"].items()})
-    return kept
-
-
-def equal(a, b):
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    return np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def nan_scenario(route, policy):
@@ -100,12 +79,12 @@ def nan_scenario(route, policy):
     poison = {"on": False}
     target.register_hook(lambda g: g * float("nan") if poison["on"] and dist.get_rank() == 1 else g)
     step(model, opt, route, 0)
-    before, kept = flat(model).clone(), residuals(state)
+    before, kept = flat(model).clone(), residuals(state.pipeline, state._protocol)
     poison["on"] = True
     raised = step(model, opt, route, 1)
     poison["on"] = False
     out = {"raised": raised, "unchanged": bool(torch.equal(flat(model), before)),
-           "residuals_kept": equal(kept, residuals(state)), "nan_applied": bool(torch.isnan(target).any()),
+           "residuals_kept": equal(kept, residuals(state.pipeline, state._protocol)), "nan_applied": bool(torch.isnan(target).any()),
            "propagated": state.compression_stats()["nonfinite_propagated"],
            "wire_bytes": state.compression_stats()["wire_bytes"]}
     if policy == "raise":

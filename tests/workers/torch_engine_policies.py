@@ -14,13 +14,12 @@ For each route (allgather, sparse_allreduce, dense, fp16, entries, summable) and
 After each scenario the next step works and every rank holds the same parameters. A summable
 compressor has no ``nonfinite`` option: it runs once, and a NaN propagates.
 """
-import copy
 import sys
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 import watchdog
+from policy_checks import equal, flat, residuals
 
 import deepreduce.torch as drt
 from deepreduce.errors import CommunicationError, NonFiniteGradientError
@@ -59,31 +58,9 @@ def optimizer(route, policy, net):
     return opt
 
 
-def flat(net):
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-
-
 def same_on_every_rank(tensor):
     everyone = hvd.allgather(torch.nan_to_num(tensor, nan=7.0)[None, :])
     return all(torch.equal(everyone[0], row) for row in everyone)
-
-
-def residuals(opt):
-    if opt._pipeline is None:
-        return {}
-    state = {k: copy.deepcopy(v) for k, v in opt._pipeline.core.memory.state_dict().get("residuals", {}).items()}
-    sparse = opt._protocol.sparse
-    if sparse is not None:
-        state.update({f"owner.{k}": v for k, v in sparse.state_dict()["owner_residuals"].items()})
-    return state
-
-
-def equal(a, b):
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    return np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def step(net, opt, route, i):
@@ -101,7 +78,7 @@ def nan_scenario(route, policy):
     poison = {"on": False}
     target.register_hook(lambda g: g * float("nan") if poison["on"] and hvd.rank() == 1 else g)
     step(net, opt, route, 0)
-    before, kept = flat(net).clone(), residuals(opt)
+    before, kept = flat(net).clone(), residuals(opt._pipeline, opt._protocol)
     poison["on"] = True
     try:
         step(net, opt, route, 1)
@@ -112,7 +89,7 @@ def nan_scenario(route, policy):
     if policy == "raise":
         assert raised is not None and "'0.weight'" in str(raised), (route, raised)
         assert torch.equal(flat(net), before), route
-        after = residuals(opt)
+        after = residuals(opt._pipeline, opt._protocol)
         assert kept.keys() == after.keys() and all(equal(kept[k], after[k]) for k in kept), route
         step(net, opt, route, 2)
         assert torch.isfinite(flat(net)).all(), route
