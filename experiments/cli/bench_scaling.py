@@ -304,7 +304,9 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        rows += [json.loads(line.split("ENGINE ", 1)[1]) for line in proc.stdout.splitlines() if "ENGINE " in line]
+        # horovodrun may run the next output prefix on into the line: read the one JSON object
+        rows += [json.JSONDecoder().raw_decode(line.split("ENGINE ", 1)[1])[0]
+                 for line in proc.stdout.splitlines() if "ENGINE " in line]
     return rows
 
 
