@@ -26,7 +26,7 @@ from deepreduce.collective.planner import (
     plan,
 )
 from deepreduce.errors import ConfigError
-from experiments.cli.bench_scaling import compare_with_runs
+from experiments.cli.bench_scaling import compare_with_runs, engine_rows
 
 RAW = CodecCosts(name="topk_raw", ratio=0.01, encode_call_s=3e-5, encode_element_s=1e-9, decode_call_s=2e-5,
                  decode_element_s=1e-10, decode_entry_s=1e-8, header_bytes=34.0, entry_bytes=8.0)
@@ -183,3 +183,11 @@ def test_bench_scaling_quick_prints_the_table(tmp_path, capsys):
     runs.write_text(json.dumps([{"aggregation": "dense", "ranks": 2, "numels": [1000], "received_bytes": 4000}]))
     assert main(["bench-scaling", "--quick", "--costs", str(costs), "--runs", str(runs)]) == 0
     assert "model against real runs" in capsys.readouterr().out
+
+
+def test_engine_rows_read_one_json_object_per_line_whatever_horovodrun_appends():
+    """bench-scaling --real-engine parses its workers' lines; horovodrun runs prefixes on into them."""
+    out = ('[1,0]<stdout>:ENGINE {"aggregation": "allgather", "ranks": 2}[1,0]<stdout>:\n'
+           'noise\n[1,0]<stdout>:ENGINE {"aggregation": "sparse_allreduce", "ranks": 2}\n')
+    assert engine_rows(out) == [{"aggregation": "allgather", "ranks": 2},
+                                {"aggregation": "sparse_allreduce", "ranks": 2}]

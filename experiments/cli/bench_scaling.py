@@ -304,10 +304,15 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        # horovodrun may run the next output prefix on into the line: read the one JSON object
-        rows += [json.JSONDecoder().raw_decode(line.split("ENGINE ", 1)[1])[0]
-                 for line in proc.stdout.splitlines() if "ENGINE " in line]
+        rows += engine_rows(proc.stdout)
     return rows
+
+
+def engine_rows(stdout: str) -> List[dict]:
+    """The ``ENGINE {...}`` rows of a worker's output; horovodrun may run the next line's
+    ``[1,0]<stdout>:`` prefix on into a row, so only its one JSON object is read."""
+    return [json.JSONDecoder().raw_decode(line.split("ENGINE ", 1)[1])[0]
+            for line in stdout.splitlines() if "ENGINE " in line]
 
 
 def print_engine(rows: List[dict], codecs) -> None:
