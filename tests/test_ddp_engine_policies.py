@@ -16,7 +16,7 @@ CASES = [(route, policy) for route in worker.ROUTES
 
 @pytest.fixture(scope="module")
 def ranks():
-    return spawn_ranks(worker.run, timeout=300)
+    return {rank: out["every_route"] for rank, out in spawn_ranks(worker.run, timeout=300).items()}
 
 
 @pytest.mark.parametrize("route, policy", CASES)

@@ -14,13 +14,12 @@ For each route (allgather, sparse_allreduce, dense, fp16, entries, summable) and
 After each scenario the next step works and every rank holds the same parameters. A summable
 compressor has no ``nonfinite`` option: it runs once, and a NaN propagates.
 """
-import os
 
 import torch
 import torch.distributed as dist
-import watchdog
 from policy_checks import equal, flat, residuals
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_ddp_hook import run_scenarios
 
 from deepreduce.torch import ddp
 
@@ -117,19 +116,16 @@ def encode_error_scenario(route, policy):
     return out
 
 
-def run(rank, world, port, queue):
-    """Every route and policy; puts ``(rank, {(scenario, route, policy): result})`` on ``queue``."""
-    watchdog.arm(300)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def every_route(rank):
+    """Every route and policy: ``{(scenario, route, policy): result}``."""
     results = {}
-    try:
-        for route in ROUTES:
-            for policy in (("propagate",) if route == "summable" else ("propagate", "raise")):
-                results[("nan", route, policy)] = nan_scenario(route, policy)
-                results[("encode_error", route, policy)] = encode_error_scenario(route, policy)
-    finally:
-        queue.put((rank, results))
-        watchdog.disarm()
-        dist.destroy_process_group()
+    for route in ROUTES:
+        for policy in (("propagate",) if route == "summable" else ("propagate", "raise")):
+            results[("nan", route, policy)] = nan_scenario(route, policy)
+            results[("encode_error", route, policy)] = encode_error_scenario(route, policy)
+    return results
+
+
+def run(rank, world, port, queue):
+    """Puts ``(rank, {"every_route": {(scenario, route, policy): result}})`` on ``queue``."""
+    run_scenarios(rank, world, port, queue, [every_route], 300)

@@ -16,10 +16,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import watchdog  # noqa: E402
+
+from torch_ddp_hook import run_scenarios  # noqa: E402
 
 from deepreduce.sparsify.basic import DenseGradientWarning  # noqa: E402
 from deepreduce.torch import fsdp  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DenseGradientWarning)   # the lossless config sends dense layers
 
 LOSSLESS = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"}}
 TOPK_RATIO_ONE = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "raw"}, "value": {"id": "raw"},
@@ -99,7 +102,8 @@ CASES = {   # name: (make's arguments for deepreduce, for the baseline)
 }
 
 
-def scenario_lossless(rank, world):
+def scenario_lossless(rank):
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for case, (ours, theirs) in CASES.items():
@@ -116,7 +120,8 @@ def scenario_lossless(rank, world):
     return out
 
 
-def scenario_refusals(rank, world):
+def scenario_refusals(rank):
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     model = make(mesh)
@@ -150,9 +155,10 @@ class _Summable:
         return tensor
 
 
-def scenario_disagree(rank, world):
+def scenario_disagree(rank):
     """Rank 0 registers the lossless config, the others Top-r: every rank fails in backward with
     the same error (run last: FSDP's backward is left half done)."""
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = make(mesh)
     fsdp.register(model, LOSSLESS if rank == 0 else TOPK_RATIO_ONE)
@@ -164,7 +170,7 @@ def scenario_disagree(rank, world):
 
 
 # ------------------------------------------------------------------ 4 ranks, 2x2 (replicate, shard)
-def scenario_hsdp(rank, world):
+def scenario_hsdp(rank):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replicate = mesh["replicate"].get_group()
     native = make(mesh)
@@ -187,7 +193,7 @@ def scenario_hsdp(rank, world):
     return out
 
 
-def scenario_lossy(rank, world):
+def scenario_lossy(rank):
     """The recommended config on the 2x2 mesh (compressed reduce-scatter and replicate sparse
     all-reduce), bf16 parameters: losses, every rank's full parameters, the persistent state."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -201,25 +207,9 @@ def scenario_lossy(rank, world):
     return out
 
 
-def _run(rank, world, port, queue, scenarios, seconds):
-    watchdog.arm(seconds)
-    warnings.filterwarnings("ignore", category=DenseGradientWarning)   # the lossless config sends dense layers
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for scenario in scenarios:
-            results[scenario.__name__] = scenario(rank, world)
-    finally:
-        queue.put((rank, results))
-        watchdog.disarm()
-        dist.destroy_process_group()
-
-
 def run_two(rank, world, port, queue):
-    _run(rank, world, port, queue, [scenario_lossless, scenario_refusals, scenario_disagree], 150)
+    run_scenarios(rank, world, port, queue, [scenario_lossless, scenario_refusals, scenario_disagree], 150)
 
 
 def run_mesh(rank, world, port, queue):
-    _run(rank, world, port, queue, [scenario_hsdp, scenario_lossy], 150)
+    run_scenarios(rank, world, port, queue, [scenario_hsdp, scenario_lossy], 150)
