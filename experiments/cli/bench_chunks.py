@@ -2,7 +2,7 @@
 
 Index table: for a synthetic Laplace gradient of each ``--sizes`` and each ``k`` of ``--chunk``,
 the chunked Top-k selection (``chunk_topk``) coded by ``chunk_fixed`` and ``chunk_enum``: bits
-per index of the index section, encode and decode time (median of ``--repeat``), beside the
+per index of the index section, encode and decode CPU time of the process (median of ``--repeat``), beside the
 information limit ``log2 C(C, k) / k`` and the sizes two simpler per-chunk codes would have on
 the same set, computed exactly from it (not implemented as codecs): Elias-Fano per chunk
 (``k L + k + ((C - 1) >> L)`` bits, ``L = floor(log2(C / k))``) and Rice coding of the gaps with
@@ -52,9 +52,9 @@ def rice_bits(local: np.ndarray, k: int) -> int:
 def _median_seconds(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()    # CPU time of this process: the machine may be shared
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -122,7 +122,7 @@ def value_rows(chunk: int, seed: int):
 def run(args) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"| elements | k of {args.chunk} | codec | bits/index | limit | EF/chunk | Rice | encode ms | decode ms |")
+    print(f"| elements | k of {args.chunk} | codec | bits/index | limit | EF/chunk | Rice | encode CPU ms | decode CPU ms |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in index_rows(sizes, args.chunk, ks, args.repeat, args.seed):
         print(f"| {r['size']:,} | {r['k']} | {r['codec']} | {r['bits']:.3f} | {r['limit']:.3f} | "
