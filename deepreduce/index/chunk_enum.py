@@ -24,7 +24,7 @@ import math
 from bisect import bisect_right
 from functools import lru_cache
 from itertools import accumulate
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -56,21 +56,31 @@ def enum_bits(length: int, count: int) -> int:
     return layout(length, count)[1]
 
 
-@lru_cache(maxsize=4)
-def _table(length: int, rows: int) -> Tuple[List[int], ...]:
-    """``table[i][c] = C(c, i)`` for ``i <= rows``, ``c < length`` (Python integers)."""
+#: Cached binomial tables, ``(length, rows) -> (exact rows, float64 rows)``; a table serves every
+#: request it covers (``C(c, i)`` does not depend on the chunk length), so the tails of many
+#: tensors reuse the full chunks' table.
+_TABLES: Dict[Tuple[int, int], Tuple[Tuple[List[int], ...], Tuple[np.ndarray, ...]]] = {}
+_TABLES_KEPT = 3
+
+
+def _tables(length: int, rows: int):
+    """``(table, floats)``: ``table[i][c] = C(c, i)`` for ``i <= rows``, ``c < length`` at least
+    (Python integers), and the same as float64 arrays (a first guess for the greedy decode; only
+    used when the ranks fit a float)."""
+    for (have_length, have_rows), tables in _TABLES.items():
+        if have_length >= length and have_rows >= rows:
+            return tables
     row = [1] * length
     table = [row]
     for _ in range(rows):
         row = [0] + list(accumulate(row))[:length - 1]   # C(c, i) = sum_{j < c} C(j, i - 1)
         table.append(row)
-    return tuple(table)
-
-
-@lru_cache(maxsize=4)
-def _float_table(length: int, rows: int) -> Tuple[np.ndarray, ...]:
-    """:func:`_table` as float64 rows (a first guess for the greedy decode; exact values decide)."""
-    return tuple(np.asarray([float(v) for v in row], dtype=np.float64) for row in _table(length, rows))
+    fits = (math.comb(length, rows) - 1).bit_length() < 1000 if rows <= length else False
+    floats = tuple(np.asarray([float(v) for v in r], dtype=np.float64) for r in table) if fits else None
+    while len(_TABLES) >= _TABLES_KEPT:
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[(length, rows)] = (tuple(table), floats)
+    return _TABLES[(length, rows)]
 
 
 def _complement(offsets: np.ndarray, length: int) -> np.ndarray:
@@ -85,7 +95,7 @@ def _ranks(offsets: np.ndarray, length: int, ranked: int) -> List[int]:
     row), of its complement when ``ranked`` is the complement's size."""
     if ranked != offsets.shape[1]:
         offsets = _complement(offsets, length)
-    rows = _table(length, ranked)[1:ranked + 1]
+    rows = _tables(length, ranked)[0][1:ranked + 1]
     return [sum(map(list.__getitem__, rows, row)) for row in offsets.tolist()]
 
 
@@ -96,8 +106,9 @@ def _unrank(ranks: List[int], length: int, count: int, ranked: int) -> np.ndarra
     previous one with ``C(c, i) <= rank``, guessed from a float64 table with ``searchsorted``
     (when the ranks fit a float) and settled with the exact integers."""
     g = len(ranks)
-    table = _table(length, ranked)
-    floats = _float_table(length, ranked) if (math.comb(length, ranked) - 1).bit_length() < 1000 else None
+    table, floats = _tables(length, ranked)
+    if (math.comb(length, ranked) - 1).bit_length() >= 1000:
+        floats = None
     out = np.empty((g, ranked), dtype=np.int64)
     ranks = list(ranks)
     hi = [length] * g
