@@ -96,3 +96,12 @@ def test_selection_property(numel, chunk, k, seed, levels):
     flat = (rng.integers(-levels, levels + 1, numel)).astype(np.float32)   # many ties
     chosen = create("sparsifier", {"id": "chunk_topk", "chunk": chunk, "k": k}).select(flat, CTX)
     np.testing.assert_array_equal(chosen, brute_force(flat, chunk, k))
+
+
+def test_blocks_of_torch_tensors():
+    import torch
+    matrix = torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64)
+    flat = to_blocks(matrix, 64)
+    assert isinstance(flat, torch.Tensor)
+    np.testing.assert_array_equal(flat.numpy(), to_blocks(matrix.numpy(), 64))
+    assert torch.equal(from_blocks(flat, (128, 64), 64), matrix)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import arrays
 from ..errors import ConfigError
 from ..params import Param
 from ..registry import register
@@ -96,12 +97,13 @@ def to_blocks(matrix: np.ndarray, block: int = 64) -> np.ndarray:
     """A 2-D ``matrix`` whose sides are multiples of ``block`` as a flat array in which every
     ``block x block`` block (row-major order of blocks, row-major inside) is ``block**2``
     consecutive elements: with ``chunk = block**2`` each chunk is one block (DeMo's, SparseLoCo's
-    64 x 64 layout)."""
+    64 x 64 layout). NumPy arrays or torch tensors (on their device)."""
     rows, cols = matrix.shape
     if rows % block or cols % block:
         raise ConfigError(f"to_blocks: a {rows}x{cols} matrix is not made of {block}x{block} blocks")
-    return np.ascontiguousarray(
-        matrix.reshape(rows // block, block, cols // block, block).transpose(0, 2, 1, 3)).reshape(-1)
+    xp = arrays.namespace(matrix)
+    tiles = xp.reshape(matrix, (rows // block, block, cols // block, block))
+    return xp.reshape(xp.permute_dims(tiles, (0, 2, 1, 3)), (-1,))
 
 
 def from_blocks(flat: np.ndarray, shape, block: int = 64) -> np.ndarray:
@@ -110,5 +112,6 @@ def from_blocks(flat: np.ndarray, shape, block: int = 64) -> np.ndarray:
     if rows % block or cols % block or flat.shape[0] != rows * cols:
         raise ConfigError(f"from_blocks: {flat.shape[0]} elements are not a {rows}x{cols} matrix "
                           f"of {block}x{block} blocks")
-    return np.ascontiguousarray(
-        flat.reshape(rows // block, cols // block, block, block).transpose(0, 2, 1, 3)).reshape(rows, cols)
+    xp = arrays.namespace(flat)
+    tiles = xp.reshape(flat, (rows // block, cols // block, block, block))
+    return xp.reshape(xp.permute_dims(tiles, (0, 2, 1, 3)), (rows, cols))
