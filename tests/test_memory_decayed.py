@@ -99,3 +99,24 @@ def test_entries_decay_their_sparse_residual():
     held = pipe.memory._residuals["e"]
     np.testing.assert_array_equal(held.positions, [1])
     np.testing.assert_array_equal(held.values, [0.75])
+
+
+@pytest.mark.parametrize("config", ["sparseloco", "semisync_topk", "demo_style"])
+def test_torch_tensors_give_the_numpy_containers_and_residuals(config):
+    """The torch path (selection on the device, the decayed residual a tensor scaled in place)
+    sends the bytes the NumPy path sends."""
+    import warnings
+
+    import torch
+    host, device = deepreduce.build(f"configs/{config}.yaml"), deepreduce.build(f"configs/{config}.yaml")
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # codecs without a device path run on the host
+        for step in range(4):
+            g = rng.standard_normal(4096 * 5 + 77).astype(np.float32)
+            expected = host.encode(g, "w", step)
+            got = device.encode(torch.from_numpy(g.copy()), "w", step)
+            assert bytes(got.numpy() if isinstance(got, torch.Tensor) else got) == expected.tobytes()
+    held = device.memory.residual("w")
+    assert isinstance(held, torch.Tensor)
+    np.testing.assert_array_equal(held.numpy(), host.memory.residual("w"))
