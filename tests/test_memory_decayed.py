@@ -12,8 +12,10 @@ EPS32 = 2.0 ** -24
 
 
 def _config(memory, sparsifier=None, index="chunk_fixed", value="uniform"):
-    return {"sparsifier": sparsifier or {"id": "chunk_topk", "chunk": 512, "k": 8}, "index": index,
-            "value": value, "memory": memory, "min_numel": 0}
+    sparsifier = sparsifier or {"id": "chunk_topk", "chunk": 512, "k": 8}
+    if index.startswith("chunk_"):
+        index = {"id": index, "chunk": sparsifier["chunk"]}
+    return {"sparsifier": sparsifier, "index": index, "value": value, "memory": memory, "min_numel": 0}
 
 
 @pytest.mark.parametrize("sparsifier,index,value", [
@@ -120,3 +122,12 @@ def test_torch_tensors_give_the_numpy_containers_and_residuals(config):
     held = device.memory.residual("w")
     assert isinstance(held, torch.Tensor)
     np.testing.assert_array_equal(held.numpy(), host.memory.residual("w"))
+
+
+def test_a_size_change_is_refused_before_the_residual_decays():
+    from deepreduce.errors import CommunicationError
+    mem = registry.create("memory", {"id": "decayed_residual", "decay": 0.5})
+    mem.accumulate("t", np.ones(8, np.float32))
+    with pytest.raises(CommunicationError, match="keep its size"):
+        mem.accumulate("t", np.ones(9, np.float32))
+    np.testing.assert_array_equal(mem.residual("t"), np.ones(8))
