@@ -92,8 +92,10 @@ class GradiVeQ(gv.Settings):
         return None if state is None else state.model
 
     # ---------------------------------------------------------------- keys and state
-    def _key(self, shape: Tuple[int, ...], dtype: tf.DType) -> tuple:
+    def _key(self, shape: Tuple[int, ...], dtype: tf.DType, name: Optional[str] = None) -> tuple:
         sig = (shape, dtype.name)
+        if name is not None:
+            return sig + (name,)
         graph = _outermost_graph()
         if graph is None:
             return sig + (0,)
@@ -141,13 +143,16 @@ class GradiVeQ(gv.Settings):
             return np.asarray(out, dtype=np.float32, order="C")   # 0-d stays 0-d
 
     # ---------------------------------------------------------------- Horovod contract
-    def compress(self, tensor):
-        """``(tensor to allreduce, context)``: the code in compression steps, else the flat gradient."""
+    accepts_name = True   # compress(tensor, name=...): the state is the named tensor's
+
+    def compress(self, tensor, name: Optional[str] = None):
+        """``(tensor to allreduce, context)``: the code in compression steps, else the flat
+        gradient. ``name`` (optional) identifies the tensor's state (see the module docstring)."""
         tensor = tf.convert_to_tensor(tensor)
         if not tensor.dtype.is_floating or not tensor.shape.is_fully_defined():
             return tensor, _Ctx(None, (), tensor.dtype)
         shape = tuple(int(s) for s in tensor.shape)
-        key = self._key(shape, tensor.dtype)
+        key = self._key(shape, tensor.dtype, name)
         state = self._state(key, shape)
         code = numpy_op(lambda g: self._compress_array(state, g), [tensor], tf.float32, "gradiveq_compress")
         code.set_shape([None])

@@ -11,7 +11,9 @@ framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; thi
 
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
 routes (containers; under the sparse all-reduce or ``auto`` one host op), an ``IndexedSlices`` one
-as its touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`); every collective is
+as its touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`), a summable
+compressor's codes by the step engine's summable route
+(:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
 named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
 ranks whatever order they are submitted in.
 
@@ -45,6 +47,7 @@ from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
 from .routes import ContainerRoutes, graph_or_eager, host_allreduce, step_tensor
 from .sparse import SliceRoutes
+from .summable import SummableRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
 
@@ -53,10 +56,13 @@ class Reducer:
     """Averages or sums a list of gradients across the ranks of one Horovod process set.
 
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
-    With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given summable compressor
-    (``hvd.Compression.none``/``fp16``, the uncompressed baseline, or GradiVeQ), which also
-    works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which Keras 3
-    removed).
+    With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given summable compressor,
+    which also works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which
+    Keras 3 removed): a compressor (``hvd.Compression.fp16``, GradiVeQ) under ``hvd.Average`` or
+    ``hvd.Sum`` on the step engine's summable route (:class:`~deepreduce.tensorflow.summable.SummableRoutes`:
+    a compress error on one rank makes every rank raise, in phase), ``hvd.Compression.none`` (the
+    uncompressed baseline: nothing to compress, nothing that can fail), another Horovod op and
+    ``IndexedSlices`` as Horovod's own ``hvd.allreduce``.
 
     Holds no per-step state: the pipeline owns residuals, statistics and the step counter, and
     the reduction protocol (with the sparse all-reduce's owner residuals and the ``auto`` plan)
@@ -103,6 +109,11 @@ class Reducer:
                     functools.partial(host_allreduce, self.hvd, self.process_set), average=key[1], background=False)
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol
+        self._summable = None
+        if self.pipeline is None and self.hvd_compression is not self.hvd.Compression.none \
+                and self.hvd_op in (self.hvd.Average, self.hvd.Sum):
+            self._summable = SummableRoutes(self.hvd_compression, self.hvd, self.process_set, self.hvd_op,
+                                            self.predivide)
         self._containers = ContainerRoutes(self.pipeline, self._engine, self.hvd, self.process_set, self.op,
                                            self.predivide, self.workers)
         self._slices = SliceRoutes(self.pipeline, sparse_as_dense, self._containers)
@@ -111,10 +122,15 @@ class Reducer:
         """The pipeline's running statistics (bytes, encode/decode time; with the sparse
         all-reduce the bytes each collective handed back, with ``auto`` the plan, how many plans
         were made and how often each tensor took each route), or the summable compressor's
-        ``compression_stats()`` where it has one; empty for Horovod's compressors."""
+        ``compression_stats()`` where it has one, with the summable route's figures (``steps``
+        applied, ``nonfinite_propagated``, encode and communication seconds); empty for
+        ``hvd.Compression.none``."""
         if self.pipeline is None:
             stats = getattr(self.hvd_compression, "compression_stats", None)
-            return stats() if callable(stats) else {}
+            out = stats() if callable(stats) else {}
+            if self._summable is not None:
+                out.update(self._summable.stats())
+            return out
         out = self.pipeline.compression_stats()
         out.update(self._protocol.stats())
         if self._protocol.auto is not None:
@@ -157,7 +173,9 @@ class Reducer:
         self._agree(grads, names, [(f"bucket{k}", sum(dense[j].shape.num_elements() for j in g))
                                    for k, g in enumerate(groups)])
         reports: list = []
-        if self.pipeline is None:
+        if self._summable is not None:
+            reduced, sent_names = self._summable.reduce(dense, live_names, step), live_names
+        elif self.pipeline is None:
             reduced, sent_names = [self._allreduce(g, names[i]) for g, i in zip(dense, live)], live_names
         elif not groups:
             reduced, sent_names = self._containers.reduce(dense, live_names, step, reports), live_names

@@ -11,6 +11,13 @@ For the allgather (graph ops: a dense tensor's container, and ``entries``: an em
 * ``error`` (host routes): rank 1's route raises while starting a tensor at step 2: every rank
   raises, no weight moves.
 
+And for a summable compressor (``summable_fp16``: Horovod's ``Compression.fp16``;
+``summable_gradiveq``: GradiVeQ, compressing from step 2), which has no ``nonfinite`` option: the
+NaN reaches every rank's weights (and ``compression_stats()["nonfinite_propagated"]``), and
+rank 1's ``compress`` raising at step 2 makes every rank raise with no weight moved. Before that,
+a few steps give weights bit-identical to Horovod's own ``hvd.DistributedGradientTape`` with the
+same compressor.
+
 Afterwards the next step works and the ranks hold the same weights.
 """
 import os
@@ -27,20 +34,48 @@ import watchdog  # noqa: E402
 import deepreduce.tensorflow as drtf  # noqa: E402
 
 GRAPH_ROUTES = ("allgather", "entries")
+SUMMABLE = ("summable_fp16", "summable_gradiveq")
 BASE = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0}
+
+
+class Faulty:
+    """A summable compressor whose ``compress`` raises while ``failing`` (on the rank that sets it)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.failing = inner, False
+        self.accepts_name = getattr(inner, "accepts_name", False)
+
+    def compress(self, tensor, **kwargs):
+        if self.failing:
+            raise RuntimeError("injected compress failure")
+        return self.inner.compress(tensor, **kwargs)
+
+    def decompress(self, tensor, ctx):
+        return self.inner.decompress(tensor, ctx)
+
+
+def summable(route: str, warmup: int = 1):
+    """The compressor of a summable route; GradiVeQ samples 2 steps after ``warmup``, then compresses."""
+    if route == "summable_fp16":
+        return hvd.Compression.fp16
+    return drtf.GradiVeQ(warmup=warmup, sample_iters=2, compress_iters=4, slice_size=8, min_numel=64)
 
 
 def run(route: str, policy: str, mode: str):
     config = dict(BASE, nonfinite=policy)
     graph = route in GRAPH_ROUTES
-    if not graph:
-        config["aggregation"] = {"id": "sparse_allreduce"}
-    pipe = drtf.build(config)
+    if route in SUMMABLE:
+        pipe = Faulty(summable(route, warmup=2))   # the NaN step is a warm-up step: no model learns from it
+    else:
+        if not graph:
+            config["aggregation"] = {"id": "sparse_allreduce"}
+        pipe = drtf.build(config)
     rng = np.random.default_rng(0)
     variables = [tf.Variable(rng.standard_normal((8, 40)).astype(np.float32)),
                  tf.Variable(rng.standard_normal((40, 2)).astype(np.float32) * 0.1)]
     optimizer = keras.optimizers.SGD(0.01)
+    stats = {}
 
     def forward(x):
         if route == "entries":   # rows 0-3 of the first weight: its gradient is an IndexedSlices
@@ -50,7 +85,9 @@ def run(route: str, policy: str, mode: str):
     def step(x, scale):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(forward(x))) * scale
-        grads = drtf.DistributedGradientTape(tape, compression=pipe).gradient(loss, variables)
+        distributed = drtf.DistributedGradientTape(tape, compression=pipe)
+        grads = distributed.gradient(loss, variables)
+        stats["tape"] = distributed
         assert isinstance(grads[0], tf.IndexedSlices) == (route == "entries"), (route, type(grads[0]))
         optimizer.apply_gradients(zip(grads, variables))
 
@@ -67,6 +104,9 @@ def run(route: str, policy: str, mode: str):
             return exc
 
     assert take(0) is None
+    if route in SUMMABLE:
+        summable_policies(route, take, weights, variables, stats)
+        return
     if route in ("dense", "fp16"):   # what the auto plan picks for a tensor that hides behind backward
         engine = next(iter(pipe.protocols.values()))
         engine.protocol.route = lambda name: route
@@ -99,9 +139,71 @@ def run(route: str, policy: str, mode: str):
     assert np.array_equal(everyone[0], everyone[1]), (route, policy, mode)
 
 
+def summable_policies(route: str, take, weights, variables, stats):
+    """A NaN propagates (whatever the config's policy would say: a compressor has none); rank 1's
+    compress raising makes every rank raise with the weights unchanged."""
+    raised = take(1, float("nan") if hvd.rank() == 1 else 1.0)
+    assert raised is None, (route, raised)
+    assert np.isnan(weights()).any(), route
+    assert stats["tape"].compression_stats()["nonfinite_propagated"] >= 1, route
+    for v in variables:
+        v.assign(np.random.default_rng(1).standard_normal(v.shape).astype(np.float32))
+    compressor = stats["tape"]._deepreduce.hvd_compression
+    # GradiVeQ: 2 sampling steps and a compressed one; the failing step is the second compressed one (a
+    # failed rank sends zeros shaped like its last codes, so not the step where the codes first shrink)
+    assert take(4) is None and take(5) is None and take(6) is None
+    compressor.failing = hvd.rank() == 1
+    before = weights()
+    raised = take(2)
+    compressor.failing = False
+    assert raised is not None, route
+    if hvd.rank() == 1:
+        assert "injected compress failure" in str(raised), raised
+    else:
+        assert "could not prepare its gradient" in str(raised), raised
+    assert np.array_equal(weights(), before), route
+    assert take(3) is None and np.isfinite(weights()).all()
+    if route == "summable_gradiveq":
+        assert compressor.inner.compression_stats()["compressed"] >= 2, compressor.inner.compression_stats()
+    everyone = hvd.allgather(tf.constant(weights()[None, :])).numpy()
+    assert np.array_equal(everyone[0], everyone[1]), route
+
+
+def same_as_horovod(route: str, mode: str) -> None:
+    """Five steps through deepreduce's tape and through Horovod's own with the same (fresh)
+    compressor leave bit-identical weights (GradiVeQ: warm-up, sampling, then compressed steps)."""
+    def train(tape_class):
+        compressor = summable(route)
+        rng = np.random.default_rng(0)
+        variables = [tf.Variable(rng.standard_normal((8, 40)).astype(np.float32)),
+                     tf.Variable(rng.standard_normal((40, 2)).astype(np.float32) * 0.1)]
+        optimizer = keras.optimizers.SGD(0.01)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.matmul(tf.tanh(tf.matmul(x, variables[0])), variables[1])))
+            grads = tape_class(tape, compression=compressor).gradient(loss, variables)
+            optimizer.apply_gradients(zip(grads, variables))
+
+        fn = tf.function(step) if mode == "function" or tape_class is hvd.DistributedGradientTape else step
+        for i in range(5):
+            fn(tf.constant(np.random.default_rng(i * 10 + hvd.rank()).standard_normal((4, 8)).astype(np.float32)))
+        if route == "summable_gradiveq":
+            assert compressor.compression_stats()["compressed"] >= 2, compressor.compression_stats()
+        return np.concatenate([v.numpy().ravel() for v in variables])
+
+    ours, theirs = train(drtf.DistributedGradientTape), train(hvd.DistributedGradientTape)
+    assert np.array_equal(ours, theirs), (route, mode, np.abs(ours - theirs).max())
+
+
 def main():
     hvd.init()
-    watchdog.arm(240)
+    watchdog.arm(540)
+    for route in SUMMABLE:
+        for mode in ("eager", "function"):
+            same_as_horovod(route, mode)
+            run(route, "propagate", mode)
+            print(f"OK tf {route} {mode} {hvd.rank()}", flush=True)
     for route in ("allgather", "entries", "sparse_allreduce", "dense", "fp16"):
         for policy in ("propagate", "raise"):
             for mode in ("eager", "function"):
