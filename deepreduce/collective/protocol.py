@@ -4,17 +4,16 @@ graph route share, framework-free:
 * the route a tensor takes this step (:meth:`ReductionProtocol.route`: the ``auto`` plan's choice
   or the config's aggregation) and the residual flush of a tensor sent dense
   (:meth:`ReductionProtocol.take_residual`);
-* for TF's graph ops, which decide in a later op: the receive-side verdict on gathered containers
-  (:meth:`ReductionProtocol.report`, with :meth:`ReductionProtocol.decide`, the ``nonfinite``
-  policy's reading of a flagged container) and the decode of sparse gradients' entries
-  (:meth:`ReductionProtocol.finish_entries`);
+* for TF's allgather graph ops, which decide in a later op: the receive-side verdict on gathered
+  containers (:meth:`ReductionProtocol.report`, with :meth:`ReductionProtocol.decide`, the
+  ``nonfinite`` policy's reading of a flagged container);
 * the end of a step (:meth:`ReductionProtocol.end_step`): commit or undo every residual the step
   touched (the pipeline's and the sparse all-reduce's owner residuals), the ``auto`` plan's turn,
   and the step's first error raised on every rank.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -100,35 +99,6 @@ class ReductionProtocol:
     def decide(self, payloads: Sequence) -> Optional[Found]:
         """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
         return agreement.first_nonfinite(payloads) if self.core.nonfinite == "raise" else None
-
-    def finish(self, payloads: Sequence, name: str, step: int, decode_sum: Callable[[Sequence], object],
-               divide: Callable[[int], None], label: Optional[str] = None) -> Optional[Found]:
-        """Decide, then decode-accumulate every rank's container (``decode_sum(payloads)``, into the
-        binding's output) and average (``divide(ranks)``). A non-finite container is recorded for
-        :meth:`end_step` and nothing is decoded. ``label`` names the tensor in errors (default
-        ``name``). A rank whose encode raised is a CommunicationError here, on every other rank."""
-        failure.raise_if_failed(payloads, label or name, step)
-        found = self.decide(payloads)
-        if found is not None:
-            self.skip(name, step, found)
-            return found
-        try:
-            decode_sum(payloads)
-        except DeepReduceError as exc:
-            raise type(exc)(f"{label or name}: {exc}") from exc
-        if self.average:
-            divide(len(payloads))
-        return None
-
-    def finish_entries(self, payloads: Sequence, name: str, step: int, shape: Tuple[int, ...],
-                       label: Optional[str] = None) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-        """:meth:`finish` for sparse gradients sent as entries (``Pipeline.encode_entries``):
-        every rank's entries summed (averaged under ``average``) as ``(positions, values)``, or
-        None when the step is skipped for a non-finite container."""
-        summed = []
-        found = self.finish(payloads, name, step, lambda parts: summed.append(self.core.decode_entries(parts, shape)),
-                            lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), label)
-        return None if found is not None else summed[0]
 
     def skip(self, name: str, step: int, found: Found) -> None:
         """Record that ``name`` of ``step`` came with a non-finite container (every rank sees it)."""

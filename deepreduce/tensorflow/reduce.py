@@ -10,8 +10,9 @@ framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; thi
 (:mod:`~deepreduce.tensorflow.routes`, :mod:`~deepreduce.tensorflow.sparse`) make them ops.
 
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
-routes (containers; under the sparse all-reduce or ``auto`` one host op), an ``IndexedSlices`` one
-as its touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`), a summable
+routes (containers; under the sparse all-reduce or ``auto`` one host op), the ``IndexedSlices``
+ones as their touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`: the step
+engine's ``entries`` route, in one host op), a summable
 compressor's codes by the step engine's summable route
 (:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
 named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
@@ -40,13 +41,12 @@ import tensorflow as tf
 
 from ..collective import agreement, buckets, overlap
 from ..collective.comm.horovod import HorovodCommunicator
-from ..collective.ports import NumpyTensors
 from ..collective.step import StepEngine
 from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
 from .routes import ContainerRoutes, graph_or_eager, host_allreduce, step_tensor
-from .sparse import SliceRoutes
+from .sparse import SliceRoutes, SliceTensors
 from .summable import SummableRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
@@ -105,7 +105,7 @@ class Reducer:
             key = (id(self.process_set), self.op == "average")
             if key not in self.pipeline.protocols:
                 self.pipeline.protocols[key] = StepEngine(
-                    self.pipeline.core, self._communicator, NumpyTensors(),
+                    self.pipeline.core, self._communicator, SliceTensors(),
                     functools.partial(host_allreduce, self.hvd, self.process_set), average=key[1], background=False)
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol
@@ -184,9 +184,13 @@ class Reducer:
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
         for i, g in zip(live, reduced):
             out[i] = g
-        for i in slices:
-            out[i] = self._allreduce(grads[i], names[i]) if self.pipeline is None else \
-                self._slices.reduce(grads[i], names[i], step, reports)
+        if self.pipeline is None:
+            for i in slices:
+                out[i] = self._allreduce(grads[i], names[i])
+        else:
+            sparse = self._slices.reduce([grads[i] for i in slices], [names[i] for i in slices], step, reports)
+            for i, g in zip(slices, sparse):
+                out[i] = g
         if self.pipeline is not None:
             out = self._finish_step(out, reports, sent_names + [names[i] for i in slices], step)
         if own_counter:

@@ -3,8 +3,8 @@
 An embedding lookup's gradient is a ``tf.IndexedSlices``: the touched rows of the variable
 (possibly repeated) and one dense slice per index. It travels as the flat positions of the touched
 rows' entries (``row * row_size + column``) with their values
-(:meth:`deepreduce.pipeline.Pipeline.encode_entries`), as the torch binding sends a sparse COO
-gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
+(:meth:`deepreduce.pipeline.Pipeline.encode_entries`, on the step engine's ``entries`` route in the
+reducer's host op), as the torch binding sends a sparse COO gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
 a full row is a run of consecutive positions. The summed entries come back as the touched rows,
 ascending and distinct, with their summed slices: an ``IndexedSlices`` whose dense value is what
 Horovod's allgather of the indices and values adds up to. :class:`SliceRoutes` is the
@@ -12,17 +12,18 @@ reducer's part that sends them.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Tuple
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from ..collective import failure
+from ..collective.ports import NumpyTensors
+from ..collective.step import Item
 from ..errors import ConfigError
 from ..pipeline import to_float32
-from ..wire import container
-from .collectives import gather
 from .routes import graph_or_eager, step_tensor
 
 
@@ -66,15 +67,47 @@ def rows(positions: np.ndarray, values: np.ndarray, dense_shape) -> Tuple[np.nda
     return touched.astype(np.int64), out.reshape((touched.shape[0],) + slice_shape)
 
 
+@dataclass(eq=False)
+class Slices:
+    """One ``IndexedSlices`` gradient on the host, as the step engine's item carries it."""
+
+    name: str
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: Tuple[int, ...]
+
+
+class SliceTensors(NumpyTensors):
+    """The step engine's tensor port for the reducer's host op: flat float32 NumPy arrays
+    (:class:`~deepreduce.collective.ports.NumpyTensors`) and :class:`Slices`, which take the
+    engine's ``entries`` route."""
+
+    @staticmethod
+    def is_sparse(tensor) -> bool:
+        return isinstance(tensor, Slices)
+
+    @staticmethod
+    def shape(tensor) -> Sequence[int]:
+        return tensor.dense_shape if isinstance(tensor, Slices) else tuple(np.shape(tensor))
+
+    @staticmethod
+    def entries(tensor: Slices) -> Tuple[np.ndarray, np.ndarray]:
+        return entries(tensor.indices, to_float32(tensor.values, tensor.name), tensor.dense_shape)
+
+    @staticmethod
+    def from_entries(positions: np.ndarray, values: np.ndarray, like: Slices):
+        return rows(positions, values, like.dense_shape)
+
+
 class SliceRoutes:
     """The IndexedSlices route, held by :class:`~deepreduce.tensorflow.reduce.Reducer`: its
     ``pipeline`` and ``sparse_as_dense``, and its ``containers`` (a
-    :class:`~deepreduce.tensorflow.routes.ContainerRoutes`, whose Horovod set, protocol and
-    report op the slices share)."""
+    :class:`~deepreduce.tensorflow.routes.ContainerRoutes`, whose Horovod set and step engine the
+    slices share)."""
 
     def __init__(self, pipeline, sparse_as_dense: bool, containers) -> None:
         self.pipeline, self.sparse_as_dense, self.containers = pipeline, sparse_as_dense, containers
-        self._protocol, self.process_set = containers._protocol, containers.process_set
+        self._engine, self.process_set = containers._engine, containers.process_set
 
     def native(self, grad) -> bool:
         """Whether ``grad`` travels as an ``IndexedSlices`` (its touched rows): unless
@@ -83,51 +116,50 @@ class SliceRoutes:
         allreduce. The sparse all-reduce and ``auto`` reduce dense tensors."""
         if not isinstance(grad, tf.IndexedSlices) or self.sparse_as_dense:
             return False
-        return self.pipeline is None or self._protocol.sparse is None
+        return self.pipeline is None or self._engine.protocol.sparse is None
 
-    def reduce(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
-        """One ``IndexedSlices`` gradient through the index and value codecs
-        (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
-        (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
-        (``ReductionProtocol.finish_entries``) into the touched rows of every rank, ascending,
-        with their summed (or averaged) slices."""
-        core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
-        if grad.dense_shape is None:
-            raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: pass sparse_as_dense=True")
-        shape = tf.cast(grad.dense_shape, tf.int64)
+    def reduce(self, grads: List[tf.IndexedSlices], names: List[str], step, reports: list) -> List[tf.IndexedSlices]:
+        """The ``IndexedSlices`` gradients through one host op running the step engine's
+        ``entries`` route (:mod:`deepreduce.collective.routes.entries`): each rank's touched
+        entries in one container (``Pipeline.encode_entries``), allgathered, and every rank's
+        entries summed (averaged under ``op=Average``) into the touched rows of every rank,
+        ascending, with their summed slices. Its errors and skips are left for the step's end op
+        (the op's report goes to ``reports``; a skipped gradient comes back with no rows)."""
+        if not grads:
+            return []
+        for grad, name in zip(grads, names):
+            if grad.dense_shape is None:
+                raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: "
+                                  "pass sparse_as_dense=True")
+        engine, lock = self._engine, self.pipeline.lock
 
-        def encode(indices, values, dense_shape, step_value):
+        def reduce_all(step_value, *arrays):
+            results: list = [None] * len(names)
             with lock:
-                try:
-                    flat = to_float32(values, name)
-                    return core.encode_entries(*entries(indices, flat, dense_shape), tuple(dense_shape),
-                                               name=name, step=int(step_value))
-                except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
-                    return failure.payload(exc)
+                for i, name in enumerate(names):
+                    indices, values, dense_shape = arrays[3 * i:3 * i + 3]
+                    slices = Slices(name, np.asarray(indices), np.asarray(values), tuple(int(n) for n in dense_shape))
+                    engine.submit(Item(name, int(step_value), slices, replace=functools.partial(results.__setitem__, i)))
+                engine.finish(int(step_value), end=False)
+            out = []
+            for i, found in enumerate(results):   # None: skipped (the step's end raises on every rank)
+                values = arrays[3 * i + 1]
+                out += found if found is not None else \
+                    [np.zeros(0, np.int64), np.zeros((0,) + tuple(np.shape(values)[1:]), np.float32)]
+            return (*out, np.int64(0))
 
-        def decode(gathered, dense_shape, step_value):   # runs where every rank's report was fine
-            with lock:
-                summed = protocol.finish_entries(container.split(gathered), name, int(step_value), tuple(dense_shape))
-            return rows(*summed, dense_shape)
-
-        step = step_tensor(step)
-        payload = graph_or_eager(encode, [grad.indices, grad.values, shape, step], tf.uint8,
-                                  "deepreduce_encode_entries")
-        gathered = gather(name, tf.reshape(payload, [-1]), self.process_set)
-        found = self.containers.check_op(name, gathered, step)
-        reports.append(found)
-        slice_shape = grad.values.shape[1:]
-
-        def nothing():
-            return tf.zeros([0], tf.int64), tf.zeros(tf.concat([[0], tf.shape(grad.values)[1:]], 0), tf.float32)
-
-        def decoded():
-            touched, summed = graph_or_eager(decode, [gathered, shape, step], [tf.int64, tf.float32],
-                                             "deepreduce_decode_entries")
+        inputs = [step_tensor(step)]
+        for grad in grads:
+            inputs += [grad.indices, grad.values, tf.cast(grad.dense_shape, tf.int64)]
+        results = graph_or_eager(reduce_all, inputs, [tf.int64, tf.float32] * len(grads) + [tf.int64],
+                                 "deepreduce_reduce_entries")
+        reports.append(results[-1])
+        out = []
+        for i, grad in enumerate(grads):
+            touched, summed = results[2 * i], results[2 * i + 1]
+            slice_shape = grad.values.shape[1:]
             if slice_shape.rank is not None:
                 summed = tf.ensure_shape(summed, [None] + slice_shape.as_list())
-            return touched, summed
-
-        touched, summed = self.containers.unless_skipped(found, decoded, nothing)
-        return tf.IndexedSlices(tf.cast(summed, grad.values.dtype), tf.cast(touched, grad.indices.dtype),
-                                grad.dense_shape)
+            out.append(tf.IndexedSlices(tf.cast(summed, grad.values.dtype), tf.cast(touched, grad.indices.dtype),
+                                        grad.dense_shape))
+        return out

@@ -103,9 +103,9 @@ def check_fit(pipe) -> None:
     reducer, traced = optimizer._deepreduce_reducer, []
     reduce_slices = reducer._slices.reduce
 
-    def spy(grad, name, step, reports):   # records which gradients are reduced as IndexedSlices
-        traced.append(name)
-        return reduce_slices(grad, name, step, reports)
+    def spy(grads, names, step, reports):   # records which gradients are reduced as IndexedSlices
+        traced.extend(names)
+        return reduce_slices(grads, names, step, reports)
 
     reducer._slices.reduce = spy
     model.compile(optimizer=optimizer, loss="mse")
