@@ -12,13 +12,14 @@ as on torch, so the outcome of one step is decided in one place:
 * a NaN/Inf reaches the optimizer (a summable compressor has no ``nonfinite`` option) and is
   counted in ``compression_stats()["nonfinite_propagated"]``.
 
-The engine's phases are ops: per tensor, one ``tf.py_function`` runs :meth:`StepEngine.submit`
-(the compressor's ``compress`` runs eagerly inside it at every step, so its errors are caught
-there, inside ``tf.function`` too); the flagged codes go through ``hvd.allreduce`` as an ordinary
-graph op (named, fused by Horovod, with ``op`` and the predivide factors as Horovod's own
-wrapper applies them); one ``tf.py_function`` per step hands the sums back and runs
-:meth:`StepEngine.finish`, which decompresses and raises the step's error on every rank. Eagerly
-the same calls run directly. The gradients depend on the finish op, so a failed step applies
+The engine's phases are ops: one ``tf.numpy_function`` per step runs :meth:`StepEngine.submit`
+for every tensor (the compressor's ``compress`` runs eagerly inside it at every step, so its
+errors are caught there, inside ``tf.function`` too; the engine's tensor port is
+:class:`CodeTensors`); each tensor's flagged codes go through
+``hvd.allreduce`` as an ordinary graph op (named, fused by Horovod, with ``op`` and the
+predivide factors as Horovod's own wrapper applies them); one more op hands the sums back and
+runs :meth:`StepEngine.finish`, which decompresses and raises the step's error on every rank.
+Eagerly the same calls run directly. The gradients depend on the finish op, so a failed step applies
 nothing. The data elements are summed (or averaged) by the same Horovod collective on the same
 codes as ``hvd.DistributedOptimizer(compression=...)``, so the result is bit-identical to it.
 """
@@ -28,37 +29,38 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from ..collective.comm.horovod import HorovodCommunicator
-from ..collective.ports import Pending
+from ..collective.ports import NumpyTensors, Pending
 from ..collective.step import Item, StepEngine
 from ..errors import CommunicationError
 from .collectives import tensor_key
 from .routes import step_tensor
-from .tensors import Box, TFTensors
 
 _ENGINES: Dict[tuple, "Kept"] = {}   # (compressor, process set, average, names) ids -> what one list of tensors keeps
 
 
 class Exchange:
-    """The engine's all-reduce port for the ops: a route's start records what it sends (its
-    :class:`Box`), the graph's ``hvd.allreduce`` carries it, and the finish op hands each sum back
-    (:attr:`received`) before the engine waits for it. ``targets``: each tensor's result slot."""
+    """The engine's all-reduce port for the ops: a route's start records what it sends (a NumPy
+    array), the graph's ``hvd.allreduce`` carries it, and the finish op hands each sum back
+    (:attr:`received`), written into the sent array when the engine waits for it.
+    ``targets``: each tensor's result array."""
 
     def __init__(self) -> None:
-        self.sent: Dict[str, Box] = {}
-        self.received: Dict[str, tf.Tensor] = {}
-        self.targets: Dict[str, Box] = {}
+        self.sent: Dict[str, np.ndarray] = {}
+        self.received: Dict[str, np.ndarray] = {}
+        self.targets: Dict[str, np.ndarray] = {}
 
-    def __call__(self, sent: Box, item: Item, average: bool) -> Pending:
+    def __call__(self, sent: np.ndarray, item: Item, average: bool) -> Pending:
         self.sent[item.name] = sent
 
-        def wait() -> Box:
+        def wait() -> np.ndarray:
             if item.name not in self.received:
                 raise CommunicationError(f"{item.label} at step {item.step}: its all-reduce returned nothing; "
                                          "every rank skips this step")
-            sent.value = self.received.pop(item.name)
+            np.copyto(sent, self.received.pop(item.name))
             return sent
         return Pending(wait)
 
@@ -67,12 +69,30 @@ class Exchange:
 class Kept:
     """What a list of tensors keeps across steps and tapes: its ``engine`` and ``exchange`` (so a
     rank whose compress fails sends zeros shaped like its last codes), each tensor's code dtype
-    (``dtypes``, by name, shape and dtype) and the ``compressor`` (holding its id)."""
+    (``dtypes``, by name, shape and dtype), the ``compressor`` (holding its id) and the ``lock``
+    its ops take (a graph may run them on several threads)."""
 
     compressor: object
     engine: StepEngine
     exchange: Exchange
     dtypes: Dict[tuple, tf.DType] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CodeTensors(NumpyTensors):
+    """The engine's tensor port here: NumPy arrays, except that the codes handed to the
+    compressor's ``decompress`` are TF tensors, as Horovod hands them."""
+
+    @staticmethod
+    def like(flat, shaped):
+        return tf.convert_to_tensor(np.reshape(flat, np.shape(shaped)))
+
+
+def host_op(func, inputs: list, dtypes: list, name: str) -> list:
+    """A stateful ``tf.numpy_function`` op. Unlike the pipeline's ops (``numpy_op``) it keeps
+    TensorFlow's floating-point environment: the compressor's TF ops run inside it, as they
+    would in the graph."""
+    return tf.numpy_function(tf.autograph.experimental.do_not_convert(func), inputs, dtypes, stateful=True, name=name)
 
 
 def compress(compressor, tensor, name: str):
@@ -94,7 +114,6 @@ class SummableRoutes:
         self._communicator = HorovodCommunicator(framework="tensorflow")
         if process_set is not hvd.global_process_set:
             self._communicator.process_set = process_set
-        self._lock = threading.Lock()
 
     def engines(self) -> List[StepEngine]:
         """Every step engine of this compressor, process set and op (one per list of tensor names)."""
@@ -119,7 +138,7 @@ class SummableRoutes:
         kept = _ENGINES.get(key)
         if kept is None:
             exchange = Exchange()
-            engine = StepEngine(None, self._communicator, TFTensors(), exchange, average=key[2], background=False,
+            engine = StepEngine(None, self._communicator, CodeTensors(), exchange, average=key[2], background=False,
                                 compressor=self.compressor, worker="deepreduce-tf-summable")
             kept = _ENGINES.setdefault(key, Kept(self.compressor, engine, exchange))
         return kept
@@ -146,54 +165,50 @@ class SummableRoutes:
         kept = self._kept(names)
         engine, exchange = kept.engine, kept.exchange
         dtypes = [self._code_dtype(kept, g, n) for g, n in zip(grads, names)]
-        step = step_tensor(step)
 
-        def start(grad, step_value, name, dtype):
-            with self._lock:
-                exchange.targets[name] = Box()
-                engine.submit(Item(name, int(step_value), grad, target=exchange.targets[name]))
-                return tf.cast(exchange.sent.pop(name).value, dtype)
+        def start(step_value, *arrays):   # every tensor's compress and flag (the engine's submit)
+            sent = []
+            with kept.lock:
+                for name, array, dtype in zip(names, arrays, dtypes):
+                    grad = tf.convert_to_tensor(array)
+                    exchange.targets[name] = np.zeros(grad.shape, grad.dtype.as_numpy_dtype)
+                    engine.submit(Item(name, int(step_value), grad, target=exchange.targets[name]))
+                    sent.append(np.asarray(exchange.sent.pop(name), dtype=dtype.as_numpy_dtype))
+            return sent
 
-        def finish(step_value, *summed):
-            with self._lock:
+        def finish(step_value, *summed):   # the engine's finish: every tensor decompressed, or raise
+            with kept.lock:
                 exchange.received.update(zip(names, summed))
                 try:
                     engine.finish(int(step_value), order=names)
                 finally:
                     exchange.received.clear()
-                return [exchange.targets.pop(n).value for n in names]
+                return [exchange.targets.pop(n) for n in names]
 
+        inputs = [step_tensor(step)] + list(grads)
         if tf.executing_eagerly():
-            sent = [start(g, step, n, d) for g, n, d in zip(grads, names, dtypes)]
+            sent = [tf.constant(codes) for codes in start(*[np.asarray(t) for t in inputs])]
             try:
-                summed = [self._allreduce(s, n) for s, n in zip(sent, names)]
+                summed = [self._allreduce(codes, name) for codes, name in zip(sent, names)]
             except Exception:
                 self._drain(kept)
                 raise
-            results = finish(step, *summed)
+            results = [tf.constant(r) for r in finish(inputs[0].numpy(), *[s.numpy() for s in summed])]
         else:
-            sent = []
-            for g, n, d in zip(grads, names, dtypes):
-                codes = tf.py_function(tf.autograph.experimental.do_not_convert(
-                    lambda grad, step_value, n=n, d=d: start(grad, step_value, n, d)), [g, step], d,
-                    name="deepreduce_summable_start")
+            sent = host_op(start, inputs, dtypes, "deepreduce_summable_start")
+            for codes in sent:
                 codes.set_shape([None])
-                sent.append(codes)
-            summed = [self._allreduce(s, n) for s, n in zip(sent, names)]
-            results = tf.py_function(tf.autograph.experimental.do_not_convert(finish), [step] + summed,
-                                     [g.dtype for g in grads], name="deepreduce_summable_finish")
-        out = []
+            summed = [self._allreduce(codes, name) for codes, name in zip(sent, names)]
+            results = host_op(finish, inputs[:1] + summed, [g.dtype for g in grads], "deepreduce_summable_finish")
         for result, grad in zip(results, grads):
-            result = tf.cast(tf.reshape(result, tf.shape(grad)), grad.dtype)
             result.set_shape(grad.shape)
-            out.append(result)
-        return out
+        return list(results)
 
     def _drain(self, kept: Kept) -> None:
         """Forget a step whose all-reduce raised (a Horovod error, on every rank): the engine ends
         it with nothing received, so the next step starts empty. Inside ``tf.function`` the finish
         op does not run after such an error: the next step's finish ends both (it raises once)."""
-        with self._lock:
+        with kept.lock:
             kept.exchange.received.clear()
             try:
                 kept.engine.finish(0)
