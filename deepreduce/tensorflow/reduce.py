@@ -12,7 +12,7 @@ framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; thi
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
 routes (containers; under the sparse all-reduce or ``auto`` one host op), the ``IndexedSlices``
 ones as their touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`: the step
-engine's ``entries`` route, in one host op), a summable
+engine's ``entries`` route, its phases as ops), a summable
 compressor's codes by the step engine's summable route
 (:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
 named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
@@ -46,7 +46,7 @@ from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
 from .routes import ContainerRoutes, graph_or_eager, host_allreduce, step_tensor
-from .sparse import SliceRoutes, SliceTensors
+from .sparse import DeferredGathers, SliceRoutes, SliceTensors
 from .summable import SummableRoutes
 
 _AGREED = set()    # (process set, layout digest) pairs every rank has already compared
@@ -105,7 +105,7 @@ class Reducer:
             key = (id(self.process_set), self.op == "average")
             if key not in self.pipeline.protocols:
                 self.pipeline.protocols[key] = StepEngine(
-                    self.pipeline.core, self._communicator, SliceTensors(),
+                    self.pipeline.core, DeferredGathers(self._communicator), SliceTensors(),
                     functools.partial(host_allreduce, self.hvd, self.process_set), average=key[1], background=False)
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol

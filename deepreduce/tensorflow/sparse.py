@@ -3,8 +3,8 @@
 An embedding lookup's gradient is a ``tf.IndexedSlices``: the touched rows of the variable
 (possibly repeated) and one dense slice per index. It travels as the flat positions of the touched
 rows' entries (``row * row_size + column``) with their values
-(:meth:`deepreduce.pipeline.Pipeline.encode_entries`, on the step engine's ``entries`` route in the
-reducer's host op), as the torch binding sends a sparse COO gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
+(:meth:`deepreduce.pipeline.Pipeline.encode_entries`, on the step engine's ``entries`` route, whose
+phases are ops: :meth:`SliceRoutes.reduce`), as the torch binding sends a sparse COO gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
 a full row is a run of consecutive positions. The summed entries come back as the touched rows,
 ascending and distinct, with their summed slices: an ``IndexedSlices`` whose dense value is what
 Horovod's allgather of the indices and values adds up to. :class:`SliceRoutes` is the
@@ -20,10 +20,12 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from ..collective.ports import NumpyTensors
+from ..collective.ports import NumpyTensors, Pending
 from ..collective.step import Item
-from ..errors import ConfigError
+from ..errors import CommunicationError, ConfigError
 from ..pipeline import to_float32
+from ..wire import container
+from .collectives import gather
 from .routes import graph_or_eager, step_tensor
 
 
@@ -119,47 +121,96 @@ class SliceRoutes:
         return self.pipeline is None or self._engine.protocol.sparse is None
 
     def reduce(self, grads: List[tf.IndexedSlices], names: List[str], step, reports: list) -> List[tf.IndexedSlices]:
-        """The ``IndexedSlices`` gradients through one host op running the step engine's
-        ``entries`` route (:mod:`deepreduce.collective.routes.entries`): each rank's touched
-        entries in one container (``Pipeline.encode_entries``), allgathered, and every rank's
-        entries summed (averaged under ``op=Average``) into the touched rows of every rank,
-        ascending, with their summed slices. Its errors and skips are left for the step's end op
-        (the op's report goes to ``reports``; a skipped gradient comes back with no rows)."""
+        """The ``IndexedSlices`` gradients through the step engine's ``entries`` route
+        (:mod:`deepreduce.collective.routes.entries`) as three ops: one host op submits every
+        gradient (each rank's touched entries in one container, ``Pipeline.encode_entries``, or
+        the failure payload), each container travels by a named ``hvd.allgather`` graph op
+        (:func:`~deepreduce.tensorflow.collectives.gather`, which Horovod fuses), and one host op
+        finishes the engine: every rank's entries summed (averaged under ``op=Average``) into the
+        touched rows of every rank, ascending, with their summed slices. Its errors and skips are
+        left for the step's end op (its report goes to ``reports``; a skipped gradient comes back
+        with no rows)."""
         if not grads:
             return []
         for grad, name in zip(grads, names):
             if grad.dense_shape is None:
                 raise ConfigError(f"gradient {name!r} is an IndexedSlices without a dense_shape: "
                                   "pass sparse_as_dense=True")
-        engine, lock = self._engine, self.pipeline.lock
+        engine, lock, gathers = self._engine, self.pipeline.lock, self._engine.communicator
+        keys = [f"deepreduce.{name}" for name in names]   # the engine's name of each allgather
+        results = [None] * len(names)   # each gradient's (rows, slices), set by the engine's write
+        inner = [()] * len(names)   # each gradient's slice shape, for an empty result
 
-        def reduce_all(step_value, *arrays):
-            results: list = [None] * len(names)
+        def start(step_value, *arrays):
             with lock:
                 for i, name in enumerate(names):
                     indices, values, dense_shape = arrays[3 * i:3 * i + 3]
                     slices = Slices(name, np.asarray(indices), np.asarray(values), tuple(int(n) for n in dense_shape))
+                    inner[i] = tuple(np.shape(values)[1:])
+                    gathers.deferred.add(keys[i])
                     engine.submit(Item(name, int(step_value), slices, replace=functools.partial(results.__setitem__, i)))
-                engine.finish(int(step_value), end=False)
+                return [np.asarray(gathers.sent.pop(key), dtype=np.uint8).reshape(-1) for key in keys]
+
+        def finish(step_value, *gathered):
+            with lock:
+                gathers.received.update(zip(keys, gathered))
+                try:
+                    engine.finish(int(step_value), end=False)
+                finally:
+                    gathers.received.clear()
+                    gathers.deferred.difference_update(keys)
             out = []
             for i, found in enumerate(results):   # None: skipped (the step's end raises on every rank)
-                values = arrays[3 * i + 1]
                 out += found if found is not None else \
-                    [np.zeros(0, np.int64), np.zeros((0,) + tuple(np.shape(values)[1:]), np.float32)]
+                    [np.zeros(0, np.int64), np.zeros((0,) + inner[i], np.float32)]
+                results[i] = None
             return (*out, np.int64(0))
 
         inputs = [step_tensor(step)]
         for grad in grads:
             inputs += [grad.indices, grad.values, tf.cast(grad.dense_shape, tf.int64)]
-        results = graph_or_eager(reduce_all, inputs, [tf.int64, tf.float32] * len(grads) + [tf.int64],
-                                 "deepreduce_reduce_entries")
-        reports.append(results[-1])
+        payloads = graph_or_eager(start, inputs, [tf.uint8] * len(grads), "deepreduce_start_entries")
+        gathered = [gather(name, tf.reshape(p, [-1]), self.process_set) for name, p in zip(names, payloads)]
+        done = graph_or_eager(finish, inputs[:1] + gathered, [tf.int64, tf.float32] * len(grads) + [tf.int64],
+                              "deepreduce_finish_entries")
+        reports.append(done[-1])
         out = []
         for i, grad in enumerate(grads):
-            touched, summed = results[2 * i], results[2 * i + 1]
+            touched, summed = done[2 * i], done[2 * i + 1]
             slice_shape = grad.values.shape[1:]
             if slice_shape.rank is not None:
                 summed = tf.ensure_shape(summed, [None] + slice_shape.as_list())
             out.append(tf.IndexedSlices(tf.cast(summed, grad.values.dtype), tf.cast(touched, grad.indices.dtype),
                                         grad.dense_shape))
         return out
+
+
+class DeferredGathers:
+    """The reducer's transport for its step engine: Horovod's (``communicator``: rank, size, the
+    sparse all-reduce's collectives), except that the allgathers named in ``deferred`` are left to
+    graph ops: their payload waits in ``sent`` for the start op to hand it over, and their
+    result, put in ``received`` by the finish op, is what the engine's wait returns."""
+
+    def __init__(self, communicator) -> None:
+        self.communicator = communicator
+        self.deferred: set = set()
+        self.sent: dict = {}
+        self.received: dict = {}
+
+    def __getattr__(self, attr):
+        return getattr(self.communicator, attr)
+
+    def allgather_async(self, payload, name: str) -> Pending:
+        if name not in self.deferred:
+            return self.communicator.allgather_async(payload, name)
+        self.sent[name] = payload
+
+        def wait() -> list:
+            if name not in self.received:
+                raise CommunicationError(f"allgather of {name!r} returned nothing; every rank skips this step")
+            parts = container.split(self.received.pop(name))
+            if len(parts) != self.communicator.size:
+                raise CommunicationError(f"allgather of {name!r} returned {len(parts)} containers for "
+                                         f"{self.communicator.size} ranks")
+            return parts
+        return Pending(wait)
