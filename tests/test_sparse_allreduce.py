@@ -11,6 +11,7 @@ from conftest import OneRank, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
+from deepreduce.collective import shards
 from deepreduce.collective.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 
@@ -115,9 +116,6 @@ def _reduce_on_threads(config, grads, corrupt=None):
 
     def run(rank):
         pipe = pipes[rank]
-        if corrupt is not None:
-            encode = pipe.encode_shards
-            pipe.encode_shards = lambda g, name, step, bounds: corrupt(rank, step, encode(g, name, step, bounds))
         sra = SparseAllreduce(pipe, ranks.rank_view(rank), repartition_every=2)
         outs = []
         try:
@@ -130,7 +128,15 @@ def _reduce_on_threads(config, grads, corrupt=None):
             outs.append("aborted")
         results[rank] = (outs, pipe.memory.residual("w"), sra.owner_residual("w"), pipe.stats.tensors_decoded)
 
-    run_threads(run, [(r,) for r in range(size)], 120)
+    encode = shards.encode_shards
+    if corrupt is not None:   # the shard encode of the rank whose pipeline it is, spoiled
+        rank_of = {id(pipe): rank for rank, pipe in enumerate(pipes)}
+        shards.encode_shards = lambda core, g, name, step, bounds: corrupt(rank_of[id(core)], step,
+                                                                           encode(core, g, name, step, bounds))
+    try:
+        run_threads(run, [(r,) for r in range(size)], 120)
+    finally:
+        shards.encode_shards = encode
     return results
 
 

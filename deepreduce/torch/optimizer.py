@@ -27,6 +27,7 @@ from ..collective import agreement, buckets
 from ..collective.comm import Communicator
 from ..collective.comm.horovod import HorovodCommunicator
 from ..collective.ports import Pending
+from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
 from . import grad_buckets
 from .arguments import build_pipeline, is_summable, parameter_names
@@ -109,11 +110,11 @@ class _DistributedOptimizer(HorovodOptimizer):
         self._engine.submit(item)
 
     def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
-        """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
+        """Small float32 CPU gradients go to Horovod's fused all-reduce (routes.dense.summed_dense) when
         Horovod is the communicator."""
         return (not self._summable and isinstance(self._communicator, HorovodCommunicator)
                 and grad.device.type == "cpu" and grad.dtype == torch.float32
-                and self._pipeline.core.summed_dense(grad.numel()))
+                and summed_dense(self._pipeline.core, grad.numel()))
 
     def synchronize(self) -> None:
         """Wait for every parameter's encode and collective and write the aggregated gradients.
