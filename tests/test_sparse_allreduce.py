@@ -172,6 +172,20 @@ def test_native_decode_of_both_phases_equals_the_python_path(name, monkeypatch):
     _assert_same(native, python)
 
 
+def test_an_overflowing_shard_sum_under_nonfinite_raise_is_refused_as_the_python_path(monkeypatch):
+    """Finite containers whose sum overflows float32: under ``raise`` the owner refuses it with the
+    core's error (the C++ decode, which returns Inf, hands such a sum to the core's decode_sum)."""
+    config = dict(deepreduce.load_config("topk_raw"), nonfinite="raise")
+    rng = np.random.default_rng(5)
+    grads = [[rng.standard_normal(30_000).astype(np.float32) for _ in range(4)] for _ in range(2)]
+    for g in grads[1]:
+        g[5] = np.float32(3e38)   # in rank 0's shard: 4 x 3e38 is beyond float32
+    native, python = _both_paths(config, grads, monkeypatch)
+    # the owner that refuses; the others are aborted wherever they were (a thread race)
+    _assert_same(native[:1], python[:1])
+    assert "NonFiniteGradientError: rank 1: " in native[0][0][1] and "overflow when added" in native[0][0][1]
+
+
 def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatch):
     def corrupt(rank, step, payloads):
         if rank == 1 and step == 1:

@@ -69,7 +69,7 @@ class SparseAllreduce:
         self._owner_residuals: Dict[str, np.ndarray] = {}
         self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
         # both phases decode what they received in one C++ call when the config runs there
-        self._native_decode = pipeline.native is not None
+        self._native_decode = pipeline.native_reason() is None
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
@@ -207,9 +207,9 @@ class SparseAllreduce:
             return self.pipeline.decode_sum(payloads, expected_shape=(m,))
         start = time.perf_counter()
         total = native_pipeline.decode_sum(native, payloads, m, self.pipeline.threads)
-        self._count_decoded(len(payloads), start)
         if self.pipeline.nonfinite == "raise" and not np.isfinite(total).all():
             return self.pipeline.decode_sum(payloads, expected_shape=(m,))   # raises the core's overflow error
+        self._count_decoded(len(payloads), start)
         return total
 
     def _count_decoded(self, containers: int, start: float) -> None:
