@@ -5,6 +5,13 @@ choose and compress the positions, let the value codec compress the values, carr
 permutation when the value codec reorders and the index codec cannot follow, pack one
 container. Decode reads everything it needs from the container header, so any rank decodes
 any rank's payload.
+
+``encode`` is made of stages that are public too (save_state, compensate, select,
+pack_selection, settle, pack; entries_of on the decode side): a route that encodes otherwise
+writes its encode from them beside itself (the sparse all-reduce's shards in
+``deepreduce.collective.shards``, a sparse gradient's entries in
+``deepreduce.collective.routes.entries``), so nothing here knows how a container travels.
+Whether the C++ pipeline runs this config is decided here once (:meth:`Pipeline.native_reason`).
 """
 from __future__ import annotations
 
