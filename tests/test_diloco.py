@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import spawn_ranks
+from conftest import run_ranks, spawn_ranks
 
 from deepreduce.collective.fragments import Schedule, split
 from deepreduce.errors import ConfigError
@@ -156,3 +156,11 @@ def test_schedule_refuses_bad_arguments(args, match):
 def test_split_refuses_more_fragments_than_tensors():
     with pytest.raises(ConfigError, match="fragments=3 but the model has only 2"):
         split([10, 10], 3)
+
+
+def test_horovod_backend():
+    """horovodrun -np 2 (workers/diloco_horovod.py): H = 1 lossless equals SGD on the averaged
+    gradient; Top-r, fragments and a delay over allgather and the sparse all-reduce leave every
+    rank with identical global parameters."""
+    out = run_ranks("horovodrun", "diloco_horovod.py", timeout=300)
+    assert out.stdout.count("OK") == 2

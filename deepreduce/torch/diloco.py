@@ -66,6 +66,9 @@ class DiLoCo:
         self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
         self.pipeline = build_pipeline(compression, path)
         self.communicator, allreduce, self._broadcast = open_transport(backend, group, OWNER)
+        # over torch.distributed a fragment is one item (its containers end to end, one collective);
+        # Horovod splits a gathered buffer by container headers, so there each parameter is an item
+        self._bundled = backend == "torch"
         self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
                                  background=background, allreduce_averages=False, worker="deepreduce-diloco")
         device = self.named[0][1].device
@@ -142,9 +145,13 @@ class DiLoCo:
                 torch.sub(g.reshape(-1), p.detach().reshape(-1).to(torch.float32), out=delta)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
-        self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
-                                label=f"fragment {fragment} (outer round {round_})",
-                                parts=[(name, delta) for name, _, _, delta in parts]))
+        if self._bundled:
+            self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
+                                    label=f"fragment {fragment} (outer round {round_})",
+                                    parts=[(name, delta) for name, _, _, delta in parts]))
+        else:
+            for name, _, _, delta in parts:
+                self.engine.submit(Item(name, round_, delta, label=f"parameter {name!r} (outer round {round_})"))
         self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
 
     def wait(self) -> None:
