@@ -13,8 +13,8 @@ steps (:mod:`deepreduce.collective.fragments`); with ``delay=τ`` a fragment's r
 submitted at its sync step (the engine's worker encodes it and starts its collective), finished
 and applied τ inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in
 flight at a time, so each reduction is one engine step: ``begin`` (the ranks agree on parameters,
-config, schedule, outer optimizer and step), ``submit`` (one item whose parts are the fragment's
-parameters), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
+config, schedule, outer optimizer and step), ``submit`` (over torch.distributed one item whose parts are
+the fragment's parameters, one collective; over Horovod one item per parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
