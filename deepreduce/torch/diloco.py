@@ -65,7 +65,7 @@ class DiLoCo:
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
         self.pipeline = build_pipeline(compression, path)
-        self.communicator, allreduce, self._broadcast = open_transport(backend, group, OWNER)
+        self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
         # over torch.distributed a fragment is one item (its containers end to end, one collective);
         # Horovod splits a gathered buffer by container headers, so there each parameter is an item
         self._bundled = backend == "torch"
@@ -80,10 +80,14 @@ class DiLoCo:
         self.last_applied: Optional[int] = None  # the fragment the last of them updated
         self.in_flight: Optional[InFlight] = None
         self._hook = None
-        self._agree()
-        with torch.no_grad():
-            for name, p in self.named:
-                self._broadcast(p.data, name)
+        try:
+            self._agree()
+            with torch.no_grad():
+                for name, p in self.named:
+                    self._broadcast(p.data, name)
+        except Exception:
+            self._release()
+            raise
         self.globals = [p.detach().to(torch.float32, copy=True) for _, p in self.named]
 
     # ------------------------------------------------------------------ agreement
@@ -233,11 +237,14 @@ class DiLoCo:
         self._agreed = False
 
     def close(self) -> None:
-        """Wait for a reduction in flight, then stop the engine's worker thread."""
+        """Wait for a reduction in flight, then stop the engine's worker thread and release the
+        private process group (in that order). Collective: call it on every worker at the end."""
         try:
             self.wait()
         finally:
             self.engine.close()
+            release, self._release = self._release, lambda: None
+            release()
 
 
 def _trainable(model) -> List[tuple]:
