@@ -84,6 +84,14 @@ def test_resume_is_byte_identical(ranks):
         assert whole["stats"] == resumed["stats"]
 
 
+def test_a_checkpoint_of_another_schedule_or_model_is_refused(ranks):
+    for r in every(ranks, "scenario_checkpoint_refused"):
+        assert r["schedule"][0] == "ConfigError" and "schedule" in r["schedule"][1]
+        assert r["globals"][0] == "ConfigError" and "'fc1.weight'" in r["globals"][1]
+        assert r["pending"][0] == "ConfigError" and "pending" in r["pending"][1]
+        assert r["loaded"] == 4
+
+
 @pytest.mark.parametrize("case", ["sync_every", "fragments", "delay", "config", "outer_lr"])
 def test_workers_that_disagree_fail_together_before_the_first_outer_step(ranks, case):
     results = every(ranks, "scenario_disagree")
@@ -164,3 +172,23 @@ def test_horovod_backend():
     rank with identical global parameters."""
     out = run_ranks("horovodrun", "diloco_horovod.py", timeout=300)
     assert out.stdout.count("OK") == 2
+
+
+def test_arguments_are_checked_before_any_collective():
+    import torch
+
+    from deepreduce.torch import DiLoCo
+
+    model = worker.Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ConfigError, match="outer_optimizer must hold exactly the model's trainable parameters"):
+        DiLoCo(model, inner, torch.optim.SGD(model.fc1.parameters(), lr=1.0), sync_every=2)
+    with pytest.raises(ConfigError, match="must be two optimizers"):
+        DiLoCo(model, inner, inner, sync_every=2)
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        DiLoCo(model, inner, outer, sync_every=2, backend="nccl")
+    with pytest.raises(ConfigError, match="fragments=5 but the model has only 4"):
+        DiLoCo(model, inner, outer, sync_every=8, fragments=5)
+    with pytest.raises(ConfigError, match="model must be a torch.nn.Module"):
+        DiLoCo(object(), inner, outer, sync_every=2)
