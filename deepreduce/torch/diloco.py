@@ -193,7 +193,7 @@ class DiLoCo:
             self.outer.step()
             with torch.no_grad():
                 for k, (_, p, g, _) in enumerate(parts):
-                    g.copy_(p.detach().view_as(g))
+                    g.copy_(p.detach().reshape(g.shape))
                     if alpha:
                         p.copy_((alpha * local[k].to(torch.float32) + (1 - alpha) * g).view_as(p))
         finally:
