@@ -20,8 +20,8 @@ import torch_fsdp_checkpoint as worker  # noqa: E402
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("dcp"))
-    saved = spawn_ranks(worker.run_save, directory, world=2, timeout=200)
-    resumed = spawn_ranks(worker.run_resume, directory, world=2, timeout=200)
+    saved = spawn_ranks(worker.run_save, directory, world=2, timeout=400)
+    resumed = spawn_ranks(worker.run_resume, directory, world=2, timeout=400)
     return directory, saved, resumed
 
 
@@ -35,6 +35,8 @@ def test_resumed_run_sends_byte_identical_containers(runs, setting):
         for step, (a, b) in enumerate(zip(before["sent"], after["sent"])):
             assert a == b, f"rank {rank}: payload {step} differs after the resume"
         assert np.array_equal(after["params"], before["params"])
+        assert after["again"]["sent"] == before["sent"]   # reloaded into built engines: the same bytes
+        assert np.array_equal(after["again"]["params"], before["params"])
         assert after["state_bytes"] == before["state_bytes"] > 0
         assert before["keys"] == ["meta", f"rank{rank}"]   # rank-unique: DCP keeps every rank's state
 
@@ -51,7 +53,7 @@ def test_loads_into_another_config_or_of_corrupt_bytes_are_refused(runs):
 @pytest.mark.parametrize("world", [1, 3])
 def test_loads_with_another_world_size_are_refused(runs, world):
     directory, _, _ = runs
-    results = spawn_ranks(worker.run_world, directory, world=world, timeout=200)
+    results = spawn_ranks(worker.run_world, directory, world=world, timeout=400)
     for rank in range(world):
         r = results[rank]["scenario_world"]
         # the checkpoint's 2 ranks against this run's: refused by deepreduce on every rank

@@ -6,7 +6,8 @@ shard) mesh, the recipe of docs/fsdp.md: the sparse all-reduce over the replicat
 owner residuals of each rank's shard, plus the pipeline's residual). ``run_save`` trains ``K``
 steps, saves model, optimizer and the handle with ``dcp.save``, then trains ``M`` more steps
 recording every container this rank sent; ``run_resume`` (fresh processes) loads the checkpoint
-and trains the same ``M`` steps, recording the same, then tries loads that must be refused
+and trains the same ``M`` steps, recording the same, loads the checkpoint again into the now
+trained handle and trains them once more, then tries loads that must be refused
 (another config, a corrupt state); ``run_world`` loads the checkpoint with another world size.
 """
 import os
@@ -124,6 +125,14 @@ def scenario_resume(directory):
             with Recorder() as recorder:
                 train(model, opt, rank, K, M)
             out[setting] = {"sent": recorder.sent, "params": full_params(model).numpy(), "state_bytes": handle.state_bytes()}
+            # the same checkpoint loaded again into this process's model, optimizer and handle,
+            # whose engines are built now (they are restored in place, not when next built)
+            state = checkpoint_state(model, opt, handle)
+            dcp.load(state, checkpoint_id=path_of(directory, setting))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            with Recorder() as again:
+                train(model, opt, rank, K, M)
+            out[setting]["again"] = {"sent": again.sent, "params": full_params(model).numpy()}
             handle.close()
         out["refused"] = refusals(rank, directory)
         return out
@@ -168,12 +177,12 @@ def scenario_world(directory):
 
 
 def run_save(rank, world, port, queue, directory):
-    run_scenarios(rank, world, port, queue, [scenario_save(directory)], 150)
+    run_scenarios(rank, world, port, queue, [scenario_save(directory)], 300)
 
 
 def run_resume(rank, world, port, queue, directory):
-    run_scenarios(rank, world, port, queue, [scenario_resume(directory)], 150)
+    run_scenarios(rank, world, port, queue, [scenario_resume(directory)], 300)
 
 
 def run_world(rank, world, port, queue, directory):
-    run_scenarios(rank, world, port, queue, [scenario_world(directory)], 150)
+    run_scenarios(rank, world, port, queue, [scenario_world(directory)], 300)
