@@ -85,6 +85,10 @@ class Tensors(Protocol):
 
     def all_finite(self, tensor) -> bool: ...
 
+    def float32(self, tensor) -> bool:
+        """Whether ``tensor`` holds float32: a sum divided in place there rounds once; any other
+        dtype (bf16, fp16) takes the float32 quotient instead, so it is rounded once too."""
+
     def is_sparse(self, tensor) -> bool: ...
 
     def numel(self, tensor) -> int: ...
@@ -147,6 +151,10 @@ class NumpyTensors:
     @staticmethod
     def all_finite(tensor) -> bool:
         return bool(np.isfinite(tensor).all())
+
+    @staticmethod
+    def float32(tensor) -> bool:
+        return np.asarray(tensor).dtype == np.float32
 
     @staticmethod
     def is_sparse(tensor) -> bool:

@@ -75,6 +75,10 @@ class TorchTensors:
     def all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor).all())
 
+    @staticmethod
+    def float32(tensor: torch.Tensor) -> bool:
+        return tensor.dtype == torch.float32
+
     entries = staticmethod(sparse.entries)
     from_entries = staticmethod(sparse.from_entries)
 

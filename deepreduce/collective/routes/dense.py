@@ -88,7 +88,7 @@ class Dense(Route):
         (``summed_dense``): its start only counts it, so it has no failure to announce, and it is
         all-reduced in place like Horovod's own (the per-tensor flag copy cost the main job ~4%)."""
         return item.summed_dense and self.dtype == "float32" and len(item.parts) == 1 \
-            and item.parts[0][1] is item.parts[0][2]
+            and item.parts[0][1] is item.parts[0][2] and self.engine.tensors.float32(item.grad)
 
     def fail(self, engine, item, error):
         sent = flagged(engine.tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=True)
@@ -103,11 +103,19 @@ class Dense(Route):
             at = 0
             for _, _, target in item.parts:   # each part's elements, in the order they were sent
                 numel = engine.tensors.numel(target)
-                if sent is not None:
-                    engine.tensors.copy(target, data[at:at + numel])
-                at += numel
-                if divisor != 1:
-                    engine.tensors.divide(target, divisor)
+                if sent is None:   # summed in place (float32)
+                    if divisor != 1:
+                        engine.tensors.divide(target, divisor)
+                    continue
+                part, at = data[at:at + numel], at + numel
+                if engine.tensors.float32(target):
+                    engine.tensors.copy(target, part)
+                    if divisor != 1:
+                        engine.tensors.divide(target, divisor)
+                else:   # a bf16 target: the quotient in the sum's dtype, rounded once
+                    if divisor != 1:
+                        engine.tensors.divide(part, divisor)
+                    engine.tensors.copy(target, part)
         return Outcome(write, nonfinite_report(engine.tensors, data))
 
 
