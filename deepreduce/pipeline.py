@@ -204,12 +204,16 @@ class Pipeline:
             self._journal = StepJournal(self)
 
     def commit_step(self) -> None:
-        """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`)."""
+        """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`).
+        Its own containers are dropped: the step's sums are done, and holding them until the
+        next step would keep a copy of every container between steps (memory FSDP budgets)."""
+        self._own.clear()
         if self._journal is not None:
             self._journal.commit()
 
     def undo_step(self) -> None:
         """Every rank skipped the step: restore the residuals and learned state from before it."""
+        self._own.clear()
         if self._journal is not None:
             self._journal.undo()
 
