@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import OneRank, run_ranks, run_threads
+from conftest import OneRank, ThreadRanks, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
@@ -75,41 +75,11 @@ def test_horovod_optimizer_with_sparse_allreduce(ranks):
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
 
 
-class _ThreadRanks:
-    """``size`` ranks as threads of this process exchanging through shared slots (a barrier
-    between writing and reading): the collectives of the sparse all-reduce without a launcher."""
-
-    def __init__(self, size):
-        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), {}
-
-    def rank_view(self, rank):
-        ranks = self
-
-        class View:
-            def __init__(self):
-                self.rank, self.size = rank, ranks.size
-
-            def alltoall(self, payloads, name):
-                return ranks.exchange(rank, name, list(payloads), lambda sent, j: sent[j][rank])
-
-            def allgather(self, payload, name):
-                return ranks.exchange(rank, name, payload, lambda sent, j: sent[j])
-
-        return View()
-
-    def exchange(self, rank, name, mine, pick):
-        self.slots[(name, rank)] = mine
-        self.barrier.wait()
-        got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
-        self.barrier.wait()
-        return got
-
-
 def _reduce_on_threads(config, grads, corrupt=None):
     """Every rank's (outputs per step, final residual, error text) for ``grads[step][rank]``;
     ``corrupt(rank, step, payloads)`` may spoil what a rank sends in the first phase."""
     size = len(grads[0])
-    ranks = _ThreadRanks(size)
+    ranks = ThreadRanks(size)
     results = [None] * size
     pipes = [deepreduce.build(config) for _ in range(size)]   # the registry fills on first use: not in threads
 
@@ -179,6 +149,7 @@ def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatc
         assert results[2][0][1].startswith("ContainerError: rank 1: ")
         # the owner's error travels in its shard: every other rank raises too, naming it
         for rank in (0, 1):
-            assert results[rank][0][1].startswith("CommunicationError: sparse_allreduce of 'w' at step 1: rank 2 ")
+            assert results[rank][0][1].startswith("CommunicationError: sparse_allreduce of 'w' at step 1: rank 2 could "
+                                                  "not reduce its shard (ContainerError: rank 1: ")
     # the decode count differs by the containers Python decoded before the bad one
     _assert_same([r[:3] + (0,) for r in native], [r[:3] + (0,) for r in python])

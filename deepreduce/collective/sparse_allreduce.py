@@ -174,18 +174,20 @@ class SparseAllreduce:
 
     def _owner_shard(self, phase: "Phase", mine: List[np.ndarray]) -> np.ndarray:
         """This rank's shard of one tensor of the batch (or the failure payload it passes on)."""
-        if phase.error is not None:
-            return failure.payload(phase.error)
-        failed = failure.failed_rank(mine)
+        failed = None if phase.error is not None else failure.failed_rank(mine)
         if failed is not None:
             kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            return failure.payload(kind(f"rank {failed[0]}: {failed[2]}"))
+            return failure.payload(kind(f"rank {failed[0]} could not encode its gradient ({failed[2]})"))
         try:
+            if phase.error is not None:
+                raise phase.error
             owner = self._owner_residual(phase.name, phase.numel)
             return self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
         except Exception as exc:   # noqa: BLE001 (raised by complete; the peers hear of it)
             phase.error = exc
-            return failure.payload(exc)
+            kind = NonFiniteGradientError if isinstance(exc, NonFiniteGradientError) else CommunicationError
+            rank = self.communicator.rank
+            return failure.payload(kind(f"rank {rank} could not reduce its shard ({type(exc).__name__}: {exc})"))
 
     def complete(self, batch: "Batch", index: int = 0, out: Optional[np.ndarray] = None):
         """Phase three of tensor ``index`` of ``batch``: wait for every owner's shards (once for
@@ -204,7 +206,11 @@ class SparseAllreduce:
         if phase.error is not None:
             raise phase.error
         shards = [parts[index] for parts in batch.shards]
-        failure.raise_if_failed(shards, f"sparse_allreduce of {phase.name!r}", phase.step)
+        failed = failure.failed_rank(shards)
+        if failed is not None:   # an owner passed on what failed (its own step, or a rank's encode)
+            kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise kind(f"sparse_allreduce of {phase.name!r} at step {phase.step}: {failed[2].partition(': ')[2]}; "
+                       "every rank skips this step")
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
