@@ -71,7 +71,7 @@ def test_horovod_optimizer_with_sparse_allreduce(ranks):
     a checkpoint byte-identically, ranks that disagree on the aggregation fail together, and the
     ``auto`` plan follows the link and is the same on every rank."""
     out = run_ranks("horovodrun", "torch_sparse_allreduce.py", np_=ranks, timeout=600).stdout
-    for scenario in ("exact", "trains", "resume", "disagree", "auto"):
+    for scenario in ("exact", "fused", "trains", "resume", "disagree", "auto"):
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
 
 
