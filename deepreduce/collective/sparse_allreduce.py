@@ -190,10 +190,15 @@ class SparseAllreduce:
             return failure.payload(kind(f"rank {rank} could not reduce its shard ({type(exc).__name__}: {exc})"))
 
     def complete(self, batch: "Batch", index: int = 0, out: Optional[np.ndarray] = None):
-        """Phase three of tensor ``index`` of ``batch``: wait for every owner's shards (once for
-        the batch) and decode this tensor's into ``out`` (or a new array); returns (the sum, the
-        first flagged shard's (rank, NaN, Inf) or None). This rank's owner-step error, or a
-        peer's failure payload, raises (:func:`deepreduce.collective.failure.raise_if_failed`)."""
+        """Phase three of tensor ``index`` of ``batch``: :meth:`arrived`, then :meth:`decode` into
+        ``out`` (or a new array); returns (the sum, the first flagged shard's (rank, NaN, Inf) or None)."""
+        shards, flagged = self.arrived(batch, index)
+        return self.decode(batch, index, shards, flagged, out), flagged
+
+    def arrived(self, batch: "Batch", index: int):
+        """Wait for every owner's shards (once for the batch) and return tensor ``index``'s, with the
+        first flagged one's (rank, NaN, Inf) or None. This rank's owner-step error, or a failure
+        an owner passed on (its own, or a rank's encode), raises here."""
         phase = batch.phases[index]
         if batch.shards is None:
             gathered = batch.pending.wait()
@@ -212,6 +217,13 @@ class SparseAllreduce:
             raise kind(f"sparse_allreduce of {phase.name!r} at step {phase.step}: {failed[2].partition(': ')[2]}; "
                        "every rank skips this step")
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
+        return shards, flagged
+
+    def decode(self, batch: "Batch", index: int, shards: List[np.ndarray], flagged, out: Optional[np.ndarray] = None):
+        """Write tensor ``index``'s ``shards`` (from :meth:`arrived`) into ``out`` (every element of
+        it: no need to zero it first) or a new array, and move its shard bounds every
+        ``repartition_every`` steps (the same on every rank: the same sum). Returns the flat sum."""
+        phase = batch.phases[index]
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
@@ -219,7 +231,7 @@ class SparseAllreduce:
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved
                 self._moved.add(phase.name)
-        return target, flagged
+        return target
 
     # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
     def commit(self) -> None:

@@ -87,21 +87,25 @@ class SparseAllreduceRoute(Route):
             first += len(share.phases)
 
     def finish(self, engine, item, share):
+        """Every part's shards arrived and checked (then the first error raised); ``write`` decodes
+        them straight into the part's destination where the binding's ``host`` is a view of it
+        (a CPU float32 tensor), as the allgather route does, so no step-sized array is made."""
         if share.error is not None:
             raise share.error
-        targets, done, error = {name: out for name, _, out in item.parts}, [], None
+        targets, arrived, error = {name: out for name, _, out in item.parts}, [], None
         for index, phase in zip(share.indexes, share.phases):   # every part is read, then the first error raised
             try:
-                done.append((phase.name, targets[phase.name], *self.reducer.complete(share.batch, index)))
+                arrived.append((phase.name, targets[phase.name], index, *self.reducer.arrived(share.batch, index)))
             except Exception as exc:   # noqa: BLE001
                 error = error or exc
         if error is not None:
             raise error
 
         def write(divisor: int) -> None:
-            for _, target, total, _ in done:
+            for _, target, index, shards, found in arrived:
+                total = self.reducer.decode(share.batch, index, shards, found, out=engine.tensors.host(target))
                 if divisor != 1:
                     np.divide(total, divisor, out=total)
                 engine.tensors.write(target, total)
-        name, found = next(((name, found) for name, _, _, found in done if found is not None), ("", None))
+        name, found = next(((name, found) for name, _, _, _, found in arrived if found is not None), ("", None))
         return Outcome(write, found, name)
