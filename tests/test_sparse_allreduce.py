@@ -11,6 +11,7 @@ from conftest import OneRank, ThreadRanks, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
+from deepreduce.collective import shards
 from deepreduce.collective.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 
@@ -85,9 +86,6 @@ def _reduce_on_threads(config, grads, corrupt=None):
 
     def run(rank):
         pipe = pipes[rank]
-        if corrupt is not None:
-            encode = pipe.encode_shards
-            pipe.encode_shards = lambda g, name, step, bounds: corrupt(rank, step, encode(g, name, step, bounds))
         sra = SparseAllreduce(pipe, ranks.rank_view(rank), repartition_every=2)
         outs = []
         try:
@@ -99,7 +97,15 @@ def _reduce_on_threads(config, grads, corrupt=None):
             outs.append("aborted")
         results[rank] = (outs, pipe.memory.residual("w"), sra.owner_residual("w"), pipe.stats.tensors_decoded)
 
-    run_threads(run, [(r,) for r in range(size)], 120)
+    encode = shards.encode_shards
+    if corrupt is not None:   # the shard encode of the rank whose pipeline it is, spoiled
+        rank_of = {id(pipe): rank for rank, pipe in enumerate(pipes)}
+        shards.encode_shards = lambda core, g, name, step, bounds: corrupt(rank_of[id(core)], step,
+                                                                           encode(core, g, name, step, bounds))
+    try:
+        run_threads(run, [(r,) for r in range(size)], 120)
+    finally:
+        shards.encode_shards = encode
     return results
 
 
@@ -133,6 +139,20 @@ def test_native_decode_of_both_phases_equals_the_python_path(name, monkeypatch):
     native, python = _both_paths(name, grads, monkeypatch)
     assert np.isnan(native[0][0][3][77])
     _assert_same(native, python)
+
+
+def test_an_overflowing_shard_sum_under_nonfinite_raise_is_refused_as_the_python_path(monkeypatch):
+    """Finite containers whose sum overflows float32: under ``raise`` the owner refuses it with the
+    core's error (the C++ decode, which returns Inf, hands such a sum to the core's decode_sum)."""
+    config = dict(deepreduce.load_config("topk_raw"), nonfinite="raise")
+    rng = np.random.default_rng(5)
+    grads = [[rng.standard_normal(30_000).astype(np.float32) for _ in range(4)] for _ in range(2)]
+    for g in grads[1]:
+        g[5] = np.float32(3e38)   # in rank 0's shard: 4 x 3e38 is beyond float32
+    native, python = _both_paths(config, grads, monkeypatch)
+    # the owner that refuses; the others are aborted wherever they were (a thread race)
+    _assert_same(native[:1], python[:1])
+    assert "NonFiniteGradientError: rank 1: " in native[0][0][1] and "overflow when added" in native[0][0][1]
 
 
 def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatch):

@@ -34,9 +34,10 @@ def test_four_ranks_sparse_allreduce_without_reselection_equals_the_allgather():
 def test_tape_routes_follow_the_nonfinite_policy_and_survive_a_caught_error():
     """TF tape, 2 ranks, eagerly and in tf.function: one rank's NaN gradient under ``propagate``
     and ``raise``, and one rank's error in the step engine's host routes, end the same way on
-    the allgather, sparse_allreduce, dense and fp16 routes (workers/tf_engine_policies.py)."""
+    the allgather, entries (IndexedSlices), sparse_allreduce, dense and fp16 routes
+    (workers/tf_engine_policies.py)."""
     out = run_ranks("mpirun", "tf_engine_policies.py", timeout=400).stdout
-    for route in ("allgather", "sparse_allreduce", "dense", "fp16"):
+    for route in ("allgather", "entries", "sparse_allreduce", "dense", "fp16"):
         for policy in ("propagate", "raise"):
             for mode in ("eager", "function"):
                 assert out.count(f"OK tf {route} {policy} {mode} ") == 2, (route, policy, mode, out[-2000:])

@@ -1,6 +1,6 @@
 """Measure a config's codec costs and PowerSGD's compute on this machine, for the cost model.
 
-:func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``Pipeline.encode_shards``
+:func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``shards.encode_shards``
 and ``SparseAllreduce.sum_shard`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..wire.container import unpack
 from .cost_model import CodecCosts, PowerSGDCosts
 from .linear_fit import fit_nonnegative
+from .shards import encode_shards
 from .sparse_allreduce import SparseAllreduce, even_bounds
 
 DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -81,11 +82,11 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
         owner = SparseAllreduce(pipe, None, reselect="none")
         for numel in sizes:
             grad = rng.laplace(size=numel).astype(np.float32)
-            payload = peer.encode_shards(-grad, f"probe{numel}", 0, [0, numel])[0]
+            payload = encode_shards(peer, -grad, f"probe{numel}", 0, [0, numel])[0]
             entries = unpack(payload).n
             for shards in (1, SHARDS):
                 bounds = even_bounds(numel, shards)
-                encode_s = _median_s(lambda step: pipe.encode_shards(grad, f"probe{numel}", step, bounds), repeat,
+                encode_s = _median_s(lambda step: encode_shards(pipe, grad, f"probe{numel}", step, bounds), repeat,
                                      now)
                 received = [payload] * shards   # as many containers as ranks, each of the whole tensor
                 decode_s = _median_s(lambda _: owner.sum_shard(received, numel), repeat, now)

@@ -22,6 +22,7 @@ from ..errors import CommunicationError, DeepReduceError
 from ..pipeline import Pipeline
 from ..wire import container
 from . import agreement, failure
+from .routes.entries import decode_entries
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
 FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
@@ -122,11 +123,11 @@ class ReductionProtocol:
 
     def finish_entries(self, payloads: Sequence, name: str, step: int, shape: Tuple[int, ...],
                        label: Optional[str] = None) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-        """:meth:`finish` for sparse gradients sent as entries (``Pipeline.encode_entries``):
+        """:meth:`finish` for sparse gradients sent as entries (``routes.entries.encode_entries``):
         every rank's entries summed (averaged under ``average``) as ``(positions, values)``, or
         None when the step is skipped for a non-finite container."""
         summed = []
-        found = self.finish(payloads, name, step, lambda parts: summed.append(self.core.decode_entries(parts, shape)),
+        found = self.finish(payloads, name, step, lambda parts: summed.append(decode_entries(self.core, parts, shape)),
                             lambda ranks: np.divide(summed[0][1], ranks, out=summed[0][1]), label)
         return None if found is not None else summed[0]
 

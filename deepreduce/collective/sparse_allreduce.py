@@ -6,7 +6,7 @@ PPoPP'22; the owner-side residual is DeepSpeed's "server error"):
 
 1. every rank compensates and selects once over the whole tensor (its pipeline's memory and
    sparsifier) and encodes the part of its selection that falls in shard ``j`` as its own
-   container (``Pipeline.encode_shards``), sent to rank ``j`` by one alltoall;
+   container (:func:`deepreduce.collective.shards.encode_shards`), sent to rank ``j`` by one alltoall;
 2. the owner decode-sums the N containers of its shard, adds its owner residual, re-selects
    (``reselect="topk"``: the shard's top ``ratio``, so the result has about k entries;
    ``"none"``: every non-zero of the sum, the exact union), keeps what it did not send in the
@@ -21,8 +21,8 @@ that a move leaves outside a rank's shard travels with that rank's next contribu
 nothing is lost: the sum of what was delivered and of both residuals over all ranks equals the
 sum of the gradients (tested).
 
-When the config runs in the C++ pipeline (``native_pipeline.unsupported``), a tensor's shard
-containers are encoded in one C++ call (``Pipeline.encode_shards``) and each phase's received
+When the config runs in the C++ pipeline (``Pipeline.native``), a tensor's shard
+containers are encoded in one C++ call (``shards.encode_shards``) and each phase's received
 containers are decoded in one more, where they lie in what the collective returned, so the cost
 per container is a microsecond or two rather than a Python loop's tens (docs/scaling.md).
 
@@ -45,7 +45,7 @@ from ..backend import kernels, native_pipeline
 from ..errors import CommunicationError, ConfigError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
-from . import agreement, failure, ports
+from . import agreement, failure, ports, shards
 
 RESELECT = ("topk", "none")
 
@@ -76,7 +76,7 @@ class SparseAllreduce:
         self._owner_residuals: Dict[str, np.ndarray] = {}
         self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
         # both phases decode what they received in one C++ call when the config runs there
-        self._native_decode = native_pipeline.unsupported(pipeline) is None
+        self._native_decode = pipeline.native_reason() is None
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
@@ -104,7 +104,7 @@ class SparseAllreduce:
         if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
             self._moved.discard(name)
             flat = self._with_stranded_mass(flat, owner, phase.lo, phase.hi)
-        phase.sent = self.pipeline.encode_shards(flat, name, step, phase.bounds)
+        phase.sent = shards.encode_shards(self.pipeline, flat, name, step, phase.bounds)
         return phase
 
     def encode_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
@@ -277,6 +277,8 @@ class SparseAllreduce:
             return self.pipeline.decode_sum(payloads, expected_shape=(m,))
         start = time.perf_counter()
         total = native_pipeline.decode_sum(native, payloads, m, self.pipeline.threads)
+        if self.pipeline.nonfinite == "raise" and not np.isfinite(total).all():
+            return self.pipeline.decode_sum(payloads, expected_shape=(m,))   # raises the core's overflow error
         self._count_decoded(len(payloads), start)
         return total
 
@@ -313,19 +315,19 @@ class SparseAllreduce:
             total = np.zeros(m, np.float32)
             for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
                 total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
-            return self.pipeline.encode_dense(total, flagged=True)
+            return shards.encode_dense(self.pipeline, total, flagged=True)
         total = self.sum_shard(payloads, m)
         if not np.isfinite(total).all():
-            return self.pipeline.encode_dense(total, flagged=True)
+            return shards.encode_dense(self.pipeline, total, flagged=True)
         total += owner[lo:hi]
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
             owner[lo:hi] = 0.0
-            return self.pipeline.encode_dense(total)
+            return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
             chosen = kernels.nonzero(total)
         else:
             chosen = kernels.topk_positions(total, count_for(self.ratio, m))
-        payload, sent, received = self.pipeline.encode_selection(total, chosen, f"{name}#owner", step)
+        payload, sent, received = shards.encode_owned(self.pipeline, total, chosen, f"{name}#owner", step)
         total[sent] -= received
         owner[lo:hi] = total
         return payload

@@ -46,7 +46,7 @@ class Item:
     (optional) runs after the result was written, e.g. a bucket copying its slices back;
     ``replace`` (optional) takes a new tensor where the result cannot be written in place (a
     sparse gradient's entries); ``summed_dense``: the binding lets its framework's all-reduce sum
-    it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`).
+    it (a small tensor, :func:`deepreduce.collective.routes.dense.summed_dense`).
 
     ``parts``: (name, tensor, out) of each container the item travels as, encoded from ``tensor``
     and written into ``out`` (a pair (name, tensor): written into the tensor; default: ``grad``

@@ -3,7 +3,7 @@
 An embedding lookup's gradient is a ``tf.IndexedSlices``: the touched rows of the variable
 (possibly repeated) and one dense slice per index. It travels as the flat positions of the touched
 rows' entries (``row * row_size + column``) with their values
-(:meth:`deepreduce.pipeline.Pipeline.encode_entries`), as the torch binding sends a sparse COO
+(:func:`deepreduce.collective.routes.entries.encode_entries`), as the torch binding sends a sparse COO
 gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
 a full row is a run of consecutive positions. The summed entries come back as the touched rows,
 ascending and distinct, with their summed slices: an ``IndexedSlices`` whose dense value is what
@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..collective import failure
+from ..collective.routes.entries import encode_entries
 from ..errors import ConfigError
 from ..pipeline import to_float32
 from ..wire import container
@@ -88,7 +89,7 @@ class SliceRoutes:
     def reduce(self, grad: tf.IndexedSlices, name: str, step, reports: list) -> tf.IndexedSlices:
         """One ``IndexedSlices`` gradient through the index and value codecs
         (:mod:`deepreduce.tensorflow.sparse`): this rank's touched entries in one container
-        (``Pipeline.encode_entries``), the allgather, and every rank's entries summed
+        (``routes.entries.encode_entries``), the allgather, and every rank's entries summed
         (``ReductionProtocol.finish_entries``) into the touched rows of every rank, ascending,
         with their summed (or averaged) slices."""
         core, protocol, lock = self.pipeline.core, self._protocol, self.pipeline.lock
@@ -100,8 +101,8 @@ class SliceRoutes:
             with lock:
                 try:
                     flat = to_float32(values, name)
-                    return core.encode_entries(*entries(indices, flat, dense_shape), tuple(dense_shape),
-                                               name=name, step=int(step_value))
+                    return encode_entries(core, *entries(indices, flat, dense_shape), tuple(dense_shape),
+                                          name=name, step=int(step_value))
                 except Exception as exc:   # noqa: BLE001 (the peers must hear of any error)
                     return failure.payload(exc)
 

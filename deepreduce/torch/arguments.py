@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BackendUnavailableError, ConfigError
 from ..pipeline import Pipeline
 from .pipeline import TorchPipeline, build
 
@@ -71,3 +71,13 @@ def check_ddp_arguments(process_group, per_parameter, summable: bool) -> None:
     if not per_parameter and summable:
         raise ConfigError("DeepReduceState: per_parameter=False merges containers; a summable compressor "
                           "already sends each bucket as one all_reduce")
+
+
+def horovod():
+    """``horovod.torch``, or a BackendUnavailableError saying how to build it."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise BackendUnavailableError(f"deepreduce.torch.DistributedOptimizer needs horovod.torch: {exc}. "
+                                      "Run `make setup` to build Horovod.") from exc
+    return hvd

@@ -1,84 +1,55 @@
 """What ``horovod.torch.DistributedOptimizer`` promises its user, apart from how it reduces.
 
-:func:`check_arguments` checks the factory's Horovod arguments; :func:`graft` grafts the methods
-of a reducing subclass of :class:`HorovodOptimizer` onto the wrapped optimizer's class, as
-Horovod does, so the result is still an instance of that class with its ``step`` and state.
-:class:`HorovodOptimizer` holds Horovod's semantics:
+:func:`graft` grafts the methods of :class:`HorovodOptimizer` onto the wrapped optimizer's
+class, as Horovod does, so the result is still an instance of that class with its ``step`` and
+state. :class:`HorovodOptimizer` keeps Horovod's semantics and holds a
+:class:`~deepreduce.torch.reduction.Reduction` (what moves the gradients; the step engine's is
+:class:`deepreduce.torch.optimizer.EngineReduction`), no base class:
 
-* a gradient is handed over (``_submit``) once ``backward_passes_per_step`` passes accumulated
-  it, a further pass is refused before it accumulates, and ``synchronize()`` hands over the
-  parameters no pass reached;
+* a gradient is handed over (``Reduction.submit``) once ``backward_passes_per_step`` passes
+  accumulated it, a further pass is refused before it accumulates, and ``synchronize()`` hands
+  over the parameters no pass reached, then ``Reduction.finish`` ends the step;
 * ``step()`` synchronizes first unless inside ``skip_synchronize()``; the local step by which
   ``hvd.broadcast_optimizer_state`` initialises a fresh rank's state runs no collective;
 * ``zero_grad()`` and ``state_dict()`` are refused while gradients are in flight; a checkpoint
-  carries the compression state;
-* ``op``, ``gradient_predivide_factor`` and ``process_set`` apply to every all-reduce, and a rank
-  outside the process set applies its own gradients; ``sparse_as_dense`` reduces a sparse
-  gradient dense and hands it back sparse.
-
-The reducing subclass (:mod:`deepreduce.torch.optimizer`) provides ``_submit``, ``synchronize``,
-``_names`` and the ``_pipeline``, ``_compressor`` and ``_protocol`` whose state the checkpoint holds.
+  carries the reduction's state;
+* ``op``, ``gradient_predivide_factor`` and ``process_set`` apply to every all-reduce
+  (:meth:`HorovodOptimizer.allreduce`, the port the reduction is given), and a rank outside the
+  process set applies its own gradients; ``sparse_as_dense`` reduces a sparse gradient dense and
+  hands it back sparse.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..collective import buckets
-from ..collective.comm.horovod import HorovodCommunicator
-from ..errors import BackendUnavailableError, ConfigError, DeepReduceError
-from .checkpoint import compression_state_dict, load_compression_state_dict
+from ..errors import ConfigError, DeepReduceError
+from .arguments import horovod
+from .reduction import Reduction
 
 
-def horovod():
-    """``horovod.torch``, or a BackendUnavailableError saying how to build it."""
-    try:
-        import horovod.torch as hvd
-    except ImportError as exc:
-        raise BackendUnavailableError(f"deepreduce.torch.DistributedOptimizer needs horovod.torch: {exc}. "
-                                      "Run `make setup` to build Horovod.") from exc
-    return hvd
-
-
-def check_arguments(op, backward_passes_per_step, gradient_predivide_factor: float, num_groups: int, groups):
-    """The factory's Horovod arguments checked (ConfigErrors naming the argument); returns ``op``
-    (default ``hvd.Average``)."""
-    hvd = horovod()
-    op = hvd.Average if op is None else op
-    if op not in (hvd.Average, hvd.Sum):
-        raise ConfigError("DistributedOptimizer: op must be hvd.Average or hvd.Sum; Adasum does not apply to "
-                          "compressed containers")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ConfigError(f"DistributedOptimizer: backward_passes_per_step must be a positive integer, "
-                          f"got {backward_passes_per_step!r}")
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
-    buckets.refuse_groups(num_groups, groups, "DistributedOptimizer")
-    return op
-
-
-def graft(optimizer: torch.optim.Optimizer, reducer: type) -> type:
-    """A subclass of ``optimizer``'s class holding the methods of ``reducer`` and of its bases up
-    to :class:`HorovodOptimizer` (the subclass's win); ``_optimizer_class`` names the wrapped
-    class, whose methods the grafted ones call however the result is subclassed."""
-    methods: dict = {}
-    for klass in reversed(reducer.__mro__[:reducer.__mro__.index(torch.optim.Optimizer)]):
-        methods.update(vars(klass))
+def graft(optimizer: torch.optim.Optimizer) -> type:
+    """A subclass of ``optimizer``'s class holding :class:`HorovodOptimizer`'s methods;
+    ``_optimizer_class`` names the wrapped class, whose methods the grafted ones call however the
+    result is subclassed."""
+    methods = dict(vars(HorovodOptimizer))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     cls._optimizer_class = optimizer.__class__
     return cls
 
 
 class HorovodOptimizer(torch.optim.Optimizer):
-    """Horovod's optimizer contract (see the module docstring); its methods are grafted."""
+    """Horovod's optimizer contract (see the module docstring); its methods are grafted onto the
+    wrapped optimizer's class by :func:`graft`."""
 
-    def _init_contract(self, backward_passes_per_step: int, op, predivide: float, process_set,
-                       sparse_as_dense: bool) -> None:
-        """Horovod's arguments and per-step state (the hooks come last: :meth:`_register_hooks`)."""
+    def __init__(self, params, reduction: Callable[["HorovodOptimizer"], Reduction], backward_passes_per_step: int,
+                 op, predivide: float, process_set, sparse_as_dense: bool) -> None:
+        """The wrapped optimizer over ``params``, Horovod's arguments and per-step state, the
+        reduction ``reduction(self)`` builds, and the hooks."""
+        self._optimizer_class.__init__(self, params)
         self._hvd = horovod()
         self._op, self._predivide, self._process_set = op, predivide, process_set
         # Horovod's semantics: a rank outside the process set takes no part in its collectives
@@ -87,16 +58,26 @@ class HorovodOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._delay: Dict[torch.Tensor, int] = {}   # backward passes still to come, per parameter
         self._hook_handles: List = []
-        self._handed: set = set()                   # parameters whose gradient went to _submit this step
+        self._handed: set = set()                   # parameters whose gradient went to the reduction this step
         self._sparse_as_dense = sparse_as_dense
         self._densified: Dict[torch.Tensor, int] = {}   # sparse_as_dense: parameter -> its gradient's sparse_dim
         self._step_count = 0                        # the compression step counter (checkpointed)
         self._should_synchronize, self._synchronized, self._warned_resynchronize = True, False, False
+        self._reduction = reduction(self)
+        self._register_hooks()
+
+    def trainable(self) -> List[torch.Tensor]:
+        """The parameters whose gradients are reduced, in the param groups' order."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def add_param_group(self, param_group) -> None:
+        self._optimizer_class.add_param_group(self, param_group)
+        if hasattr(self, "_reduction"):   # the wrapped __init__ adds its groups before the reduction exists
+            self._reduction.parameters_changed()
 
     def _register_hooks(self) -> None:
         """On a member of the process set, the hooks on every trainable parameter."""
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        for p in trainable if self._member else ():
+        for p in self.trainable() if self._member else ():
             self._delay[p] = self.backward_passes_per_step
             self._hook_handles.append(p.register_hook(self._make_pass_check(p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook()))
@@ -120,26 +101,20 @@ class HorovodOptimizer(torch.optim.Optimizer):
         return hook
 
     def _hand_over(self, p: torch.Tensor) -> None:
-        """``_submit`` ``p``'s gradient; from then on the step has gradients in flight."""
-        self._submit(p)
+        """Submit ``p``'s gradient; from then on the step has gradients in flight."""
+        if p.grad.is_sparse:
+            self._sparse_gradient(p, self._reduction.sparse_refusal(p))
+        self._reduction.submit(p, self._step_count)
         self._handed.add(p)
 
     def _hand_over_the_rest(self) -> None:
         """As Horovod's ``synchronize()``: the parameters no backward pass reached this step are
         reduced too (a zero gradient where they have none), so every rank sends every tensor."""
-        for p in (p for group in self.param_groups for p in group["params"] if p.requires_grad):
+        for p in self.trainable():
             if p not in self._handed:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._hand_over(p)
-
-    def _horovod_communicator(self, configured):
-        """The communicator the config names, else Horovod's allgather; a Horovod one gathers
-        within the process set."""
-        comm = HorovodCommunicator() if configured is None else configured
-        if isinstance(comm, HorovodCommunicator):
-            comm.process_set = self._process_set
-        return comm
 
     def _sparse_gradient(self, p: torch.Tensor, refusal: Optional[str]) -> None:
         """With ``sparse_as_dense``, ``p``'s sparse gradient is reduced dense (handed back sparse
@@ -148,7 +123,7 @@ class HorovodOptimizer(torch.optim.Optimizer):
             self._densified[p] = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
         elif refusal is not None:
-            raise ConfigError(f"parameter {self._names[p]!r} has a sparse gradient, but {refusal}: "
+            raise ConfigError(f"parameter {self._reduction.name(p)!r} has a sparse gradient, but {refusal}: "
                               "pass sparse_as_dense=True")
 
     def _end_passes(self) -> None:
@@ -161,13 +136,39 @@ class HorovodOptimizer(torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
 
-    def _allreduce(self, name: str, tensor: torch.Tensor, op):
-        """Start Horovod's in-place all-reduce of ``tensor`` on the process set (``op=Average``
-        with the predivide factor as Horovod applies it); return its handle."""
+    def allreduce(self, name: str, tensor: torch.Tensor, average: bool):
+        """Start Horovod's in-place all-reduce of ``tensor`` on the process set (averaging with
+        the configured op and predivide factor where ``average``, else a sum); return its handle."""
+        op = self._op if average else self._hvd.Sum
         kwargs = {} if self._process_set is None else {"process_set": self._process_set}
         if op == self._hvd.Average:
             kwargs.update(prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
         return self._hvd.allreduce_async_(tensor, name=f"deepreduce.{name}", op=op, **kwargs)
+
+    def synchronize(self) -> None:
+        """Wait for every parameter's encode and collective and write the aggregated gradients.
+
+        An error of any parameter (raised on the worker, by the collective or by decoding) is
+        re-raised here, with its type and message, once every other collective of the step
+        finished; the next step works as usual. Under ``nonfinite: raise`` a NaN/Inf gradient on
+        any rank makes every rank raise the same NonFiniteGradientError here with nothing written
+        and the residuals restored, so catching it skips the step (see README).
+        """
+        if not self._member:
+            self._synchronized = True
+            return
+        self._hand_over_the_rest()
+        try:
+            self._reduction.finish(self._step_count)
+        finally:
+            self._end_passes()
+            self._step_count += 1
+        self._synchronized = True
+
+    def compression_stats(self) -> dict:
+        """The reduction's figures (bytes before and after compression, encode / wait / decode
+        seconds, routes taken, the aggregation's figures)."""
+        return self._reduction.stats()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -220,8 +221,9 @@ class HorovodOptimizer(torch.optim.Optimizer):
         return self._optimizer_class.zero_grad(self, set_to_none=set_to_none)
 
     def state_dict(self):
-        """The wrapped optimizer's state dict plus, under ``"deepreduce"``, the step counter, the
-        pipeline's residuals and learned state (or the summable compressor's, e.g. GradiVeQ models).
+        """The wrapped optimizer's state dict plus, under ``"deepreduce"``, the reduction's state:
+        the step counter, the pipeline's residuals and learned state (or the summable
+        compressor's, e.g. GradiVeQ models).
 
         Save it as usual (``torch.save(optimizer.state_dict(), ...)``); a run resumed with
         ``load_state_dict`` sends byte-identical containers to one that never stopped.
@@ -229,9 +231,7 @@ class HorovodOptimizer(torch.optim.Optimizer):
         if self._handed:
             raise DeepReduceError("optimizer.state_dict() called after backward() but before step()")
         out = self._optimizer_class.state_dict(self)
-        sparse = None if self._protocol is None else self._protocol.sparse
-        out["deepreduce"] = compression_state_dict(self._pipeline, self._compressor, self._step_count,
-                                                   None if sparse is None else sparse.state_dict())
+        out["deepreduce"] = self._reduction.state_dict(self._step_count)
         return out
 
     def load_state_dict(self, state_dict):
@@ -240,7 +240,5 @@ class HorovodOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         compression = state_dict.pop("deepreduce", None)
         if compression is not None:
-            self._step_count = load_compression_state_dict(self._pipeline, self._compressor, compression,
-                                                           "DistributedOptimizer",
-                                                           None if self._protocol is None else self._protocol.sparse)
+            self._step_count = self._reduction.load_state_dict(compression)
         self._optimizer_class.load_state_dict(self, state_dict)

@@ -27,124 +27,149 @@ from ..collective import agreement, buckets
 from ..collective.comm import Communicator
 from ..collective.comm.horovod import HorovodCommunicator
 from ..collective.ports import Pending
+from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
+from ..errors import ConfigError
 from . import grad_buckets
-from .arguments import build_pipeline, is_summable, parameter_names
+from .arguments import build_pipeline, horovod, is_summable, parameter_names
+from .checkpoint import compression_state_dict, load_compression_state_dict
 from .grad_buckets import GradBucket
-from .horovod_contract import HorovodOptimizer, check_arguments, graft
+from .horovod_contract import HorovodOptimizer, graft
 from .tensors import TorchTensors
 
 
-class _DistributedOptimizer(HorovodOptimizer):
-    """The Horovod contract grafted onto the wrapped optimizer's class; the reduction is the step
-    engine's (:class:`deepreduce.collective.step.StepEngine`): a hook submits a gradient (or a full
-    bucket), ``synchronize()`` finishes the step."""
+class EngineReduction:
+    """The Horovod optimizer's :class:`~deepreduce.torch.horovod_contract.Reduction`: the step
+    engine's (:class:`deepreduce.collective.step.StepEngine`). ``submit`` hands a gradient (or a
+    full bucket) to the engine, ``finish`` finishes the step. It is given the optimizer's
+    ``trainable()`` parameters and its ``allreduce`` port, nothing else of it."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, communicator, background, path="auto",
-                 bucket_cap_mb=None, sparse_as_dense=False):
-        self._optimizer_class.__init__(self, params)
-        self._init_contract(backward_passes_per_step, op, gradient_predivide_factor, process_set, sparse_as_dense)
-        self._names = parameter_names(self.param_groups, named_parameters)
-        self._summable = is_summable(compression)
-        self._compressor = compression if self._summable else None
-        self._pipeline = None if self._summable else build_pipeline(compression, path)
+    def __init__(self, optimizer: HorovodOptimizer, named_parameters, compression, communicator, background,
+                 path="auto", bucket_cap_mb=None):
+        self.trainable, self._allreduce, self._hvd = optimizer.trainable, optimizer.allreduce, optimizer._hvd
+        self.names = parameter_names(optimizer.param_groups, named_parameters)
+        self.summable = is_summable(compression)
+        self.compressor = compression if self.summable else None
+        self.pipeline = None if self.summable else build_pipeline(compression, path)
         self._agreed = False         # ranks agreed on the parameters (agreement.agree) since they last changed
-        self._bucket_cap_mb = buckets.check_bucket_cap_for(bucket_cap_mb, self._summable, "DistributedOptimizer")
+        self._bucket_cap_mb = buckets.check_bucket_cap_for(bucket_cap_mb, self.summable, "DistributedOptimizer")
         self._buckets: List[GradBucket] = []
         self._bucket_of: Dict[torch.Tensor, tuple] = {}    # parameter -> (bucket, its index there)
-        self._communicator = communicator or self._horovod_communicator(
-            None if self._pipeline is None else self._pipeline.core.communicator)
-        self._engine = StepEngine(self._pipeline, self._communicator, TorchTensors(), self._engine_allreduce,
-                                  average=op == self._hvd.Average, background=background,
-                                  compressor=self._compressor)
-        self._protocol = self._engine.protocol   # its sparse all-reduce's state goes in checkpoints
-        self._register_hooks()
+        self.communicator = communicator or self._horovod_communicator(
+            None if self.pipeline is None else self.pipeline.core.communicator, optimizer._process_set)
+        self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), self._engine_allreduce,
+                                 average=optimizer._op == self._hvd.Average, background=background,
+                                 compressor=self.compressor)
+        self.protocol = self.engine.protocol   # its sparse all-reduce's state goes in checkpoints
 
-    def add_param_group(self, param_group) -> None:
-        self._optimizer_class.add_param_group(self, param_group)
+    @staticmethod
+    def _horovod_communicator(configured, process_set):
+        """The communicator the config names, else Horovod's allgather; a Horovod one gathers
+        within the process set."""
+        comm = HorovodCommunicator() if configured is None else configured
+        if isinstance(comm, HorovodCommunicator):
+            comm.process_set = process_set
+        return comm
+
+    def name(self, p: torch.Tensor) -> str:
+        return self.names[p]
+
+    def parameters_changed(self) -> None:
         self._agreed = False         # the ranks compare their parameters again before the next step
 
     def _agree(self) -> None:
         """Plan the buckets, then let the engine compare every rank's parameters, buckets and
         compression (one small allgather) before the step's first collective."""
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self._agreed:
+            return
+        params = self.trainable()
         if self._bucket_cap_mb is not None:
-            self._buckets, self._bucket_of = grad_buckets.plan(params, self._names, self._bucket_cap_mb,
+            self._buckets, self._bucket_of = grad_buckets.plan(params, self.names, self._bucket_cap_mb,
                                                                lambda p: not self._summed_dense(p))
         layout = agreement.Layout(
-            agreement.compressor_identity(self._compressor if self._summable else self._pipeline),
-            [(self._names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
+            agreement.compressor_identity(self.compressor if self.summable else self.pipeline),
+            [(self.names[p], tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
             + [(f"<{b.name}>", (b.buffer.numel(),), "bucket") for b in self._buckets], "parameter")
-        self._engine.begin(layout, "DistributedOptimizer")
+        self.engine.begin(layout, "DistributedOptimizer")
         self._agreed = True
 
     def _engine_allreduce(self, tensor: torch.Tensor, item: Item, average: bool) -> Pending:
-        """The engine's all-reduce port: Horovod's, in place, on the process set (averaging with
-        the predivide factor where ``average``)."""
-        handle = self._allreduce(item.name, tensor, self._op if average else self._hvd.Sum)
+        """The engine's all-reduce port: Horovod's, in place, on the process set."""
+        handle = self._allreduce(item.name, tensor, average)
         return Pending(lambda: self._hvd.synchronize(handle))
 
-    def _submit(self, p: torch.Tensor) -> None:
+    def sparse_refusal(self, p: torch.Tensor) -> Optional[str]:
+        self._agree()
+        return ("a summable compressor reduces dense codes" if self.summable
+                else "it is in a bucket (bucket_cap_mb)" if p in self._bucket_of
+                else None if self.protocol.sparse is None
+                else "the sparse all-reduce reduces dense tensors")
+
+    def submit(self, p: torch.Tensor, step: int) -> None:
         """Hand ``p``'s finished gradient (or, once full, its bucket) to the engine. The engine's
         worker reads ``p.grad`` itself (no copy): autograd has finished writing it, and until
         ``step()``/``synchronize()`` nothing else may write it (as with Horovod, whose collectives
         work on ``p.grad`` in place)."""
-        if not self._agreed:
-            self._agree()
-        if p.grad.is_sparse:   # it travels as entries, unless:
-            self._sparse_gradient(p, "a summable compressor reduces dense codes" if self._summable
-                                  else "it is in a bucket (bucket_cap_mb)" if p in self._bucket_of
-                                  else None if self._protocol.sparse is None
-                                  else "the sparse all-reduce reduces dense tensors")
-        item = Item(self._names[p], self._step_count, p.grad, label=f"parameter {self._names[p]!r}", key=p,
+        self._agree()
+        item = Item(self.names[p], step, p.grad, label=f"parameter {self.names[p]!r}", key=p,
                     replace=lambda new: setattr(p, "grad", new))
         if p in self._bucket_of:
             bucket, i = self._bucket_of[p]
             if not bucket.add(i, p.grad):
                 return
-            item = Item(bucket.name, self._step_count, bucket.buffer, label=f"bucket {bucket.label}", key=bucket,
+            item = Item(bucket.name, step, bucket.buffer, label=f"bucket {bucket.label}", key=bucket,
                         written=bucket.copy_back)
         item.summed_dense = self._summed_dense(item.grad)
-        self._engine.submit(item)
+        self.engine.submit(item)
 
     def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
-        """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
+        """Small float32 CPU gradients go to Horovod's fused all-reduce (routes.dense.summed_dense) when
         Horovod is the communicator."""
-        return (not self._summable and isinstance(self._communicator, HorovodCommunicator)
+        return (not self.summable and isinstance(self.communicator, HorovodCommunicator)
                 and grad.device.type == "cpu" and grad.dtype == torch.float32
-                and self._pipeline.core.summed_dense(grad.numel()))
+                and summed_dense(self.pipeline.core, grad.numel()))
 
-    def synchronize(self) -> None:
-        """Wait for every parameter's encode and collective and write the aggregated gradients.
-
-        An error of any parameter (raised on the worker, by the collective or by decoding) is
-        re-raised here, with its type and message, once every other collective of the step
-        finished; the next step works as usual. Under ``nonfinite: raise`` a NaN/Inf gradient on
-        any rank makes every rank raise the same NonFiniteGradientError here with nothing written
-        and the residuals restored, so catching it skips the step (see README).
-        """
-        if not self._member:
-            self._synchronized = True
-            return
-        step = self._step_count
-        self._hand_over_the_rest()
-        order = [self._names[p] for group in self.param_groups for p in group["params"]]
+    def finish(self, step: int) -> None:
+        """The engine's finish in the parameters' order (then the buckets'); buckets are emptied
+        for the next step whatever happened."""
+        order = [self.names[p] for p in self.trainable()]
         try:
-            self._engine.finish(step, order + [b.name for b in self._buckets])
+            self.engine.finish(step, order + [b.name for b in self._buckets])
         finally:
-            self._end_passes()
             for bucket in self._buckets:
                 bucket.reset()
-            self._step_count += 1
-        self._synchronized = True
 
-    def compression_stats(self) -> dict:
-        """The engine's figures (:meth:`deepreduce.collective.step.StepEngine.stats`: bytes before
-        and after compression, encode / wait / decode seconds, routes taken, the aggregation's
-        figures) and ``buckets`` (how many buckets the gradients travel in; 0 without
-        ``bucket_cap_mb``)."""
-        return dict(self._engine.stats(), buckets=len(self._buckets))
+    def state_dict(self, step: int) -> dict:
+        sparse = self.protocol.sparse
+        return compression_state_dict(self.pipeline, self.compressor, step,
+                                       None if sparse is None else sparse.state_dict())
+
+    def load_state_dict(self, state: dict) -> int:
+        return load_compression_state_dict(self.pipeline, self.compressor, state, "DistributedOptimizer",
+                                           self.protocol.sparse)
+
+    def stats(self) -> dict:
+        """The engine's figures (:meth:`deepreduce.collective.step.StepEngine.stats`) and ``buckets``
+        (how many buckets the gradients travel in; 0 without ``bucket_cap_mb``)."""
+        return dict(self.engine.stats(), buckets=len(self._buckets))
+
+
+def check_arguments(op, backward_passes_per_step, gradient_predivide_factor: float, num_groups: int, groups):
+    """The factory's Horovod arguments checked (ConfigErrors naming the argument); returns ``op``
+    (default ``hvd.Average``)."""
+    hvd = horovod()
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ConfigError("DistributedOptimizer: op must be hvd.Average or hvd.Sum; Adasum does not apply to "
+                          "compressed containers")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ConfigError(f"DistributedOptimizer: backward_passes_per_step must be a positive integer, "
+                          f"got {backward_passes_per_step!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ConfigError("DistributedOptimizer: gradient_predivide_factor requires op=hvd.Average")
+    buckets.refuse_groups(num_groups, groups, "DistributedOptimizer")
+    return op
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
@@ -174,6 +199,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ``min_numel`` stay out of buckets.
     """
     op = check_arguments(op, backward_passes_per_step, gradient_predivide_factor, num_groups, groups)
-    return graft(optimizer, _DistributedOptimizer)(
-        optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, process_set, communicator, background, path, bucket_cap_mb, sparse_as_dense)
+
+    def reduction(opt: HorovodOptimizer) -> EngineReduction:
+        return EngineReduction(opt, named_parameters, compression, communicator, background, path, bucket_cap_mb)
+
+    return graft(optimizer)(optimizer.param_groups, reduction, backward_passes_per_step, op,
+                            gradient_predivide_factor, process_set, sparse_as_dense)

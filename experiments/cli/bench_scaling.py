@@ -117,6 +117,16 @@ def register(subparsers) -> None:
                              "against the allgather on --real-numels, and the model's CPU seconds against them")
     parser.add_argument("--runs", metavar="JSON", help="real runs' per-rank bytes to check the model against "
                                                        "(see compare_with_runs)")
+    parser.add_argument("--sync-every", metavar="H,H,...",
+                        help="also plan semi-synchronous training (experiments.cli._semisync_tables): predicted inner "
+                             "step time per sync period H, the smallest H within --sync-slack of compute, and the "
+                             "planner's (option, H)")
+    parser.add_argument("--sync-gbits", default="0.01,0.1,1,10", help="links of the --sync-every tables, Gbit/s")
+    parser.add_argument("--sync-ranks", default="2,8,64", help="rank counts of the --sync-every tables")
+    parser.add_argument("--sync-slack", type=float, default=0.05,
+                        help="what the outer reduction may add to an inner step, as a fraction of its compute")
+    parser.add_argument("--sync-delay", type=int, default=0,
+                        help="inner steps the outer transfer overlaps (Streaming DiLoCo's tau)")
     parser.set_defaults(func=run)
 
 
@@ -452,7 +462,7 @@ def run(args) -> int:
         call_s = check_nonnegative(args.call_us, "bench-scaling --call-us") * 1e-6
         codecs = [replace(c, encode_call_s=call_s, decode_call_s=call_s) for c in codecs]
         print(f"what-if --call-us {args.call_us:g}: every container's per-call encode and decode constants set to it")
-    print("codec costs (per rank, per container; fits of Pipeline.encode_shards / SparseAllreduce.sum_shard"
+    print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.sum_shard"
           f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
     for c in codecs:
         print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
@@ -495,6 +505,13 @@ def run(args) -> int:
     if runs:
         known = {c.name for c in codecs}
         print_comparison(compare_with_runs([r for r in runs if r.get("codec") in known], codecs))
+    if args.sync_every:
+        from . import _semisync_tables
+
+        _semisync_tables.print_tables(models, MODELS, codecs, _csv(args.sync_every, int, "--sync-every"),
+                                    [10.0] if args.quick else _csv(args.sync_gbits, float, "--sync-gbits"),
+                                    _csv(args.sync_ranks, int, "--sync-ranks"), alpha_s,
+                                    check_nonnegative(args.sync_slack, "bench-scaling --sync-slack"), args.sync_delay)
     if args.plot:
         plot(args.plot, table, titles)
     return 0

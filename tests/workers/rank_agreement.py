@@ -96,7 +96,7 @@ def flat(model):
 
 
 def residuals(opt):
-    return {k: v.copy() for k, v in opt._pipeline.core.memory.state_dict()["residuals"].items()}
+    return {k: v.copy() for k, v in opt._reduction.pipeline.core.memory.state_dict()["residuals"].items()}
 
 
 def scenario_nonfinite_skip():

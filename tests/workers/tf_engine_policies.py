@@ -1,7 +1,8 @@
 """Worker: the ``nonfinite`` policy and a caught error over the TensorFlow tape's routes.
 
-For the allgather (graph ops) and the step engine's host routes (sparse_allreduce, dense, fp16),
-eagerly and inside ``tf.function``:
+For the allgather (graph ops: a dense tensor's container, and ``entries``: an embedding's
+``IndexedSlices`` gradient as its touched entries) and the step engine's host routes
+(sparse_allreduce, dense, fp16), eagerly and inside ``tf.function``:
 
 * ``nan``: rank 1's gradient is NaN at step 1. Under ``propagate`` no rank raises and every rank
   applies the NaN (an AMP loss scale would skip it); under ``raise`` every rank raises (eagerly a
@@ -25,13 +26,15 @@ import watchdog  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
 
+GRAPH_ROUTES = ("allgather", "entries")
 BASE = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0}
 
 
 def run(route: str, policy: str, mode: str):
     config = dict(BASE, nonfinite=policy)
-    if route != "allgather":
+    graph = route in GRAPH_ROUTES
+    if not graph:
         config["aggregation"] = {"id": "sparse_allreduce"}
     pipe = drtf.build(config)
     rng = np.random.default_rng(0)
@@ -39,17 +42,24 @@ def run(route: str, policy: str, mode: str):
                  tf.Variable(rng.standard_normal((40, 2)).astype(np.float32) * 0.1)]
     optimizer = keras.optimizers.SGD(0.01)
 
+    def forward(x):
+        if route == "entries":   # rows 0-3 of the first weight: its gradient is an IndexedSlices
+            return tf.matmul(tf.tanh(tf.matmul(x, tf.gather(variables[0], [0, 1, 2, 3, 1]))), variables[1])
+        return tf.matmul(tf.tanh(tf.matmul(x, variables[0])), variables[1])
+
     def step(x, scale):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.square(tf.matmul(tf.tanh(tf.matmul(x, variables[0])), variables[1]))) * scale
+            loss = tf.reduce_sum(tf.square(forward(x))) * scale
         grads = drtf.DistributedGradientTape(tape, compression=pipe).gradient(loss, variables)
+        assert isinstance(grads[0], tf.IndexedSlices) == (route == "entries"), (route, type(grads[0]))
         optimizer.apply_gradients(zip(grads, variables))
 
     fn = tf.function(step) if mode == "function" else step
     weights = lambda: np.concatenate([v.numpy().ravel() for v in variables])   # noqa: E731
 
     def take(i, scale=1.0):
-        x = tf.constant(np.random.default_rng(i * 10 + hvd.rank()).standard_normal((4, 8)).astype(np.float32))
+        width = 5 if route == "entries" else 8
+        x = tf.constant(np.random.default_rng(i * 10 + hvd.rank()).standard_normal((4, width)).astype(np.float32))
         try:
             fn(x, tf.constant(scale, tf.float32))
             return None
@@ -70,7 +80,7 @@ def run(route: str, policy: str, mode: str):
         assert np.isnan(weights()).any(), (route, mode)
         for v in variables:   # start again from finite weights, the same on every rank
             v.assign(np.random.default_rng(1).standard_normal(v.shape).astype(np.float32))
-    if route != "allgather":
+    if not graph:
         engine = next(iter(pipe.protocols.values()))
         real = engine.routes[route].start
 
@@ -92,7 +102,7 @@ def run(route: str, policy: str, mode: str):
 def main():
     hvd.init()
     watchdog.arm(240)
-    for route in ("allgather", "sparse_allreduce", "dense", "fp16"):
+    for route in ("allgather", "entries", "sparse_allreduce", "dense", "fp16"):
         for policy in ("propagate", "raise"):
             for mode in ("eager", "function"):
                 run(route, policy, mode)

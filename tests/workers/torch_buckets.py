@@ -91,7 +91,7 @@ def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
                 grads = {p: p.grad.detach().clone() for p in params}
             o.step()
         assert torch.equal(flat_params(model), flat_params(sync_model)), f"step {step}: background differs"
-        buckets = opt._buckets
+        buckets = opt._reduction._buckets
         assert len(buckets) == expected_buckets
         sent = dict(comm.sent)   # by name: this step's containers replaced the earlier steps'
         for bucket in buckets:
@@ -105,9 +105,9 @@ def check_topk_buckets_send_the_concatenated_gradient(cap, expected_buckets):
                 assert sent[f"deepreduce.{name}"] == expected, f"step {step}: {name} differs"
                 alone.add(name)
     assert alone == (set() if expected_buckets == 1 else {"3.weight"})
-    in_buckets = {p for b in opt._buckets for p in b.params}
+    in_buckets = {p for b in opt._reduction._buckets for p in b.params}
     order = [p for p in reversed(params) if p in in_buckets]
-    assert [p for b in opt._buckets for p in b.params] == order, "buckets not in backward order"
+    assert [p for b in opt._reduction._buckets for p in b.params] == order, "buckets not in backward order"
     assert sorted(comm.sent) == sorted(sync_comm.sent)
     gathered = hvd.allgather(flat_params(model).unsqueeze(0), name=f"agree.topk.{cap}")
     assert torch.equal(gathered[0], gathered[-1]), "ranks diverged"
@@ -141,7 +141,7 @@ def check_unused_parameters_and_accumulation():
             opt.step()
         runs.append((model, opt))
     assert runs[1][1].compression_stats()["buckets"] == 1
-    assert any(runs[1][0].unused.weight in b.params for b in runs[1][1]._buckets)
+    assert any(runs[1][0].unused.weight in b.params for b in runs[1][1]._reduction._buckets)
     assert torch.equal(flat_params(runs[0][0]), flat_params(runs[1][0])), "unused / accumulation differ"
 
 

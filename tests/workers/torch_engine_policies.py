@@ -54,7 +54,7 @@ def optimizer(route, policy, net):
     opt = drt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05),
                                    named_parameters=net.named_parameters(), compression=compression)
     if route in ("dense", "fp16"):   # what the auto plan chooses for a tensor that hides behind backward
-        opt._engine.protocol.route = lambda name: route
+        opt._reduction.engine.protocol.route = lambda name: route
     return opt
 
 
@@ -78,7 +78,7 @@ def nan_scenario(route, policy):
     poison = {"on": False}
     target.register_hook(lambda g: g * float("nan") if poison["on"] and hvd.rank() == 1 else g)
     step(net, opt, route, 0)
-    before, kept = flat(net).clone(), residuals(opt._pipeline, opt._protocol)
+    before, kept = flat(net).clone(), residuals(opt._reduction.pipeline, opt._reduction.protocol)
     poison["on"] = True
     try:
         step(net, opt, route, 1)
@@ -89,7 +89,7 @@ def nan_scenario(route, policy):
     if policy == "raise":
         assert raised is not None and "'0.weight'" in str(raised), (route, raised)
         assert torch.equal(flat(net), before), route
-        after = residuals(opt._pipeline, opt._protocol)
+        after = residuals(opt._reduction.pipeline, opt._reduction.protocol)
         assert kept.keys() == after.keys() and all(equal(kept[k], after[k]) for k in kept), route
         step(net, opt, route, 2)
         assert torch.isfinite(flat(net)).all(), route
@@ -103,14 +103,14 @@ def nan_scenario(route, policy):
 def encode_error_scenario(route, policy):
     net = model(route)
     opt = optimizer(route, policy, net)
-    real = opt._engine.routes[route].start
+    real = opt._reduction.engine.routes[route].start
     armed = {"on": False}
 
     def start(engine, item):
         if armed["on"] and hvd.rank() == 1 and item.name == "0.weight":
             raise RuntimeError("injected encode failure")
         return real(engine, item)
-    opt._engine.routes[route].start = start
+    opt._reduction.engine.routes[route].start = start
     for i in range(3):
         step(net, opt, route, i)
     before = flat(net).clone()

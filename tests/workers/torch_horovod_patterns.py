@@ -182,7 +182,7 @@ def scenario_sparse() -> dict:
                                     compression=dict(topk, memory="residual"))) or made[0])
     from deepreduce.memory import SparseResidual
 
-    held = made[0]._pipeline.core.memory._residuals["weight"]
+    held = made[0]._reduction.pipeline.core.memory._residuals["weight"]
     out["residual_params_agree"] = same_on_every_rank(params)
     out["residual_sparse_entries"] = int(held.positions.shape[0]) if isinstance(held, SparseResidual) else -1
     return out

@@ -39,7 +39,7 @@ def resumed_bytes(checkpoint, keep_deepreduce):
     if not keep_deepreduce:
         state.pop("deepreduce")
     opt.load_state_dict(state)
-    sent = record_containers(opt._pipeline)
+    sent = record_containers(opt._reduction.pipeline)
     step(model, opt, 3)
     return sent
 
@@ -52,7 +52,7 @@ def main():
         step(model, opt, i)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    original = record_containers(opt._pipeline)
+    original = record_containers(opt._reduction.pipeline)
     step(model, opt, 3)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)

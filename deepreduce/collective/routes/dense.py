@@ -1,5 +1,5 @@
 """A tensor summed by the binding's all-reduce, in float32 (``dense``) or float16 (``fp16``): a
-small tensor the framework's fusion sends best (``Pipeline.summed_dense``), or one the ``auto``
+small tensor the framework's fusion sends best (:func:`summed_dense`), or one the ``auto``
 plan leaves uncompressed because its communication hides behind backward. What error feedback
 had held back for the tensor goes with it (the residual flush), so nothing is lost when the plan
 moves a tensor off compression.
@@ -16,6 +16,27 @@ import numpy as np
 
 from ...errors import CommunicationError
 from ._base import Outcome, Route
+
+
+def summed_dense(core, numel: int) -> bool:
+    """Whether a tensor of ``numel`` elements may skip the container and be summed by a plain
+    all-reduce under the pipeline ``core``: it travels dense anyway (below ``min_numel``), so
+    the sum is the same, and under ``nonfinite: propagate`` a NaN/Inf reaches every rank in it
+    just as in a container. The integrations then hand such tensors to the framework's
+    all-reduce, whose tensor fusion sends the many small tensors of a model (biases, norms) in
+    one message instead of one container (header, checksum, parse) each. Under ``nonfinite:
+    raise`` they keep their containers, which name the rank that sent a NaN.
+    """
+    return numel < core.min_numel and core.nonfinite == "propagate"
+
+
+def count_summed_dense(core, numel: int) -> None:
+    """Count a tensor :func:`summed_dense` sent by all-reduce in ``core.stats`` (its bytes as sent)."""
+    stats = core.stats
+    stats.tensors_encoded += 1
+    stats.dense_bytes += 4 * numel
+    stats.wire_bytes += 4 * numel
+    stats.value_bytes += 4 * numel
 
 
 def flagged(tensors, data, dtype: str, failed: bool):
@@ -53,7 +74,7 @@ class Dense(Route):
     def start(self, engine, item):
         tensors = engine.tensors
         if self._in_place(item):   # nothing here can fail: summed where it lies, no flag, no copy
-            engine.core.count_summed_dense(tensors.numel(item.grad))
+            count_summed_dense(engine.core, tensors.numel(item.grad))
             return None, engine.allreduce(item.grad, item, False)
         for name, tensor, _ in item.parts:
             residual = engine.protocol.take_residual(name)

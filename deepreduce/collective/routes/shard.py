@@ -3,7 +3,7 @@ all-reduce, ended at the owner.
 
 Each rank's flat input is N equal chunks, rank-major (chunk ``j`` goes to rank ``j``). The rank
 compensates and selects once over the whole input and encodes one container per chunk with the
-config's codecs (``Pipeline.encode_shards``, the sparse all-reduce's phase one); one alltoall
+config's codecs (:func:`deepreduce.collective.shards.encode_shards`, the sparse all-reduce's phase one); one alltoall
 carries chunk ``j``'s container to rank ``j`` (its own stays local), and the owner decode-sums
 the N containers of its chunk into the item's target, in float32, written in the target's dtype.
 
@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ...errors import CommunicationError, DeepReduceError
-from .. import agreement, failure, ports
+from .. import agreement, failure, ports, shards
 from ..sparse_allreduce import even_bounds
 from ._base import Outcome, Route
 
@@ -62,7 +62,7 @@ class Shard(Route):
 
     def start(self, engine, item):
         bounds = self._bounds(engine, item)
-        payloads = engine.core.encode_shards(engine.tensors.host(item.grad), item.name, item.step, bounds)
+        payloads = shards.encode_shards(engine.core, engine.tensors.host(item.grad), item.name, item.step, bounds)
         return ports.start_alltoall(engine.communicator, payloads, f"deepreduce.shard.{item.name}")
 
     def fail(self, engine, item, error):

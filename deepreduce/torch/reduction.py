@@ -1,0 +1,26 @@
+"""The port between the Horovod optimizer's contract (:mod:`deepreduce.torch.horovod_contract`)
+and what reduces its gradients (the step engine's :class:`deepreduce.torch.optimizer.EngineReduction`):
+the contract holds one, it does not inherit from it."""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+
+class Reduction(Protocol):
+    """What :class:`HorovodOptimizer` asks of the object that reduces its gradients: ``submit(p,
+    step)`` once ``p.grad`` is final (start reducing it), ``finish(step)`` once every gradient was
+    submitted (wait, write the results, raise the step's error), ``sparse_refusal(p)`` (why ``p``'s
+    sparse gradient cannot travel sparse, or None), ``name(p)``, ``parameters_changed()`` (a group
+    was added: the ranks compare parameters again), ``state_dict(step)`` / ``load_state_dict(state)
+    -> step`` (the checkpoint's ``"deepreduce"`` entry) and ``stats()``."""
+
+    def submit(self, p: torch.Tensor, step: int) -> None: ...
+    def finish(self, step: int) -> None: ...
+    def sparse_refusal(self, p: torch.Tensor) -> Optional[str]: ...
+    def name(self, p: torch.Tensor) -> str: ...
+    def parameters_changed(self) -> None: ...
+    def state_dict(self, step: int) -> dict: ...
+    def load_state_dict(self, state: dict) -> int: ...
+    def stats(self) -> dict: ...
