@@ -77,7 +77,7 @@ def fused():
         opt = drt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), compression=config)
         if calls is not None:
-            comm = opt._engine.communicator
+            comm = opt._reduction.engine.communicator
             for kind in ("alltoall_async", "allgather_async"):
                 real = getattr(comm, kind)
                 setattr(comm, kind, lambda *args, real=real, kind=kind, **kw: (calls.append((kind, args[1])), real(*args, **kw))[1])
