@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import OneRank, run_ranks, run_threads
+from conftest import OneRank, ThreadRanks, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
@@ -72,45 +72,15 @@ def test_horovod_optimizer_with_sparse_allreduce(ranks):
     a checkpoint byte-identically, ranks that disagree on the aggregation fail together, and the
     ``auto`` plan follows the link and is the same on every rank."""
     out = run_ranks("horovodrun", "torch_sparse_allreduce.py", np_=ranks, timeout=600).stdout
-    for scenario in ("exact", "trains", "resume", "disagree", "auto"):
+    for scenario in ("exact", "fused", "trains", "resume", "disagree", "auto"):
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
-
-
-class _ThreadRanks:
-    """``size`` ranks as threads of this process exchanging through shared slots (a barrier
-    between writing and reading): the collectives of the sparse all-reduce without a launcher."""
-
-    def __init__(self, size):
-        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), {}
-
-    def rank_view(self, rank):
-        ranks = self
-
-        class View:
-            def __init__(self):
-                self.rank, self.size = rank, ranks.size
-
-            def alltoall(self, payloads, name):
-                return ranks.exchange(rank, name, list(payloads), lambda sent, j: sent[j][rank])
-
-            def allgather(self, payload, name):
-                return ranks.exchange(rank, name, payload, lambda sent, j: sent[j])
-
-        return View()
-
-    def exchange(self, rank, name, mine, pick):
-        self.slots[(name, rank)] = mine
-        self.barrier.wait()
-        got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
-        self.barrier.wait()
-        return got
 
 
 def _reduce_on_threads(config, grads, corrupt=None):
     """Every rank's (outputs per step, final residual, error text) for ``grads[step][rank]``;
     ``corrupt(rank, step, payloads)`` may spoil what a rank sends in the first phase."""
     size = len(grads[0])
-    ranks = _ThreadRanks(size)
+    ranks = ThreadRanks(size)
     results = [None] * size
     pipes = [deepreduce.build(config) for _ in range(size)]   # the registry fills on first use: not in threads
 
@@ -121,8 +91,7 @@ def _reduce_on_threads(config, grads, corrupt=None):
         try:
             for step, per_rank in enumerate(grads):
                 outs.append(sra.reduce(per_rank[rank], "w", step))
-        except deepreduce.DeepReduceError as exc:
-            ranks.barrier.abort()
+        except deepreduce.DeepReduceError as exc:   # every rank raises at the same step: no abort needed
             outs.append(f"{type(exc).__name__}: {exc}")
         except threading.BrokenBarrierError:
             outs.append("aborted")
@@ -196,7 +165,11 @@ def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatc
     rng = np.random.default_rng(4)
     grads = [[rng.standard_normal(20_000).astype(np.float32) for _ in range(3)] for _ in range(2)]
     native, python = _both_paths("elias_fano", grads, monkeypatch, corrupt)
-    assert native[2][0][1].startswith("ContainerError: rank 1: ")
-    # the other ranks stop wherever the abort finds them; the decode count differs by the
-    # containers Python decoded before the bad one
-    _assert_same([r[:3] + (0,) for r in native[2:]], [r[:3] + (0,) for r in python[2:]])
+    for results in (native, python):
+        assert results[2][0][1].startswith("ContainerError: rank 1: ")
+        # the owner's error travels in its shard: every other rank raises too, naming it
+        for rank in (0, 1):
+            assert results[rank][0][1].startswith("CommunicationError: sparse_allreduce of 'w' at step 1: rank 2 could "
+                                                  "not reduce its shard (ContainerError: rank 1: ")
+    # the decode count differs by the containers Python decoded before the bad one
+    _assert_same([r[:3] + (0,) for r in native], [r[:3] + (0,) for r in python])

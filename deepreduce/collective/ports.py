@@ -55,7 +55,8 @@ class Tensors(Protocol):
         """A flat float32 NumPy view (or copy) of ``tensor`` on the host."""
 
     def write(self, target, flat: np.ndarray) -> None:
-        """Copy the flat float32 ``flat`` into ``target`` (its shape, dtype and device)."""
+        """Copy the flat float32 ``flat`` into ``target`` (its shape, dtype and device); nothing
+        to do where ``flat`` is :meth:`host`'s view of ``target`` (a route decoded into it)."""
 
     def divide(self, target, ranks: int) -> None:
         """``target /= ranks`` in place."""
@@ -118,7 +119,11 @@ class NumpyTensors:
 
     @staticmethod
     def write(target, flat) -> None:
-        np.copyto(target.reshape(-1), np.asarray(flat).reshape(-1), casting="same_kind")
+        flat = np.asarray(flat).reshape(-1)
+        if flat.dtype == target.dtype and flat.size == target.size and flat.ctypes.data == target.ctypes.data \
+                and target.flags.c_contiguous:   # host()'s view of the target itself: nothing to copy
+            return
+        np.copyto(target.reshape(-1), flat, casting="same_kind")
 
     copy = write
 

@@ -25,6 +25,13 @@ When the config runs in the C++ pipeline (``Pipeline.native``), a tensor's shard
 containers are encoded in one C++ call (``shards.encode_shards``) and each phase's received
 containers are decoded in one more, where they lie in what the collective returned, so the cost
 per container is a microsecond or two rather than a Python loop's tens (docs/scaling.md).
+
+Batches: the shard exchanges of several tensors share one collective per phase (:meth:`send`,
+:meth:`exchange`, :meth:`complete`; the step engine batches a step's tensors). Rank ``j``
+receives from each rank one payload holding its shard containers of every tensor of the batch
+behind a small length table (:func:`fuse`, :func:`cut`), so a step costs two collectives rather
+than two per tensor. A tensor's failure (its encode, or its owner step, on any rank) travels as
+that tensor's failure payload inside the batch: the other tensors and every rank stay in phase.
 """
 from __future__ import annotations
 
@@ -82,32 +89,43 @@ class SparseAllreduce:
     # ------------------------------------------------------------------ the step
     def reduce(self, grad: np.ndarray, name: str, step: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The sum over the ranks of ``grad`` (flat float32 NumPy, ``name`` and ``step`` alike on
-        every rank), written into ``out`` when given: the three phases below in one blocking call."""
-        phase = self.start(grad, name, step)
-        self.exchange(phase)
-        return self.complete(phase, out)[0]
+        every rank), written into ``out`` when given: the phases below in one blocking call."""
+        batch = self.send([self.encode(grad, name, step)])
+        self.exchange(batch)
+        return self.complete(batch, 0, out)[0]
 
-    def start(self, grad: np.ndarray, name: str, step: int) -> "Phase":
-        """Phase one: compensate, select, encode one container per shard and start the alltoall
-        (asynchronous where the communicator can). May raise (the encode): then
-        :meth:`start_failed` sends the failure payload in its place."""
+    def encode(self, grad: np.ndarray, name: str, step: int) -> "Phase":
+        """Phase one's encode: compensate, select and encode one container per shard
+        (``phase.sent``); :meth:`send` starts the collective. May raise: then
+        :meth:`encode_failed` makes the failure payload to go in its place."""
         flat = np.asarray(grad).reshape(-1)
         phase = self._phase(name, step, flat.shape[0])
         owner = self._owner_residual(name, phase.numel)
         if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
             self._moved.discard(name)
             flat = self._with_stranded_mass(flat, owner, phase.lo, phase.hi)
-        sent = shards.encode_shards(self.pipeline, flat, name, step, phase.bounds)
-        self.sent_bytes += sum(int(p.shape[0]) for p in sent)
-        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        phase.sent = shards.encode_shards(self.pipeline, flat, name, step, phase.bounds)
         return phase
 
-    def start_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
-        """Phase one of a rank whose encode raised ``error``: the failure payload to every owner."""
+    def encode_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
+        """Phase one of a tensor whose encode raised ``error`` on this rank: the failure payload
+        to every owner (the tensor's collectives go on, so every rank stays in phase)."""
         phase = self._phase(name, step, numel)
-        sent = [failure.payload(error)] * self.communicator.size
-        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        phase.sent = [failure.payload(error)] * self.communicator.size
         return phase
+
+    def send(self, phases: List["Phase"]) -> "Batch":
+        """Start phase one's alltoall for ``phases`` (the same tensors in the same order on every
+        rank): rank ``j`` receives, from each rank, the containers of shard ``j`` of every tensor
+        (:func:`fuse`): one collective for the batch, whatever its number of tensors."""
+        size = self.communicator.size
+        payloads = [fuse([phase.sent[j] for phase in phases]) for j in range(size)]
+        for phase in phases:
+            phase.sent = None
+        self.sent_bytes += sum(int(p.shape[0]) for p in payloads)
+        batch = Batch(phases, f"{phases[0].name}")
+        batch.pending = self._alltoall(payloads, f"deepreduce.sra1.{batch.name}")
+        return batch
 
     def _alltoall(self, payloads, name: str):
         if self.asynchronous:
@@ -127,41 +145,93 @@ class SparseAllreduce:
             self._journal[name] = (None if owner is None else owner.copy(), bounds.copy(), name in self._moved)
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
 
-    def exchange(self, phase: "Phase") -> None:
-        """Phase two, in one order on every rank: wait for this rank's shard containers,
-        decode-sum them, re-select with the owner residual, encode, and start the allgather. A
-        peer's failure payload is passed on in place of the shard, so every rank hears of it."""
-        mine = phase.pending.wait()
-        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
-        failed = failure.failed_rank(mine)
+    def exchange(self, batch: "Batch") -> None:
+        """Phase two, in one order on every rank: wait for this rank's shard containers of every
+        tensor of ``batch``, decode-sum each tensor's, re-select with its owner residual, encode,
+        and start one collective returning every owner's shards to every rank. A peer's failure
+        payload is passed on in place of the shard, and so is this rank's own owner-step error
+        (kept in ``phase.error``, raised by :meth:`complete`), so every rank hears of it."""
+        received = batch.pending.wait()
+        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in received)
+        count, size = len(batch.phases), self.communicator.size
+        if len(received) != size:
+            raise CommunicationError(f"sparse_allreduce of {batch.name!r}: {len(received)} alltoall parts for {size} ranks")
+        try:
+            per_rank = [cut(part, count, f"sparse_allreduce of {batch.name!r} from rank {r}")
+                        for r, part in enumerate(received)]
+        except CommunicationError as exc:   # this rank raises it; the peers hear of it in every shard
+            for phase in batch.phases:
+                phase.error = exc
+            per_rank = [[failure.payload(exc)] * count] * size
+        shards = [self._owner_shard(phase, [parts[i] for parts in per_rank]) for i, phase in enumerate(batch.phases)]
+        payload = fuse(shards)
+        self.sent_bytes += int(payload.shape[0])
+        name = f"deepreduce.sra2.{batch.name}"
+        if count == 1:   # one container: the communicators' allgather cuts its result by container
+            batch.pending = self._allgather(payload, name)
+        else:   # a fused payload is not one container: every rank is sent the same bytes by the alltoall
+            batch.pending = self._alltoall([payload] * size, name)
+
+    def _owner_shard(self, phase: "Phase", mine: List[np.ndarray]) -> np.ndarray:
+        """This rank's shard of one tensor of the batch (or the failure payload it passes on)."""
+        failed = None if phase.error is not None else failure.failed_rank(mine)
         if failed is not None:
             kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            shard = failure.payload(kind(f"rank {failed[0]}: {failed[2]}"))
-        else:
+            return failure.payload(kind(f"rank {failed[0]} could not encode its gradient ({failed[2]})"))
+        try:
+            if phase.error is not None:
+                raise phase.error
             owner = self._owner_residual(phase.name, phase.numel)
-            shard = self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
-        self.sent_bytes += int(shard.shape[0])
-        phase.pending = self._allgather(shard, f"deepreduce.sra2.{phase.name}")
+            return self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
+        except Exception as exc:   # noqa: BLE001 (raised by complete; the peers hear of it)
+            phase.error = exc
+            kind = NonFiniteGradientError if isinstance(exc, NonFiniteGradientError) else CommunicationError
+            rank = self.communicator.rank
+            return failure.payload(kind(f"rank {rank} could not reduce its shard ({type(exc).__name__}: {exc})"))
 
-    def complete(self, phase: "Phase", out: Optional[np.ndarray] = None):
-        """Phase three: wait for every shard and decode them into ``out`` (or a new array);
-        returns (the sum, the first flagged shard's (rank, NaN, Inf) or None). A peer's failure
-        payload raises (:func:`deepreduce.collective.failure.raise_if_failed`)."""
-        shards = phase.pending.wait()
-        self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in shards)
-        size = self.communicator.size
-        if len(shards) != size:
-            raise CommunicationError(f"sparse_allreduce of {phase.name!r}: {len(shards)} shards for {size} ranks")
-        failure.raise_if_failed(shards, f"sparse_allreduce of {phase.name!r}", phase.step)
+    def complete(self, batch: "Batch", index: int = 0, out: Optional[np.ndarray] = None):
+        """Phase three of tensor ``index`` of ``batch``: :meth:`arrived`, then :meth:`decode` into
+        ``out`` (or a new array); returns (the sum, the first flagged shard's (rank, NaN, Inf) or None)."""
+        shards, flagged = self.arrived(batch, index)
+        return self.decode(batch, index, shards, flagged, out), flagged
+
+    def arrived(self, batch: "Batch", index: int):
+        """Wait for every owner's shards (once for the batch) and return tensor ``index``'s, with the
+        first flagged one's (rank, NaN, Inf) or None. This rank's owner-step error, or a failure
+        an owner passed on (its own, or a rank's encode), raises here."""
+        phase = batch.phases[index]
+        if batch.shards is None:
+            gathered = batch.pending.wait()
+            self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in gathered)
+            size, count = self.communicator.size, len(batch.phases)
+            if len(gathered) != size:
+                raise CommunicationError(f"sparse_allreduce of {batch.name!r}: {len(gathered)} shards for {size} ranks")
+            batch.shards = [cut(part, count, f"sparse_allreduce of {batch.name!r} from rank {r}")
+                            for r, part in enumerate(gathered)]
+        if phase.error is not None:
+            raise phase.error
+        shards = [parts[index] for parts in batch.shards]
+        failed = failure.failed_rank(shards)
+        if failed is not None:   # an owner passed on what failed (its own step, or a rank's encode)
+            kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise kind(f"sparse_allreduce of {phase.name!r} at step {phase.step}: {failed[2].partition(': ')[2]}; "
+                       "every rank skips this step")
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
+        return shards, flagged
+
+    def decode(self, batch: "Batch", index: int, shards: List[np.ndarray], flagged, out: Optional[np.ndarray] = None):
+        """Write tensor ``index``'s ``shards`` (from :meth:`arrived`) into ``out`` (every element of
+        it: no need to zero it first) or a new array, and move its shard bounds every
+        ``repartition_every`` steps (the same on every rank: the same sum). Returns the flat sum."""
+        phase = batch.phases[index]
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
-            moved = balanced_bounds(kernels.nonzero(target), phase.numel, size)
+            moved = balanced_bounds(kernels.nonzero(target), phase.numel, self.communicator.size)
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved
                 self._moved.add(phase.name)
-        return target, flagged
+        return target
 
     # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
     def commit(self) -> None:
@@ -303,7 +373,48 @@ class Phase:
     bounds: np.ndarray
     lo: int
     hi: int
+    sent: Optional[List[np.ndarray]] = None   # phase one's container per shard, until send()
+    error: Optional[BaseException] = None     # this rank's owner step raised it (complete raises it)
+
+
+@dataclass
+class Batch:
+    """The tensors whose shard exchanges share one collective per phase (:meth:`SparseAllreduce.send`):
+    their phases in the order every rank sends them, the collective in flight (``pending``), and
+    once phase three waited, each rank's shard containers cut per tensor (``shards``)."""
+
+    phases: List[Phase]
+    name: str
     pending: object = None
+    shards: Optional[List[List[np.ndarray]]] = None
+
+
+def fuse(containers: List[np.ndarray]) -> np.ndarray:
+    """One payload for several containers bound to the same rank: a little-endian uint64 length
+    per container, then the containers end to end (any of them may be empty). One container is
+    sent as it is (the payload of a batch of one is the container, as before batches)."""
+    if len(containers) == 1:
+        return containers[0]
+    parts = [np.ascontiguousarray(c, dtype=np.uint8).reshape(-1) for c in containers]
+    table = np.array([p.shape[0] for p in parts], dtype="<u8").view(np.uint8)
+    return np.concatenate([table, *parts])
+
+
+def cut(payload, count: int, where: str) -> List[np.ndarray]:
+    """The ``count`` containers of a :func:`fuse` payload, as views of it; a table that does not
+    describe the payload exactly is a CommunicationError naming ``where``."""
+    if count == 1:
+        return [payload]
+    data = np.asarray(failure.on_host(payload), dtype=np.uint8).reshape(-1)
+    head = 8 * count
+    if data.shape[0] < head:
+        raise CommunicationError(f"{where}: {data.shape[0]} bytes cannot hold the lengths of {count} containers")
+    lengths = np.frombuffer(data[:head].tobytes(), dtype="<u8")
+    if int(lengths.sum(dtype=np.float64)) != data.shape[0] - head or np.any(lengths > data.shape[0]):
+        raise CommunicationError(f"{where}: the lengths of {count} containers add up to {int(lengths.sum(dtype=np.float64))} "
+                                 f"bytes, {data.shape[0] - head} arrived")
+    ends = head + np.cumsum(lengths.astype(np.int64))
+    return [data[int(end - length):int(end)] for end, length in zip(ends, lengths)]
 
 
 def even_bounds(numel: int, ranks: int) -> np.ndarray:
