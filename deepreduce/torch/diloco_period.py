@@ -35,7 +35,7 @@ from typing import Optional
 from ..collective import sync_period
 from ..collective.agreement import unwrap_bytes, wrap_bytes
 from ..collective.cost_model import CodecCosts, Link, check_nonnegative
-from ..collective.fragments import Schedule
+from ..collective.fragments import ALPHA, DELAY, FRAGMENTS, Schedule
 from ..errors import ConfigError, quote
 
 PROBE_STEPS = 5
@@ -71,8 +71,9 @@ class AutoPeriod:
         if not candidates or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in candidates):
             raise ConfigError(f"{owner}: auto_candidates must be a non-empty sequence of integers >= 1, "
                               f"got {quote(candidates)}")
-        checked = Schedule(max(candidates), fragments, delay, alpha, owner)   # the other arguments' own checks
-        fragments, delay, alpha = checked.fragments, checked.delay, checked.alpha
+        fragments = FRAGMENTS.check(owner, "fragments", fragments, "argument")
+        delay = DELAY.check(owner, "delay", delay, "argument")
+        alpha = ALPHA.check(owner, "alpha", alpha, "argument")
         self.candidates = sorted({h for h in candidates if self._fits(h, fragments, delay, alpha)})
         if not self.candidates:
             raise ConfigError(f"{owner}: no auto_candidates {sorted(candidates)} fits fragments={fragments} "

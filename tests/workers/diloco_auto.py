@@ -81,7 +81,7 @@ def run_with_checkpoint(rank, steps, stop=None):
 
     model, opt, diloco = make(SLOW, 0)
     sent = []
-    start = 0
+    start, checkpointed = 0, None
     if stop is not None:
         train(model, opt, diloco, rank, stop)
         buffer = io.BytesIO()
@@ -89,6 +89,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         diloco.close()
         buffer.seek(0)
         saved = torch.load(buffer, weights_only=True)
+        checkpointed = saved["diloco"]["sync_period"]
         model, opt, diloco = make(FAST, 123)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["inner"])
@@ -105,7 +106,7 @@ def run_with_checkpoint(rank, steps, stop=None):
     stats = diloco.stats()
     diloco.close()
     return {"sent": sent, "after": after, "params": flat(model.parameters()), "globals": flat(diloco.globals),
-            "sync_every": stats["sync_every"], "decision": stats["sync_period"],
+            "sync_every": stats["sync_every"], "decision": stats["sync_period"], "checkpointed": checkpointed,
             "bytes": (stats["outer_steps"], stats["sent_bytes"], stats["received_bytes"])}
 
 
@@ -180,11 +181,10 @@ def shipped(config, rank, steps=12, sync_every=2):
         return payload
 
     diloco.pipeline.encode = recording
-    after, losses = [], []
+    after = []
     with diloco:
         for step in range(steps):
             applied = diloco.outer_steps
-            losses.append(float(loss_of(model, rank, step)))
             inner.zero_grad()
             loss_of(model, rank, step).backward()
             inner.step()
