@@ -48,15 +48,15 @@ DECISION_KEYS = ("sync_every", "option", "predicted_step_s", "outer_s", "sent_bi
 
 
 def priced_config(config: dict) -> Optional[dict]:
-    """``config`` with its sparsifier's selection as a ``ratio`` (what the codec-cost probe
-    varies), or None when it has none."""
-    sparsifier = dict(config.get("sparsifier") or {})
-    if sparsifier.get("id") == "chunk_topk" and sparsifier.get("k"):
-        sparsifier.update(ratio=sparsifier["k"] / sparsifier["chunk"], k=0)
-    ratio = sparsifier.get("ratio")
+    """``config`` (less its communicator and aggregation) with its sparsifier's selection as a
+    ``ratio`` (:func:`deepreduce.collective.cost_probe.with_ratio`), or None when it has none."""
+    from ..collective.cost_probe import with_ratio
+
+    config = with_ratio({k: v for k, v in config.items() if k not in ("communicator", "aggregation")})
+    ratio = (config.get("sparsifier") or {}).get("ratio")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         return None
-    return dict({k: v for k, v in config.items() if k not in ("communicator", "aggregation")}, sparsifier=sparsifier)
+    return config
 
 
 class AutoPeriod:
