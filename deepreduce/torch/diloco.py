@@ -16,6 +16,10 @@ flight at a time, so each reduction is one engine step: ``begin`` (the ranks agr
 config, schedule, outer optimizer and step), ``submit`` (over torch.distributed one item whose parts are
 the fragment's parameters, one collective; over Horovod one item per parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
+With ``sync_every="auto"`` the first inner steps are timed without syncing, then the workers
+measure the link and the config's codec and adopt rank 0's choice of H
+(:mod:`deepreduce.torch.diloco_period`, the model of :mod:`deepreduce.collective.sync_period`).
+
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
 parameters are reset to the global ones. Under ``nonfinite: propagate`` the NaN reaches the outer
@@ -267,8 +271,9 @@ class DiLoCo:
         return diloco_state.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (a DiLoCo built alike); the workers agree again
-        (on the restored inner step too) before the next outer step."""
+        """Restore :meth:`state_dict`'s output (a DiLoCo built alike; an ``"auto"`` checkpoint
+        brings its chosen H, so nothing is measured again); the workers agree again (on the
+        restored inner step too) before the next outer step."""
         self.engine.idle()
         diloco_state.load(self, state)
         self._agreed = False
