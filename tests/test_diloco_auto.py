@@ -83,6 +83,23 @@ def test_resume_keeps_h_without_probing_and_is_byte_identical(ranks):
         assert whole["bytes"] == resumed["bytes"]
 
 
+def test_a_checkpoint_taken_while_probing_resumes_the_probe(ranks):
+    for r in every(ranks, "scenario_auto_resume"):
+        early = r["while_probing"]
+        assert early["checkpointed"] is None
+        # the resumed run measured anew (its fast link chooses H = 2 of (2, 3, 4)), probing steps 2-3
+        assert early["sync_every"] == 2 and [s for s, _ in early["after"]] == [4, 6, 8, 10]
+
+
+def test_an_auto_checkpoint_is_refused_where_it_does_not_fit(ranks):
+    for r in every(ranks, "scenario_auto_checkpoint_refused"):
+        kind, message, _ = r["fixed"]
+        assert kind == "ConfigError" and "sync_every='auto'" in message and "H = 4" in message
+        kind, message, _ = r["candidate"]
+        assert kind == "ConfigError" and "sync_every 7 is not one of auto_candidates [2, 3, 4]" in message
+        assert r["loaded"] == (3, 4)
+
+
 def test_workers_that_disagree_on_auto_fail_together(ranks):
     results = every(ranks, "scenario_auto_disagree")
     for kind, message, seconds in results:

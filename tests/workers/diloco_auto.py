@@ -113,7 +113,27 @@ def run_with_checkpoint(rank, steps, stop=None):
 def scenario_auto_resume(rank):
     fast = choose_with(FAST)["sync_every"]
     return {"whole": run_with_checkpoint(rank, 18), "resumed": run_with_checkpoint(rank, 18, stop=6),
-            "fast_alone": fast}
+            "while_probing": run_with_checkpoint(rank, 10, stop=1), "fast_alone": fast}
+
+
+def scenario_auto_checkpoint_refused(rank):
+    """An "auto" checkpoint into a DiLoCo of a fixed H, and a decision of an H not among the
+    candidates: ConfigErrors naming the problem; the good checkpoint still loads."""
+    model, opt, diloco = build(TOPK, "auto", auto_probe_steps=2, auto_candidates=(2, 3, 4),
+                               auto_inputs={"link": SLOW, "compute_s": 0.05, "codec": CODEC})
+    train(model, opt, diloco, rank, 3)
+    state = diloco.state_dict()
+    diloco.close()
+    fixed = build(TOPK, 4)[2]
+    out = {"fixed": error_of(lambda: fixed.load_state_dict(state))}
+    fixed.close()
+    target = build(TOPK, "auto", auto_probe_steps=2, auto_candidates=(2, 3, 4))[2]
+    bad = dict(state, sync_period=dict(state["sync_period"], sync_every=7))
+    out["candidate"] = error_of(lambda: target.load_state_dict(bad))
+    target.load_state_dict(state)
+    out["loaded"] = (target.step_count, target.stats()["sync_every"])
+    target.close()
+    return out
 
 
 def scenario_auto_disagree(rank):
@@ -212,7 +232,8 @@ def scenario_aggregation_auto(rank):
             "routes": stats.get("routes_taken")}
 
 
-SCENARIOS = [scenario_auto_measured, scenario_auto_links, scenario_auto_resume, scenario_auto_disagree,
+SCENARIOS = [scenario_auto_measured, scenario_auto_links, scenario_auto_resume, scenario_auto_checkpoint_refused,
+             scenario_auto_disagree,
              scenario_alpha, scenario_shipped, scenario_aggregation_auto]
 
 
