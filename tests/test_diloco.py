@@ -18,7 +18,8 @@ import diloco as worker  # noqa: E402
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def ranks(request):
     world = request.param
-    return [spawn_ranks(worker.run, world=world, timeout=400)[r] for r in range(world)]
+    out = spawn_ranks(worker.run, world=world, timeout=400)   # one launch: every rank's results
+    return [out[r] for r in range(world)]
 
 
 def every(ranks, scenario):

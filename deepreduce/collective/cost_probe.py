@@ -55,16 +55,29 @@ def _median_s(fn: Callable[[int], object], repeat: int, now: Callable[[], float]
     return max(statistics.median(samples), 1e-9)
 
 
+def with_ratio(config: dict) -> dict:
+    """``config`` with its sparsifier's selection given as a ``ratio`` (what the probe varies): a
+    ``chunk_topk`` of ``k`` per chunk of ``C`` becomes ``ratio = k / C``, the same selection."""
+    sparsifier = config.get("sparsifier")
+    if not isinstance(sparsifier, dict) or sparsifier.get("id") != "chunk_topk" or not sparsifier.get("k"):
+        return config
+    from ..sparsify.chunked import ChunkTopK
+
+    chunk = sparsifier.get("chunk", ChunkTopK.PARAMS["chunk"].default)
+    return dict(config, sparsifier=dict(sparsifier, ratio=sparsifier["k"] / chunk, k=0))
+
+
 def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 3,
                         seed: int = 0, threads: int = 1, clock: str = "cpu", note: str = "") -> CodecCosts:
     """Fit ``config``'s (a path, shipped name or dict) encode, decode and container-size costs.
 
-    Its sparsifier must have a ``ratio`` (Top-r and the like). ``threads``: the kernels' threads
+    Its sparsifier must have a ``ratio`` (Top-r and the like; a ``chunk_topk``'s ``k`` counts as
+    ``k / chunk``, :func:`with_ratio`). ``threads``: the kernels' threads
     (1: one rank per core). ``note`` is stored with the figures (say where they were taken).
     """
     from ..config import build, load_config
 
-    raw = dict(load_config(config))
+    raw = with_ratio(dict(load_config(config)))
     ratio = raw.get("sparsifier", {}).get("ratio")
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
         raise ConfigError(f"measure_codec_costs: the config's sparsifier needs a ratio in (0, 1], got {ratio!r}")

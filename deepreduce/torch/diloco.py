@@ -16,6 +16,10 @@ flight at a time, so each reduction is one engine step: ``begin`` (the ranks agr
 config, schedule, outer optimizer and step), ``submit`` (over torch.distributed one item whose parts are
 the fragment's parameters, one collective; over Horovod one item per parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
+With ``sync_every="auto"`` the first inner steps are timed without syncing, then the workers
+measure the link and the config's codec and adopt rank 0's choice of H
+(:mod:`deepreduce.torch.diloco_period`, the model of :mod:`deepreduce.collective.sync_period`).
+
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
 parameters are reset to the global ones. Under ``nonfinite: propagate`` the NaN reaches the outer
@@ -28,13 +32,14 @@ from typing import Optional
 
 import torch
 
-from ..collective import agreement
+from ..collective import agreement, sync_period
 from ..collective.fragments import Schedule, split
 from ..collective.step import Item, StepEngine
 from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
 from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
+from .diloco_period import PROBE_STEPS, AutoPeriod
 from .diloco_state import InFlight
 from .diloco_transport import open_transport
 from .tensors import TorchTensors
@@ -51,19 +56,35 @@ class DiLoCo:
     weight when a fragment is applied. ``background``: encode and start the collectives on the
     engine's worker thread (False: inline; same bytes).
 
+    ``sync_every="auto"``: the workers time ``auto_probe_steps`` inner steps, probe the link and
+    the config's codec, and rank 0 chooses H among ``auto_candidates`` within ``auto_slack`` of the
+    compute (:mod:`deepreduce.torch.diloco_period`; ``auto_inputs`` gives figures instead of
+    measuring them); no outer step happens before, the first is at the first multiple of H after.
+
     Building it is collective over ``group``: the workers agree on the layout and schedule, and
     every worker's model takes the first worker's parameters, the first global parameters.
     """
 
-    def __init__(self, model: torch.nn.Module, inner_optimizer, outer_optimizer, sync_every: int,
+    def __init__(self, model: torch.nn.Module, inner_optimizer, outer_optimizer, sync_every,
                  compression=None, group=None, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
-                 backend: str = "torch", background: bool = True, path: str = "auto") -> None:
-        self.schedule = Schedule(sync_every, fragments, delay, alpha, OWNER)
+                 backend: str = "torch", background: bool = True, path: str = "auto",
+                 auto_candidates=sync_period.CANDIDATES, auto_slack: float = sync_period.DEFAULT_SLACK,
+                 auto_probe_steps: int = PROBE_STEPS, auto_inputs: Optional[dict] = None) -> None:
         self.named = trainable(model)
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         self.inner, self.outer = inner_optimizer, outer_optimizer
-        self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
         self.pipeline = build_pipeline(compression, path)
+        self.period: Optional[AutoPeriod] = None   # sync_every="auto": the choice of H
+        self.schedule: Optional[Schedule] = None   # None until the auto choice is made
+        if isinstance(sync_every, str):
+            if sync_every != "auto":
+                raise ConfigError(f"{OWNER}: sync_every must be an integer >= 1 or 'auto', got {sync_every!r}")
+            self.period = AutoPeriod(self.pipeline, fragments, delay, alpha, auto_candidates, auto_slack,
+                                     auto_probe_steps, auto_inputs, OWNER)
+            fragments = self.period.fragments
+        else:
+            self.schedule = Schedule(sync_every, fragments, delay, alpha, OWNER)
+        self.groups = split([p.numel() for _, p in self.named], fragments, OWNER)
         self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
         # over torch.distributed a fragment is one item (its containers end to end, one collective);
         # Horovod splits a gathered buffer by container headers, so there each parameter is an item
@@ -74,13 +95,15 @@ class DiLoCo:
         self.deltas = [torch.zeros(sum(self.named[i][1].numel() for i in g), dtype=torch.float32, device=device)
                        for g in self.groups]
         self.step_count = 0                      # inner steps counted
-        self.rounds = [0] * self.schedule.fragments   # reductions submitted per fragment
+        self.rounds = [0] * len(self.groups)     # reductions submitted per fragment
         self.outer_steps = 0                     # reductions applied
         self.last_applied: Optional[int] = None  # the fragment the last of them updated
         self.in_flight: Optional[InFlight] = None
         self._hook = None
         try:
             self._agree()
+            if self.period is not None:   # every worker agreed on the config: all raise alike
+                self.period.check_priceable()
             with torch.no_grad():
                 for name, p in self.named:
                     self._broadcast(p.data, name)
@@ -88,6 +111,8 @@ class DiLoCo:
             self._release()
             raise
         self.globals = [p.detach().to(torch.float32, copy=True) for _, p in self.named]
+        if self.period is not None:
+            self.period.restart(self.step_count)
 
     # ------------------------------------------------------------------ agreement
     def _agree(self) -> None:
@@ -95,7 +120,8 @@ class DiLoCo:
         equal on every worker, or the same CommunicationError on each."""
         label, digest = agreement.compressor_identity(self.pipeline)
         outer = f"outer {type(self.outer).__name__} {hyperparameters(self.outer)}"
-        extra = f"; {self.schedule.describe()}; {outer}; inner step {self.step_count}"
+        schedule = self.period.describe() if self.schedule is None else self.schedule.describe()
+        extra = f"; {schedule}; {outer}; inner step {self.step_count}"
         digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
         tensors = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
         self.engine.begin(agreement.Layout((label + extra, digest), tensors, "parameter"), OWNER)
@@ -124,6 +150,10 @@ class DiLoCo:
         if not self._agreed:
             self._agree()
         self.step_count += 1
+        if self.schedule is None:   # sync_every="auto", H not chosen yet: time the step
+            if self.period.tick(self.step_count):
+                self._choose_period()
+            return
         if self.in_flight is not None and self.in_flight.due <= self.step_count:
             self._apply()
         fragment = self.schedule.syncing(self.step_count)
@@ -131,6 +161,12 @@ class DiLoCo:
             self._submit(fragment)
             if self.schedule.delay == 0:
                 self._apply()
+
+    def _choose_period(self) -> None:
+        """Collective: measure, let rank 0 choose H, adopt it on every worker and agree again."""
+        self.period.decide(self.communicator.inner, sum(p.numel() for _, p in self.named))
+        self.schedule = self.period.schedule()
+        self._agree()
 
     def _parts(self, fragment: int):
         """(name, parameter, global copy, Δ view) of each parameter of ``fragment``."""
@@ -207,7 +243,10 @@ class DiLoCo:
         """The engine's figures and the outer loop's: ``outer_steps`` (fragment reductions
         applied), ``inner_steps``, ``sent_bytes`` / ``received_bytes`` (this rank, all outer
         steps), their means per outer step, and bits per parameter per inner step sent and
-        received (``8 * bytes / (parameters * inner steps)``)."""
+        received (``8 * bytes / (parameters * inner steps)``); ``sync_every`` (None while
+        ``"auto"`` has not chosen yet) and, under ``"auto"``, ``sync_period``: the decision (H,
+        option, predicted inner step seconds and bits per parameter per inner step, and the
+        measured inputs: compute seconds per rank, link, codec costs)."""
         out = self.engine.stats()
         sent, received, steps = self.communicator.sent, self.communicator.received, self.outer_steps
         numel = sum(p.numel() for _, p in self.named)
@@ -217,7 +256,10 @@ class DiLoCo:
                    sent_bytes_per_outer_step=sent / steps if steps else 0.0,
                    received_bytes_per_outer_step=received / steps if steps else 0.0,
                    bits_per_parameter_per_inner_step=sent * per,
-                   received_bits_per_parameter_per_inner_step=received * per)
+                   received_bits_per_parameter_per_inner_step=received * per,
+                   sync_every=None if self.schedule is None else self.schedule.sync_every)
+        if self.period is not None:
+            out["sync_period"] = None if self.period.decision is None else dict(self.period.decision)
         return out
 
     def state_dict(self) -> dict:
@@ -229,8 +271,9 @@ class DiLoCo:
         return diloco_state.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (a DiLoCo built alike); the workers agree again
-        (on the restored inner step too) before the next outer step."""
+        """Restore :meth:`state_dict`'s output (a DiLoCo built alike; an ``"auto"`` checkpoint
+        brings its chosen H, so nothing is measured again); the workers agree again (on the
+        restored inner step too) before the next outer step."""
         self.engine.idle()
         diloco_state.load(self, state)
         self._agreed = False

@@ -1,7 +1,9 @@
 """The checkpoint of the outer loop (:class:`deepreduce.torch.diloco.DiLoCo`), checked on load.
 
 ``save(diloco)`` is a dict ``torch.save`` writes (and ``torch.load(weights_only=True)`` reads):
-``format``, ``step`` (inner steps counted), ``schedule`` (sync_every, fragments, delay, alpha),
+``format``, ``step`` (inner steps counted), ``schedule`` (sync_every, fragments, delay, alpha; None
+while ``sync_every="auto"`` has not chosen H), ``sync_period`` (the auto choice's decision, H and
+its measured inputs, so a resumed run does not measure again; None without one),
 ``rounds`` (reductions submitted per fragment), ``outer_steps``, ``globals`` (each parameter's
 float32 global copy, by name), ``outer_optimizer`` (its ``state_dict()``, copied),
 ``compression`` (residuals and learned state; the sparse all-reduce's under ``aggregation``,
@@ -20,8 +22,8 @@ from .. import checkpoint
 from ..errors import ConfigError, quote
 from .checkpoint import compression_state_dict, load_compression_state_dict
 
-FORMAT = 1
-KEYS = ("format", "step", "schedule", "rounds", "outer_steps", "globals", "outer_optimizer", "compression",
+FORMAT = 2   # 2: sync_period (the sync_every="auto" decision)
+KEYS = ("format", "step", "schedule", "sync_period", "rounds", "outer_steps", "globals", "outer_optimizer", "compression",
         "pending", "bytes")
 OWNER = "DiLoCo.load_state_dict"
 
@@ -46,7 +48,9 @@ def save(diloco) -> dict:
         "fragment": flight.fragment, "due": flight.due, "round": flight.round,
         "delta": diloco.deltas[flight.fragment].detach().cpu().clone()}
     return {
-        "format": FORMAT, "step": diloco.step_count, "schedule": diloco.schedule.as_dict(),
+        "format": FORMAT, "step": diloco.step_count,
+        "schedule": None if diloco.schedule is None else diloco.schedule.as_dict(),
+        "sync_period": None if diloco.period is None or diloco.period.decision is None else dict(diloco.period.decision),
         "rounds": list(diloco.rounds), "outer_steps": diloco.outer_steps,
         "globals": {name: g.detach().cpu().clone() for (name, _), g in zip(diloco.named, diloco.globals)},
         "outer_optimizer": copy.deepcopy(diloco.outer.state_dict()),
@@ -61,9 +65,11 @@ def load(diloco, state) -> None:
     state = checkpoint.checked_keys(OWNER, state, KEYS)
     if checkpoint.scalar(state["format"]) != FORMAT:
         raise ConfigError(f"{OWNER}: checkpoint format {quote(state['format'])}, this version reads {FORMAT}")
-    if state["schedule"] != diloco.schedule.as_dict():
+    decision, schedule = _checked_period(diloco, state["sync_period"])
+    expected = None if schedule is None else schedule.as_dict()
+    if state["schedule"] != expected:
         raise ConfigError(f"{OWNER}: the checkpoint's schedule {quote(state['schedule'])} differs from this "
-                          f"DiLoCo's {diloco.schedule.as_dict()}; build DiLoCo with the checkpoint's settings")
+                          f"DiLoCo's {expected}; build DiLoCo with the checkpoint's settings")
     step = checkpoint.STEP.check(OWNER, "step", checkpoint.scalar(state["step"]), "checkpoint field")
     outer_steps = checkpoint.COUNT.check(OWNER, "outer_steps", checkpoint.scalar(state["outer_steps"]),
                                          "checkpoint field")
@@ -75,7 +81,7 @@ def load(diloco, state) -> None:
                                                 {"sent": checkpoint.COUNT, "received": checkpoint.COUNT})[k]
                       for k in ("sent", "received"))
     globals_ = _checked_globals(diloco, state["globals"])
-    pending = _checked_pending(diloco, state["pending"], step, rounds)
+    pending = _checked_pending(diloco, schedule, state["pending"], step, rounds)
     before = copy.deepcopy(diloco.outer.state_dict())
     try:
         diloco.outer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
@@ -93,6 +99,10 @@ def load(diloco, state) -> None:
             diloco.deltas[pending[0]].copy_(pending[3])
     diloco.in_flight = None if pending is None else InFlight(pending[0], pending[1], pending[2], finished=True)
     diloco.step_count, diloco.rounds, diloco.outer_steps = step, rounds, outer_steps
+    if diloco.period is not None:
+        diloco.period.decision = decision
+        diloco.period.restart(step)   # without a decision the probe starts again from here
+    diloco.schedule = schedule
     diloco.communicator.sent, diloco.communicator.received = sent, received
 
 
@@ -112,17 +122,34 @@ def _checked_globals(diloco, held) -> list:
     return out
 
 
-def _checked_pending(diloco, pending, step: int, rounds):
+def _checked_period(diloco, decision):
+    """(the checkpoint's sync-period decision, the schedule it implies) for ``diloco``: a
+    ``sync_every="auto"`` checkpoint loads only into an auto DiLoCo and brings its H."""
+    if diloco.period is None:
+        if decision is not None:
+            raise ConfigError(f"{OWNER}: the checkpoint chose its sync period (sync_every='auto', H = "
+                              f"{quote(decision.get('sync_every') if isinstance(decision, dict) else decision)}); "
+                              "build DiLoCo with sync_every='auto' to resume it")
+        return None, diloco.schedule
+    if decision is None:
+        return None, None
+    decision = diloco.period.checked(decision)
+    return decision, diloco.period.adopt_schedule(decision)
+
+
+def _checked_pending(diloco, schedule, pending, step: int, rounds):
     """(fragment, due, round, mean Δ) of a checkpoint's pending reduction, or None."""
     if pending is None:
         return None
+    if schedule is None:
+        raise ConfigError(f"{OWNER}: a pending reduction before the sync period was chosen: {quote(pending)}")
     pending = checkpoint.checked_keys(f"{OWNER} pending", pending, ("fragment", "due", "round", "delta"))
     fragment, due, round_ = (checkpoint.scalar(pending[k]) for k in ("fragment", "due", "round"))
     if not isinstance(fragment, int) or not 0 <= fragment < len(diloco.groups):
         raise ConfigError(f"{OWNER}: pending fragment {quote(fragment)} is not one of 0..{len(diloco.groups) - 1}")
-    if not isinstance(due, int) or not step < due <= step + diloco.schedule.delay:
+    if not isinstance(due, int) or not step < due <= step + schedule.delay:
         raise ConfigError(f"{OWNER}: pending reduction due at inner step {quote(due)}, which is not within "
-                          f"delay={diloco.schedule.delay} after step {step}")
+                          f"delay={schedule.delay} after step {step}")
     if not isinstance(round_, int) or not 0 <= round_ < rounds[fragment]:
         raise ConfigError(f"{OWNER}: pending round {quote(round_)} of fragment {fragment} was never submitted")
     delta = pending["delta"]
