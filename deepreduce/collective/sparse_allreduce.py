@@ -16,10 +16,11 @@ Each rank receives about k entries in each phase (k/N from each rank, then k/N f
 owner) whatever N is, against k(N-1) for the allgather of whole containers. The shard
 boundaries start even and are moved every ``repartition_every`` steps so that each shard holds
 about the same number of the previous aggregate's non-zeros: every rank decoded the same
-aggregate, so every rank computes the same boundaries without a message. Owner-residual mass
-that a move leaves outside a rank's shard travels with that rank's next contribution, so
-nothing is lost: the sum of what was delivered and of both residuals over all ranks equals the
-sum of the gradients (tested).
+aggregate, so every rank computes the same boundaries without a message. A rank's owner residual
+covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
+budget needs). Owner-residual mass that a move leaves outside a rank's shard travels with that
+rank's next contribution, so nothing is lost: the sum of what was delivered and of both
+residuals over all ranks equals the sum of the gradients (tested).
 
 When the config runs in the C++ pipeline (``Pipeline.native``), a tensor's shard
 containers are encoded in one C++ call (``shards.encode_shards``) and each phase's received
@@ -73,8 +74,7 @@ class SparseAllreduce:
         self.pipeline, self.communicator = pipeline, communicator
         self.reselect, self.ratio, self.repartition_every = reselect, ratio, repartition_every
         self._bounds: Dict[str, np.ndarray] = {}
-        self._owner_residuals: Dict[str, np.ndarray] = {}
-        self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
+        self._owner_residuals: Dict[str, OwnerResidual] = {}
         # both phases decode what they received in one C++ call when the config runs there
         self._native_decode = pipeline.native_reason() is None
         self.received_bytes = {"alltoall": 0, "allgather": 0}
@@ -100,10 +100,7 @@ class SparseAllreduce:
         :meth:`encode_failed` makes the failure payload to go in its place."""
         flat = np.asarray(grad).reshape(-1)
         phase = self._phase(name, step, flat.shape[0])
-        owner = self._owner_residual(name, phase.numel)
-        if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
-            self._moved.discard(name)
-            flat = self._with_stranded_mass(flat, owner, phase.lo, phase.hi)
+        flat = self._align_owner_residual(name, flat, phase.lo, phase.hi)
         phase.sent = shards.encode_shards(self.pipeline, flat, name, step, phase.bounds)
         return phase
 
@@ -142,7 +139,7 @@ class SparseAllreduce:
         bounds = self._bounds.setdefault(name, even_bounds(numel, size))
         if self._journal is not None and name not in self._journal:
             owner = self._owner_residuals.get(name)
-            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy(), name in self._moved)
+            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy())
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
 
     def exchange(self, batch: "Batch") -> None:
@@ -181,8 +178,8 @@ class SparseAllreduce:
         try:
             if phase.error is not None:
                 raise phase.error
-            owner = self._owner_residual(phase.name, phase.numel)
-            return self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
+            owner = self._owner_residual(phase.name, phase.lo, phase.hi, phase.numel)
+            return self._owner_step(mine, owner, phase.hi - phase.lo, phase.name, phase.step)
         except Exception as exc:   # noqa: BLE001 (raised by complete; the peers hear of it)
             phase.error = exc
             kind = NonFiniteGradientError if isinstance(exc, NonFiniteGradientError) else CommunicationError
@@ -229,8 +226,7 @@ class SparseAllreduce:
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
             moved = balanced_bounds(kernels.nonzero(target), phase.numel, self.communicator.size)
             if not np.array_equal(moved, phase.bounds):
-                self._bounds[phase.name] = moved
-                self._moved.add(phase.name)
+                self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
 
     # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
@@ -244,13 +240,12 @@ class SparseAllreduce:
         per-rank residuals are the pipeline's, restored by its own journal)."""
         if self._journal is None:
             return
-        for name, (owner, bounds, moved) in self._journal.items():
+        for name, (owner, bounds) in self._journal.items():
             if owner is None:
                 self._owner_residuals.pop(name, None)
             else:
                 self._owner_residuals[name] = owner
             self._bounds[name] = bounds
-            (self._moved.add if moved else self._moved.discard)(name)
         self._journal.clear()
 
     def _native(self):
@@ -287,30 +282,38 @@ class SparseAllreduce:
         stats.tensors_decoded += containers
         stats.decode_seconds += time.perf_counter() - start
 
-    def _owner_residual(self, name: str, numel: int) -> np.ndarray:
+    def _owner_residual(self, name: str, lo: int, hi: int, numel: int) -> "OwnerResidual":
+        """``name``'s owner residual over ``[lo, hi)`` (zeros the first time). Phase one's encode
+        (:meth:`_align_owner_residual`) has moved it onto this step's shard already."""
         owner = self._owner_residuals.get(name)
-        if owner is None or owner.shape[0] != numel:
-            owner = self._owner_residuals[name] = np.zeros(numel, np.float32)
+        if owner is None or not owner.covers(lo, hi):
+            owner = self._owner_residuals[name] = OwnerResidual(lo, np.zeros(hi - lo, np.float32), numel)
         return owner
 
-    @staticmethod
-    def _with_stranded_mass(flat: np.ndarray, owner: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """``flat`` plus the owner residual a boundary move left outside this rank's shard (that
-        mass is sent on with this rank's contribution); ``flat`` itself when there is none."""
-        outside = np.concatenate([owner[:lo], owner[hi:]])
-        if not outside.any():
+    def _align_owner_residual(self, name: str, flat: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Move ``name``'s owner residual onto the shard ``[lo, hi)`` when its bounds moved (or
+        a checkpoint was loaded): the part inside stays, the mass outside is added to (a copy
+        of) ``flat``, sent on with this rank's contribution. Returns what to encode."""
+        owner = self._owner_residuals.get(name)
+        if owner is None or owner.covers(lo, hi):
+            return flat
+        kept = np.zeros(hi - lo, np.float32)
+        start, stop = max(lo, owner.lo), min(hi, owner.hi)
+        stranded = owner.values.copy()
+        if start < stop:
+            kept[start - lo:stop - lo] = owner.values[start - owner.lo:stop - owner.lo]
+            stranded[start - owner.lo:stop - owner.lo] = 0.0
+        self._owner_residuals[name] = OwnerResidual(lo, kept, flat.shape[0])
+        if not stranded.any():
             return flat
         moved = flat.astype(np.float32, copy=True)
-        moved[:lo] += owner[:lo]
-        moved[hi:] += owner[hi:]
-        owner[:lo] = 0.0
-        owner[hi:] = 0.0
+        moved[owner.lo:owner.hi] += stranded
         return moved
 
-    def _owner_step(self, payloads: List[np.ndarray], owner: np.ndarray, lo: int, hi: int,
+    def _owner_step(self, payloads: List[np.ndarray], owner: "OwnerResidual", m: int,
                     name: str, step: int) -> np.ndarray:
-        """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
-        m = hi - lo
+        """Decode-sum this rank's shard (``m`` elements), re-select with the owner residual,
+        encode the result."""
         if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
             total = np.zeros(m, np.float32)
             for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
@@ -319,9 +322,9 @@ class SparseAllreduce:
         total = self.sum_shard(payloads, m)
         if not np.isfinite(total).all():
             return shards.encode_dense(self.pipeline, total, flagged=True)
-        total += owner[lo:hi]
+        total += owner.values
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
-            owner[lo:hi] = 0.0
+            owner.values[:] = 0.0
             return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
             chosen = kernels.nonzero(total)
@@ -329,13 +332,14 @@ class SparseAllreduce:
             chosen = kernels.topk_positions(total, count_for(self.ratio, m))
         payload, sent, received = shards.encode_owned(self.pipeline, total, chosen, f"{name}#owner", step)
         total[sent] -= received
-        owner[lo:hi] = total
+        owner.values[:] = total
         return payload
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Owner residuals and shard boundaries, per tensor (copies)."""
-        return {"owner_residuals": {n: r.copy() for n, r in self._owner_residuals.items()},
+        """Owner residuals (each as a whole tensor's float32 array, zero outside the shard it
+        covers) and shard boundaries, per tensor (copies)."""
+        return {"owner_residuals": {n: self.owner_residual(n) for n in self._owner_residuals},
                 "bounds": {n: b.copy() for n, b in self._bounds.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -347,7 +351,7 @@ class SparseAllreduce:
             r = np.asarray(r)
             if r.dtype != np.float32 or r.ndim != 1 or not np.isfinite(r).all():
                 raise ConfigError(f"sparse_allreduce: owner residual of {name!r} must be a finite 1-D float32 array")
-            residuals[name] = r.copy()
+            residuals[name] = OwnerResidual(0, r.copy(), r.shape[0])   # moved onto the shard by the next encode
         for name, b in state["bounds"].items():
             b = np.asarray(b, dtype=np.int64)
             if b.ndim != 1 or b.shape[0] != self.communicator.size + 1 or b[0] != 0 or np.any(np.diff(b) < 0):
@@ -355,12 +359,43 @@ class SparseAllreduce:
                                   f"{self.communicator.size + 1} steps")
             bounds[name] = b.copy()
         self._owner_residuals, self._bounds = residuals, bounds
-        self._moved = set(residuals)
 
     def owner_residual(self, name: str) -> Optional[np.ndarray]:
-        """The owner residual held for ``name`` (non-zero only inside this rank's shard)."""
-        return self._owner_residuals.get(name)
+        """The owner residual held for ``name`` as a whole tensor's float32 array (a new one,
+        non-zero only inside the shard it covers), or None."""
+        owner = self._owner_residuals.get(name)
+        return None if owner is None else owner.whole()
 
+    def state_bytes(self) -> int:
+        """Bytes this object holds between steps: the owner residuals and the shard bounds."""
+        return sum(o.values.nbytes for o in self._owner_residuals.values()) \
+            + sum(b.nbytes for b in self._bounds.values())
+
+
+
+class OwnerResidual:
+    """One tensor's owner residual: ``values`` over the elements ``[lo, lo + len(values))`` of a
+    tensor of ``numel`` (the shard it covers; the whole tensor after a checkpoint load)."""
+
+    __slots__ = ("lo", "values", "numel")
+
+    def __init__(self, lo: int, values: np.ndarray, numel: int) -> None:
+        self.lo, self.values, self.numel = int(lo), values, int(numel)
+
+    @property
+    def hi(self) -> int:
+        return self.lo + int(self.values.shape[0])
+
+    def covers(self, lo: int, hi: int) -> bool:
+        return self.lo == lo and self.hi == hi
+
+    def copy(self) -> "OwnerResidual":
+        return OwnerResidual(self.lo, self.values.copy(), self.numel)
+
+    def whole(self) -> np.ndarray:
+        out = np.zeros(self.numel, np.float32)
+        out[self.lo:self.hi] = self.values
+        return out
 
 @dataclass
 class Phase:

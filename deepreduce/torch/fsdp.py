@@ -160,7 +160,7 @@ class FSDPCompression:
         for engine in self._engines.values():
             total += _nbytes(engine.core.state_dict())
             if engine.protocol.sparse is not None:
-                total += _nbytes(engine.protocol.sparse.state_dict())
+                total += engine.protocol.sparse.state_bytes()
         return total
 
     # ------------------------------------------------------------------ DCP Stateful

@@ -133,7 +133,7 @@ def _state_by_role(handle) -> Dict[str, int]:
     for (_, role, _), engine in handle._engines.items():
         total = _nbytes(engine.core.state_dict())
         if engine.protocol.sparse is not None:
-            total += _nbytes(engine.protocol.sparse.state_dict())
+            total += engine.protocol.sparse.state_bytes()
         out[role] = out.get(role, 0) + total
     return out
 
