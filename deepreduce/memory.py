@@ -277,3 +277,55 @@ def _copy(flat):
 def _host(residual) -> np.ndarray:
     """A residual as a float32 NumPy array (a torch residual is copied to the host)."""
     return np.asarray(arrays.adapter(residual).to_numpy(residual), dtype=np.float32)
+
+
+@register
+class DecayedResidualMemory(ResidualMemory):
+    """Decayed error feedback (SparseLoCo's accumulator): ``e <- decay * e + g``; the sparsifier
+    reads ``e``; ``e <- e - (what the receiver reconstructs)``.
+
+    ``decay = 1`` is :class:`ResidualMemory` exactly (the same code runs). Below 1 the residual is
+    scaled in float32 (``fl(e * fl32(decay))``, the same rounding in NumPy and torch) once the
+    gradient is known to be finite, so a refused (non-finite) gradient leaves the state untouched;
+    a gradient given by entries decays its sparse residual the same way. Conservation with decay:
+    ``sum_t decay**(T-t) (g_t - s_t) = e_T`` (to float32 rounding), which tests/test_memory.py checks.
+    """
+
+    id = "decayed_residual"
+    PARAMS = {"decay": Param(float, default=0.95, low=0.0, high=1.0, low_open=True,
+                             doc="factor beta applied to the residual before each gradient is added")}
+
+    def _decay(self, name: str) -> None:
+        """Scale ``name``'s residual by ``decay``: a dense one in place, a sparse one replaced."""
+        held = self._residuals.get(name)
+        if held is None:
+            return
+        beta = np.float32(self.decay)
+        if isinstance(held, SparseResidual):
+            values = held.values * beta
+            keep = values != 0
+            self._residuals[name] = SparseResidual(held.positions[keep], values[keep], held.numel)
+        elif arrays.is_torch(held):
+            held.mul_(float(beta))
+        else:
+            np.multiply(held, beta, out=held)
+
+    def accumulate(self, name, flat, topk=0, threads=1):
+        if self.decay != 1.0 and name in self._residuals:
+            finite, _ = kernels.scan(flat, None, 0, threads)
+            if not finite:
+                return Compensated(flat, False)
+            self._decay(name)
+        return super().accumulate(name, flat, topk, threads)
+
+    def compensate(self, name, flat):
+        residual = self._existing(name, flat)
+        if residual is None or self.decay == 1.0:
+            return super().compensate(name, flat)
+        beta = np.float32(self.decay)
+        return residual * (float(beta) if arrays.is_torch(residual) else beta) + flat
+
+    def accumulate_entries(self, name, positions, values, numel):
+        if self.decay != 1.0:
+            self._decay(name)   # settle_entries rebuilds the residual from the compensated entries
+        return super().accumulate_entries(name, positions, values, numel)

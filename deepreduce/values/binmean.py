@@ -1,0 +1,69 @@
+"""Bin-mean values: ``2**b`` bins fitted to each message, each decoded as its bin's mean.
+
+Start: the ``n`` values are ranked (stable sort: equal values keep their input order) and the
+value of rank ``r`` falls in bin ``floor(r 2**b / n)``: equal-count (quantile) bins, as
+SketchML's buckets. Then ``iterations`` Lloyd steps (1-D k-means): each bin's mean is its
+float64 mean, the cuts are the midpoints between the means of adjacent non-empty bins, and every
+value moves to the bin its cut interval names (``searchsorted``, a value on a cut goes up).
+Heavy-tailed values (real gradients) need them: the equal-count start puts the few large values
+in a bin with many middling ones (docs/values.md: at 2 bits on a ResNet-20 chunked Top-k the
+relative error falls from 0.72 to 0.41 with 8 steps; uniform +-3 sigma has 0.61). A bin decodes
+to the float32 mean of its values (0 for an empty bin), so the reconstruction keeps each bin's
+sum, and the message's, to float32 rounding: no bias for error feedback to carry.
+
+Wire: params ``u8 b``; section ``2**b f32 means | n codes of b bits`` (``bitpack``, LSB first):
+``4 * 2**b + ceil(n b / 8)`` bytes. Order-preserving.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ContainerError
+from ..params import Param
+from ..registry import register
+from ._base import ValueCodec, ValueEncoding
+from ._bins import BITS, pack_codes, read_bits, unpack_codes
+
+
+@register
+class BinMeanValues(ValueCodec):
+    """``b``-bit codes into a per-message table of ``2**b`` bin means (equal-count bins)."""
+
+    id = "binmean"
+    wire_id = 9
+    PARAMS = {"bits": BITS,
+              "iterations": Param(int, default=8, low=0, high=64, doc="Lloyd steps after the quantile start")}
+
+    def encode(self, values, ctx):
+        v = np.asarray(values, dtype=np.float32)
+        n, bins = v.shape[0], 1 << self.bits
+        order = np.argsort(v, kind="stable")
+        codes = np.empty(n, dtype=np.int64)
+        codes[order] = (np.arange(n, dtype=np.int64) * bins) // max(n, 1)
+        wide = v.astype(np.float64)
+        for step in range(self.iterations + 1):
+            sizes = np.bincount(codes, minlength=bins)
+            means = np.bincount(codes, weights=wide, minlength=bins) / np.maximum(sizes, 1)
+            if step == self.iterations:
+                break
+            held = np.flatnonzero(sizes)
+            cuts = (means[held][1:] + means[held][:-1]) / 2
+            codes = held[np.searchsorted(cuts, wide, side="right")]
+        means = means.astype(np.float32)
+        payload = means.astype("<f4").tobytes() + pack_codes(codes, self.bits)
+        return ValueEncoding(bytes([self.bits]), payload, reconstructed=means[codes])
+
+    def decode(self, params, payload, count):
+        bits, payload = read_bits(self.id, params), bytes(payload)
+        table = 4 << bits
+        if len(payload) < table:
+            raise ContainerError(f"binmean value section has {len(payload)} bytes, fewer than its "
+                                 f"{table}-byte table of {1 << bits} means")
+        means = np.frombuffer(payload[:table], "<f4").astype(np.float32)
+        if not np.all(np.isfinite(means)):
+            raise ContainerError("binmean value table holds NaN or Inf")
+        return means[unpack_codes(self.id, payload[table:], bits, count)]
+
+    @classmethod
+    def describe_params(cls, params):
+        return {"bits": params[0]} if len(params) == 1 else super().describe_params(params)
