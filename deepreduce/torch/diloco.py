@@ -141,8 +141,11 @@ class DiLoCo:
                 torch.sub(g.reshape(-1), p.detach().reshape(-1).to(torch.float32), out=delta)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
+        # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
+        # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
+        dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
         self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
-                                label=f"fragment {fragment} (outer round {round_})",
+                                label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
                                 parts=[(name, delta) for name, _, _, delta in parts]))
         self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
 

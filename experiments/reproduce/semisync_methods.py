@@ -10,9 +10,9 @@ A method is a JSON-able dict that travels to the ranks:
   every step;
 * ``{"kind": "diloco", "sync_every": H, "compression": NAME | dict | None, "outer": "nesterov" |
   "average", "aggregation": None | "sparse_allreduce", "fragments": P, "delay": d}``:
-  :class:`deepreduce.torch.DiLoCo` around the same AdamW inner loop; ``compression`` None is the
-  uncompressed fp32 pseudo-gradient, a name is a shipped config (``configs/NAME.yaml``), a dict a
-  config written here; ``outer`` is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9; ALGORITHMS.md
+  :class:`deepreduce.torch.DiLoCo` around the same AdamW inner loop; ``compression`` is a shipped
+  config's name (``configs/NAME.yaml``) or a config written here (:data:`FP32`: one float32
+  all-reduce per outer step; :data:`INT8`); ``outer`` is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9; ALGORITHMS.md
   IV.1) or SparseLoCo's plain averaging (SGD, lr 1, no momentum; IV.4), the latter for the recipes
   whose error-feedback accumulator replaces outer momentum.
 
@@ -26,6 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
+# The uncompressed pseudo-gradient: every tensor below min_numel, so DiLoCo sums each fragment by
+# one float32 all-reduce (DiLoCo's own baseline), not as lossless containers by allgather.
+FP32 = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"},
+        "min_numel": 2 ** 60, "nonfinite": "propagate"}
 # 8-bit pseudo-gradients with an existing deepreduce codec (see the module docstring).
 INT8 = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "rle"},
         "value": {"id": "qsgd", "levels": 127, "bucket_size": 64}, "memory": {"id": "none"}}
@@ -41,9 +45,9 @@ METHODS: Dict[str, dict] = {
     "ddp_fp32": {"kind": "ddp", "hook": "allreduce"},
     "ddp_fp16": {"kind": "ddp", "hook": "fp16"},
     "lm_topk": {"kind": "ddp", "config": "lm_topk"},
-    "diloco_h10_fp32": _diloco(10, None),
-    "diloco_h30_fp32": _diloco(30, None),
-    "diloco_h100_fp32": _diloco(100, None),
+    "diloco_h10_fp32": _diloco(10, FP32),
+    "diloco_h30_fp32": _diloco(30, FP32),
+    "diloco_h100_fp32": _diloco(100, FP32),
     "diloco_h10_int8": _diloco(10, INT8),
     "diloco_h30_int8": _diloco(30, INT8),
     "diloco_h100_int8": _diloco(100, INT8),
