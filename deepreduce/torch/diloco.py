@@ -74,6 +74,7 @@ class DiLoCo:
         self.step_count = 0                      # inner steps counted
         self.rounds = [0] * self.schedule.fragments   # reductions submitted per fragment
         self.outer_steps = 0                     # reductions applied
+        self.last_applied: Optional[int] = None  # the fragment the last of them updated
         self.in_flight: Optional[InFlight] = None
         self._hook = None
         self._agree()
@@ -192,6 +193,7 @@ class DiLoCo:
             for p, grad in zip(params, grads):
                 p.grad = grad
         self.outer_steps += 1
+        self.last_applied = fragment
 
     # ------------------------------------------------------------------ statistics, checkpoints, life
     def stats(self) -> dict:
