@@ -158,11 +158,12 @@ def test_semisync_train_phase_quick(tmp_path):
     assert all(r["workers"] == 2 and r["spread"] == 0.0 for r in result.rows)      # one seed in quick
     plan = sm.QUICK
     # Bytes follow the configs: fp32 all-reduce 32 bits per parameter per step, fp16 16, DiLoCo's
-    # fp32 all-reduce 32 bits per outer step (H = 3 in quick: 4 of 12 steps).
+    # fp32 all-reduce 32 bits per outer step (H = 3 in quick: 4 of 12 steps), plus the one float32
+    # failure flag the engine's dense route appends to each all-reduce.
     assert rows["ddp_fp32"]["sent_bppis"] == 32.0 and rows["ddp_fp16"]["sent_bppis"] == 16.0
     assert rows["diloco_h30_fp32"]["outer_steps"] == plan.steps // 3
-    assert rows["diloco_h30_fp32"]["sent_bppis"] == pytest.approx(32.0 / 3)
-    assert rows["diloco_h30_fp32"]["recv_bppis"] == pytest.approx(32.0 / 3)
+    assert rows["diloco_h30_fp32"]["sent_bppis"] == pytest.approx(32.0 / 3, rel=1e-4)
+    assert rows["diloco_h30_fp32"]["recv_bppis"] == rows["diloco_h30_fp32"]["sent_bppis"]
     assert 8.0 / 3 < rows["diloco_h30_int8"]["sent_bppis"] < 9.0 / 3                 # 8.5 bits + headers
     assert rows["lm_topk"]["sent_bppis"] < 3.0 and rows["ddp_fp32"]["vs_ddp_pct"] == 0.0
     # A gather at 2 workers delivers the other rank's message; compact indices beat 12-bit ones.
@@ -220,7 +221,7 @@ def test_four_ranks_over_two_namespaces(tmp_path):
     """The 4-worker layout: two namespaces of two ranks, messages timed over the shaped link."""
     available, why = netns.namespaces_available()
     if not available:
-        with pytest.raises((RuntimeError, OSError)):     # why: {why}
+        with pytest.raises((RuntimeError, OSError), match="."):   # it cannot be created: see `why`
             with netns.ShapedLink():
                 pass
         return
