@@ -13,8 +13,8 @@ steps (:mod:`deepreduce.collective.fragments`); with ``delay=τ`` a fragment's r
 submitted at its sync step (the engine's worker encodes it and starts its collective), finished
 and applied τ inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in
 flight at a time, so each reduction is one engine step: ``begin`` (the ranks agree on parameters,
-config, schedule, outer optimizer and step), ``submit`` (one item whose parts are the fragment's
-parameters), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
+config, schedule, outer optimizer and step), ``submit`` (over torch.distributed one item whose parts are
+the fragment's parameters, one collective; over Horovod one item per parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
@@ -65,7 +65,10 @@ class DiLoCo:
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
         self.pipeline = build_pipeline(compression, path)
-        self.communicator, allreduce, self._broadcast = open_transport(backend, group, OWNER)
+        self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
+        # over torch.distributed a fragment is one item (its containers end to end, one collective);
+        # Horovod splits a gathered buffer by container headers, so there each parameter is an item
+        self._bundled = backend == "torch"
         self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
                                  background=background, allreduce_averages=False, worker="deepreduce-diloco")
         device = self.named[0][1].device
@@ -77,10 +80,14 @@ class DiLoCo:
         self.last_applied: Optional[int] = None  # the fragment the last of them updated
         self.in_flight: Optional[InFlight] = None
         self._hook = None
-        self._agree()
-        with torch.no_grad():
-            for name, p in self.named:
-                self._broadcast(p.data, name)
+        try:
+            self._agree()
+            with torch.no_grad():
+                for name, p in self.named:
+                    self._broadcast(p.data, name)
+        except Exception:
+            self._release()
+            raise
         self.globals = [p.detach().to(torch.float32, copy=True) for _, p in self.named]
 
     # ------------------------------------------------------------------ agreement
@@ -142,12 +149,16 @@ class DiLoCo:
                 torch.sub(g.reshape(-1), p.detach().reshape(-1).to(torch.float32), out=delta)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
-        # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
-        # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
-        dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
-        self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
-                                label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
-                                parts=[(name, delta) for name, _, _, delta in parts]))
+        if self._bundled:
+            # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
+            # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
+            dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
+            self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
+                                    label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
+                                    parts=[(name, delta) for name, _, _, delta in parts]))
+        else:
+            for name, _, _, delta in parts:
+                self.engine.submit(Item(name, round_, delta, label=f"parameter {name!r} (outer round {round_})"))
         self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
 
     def wait(self) -> None:
@@ -229,11 +240,14 @@ class DiLoCo:
         self._agreed = False
 
     def close(self) -> None:
-        """Wait for a reduction in flight, then stop the engine's worker thread."""
+        """Wait for a reduction in flight, then stop the engine's worker thread and release the
+        private process group (in that order). Collective: call it on every worker at the end."""
         try:
             self.wait()
         finally:
             self.engine.close()
+            release, self._release = self._release, lambda: None
+            release()
 
 
 def _trainable(model) -> List[tuple]:

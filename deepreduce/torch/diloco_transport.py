@@ -82,9 +82,11 @@ class Counted:
         return self.inner.get_config()
 
 
-def open_transport(backend: str, group, owner: str = "DiLoCo") -> Tuple[Counted, Callable, Callable]:
+def open_transport(backend: str, group, owner: str = "DiLoCo") -> Tuple[Counted, Callable, Callable, Callable]:
     """(communicator, ``allreduce(tensor, item, average) -> Pending`` (a sum, in place),
-    ``broadcast(tensor, name)`` from the group's first rank, in place) over ``group``."""
+    ``broadcast(tensor, name)`` from the group's first rank, in place, ``release()`` of what it
+    opened) over ``group``. Over torch.distributed the collectives run in a private group of
+    ``group``'s ranks (collective over them)."""
     if backend == "torch":
         return _torch(group, owner)
     if backend == "horovod":
@@ -104,10 +106,14 @@ def _torch(group, owner: str):
     if dist.get_rank(group) < 0:
         raise ConfigError(f"{owner}: this process (global rank {dist.get_rank()}) is not in the group; "
                           "build DiLoCo only on the group's ranks")
+    # a private group over the same ranks (only they build it): the engine's worker thread runs its
+    # collectives while the training thread may use ``group`` for its own (a loss all-reduce)
+    ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(group), use_local_synchronization=True)
     inner = TorchDistributedCommunicator()
     inner.group = group
     counted = Counted(inner)
-    root = dist.get_global_rank(group, 0) if group is not None else 0
+    root = ranks[0]
 
     def allreduce(tensor, item, average):
         counted.count_allreduce(tensor)
@@ -116,7 +122,11 @@ def _torch(group, owner: str):
 
     def broadcast(tensor, name):
         dist.broadcast(tensor, src=root, group=group)
-    return counted, allreduce, broadcast
+
+    def release():
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    return counted, allreduce, broadcast, release
 
 
 def _horovod(group, owner: str):
@@ -137,4 +147,4 @@ def _horovod(group, owner: str):
 
     def broadcast(tensor, name):
         hvd.broadcast_(tensor, root_rank=0, name=f"deepreduce.diloco.broadcast.{name}", **kwargs)
-    return counted, allreduce, broadcast
+    return counted, allreduce, broadcast, lambda: None

@@ -268,13 +268,13 @@ def scenario_nested(rank):
     diloco = DiLoCo(model, inner, outer, sync_every=3, compression=TOPK, group=outer_groups[local])
     after, losses = [], []
     with diloco:
-        for step in range(12):
+        for step in range(13):   # the last step is a local one
             applied = diloco.outer_steps
             inner.zero_grad()
             loss = loss_of(model, 2 * worker + local, step)
             loss.backward()
             inner.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if diloco.outer_steps > applied:
                 after.append(flat(diloco.globals))
     diloco.close()
