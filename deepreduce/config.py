@@ -169,6 +169,7 @@ def _validate(raw: dict) -> Tuple[dict, dict]:
         if section in raw and raw[section] is not None:
             components[section] = registry.create(section, raw[section])
             out[section] = components[section].get_config()
+    _check_chunks(components)
     out["min_numel"] = check_numel_option("config", "min_numel", raw.get("min_numel", DEFAULT_MIN_NUMEL), 0)
     nonfinite = raw.get("nonfinite", "propagate")
     if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
@@ -190,3 +191,14 @@ def build(source: ConfigLike) -> Pipeline:
         min_numel=config["min_numel"], nonfinite=config["nonfinite"], threads=config["threads"],
         max_numel=config["max_numel"], warmup=config["warmup"],
     )
+
+
+def _check_chunks(components: dict) -> None:
+    """A chunked sparsifier and a chunk-local index codec must agree on the chunk length: with
+    different lengths every container would carry per-chunk counts instead of the geometry
+    (docs/chunked.md), a silent cost that is never meant."""
+    sparsifier, index = components["sparsifier"], components["index"]
+    ours, theirs = getattr(sparsifier, "chunk", None), getattr(index, "chunk", None)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigError(f"config: sparsifier {sparsifier.id!r} has chunk {ours} but index {index.id!r} has "
+                          f"chunk {theirs}; give both the same chunk")

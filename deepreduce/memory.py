@@ -311,7 +311,7 @@ class DecayedResidualMemory(ResidualMemory):
             np.multiply(held, beta, out=held)
 
     def accumulate(self, name, flat, topk=0, threads=1):
-        if self.decay != 1.0 and name in self._residuals:
+        if self.decay != 1.0 and self._existing(name, flat) is not None:   # size checked before any change
             finite, _ = kernels.scan(flat, None, 0, threads)
             if not finite:
                 return Compensated(flat, False)

@@ -14,7 +14,7 @@ from experiments import gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-LOSSLESS_INDEX = {"raw", "rle", "huffman", "delta", "delta_huffman", "elias_fano"}
+LOSSLESS_INDEX = {"raw", "rle", "huffman", "delta", "delta_huffman", "elias_fano", "chunk_fixed", "chunk_enum"}
 LOSSLESS_VALUE = {"raw", "deflate"}
 
 

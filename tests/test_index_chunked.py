@@ -211,3 +211,22 @@ def test_any_set_round_trips(numel, chunk, density, seed, codec_id):
     np.testing.assert_array_equal(create("index", codec_id).decode(enc.params, enc.payload, len(positions), numel),
                                   positions)
     np.testing.assert_array_equal(enc.indices, positions)
+
+
+def test_binomial_tables_are_shared_by_shorter_chunks():
+    """C(c, i) does not depend on the chunk length: the full chunks' table serves every tail, so a
+    model whose tensors have many different tail lengths builds it once."""
+    full = chunk_enum._tables(4096, 64)
+    assert chunk_enum._tables(1000, 16) is full
+    assert chunk_enum._tables(4096, 64)[0][3][10] == math.comb(10, 3)
+
+
+def test_config_refuses_different_chunks_for_sparsifier_and_index():
+    from deepreduce.errors import ConfigError
+    base = {"sparsifier": {"id": "chunk_topk", "chunk": 2048}, "value": "raw", "memory": "none"}
+    for index in CODECS:
+        with pytest.raises(ConfigError, match="same chunk"):
+            deepreduce.build(dict(base, index={"id": index, "chunk": 4096}))
+        assert deepreduce.build(dict(base, index={"id": index, "chunk": 2048})).index.chunk == 2048
+    assert deepreduce.build({"sparsifier": {"id": "topk"}, "index": "chunk_enum", "value": "raw",
+                             "memory": "none"}).index.chunk == 4096        # any other sparsifier: counts travel

@@ -12,8 +12,10 @@ EPS32 = 2.0 ** -24
 
 
 def _config(memory, sparsifier=None, index="chunk_fixed", value="uniform"):
-    return {"sparsifier": sparsifier or {"id": "chunk_topk", "chunk": 512, "k": 8}, "index": index,
-            "value": value, "memory": memory, "min_numel": 0}
+    sparsifier = sparsifier or {"id": "chunk_topk", "chunk": 512, "k": 8}
+    if index.startswith("chunk_"):
+        index = {"id": index, "chunk": sparsifier["chunk"]}
+    return {"sparsifier": sparsifier, "index": index, "value": value, "memory": memory, "min_numel": 0}
 
 
 @pytest.mark.parametrize("sparsifier,index,value", [
@@ -99,3 +101,33 @@ def test_entries_decay_their_sparse_residual():
     held = pipe.memory._residuals["e"]
     np.testing.assert_array_equal(held.positions, [1])
     np.testing.assert_array_equal(held.values, [0.75])
+
+
+@pytest.mark.parametrize("config", ["sparseloco", "semisync_topk", "demo_style"])
+def test_torch_tensors_give_the_numpy_containers_and_residuals(config):
+    """The torch path (selection on the device, the decayed residual a tensor scaled in place)
+    sends the bytes the NumPy path sends."""
+    import warnings
+
+    import torch
+    host, device = deepreduce.build(f"configs/{config}.yaml"), deepreduce.build(f"configs/{config}.yaml")
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # codecs without a device path run on the host
+        for step in range(4):
+            g = rng.standard_normal(4096 * 5 + 77).astype(np.float32)
+            expected = host.encode(g, "w", step)
+            got = device.encode(torch.from_numpy(g.copy()), "w", step)
+            assert bytes(got.numpy() if isinstance(got, torch.Tensor) else got) == expected.tobytes()
+    held = device.memory.residual("w")
+    assert isinstance(held, torch.Tensor)
+    np.testing.assert_array_equal(held.numpy(), host.memory.residual("w"))
+
+
+def test_a_size_change_is_refused_before_the_residual_decays():
+    from deepreduce.errors import CommunicationError
+    mem = registry.create("memory", {"id": "decayed_residual", "decay": 0.5})
+    mem.accumulate("t", np.ones(8, np.float32))
+    with pytest.raises(CommunicationError, match="keep its size"):
+        mem.accumulate("t", np.ones(9, np.float32))
+    np.testing.assert_array_equal(mem.residual("t"), np.ones(8))

@@ -96,3 +96,25 @@ def test_selection_property(numel, chunk, k, seed, levels):
     flat = (rng.integers(-levels, levels + 1, numel)).astype(np.float32)   # many ties
     chosen = create("sparsifier", {"id": "chunk_topk", "chunk": chunk, "k": k}).select(flat, CTX)
     np.testing.assert_array_equal(chosen, brute_force(flat, chunk, k))
+
+
+def test_blocks_of_torch_tensors():
+    import torch
+    matrix = torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64)
+    flat = to_blocks(matrix, 64)
+    assert isinstance(flat, torch.Tensor)
+    np.testing.assert_array_equal(flat.numpy(), to_blocks(matrix.numpy(), 64))
+    assert torch.equal(from_blocks(flat, (128, 64), 64), matrix)
+
+
+def test_torch_tensors_select_the_same_positions_on_their_device():
+    import torch
+    rng = np.random.default_rng(7)
+    for numel, chunk, k in ((4096 * 3 + 300, 4096, 64), (1000, 64, 8), (5, 4096, 64)):
+        flat = rng.integers(-6, 7, numel).astype(np.float32)            # ties everywhere
+        got = chunk_topk_positions(torch.from_numpy(flat), chunk, k)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
+        np.testing.assert_array_equal(got.numpy(), chunk_topk_positions(flat, chunk, k))
+    sparsifier = create("sparsifier", {"id": "chunk_topk", "k": 16})
+    flat = rng.standard_normal(9000).astype(np.float32)
+    np.testing.assert_array_equal(sparsifier.select(torch.from_numpy(flat), CTX).numpy(), sparsifier.select(flat, CTX))

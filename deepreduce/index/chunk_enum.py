@@ -24,7 +24,7 @@ import math
 from bisect import bisect_right
 from functools import lru_cache
 from itertools import accumulate
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -56,43 +56,91 @@ def enum_bits(length: int, count: int) -> int:
     return layout(length, count)[1]
 
 
-@lru_cache(maxsize=4)
-def _table(length: int, rows: int) -> Tuple[List[int], ...]:
-    """``table[i][c] = C(c, i)`` for ``i <= rows``, ``c < length`` (Python integers)."""
+#: Cached binomial tables, ``(length, rows) -> (exact rows, float64 rows)``; a table serves every
+#: request it covers (``C(c, i)`` does not depend on the chunk length), so the tails of many
+#: tensors reuse the full chunks' table.
+_TABLES: Dict[Tuple[int, int], Tuple[Tuple[List[int], ...], Tuple[np.ndarray, ...]]] = {}
+_TABLES_KEPT = 3
+
+
+def _tables(length: int, rows: int):
+    """``(table, floats)``: ``table[i][c] = C(c, i)`` for ``i <= rows``, ``c < length`` at least
+    (Python integers), and the same as float64 arrays (a first guess for the greedy decode; only
+    used when the ranks fit a float)."""
+    for (have_length, have_rows), tables in _TABLES.items():
+        if have_length >= length and have_rows >= rows:
+            return tables
     row = [1] * length
     table = [row]
     for _ in range(rows):
         row = [0] + list(accumulate(row))[:length - 1]   # C(c, i) = sum_{j < c} C(j, i - 1)
         table.append(row)
-    return tuple(table)
+    fits = (math.comb(length, rows) - 1).bit_length() < 1000 if rows <= length else False
+    floats = tuple(np.asarray([float(v) for v in r], dtype=np.float64) for r in table) if fits else None
+    while len(_TABLES) >= _TABLES_KEPT:
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[(length, rows)] = (tuple(table), floats)
+    return _TABLES[(length, rows)]
 
 
-def _rank(offsets: np.ndarray, length: int, ranked: int) -> int:
-    """The combinatorial-number-system rank of a chunk's ascending ``offsets`` (complemented when
-    ``ranked`` is the complement's size)."""
-    if ranked != offsets.shape[0]:
-        keep = np.ones(length, dtype=bool)
-        keep[offsets] = False
-        offsets = np.flatnonzero(keep)
-    table = _table(length, ranked)
-    return sum(map(list.__getitem__, table[1:ranked + 1], offsets.tolist()))
+def _complement(offsets: np.ndarray, length: int) -> np.ndarray:
+    """Per row of ``offsets`` (g x h, ascending), the ascending offsets of ``[0, length)`` not in it."""
+    keep = np.ones((offsets.shape[0], length), dtype=bool)
+    keep[np.arange(offsets.shape[0])[:, None], offsets] = False
+    return np.nonzero(keep)[1].reshape(offsets.shape[0], length - offsets.shape[1])
 
 
-def _unrank(rank: int, length: int, count: int, ranked: int) -> np.ndarray:
-    """The ascending offsets whose rank is ``rank < C(length, count)``."""
-    table = _table(length, ranked)
-    out = [0] * ranked
-    hi = length
+def _ranks(offsets: np.ndarray, length: int, ranked: int) -> List[int]:
+    """The combinatorial-number-system rank of every row of ``offsets`` (g x h, ascending in a
+    row), of its complement when ``ranked`` is the complement's size."""
+    if ranked != offsets.shape[1]:
+        offsets = _complement(offsets, length)
+    rows = _tables(length, ranked)[0][1:ranked + 1]
+    return [sum(map(list.__getitem__, rows, row)) for row in offsets.tolist()]
+
+
+def _unrank(ranks: List[int], length: int, count: int, ranked: int) -> np.ndarray:
+    """The g x ``count`` ascending offsets whose ranks are ``ranks`` (each ``< C(length, count)``).
+
+    Greedy, all chunks of a run at once: for ``i = ranked .. 1``, the largest ``c`` below the
+    previous one with ``C(c, i) <= rank``, guessed from a float64 table with ``searchsorted``
+    (when the ranks fit a float) and settled with the exact integers."""
+    g = len(ranks)
+    table, floats = _tables(length, ranked)
+    if (math.comb(length, ranked) - 1).bit_length() >= 1000:
+        floats = None
+    out = np.empty((g, ranked), dtype=np.int64)
+    ranks = list(ranks)
+    hi = [length] * g
     for i in range(ranked, 0, -1):
-        c = bisect_right(table[i], rank, 0, hi) - 1
-        rank -= table[i][c]
-        out[i - 1] = hi = c
-    chosen = np.asarray(out, dtype=np.int64)
+        row = table[i]
+        if floats is not None:
+            guess = np.searchsorted(floats[i], np.fromiter(map(float, ranks), np.float64, g), side="right") - 1
+            guess = np.minimum(guess, np.asarray(hi) - 1).tolist()
+        else:
+            guess = [bisect_right(row, r, 0, h) - 1 for r, h in zip(ranks, hi)]
+        for j in range(g):
+            c, r, h = guess[j], ranks[j], hi[j]
+            while c + 1 < h and row[c + 1] <= r:
+                c += 1
+            while row[c] > r:
+                c -= 1
+            ranks[j] = r - row[c]
+            hi[j] = c
+        out[:, i - 1] = hi
     if ranked != count:
-        keep = np.ones(length, dtype=bool)
-        keep[chosen] = False
-        chosen = np.flatnonzero(keep)
-    return chosen
+        out = _complement(out, length)
+    return out
+
+
+def _runs(counts: np.ndarray, lengths: np.ndarray):
+    """``(count, length, chunks)`` for every run of consecutive chunks with equal count and length."""
+    if counts.shape[0] == 0:
+        return
+    change = np.flatnonzero((counts[1:] != counts[:-1]) | (lengths[1:] != lengths[:-1])) + 1
+    edges = [0] + change.tolist() + [counts.shape[0]]
+    for a, b in zip(edges, edges[1:]):
+        yield int(counts[a]), int(lengths[a]), b - a
 
 
 @register
@@ -104,30 +152,31 @@ class ChunkEnumIndex(ChunkIndexCodec):
 
     def pack_chunks(self, local, counts, lengths):
         pieces, start = [], 0
-        for count, length in zip(counts.tolist(), lengths.tolist()):
-            offsets = local[start:start + count]
-            start += count
+        for count, length, chunks in _runs(counts, lengths):
+            offsets = local[start:start + count * chunks].reshape(chunks, count)
+            start += count * chunks
             mode, bits, ranked = layout(length, count)
             if bits == 0:
                 continue
             if mode == ENUM:
-                value = _rank(offsets, length, ranked)
-                raw = np.frombuffer(value.to_bytes((bits + 7) // 8, "little"), dtype=np.uint8)
-                pieces.append(np.unpackbits(raw, bitorder="little")[:bits])
+                size = (bits + 7) // 8
+                blob = b"".join(r.to_bytes(size, "little") for r in _ranks(offsets, length, ranked))
+                raw = np.frombuffer(blob, dtype=np.uint8).reshape(chunks, size)
+                pieces.append(np.unpackbits(raw, axis=1, bitorder="little")[:, :bits].ravel())
             elif mode == BITMAP:
-                bitmap = np.zeros(length, dtype=np.uint8)
-                bitmap[offsets] = 1
-                pieces.append(bitmap)
+                bitmap = np.zeros((chunks, length), dtype=np.uint8)
+                bitmap[np.arange(chunks)[:, None], offsets] = 1
+                pieces.append(bitmap.ravel())
             else:
                 width = bitpack.width_for(length - 1)
-                pieces.append(((offsets[:, None] >> np.arange(width)) & 1).astype(np.uint8).ravel())
+                pieces.append(((offsets.reshape(-1, 1) >> np.arange(width)) & 1).astype(np.uint8).ravel())
         if not pieces:
             return b""
         return np.packbits(np.concatenate(pieces), bitorder="little").tobytes()
 
     def unpack_chunks(self, section, counts, lengths):
-        layouts = [layout(length, count) for count, length in zip(counts.tolist(), lengths.tolist())]
-        total = sum(bits for _, bits, _ in layouts)
+        runs = list(_runs(counts, lengths))
+        total = sum(layout(length, count)[1] * chunks for count, length, chunks in runs)
         if len(section) != (total + 7) // 8:
             raise ContainerError(f"chunk_enum section has {len(section)} bytes, expected {(total + 7) // 8} "
                                  f"for {int(counts.sum())} indices in {counts.shape[0]} chunks")
@@ -135,21 +184,27 @@ class ChunkEnumIndex(ChunkIndexCodec):
         if bool(stream[total:].any()):
             raise ContainerError("chunk_enum section has non-zero padding")
         out, pos = [], 0
-        for (mode, bits, ranked), count, length in zip(layouts, counts.tolist(), lengths.tolist()):
-            piece = stream[pos:pos + bits]
-            pos += bits
+        for count, length, chunks in runs:
+            mode, bits, ranked = layout(length, count)
+            piece = stream[pos:pos + bits * chunks].reshape(chunks, bits)
+            pos += bits * chunks
             if mode == ENUM:
-                rank = int.from_bytes(np.packbits(piece, bitorder="little").tobytes(), "little")
-                if rank >= math.comb(length, count):
+                size = (bits + 7) // 8
+                padded = np.zeros((chunks, 8 * size), dtype=np.uint8)
+                padded[:, :bits] = piece
+                blob = np.packbits(padded, axis=1, bitorder="little").tobytes()
+                ranks = [int.from_bytes(blob[j * size:(j + 1) * size], "little") for j in range(chunks)]
+                if max(ranks) >= math.comb(length, count):
                     raise ContainerError(f"chunk_enum rank of a chunk exceeds C({length}, {count})")
-                out.append(_unrank(rank, length, count, ranked))
+                out.append(_unrank(ranks, length, count, ranked).ravel())
             elif mode == BITMAP:
-                chosen = np.flatnonzero(piece)
-                if chosen.shape[0] != count:
-                    raise ContainerError(f"chunk_enum bitmap holds {chosen.shape[0]} indices, expected {count}")
-                out.append(chosen)
+                held = piece.sum(axis=1)
+                if bool(np.any(held != count)):
+                    raise ContainerError(f"chunk_enum bitmap holds {int(held[held != count][0])} indices, "
+                                         f"expected {count}")
+                out.append(np.nonzero(piece)[1])
             else:
                 width = bitpack.width_for(length - 1)
                 weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
-                out.append(piece.reshape(count, width).astype(np.int64) @ weights)
+                out.append(piece.reshape(chunks * count, width).astype(np.int64) @ weights)
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)

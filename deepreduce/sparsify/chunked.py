@@ -9,6 +9,8 @@ within ``[0, C)``.
 
 Ties at a chunk's cut go to its lowest positions (as ``topk`` does over the whole tensor), so
 the selection is a function of the values alone: every rank and binding chooses the same entries.
+Written on the array namespace: NumPy (``np.partition`` finds each chunk's k-th magnitude) or
+torch tensors on their device (``kthvalue``), the same exact comparisons, so the same positions.
 
 ``k`` per chunk is given directly (``k``) or as a ``ratio`` of ``C`` (``k = max(1, floor(ratio
 C))``); with neither, ``k = max(1, C // 64)`` (SparseLoCo's 64 of 4096, 1.56 %).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import arrays
 from ..errors import ConfigError
 from ..params import Param
 from ..registry import register
@@ -34,6 +37,7 @@ class ChunkTopK(Sparsifier):
     """Top-``k`` by magnitude in every chunk of ``chunk`` elements (fixed count per chunk)."""
 
     id = "chunk_topk"
+    array_api = True
     PARAMS = {
         "chunk": Param(int, default=4096, low=1, high=chunks.MAX_CHUNK, doc="chunk length C"),
         "k": Param(int, default=0, low=0, high=chunks.MAX_CHUNK,
@@ -61,47 +65,56 @@ class ChunkTopK(Sparsifier):
         return chunks.uniform_total(numel, self.chunk, self.per_chunk)
 
     def select(self, flat, ctx):
-        return chunk_topk_positions(np.asarray(flat), self.chunk, self.per_chunk)   # NumPy: array_api is False
+        return chunk_topk_positions(flat, self.chunk, self.per_chunk)
 
 
-def _rows_topk(mag: np.ndarray, k: int) -> np.ndarray:
-    """Boolean mask of the ``k`` largest of every row of ``mag`` (ties to the lowest columns)."""
+def _rows_topk(mag, k: int):
+    """Boolean mask of the ``k`` largest of every row of ``mag`` (ties to the lowest columns):
+    NumPy, or a torch tensor on its device (the same exact float32 comparisons, so the same mask)."""
+    xp = arrays.namespace(mag)
     cols = mag.shape[1]
     if k >= cols:
-        return np.ones(mag.shape, dtype=bool)
-    kth = -np.partition(-mag, k - 1, axis=1)[:, k - 1:k]      # each row's k-th largest magnitude
+        return xp.ones(mag.shape, dtype=xp.bool, device=mag.device)
+    if type(mag) is np.ndarray:
+        kth = -np.partition(-mag, k - 1, axis=1)[:, k - 1:k]      # each row's k-th largest magnitude
+    else:
+        kth = mag.kthvalue(cols - k + 1, dim=1, keepdim=True).values
     above = mag > kth
     tied = mag == kth
-    room = k - above.sum(axis=1, keepdims=True)
-    return above | (tied & (np.cumsum(tied, axis=1) <= room))
+    room = k - xp.sum(xp.astype(above, xp.int64), axis=1, keepdims=True)
+    return above | (tied & (xp.cumulative_sum(xp.astype(tied, xp.int64), axis=1) <= room))
 
 
-def chunk_topk_positions(flat: np.ndarray, chunk: int, k: int) -> np.ndarray:
-    """Ascending int64 positions of the chunked Top-k of the finite 1-D ``flat``."""
+def chunk_topk_positions(flat, chunk: int, k: int):
+    """Ascending int64 positions of the chunked Top-k of the finite 1-D ``flat`` (NumPy, or a torch
+    tensor: the positions then are a tensor on its device)."""
+    xp = arrays.namespace(flat)
     numel = flat.shape[0]
     m, t = chunks.lengths(numel, chunk)
-    mag = np.abs(np.asarray(flat, dtype=np.float32))
+    mag = xp.abs(xp.astype(flat, xp.float32))
     parts = []
     if m:
-        parts.append(np.flatnonzero(_rows_topk(mag[:m * chunk].reshape(m, chunk), min(k, chunk))))
+        chosen = _rows_topk(xp.reshape(mag[:m * chunk], (m, chunk)), min(k, chunk))
+        parts.append(xp.nonzero(xp.reshape(chosen, (-1,)))[0])
     if t:
-        tail = _rows_topk(mag[m * chunk:].reshape(1, t), chunks.tail_count(min(k, chunk), t, chunk))
-        parts.append(np.flatnonzero(tail) + m * chunk)
+        tail = _rows_topk(xp.reshape(mag[m * chunk:], (1, t)), chunks.tail_count(min(k, chunk), t, chunk))
+        parts.append(xp.nonzero(xp.reshape(tail, (-1,)))[0] + m * chunk)
     if not parts:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate(parts).astype(np.int64, copy=False)
+        return xp.zeros(0, dtype=xp.int64, device=flat.device)
+    return xp.astype(xp.concat(parts), xp.int64)
 
 
 def to_blocks(matrix: np.ndarray, block: int = 64) -> np.ndarray:
     """A 2-D ``matrix`` whose sides are multiples of ``block`` as a flat array in which every
     ``block x block`` block (row-major order of blocks, row-major inside) is ``block**2``
     consecutive elements: with ``chunk = block**2`` each chunk is one block (DeMo's, SparseLoCo's
-    64 x 64 layout)."""
+    64 x 64 layout). NumPy arrays or torch tensors (on their device)."""
     rows, cols = matrix.shape
     if rows % block or cols % block:
         raise ConfigError(f"to_blocks: a {rows}x{cols} matrix is not made of {block}x{block} blocks")
-    return np.ascontiguousarray(
-        matrix.reshape(rows // block, block, cols // block, block).transpose(0, 2, 1, 3)).reshape(-1)
+    xp = arrays.namespace(matrix)
+    tiles = xp.reshape(matrix, (rows // block, block, cols // block, block))
+    return xp.reshape(xp.permute_dims(tiles, (0, 2, 1, 3)), (-1,))
 
 
 def from_blocks(flat: np.ndarray, shape, block: int = 64) -> np.ndarray:
@@ -110,5 +123,6 @@ def from_blocks(flat: np.ndarray, shape, block: int = 64) -> np.ndarray:
     if rows % block or cols % block or flat.shape[0] != rows * cols:
         raise ConfigError(f"from_blocks: {flat.shape[0]} elements are not a {rows}x{cols} matrix "
                           f"of {block}x{block} blocks")
-    return np.ascontiguousarray(
-        flat.reshape(rows // block, cols // block, block, block).transpose(0, 2, 1, 3)).reshape(rows, cols)
+    xp = arrays.namespace(flat)
+    tiles = xp.reshape(flat, (rows // block, cols // block, block, block))
+    return xp.reshape(xp.permute_dims(tiles, (0, 2, 1, 3)), (rows, cols))

@@ -71,14 +71,11 @@ def counts_of(indices: np.ndarray, numel: int, chunk: int) -> np.ndarray:
 
 
 def uniform_k(counts: np.ndarray, numel: int, chunk: int) -> int:
-    """The ``k`` whose ``chunk_topk`` counts equal ``counts``, or 0 when none does."""
-    if counts.shape[0] == 0:
+    """The ``k`` whose ``chunk_topk`` counts equal ``counts`` (one per chunk of ``chunk <= numel``
+    elements), or 0 when none does."""
+    if counts.shape[0] == 0 or numel < chunk:
         return 0
-    m, t = lengths(numel, chunk)
-    if m:
-        k = int(counts[0])
-    else:   # a lone tail chunk: the smallest k whose tail count is its count
-        k = (int(counts[0]) - 1) * chunk // t + 1 if counts[0] else 0
+    k = int(counts[0])
     if k < 1 or not np.array_equal(counts, uniform_counts(numel, chunk, k)):
         return 0
     return k

@@ -2,7 +2,7 @@
 
 Index table: for a synthetic Laplace gradient of each ``--sizes`` and each ``k`` of ``--chunk``,
 the chunked Top-k selection (``chunk_topk``) coded by ``chunk_fixed`` and ``chunk_enum``: bits
-per index of the index section, encode and decode time (median of ``--repeat``), beside the
+per index of the index section, encode and decode CPU time of the process (median of ``--repeat``), beside the
 information limit ``log2 C(C, k) / k`` and the sizes two simpler per-chunk codes would have on
 the same set, computed exactly from it (not implemented as codecs): Elias-Fano per chunk
 (``k L + k + ((C - 1) >> L)`` bits, ``L = floor(log2(C / k))``) and Rice coding of the gaps with
@@ -11,9 +11,13 @@ the best single parameter per message.
 Value table (``--values``): relative L2 error and bits per value of the value codecs at 2-8 bits
 on the chunked Top-k values of the saved ResNet-20 gradients and of Laplace and Gaussian ones.
 
-Figures in docs/values.md ("Semi-synchronous recipes")::
+DCT table (``--dct``): the fraction of a gradient's energy the chunked Top-k of each 64 x 64 block
+keeps, before and after the block DCT-II (``deepreduce.sparsify.dct``), on the saved ResNet-20
+layers whose matrix (output channels x the rest) is made of whole 64 x 64 blocks.
 
-    python -m deepreduce bench-chunks --sizes 1048576,10485760 --values
+Figures in docs/values.md and docs/chunked.md ("Semi-synchronous recipes")::
+
+    python -m deepreduce bench-chunks --sizes 1048576,10485760 --repeat 5 --values --dct
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ks", default="32,64", help="comma-separated k per chunk")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per codec (median reported)")
     parser.add_argument("--values", action="store_true", help="also the value-codec error table")
+    parser.add_argument("--dct", action="store_true",
+                        help="also the energy a chunked Top-k keeps with and without DeMo's 64x64 block DCT")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -52,9 +58,9 @@ def rice_bits(local: np.ndarray, k: int) -> int:
 def _median_seconds(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()    # CPU time of this process: the machine may be shared
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -119,10 +125,31 @@ def value_rows(chunk: int, seed: int):
     return rows
 
 
+def dct_rows():
+    """One dict per (saved layer made of 64 x 64 blocks, k): energy kept without and with the DCT."""
+    from deepreduce.sparsify.chunked import chunk_topk_positions, to_blocks
+    from deepreduce.sparsify.dct import block_dct
+    from experiments import gradients
+
+    rows = []
+    for name, grad in sorted(gradients.load().items()):
+        matrix = grad.reshape(grad.shape[0], -1) if grad.ndim > 1 else None
+        if name == "all" or matrix is None or matrix.shape[0] % 64 or matrix.shape[1] % 64:
+            continue
+        flat = to_blocks(matrix.astype(np.float32), 64)
+        for k in (32, 64):
+            kept = []
+            for x in (flat, block_dct(flat, 64)):
+                chosen = x[chunk_topk_positions(x, 4096, k)].astype(np.float64)
+                kept.append(float(np.sum(chosen ** 2) / np.sum(x.astype(np.float64) ** 2)))
+            rows.append(dict(layer=name, shape=matrix.shape, k=k, raw=kept[0], dct=kept[1]))
+    return rows
+
+
 def run(args) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"| elements | k of {args.chunk} | codec | bits/index | limit | EF/chunk | Rice | encode ms | decode ms |")
+    print(f"| elements | k of {args.chunk} | codec | bits/index | limit | EF/chunk | Rice | encode CPU ms | decode CPU ms |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in index_rows(sizes, args.chunk, ks, args.repeat, args.seed):
         print(f"| {r['size']:,} | {r['k']} | {r['codec']} | {r['bits']:.3f} | {r['limit']:.3f} | "
@@ -134,4 +161,10 @@ def run(args) -> int:
         for r in value_rows(args.chunk, args.seed):
             params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
             print(f"| {r['gradient']} | {r['codec']} | {params} | {r['bits']:.3f} | {r['error']:.4f} |")
+    if args.dct:
+        print()
+        print("| layer | matrix | k of 4096 | energy kept | after the block DCT |")
+        print("|---|---|---:|---:|---:|")
+        for r in dct_rows():
+            print(f"| {r['layer']} | {r['shape'][0]}x{r['shape'][1]} | {r['k']} | {r['raw']:.3f} | {r['dct']:.3f} |")
     return 0
