@@ -149,6 +149,12 @@ QUICK_METHODS = ["ddp_fp16", "lm_topk", "diloco_h30_fp32", "diloco_h30_int8", "s
                  "semisync_h30_sra"]
 
 
+def _record(out, name, plan, world=2):
+    method = semisync.resolve([name], Result("x", "x", []), None)[name]
+    with open(semisync.train_path(os.path.join(out, "cache"), name, method, 0, world, plan), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def test_semisync_train_phase_quick(tmp_path):
     out = str(tmp_path)
     result = semisync.run(out, quick=True, methods=QUICK_METHODS, phase="train", show_progress=False)
@@ -170,11 +176,11 @@ def test_semisync_train_phase_quick(tmp_path):
     for name in ("sparseloco_h30", "semisync_h30"):
         assert rows[name]["recv_bppis"] == pytest.approx(rows[name]["sent_bppis"], rel=0.05)
     assert rows["semisync_h30"]["sent_bppis"] < rows["sparseloco_h30"]["sent_bppis"] < 0.5 / 3
+    # DiLoCo's fp32 pseudo-gradient is one all-reduce per outer step, nothing else.
+    fp32 = _record(out, "diloco_h30_fp32", plan)
+    assert [[op for op, _ in step] for step in fp32["messages"] if step] == [["all_reduce"]] * 4
     # The recorder's bytes agree with DiLoCo's own counters (plus the gather's 8-byte size exchange).
-    with open(semisync.train_path(os.path.join(out, "cache"), "semisync_h30",
-                                  semisync.resolve(["semisync_h30"], Result("x", "x", []), None)["semisync_h30"],
-                                  0, 2, plan), encoding="utf-8") as handle:
-        record = json.load(handle)
+    record = _record(out, "semisync_h30", plan)
     for rank, stats in enumerate(record["stats"]):
         assert record["sent_bytes"][rank] == stats["sent_bytes"] + 8 * stats["outer_steps"]
         assert stats["outer_steps"] == record["outer_steps"] == 4
@@ -236,3 +242,18 @@ def test_four_ranks_over_two_namespaces(tmp_path):
     assert set(measured) == {"all_gather", "all_to_all_single", "all_reduce"}
     # 400 kB all-reduced by 4 ranks: at least half of it crosses the 100 Mbit/s link once.
     assert measured["all_reduce"] >= 0.5 * 400_000 * 8 / 100e6
+
+
+def test_cached_time_phase_is_reused_only_when_it_covers_the_runs(tmp_path):
+    plan = sm.QUICK
+    runs = {"ddp_fp32": [{"messages": [[["all_reduce", 40]]]}], "lm_topk": [{"messages": [[["all_gather", 9]]]}]}
+    assert not semisync._covers(str(tmp_path), 2, plan, runs)                    # nothing cached
+    entry = {"profile": {"ddp_fp32": [[0.1, True]]}, "links": {"10mbit": [["all_reduce", 40, 0.5]]}}
+    with open(semisync.time_path(str(tmp_path), 2, plan), "w", encoding="utf-8") as handle:
+        json.dump(entry, handle)
+    assert not semisync._covers(str(tmp_path), 2, plan, runs)                    # lm_topk not profiled
+    assert semisync._covers(str(tmp_path), 2, plan, {"ddp_fp32": runs["ddp_fp32"]})
+    entry["profile"]["lm_topk"] = [[0.1, True]]
+    with open(semisync.time_path(str(tmp_path), 2, plan), "w", encoding="utf-8") as handle:
+        json.dump(entry, handle)
+    assert not semisync._covers(str(tmp_path), 2, plan, runs)                    # all_gather never timed

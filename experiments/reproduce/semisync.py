@@ -40,6 +40,7 @@ time, one panel per bandwidth and worker count.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -109,8 +110,11 @@ def train_path(cache: str, name: str, method: dict, seed: int, world: int, plan:
     return os.path.join(cache, f"train_{name}_s{seed}_w{world}_{plan.key()}_{_tag(method)}.json")
 
 
+_LINK_PORTS = itertools.count(29650)    # inside fresh namespaces: any port is free; a new one per launch
+
+
 def _launch(worker: str, world: int, args: List[str], log: str, timeout: float, link=None) -> None:
-    port = _free_port() if link is None else 29650
+    port = _free_port() if link is None else next(_LINK_PORTS)
     commands = [python_module(worker, *args, "--rank", str(r), "--world", str(world),
                               "--init", f"tcp://{master_addr(link)}:{port}") for r in range(world)]
     launch_ranks(link, commands, log, timeout, "semisync", per_namespace=max(1, world // 2))
@@ -203,6 +207,19 @@ def time_phase(methods: Dict[str, dict], records: Dict[int, Dict[str, List[dict]
             json.dump(entry, handle)
 
 
+def _covers(cache: str, world: int, plan: sm.Budget, runs: Dict[str, List[dict]]) -> bool:
+    """Whether the cached time phase of ``world`` has every trained method's profile and every
+    kind of collective the runs recorded (else ``--phase all`` measures again)."""
+    path = time_path(cache, world, plan)
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        entry = json.load(handle)
+    ops = set(rp.distinct_messages(r for seeds in runs.values() for r in seeds))
+    measured = {op for op, _, _ in next(iter(entry["links"].values()), [])}
+    return set(runs) <= set(entry["profile"]) and ops <= measured
+
+
 def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = None, steps: Optional[int] = None,
         seeds: Optional[Sequence[int]] = None, workers: Optional[Sequence[int]] = None, phase: str = "all",
         cache: Optional[str] = None, show_progress: bool = True, timeout: Optional[float] = None,
@@ -239,7 +256,7 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
         if not available:
             result.notes.append(f"time phase SKIPPED: network namespaces are unavailable ({why}); it needs "
                                 "root with iproute2")
-        elif phase == "time" or not all(os.path.exists(time_path(cache, w, plan)) for w in workers):
+        elif phase == "time" or not all(_covers(cache, w, plan, records.get(w, {})) for w in workers):
             time_phase(resolved, records, workers, plan, data_path, cache, timeout)
     timing = {}
     for world in workers:
