@@ -427,6 +427,7 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
         return
     if not curves:
         return
+    from matplotlib.ticker import NullFormatter
     worlds = sorted({int(k.split("/")[0]) for k in curves})
     timed = any("time_10mbit" in c for c in curves.values())
     columns = [f"time_{net}" for net, _ in BANDWIDTHS] if timed else ["step"]
@@ -440,8 +441,12 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
                     continue
                 name = key.split("/", 1)[1]
                 style = "--" if sm.METHODS[name]["kind"] == "ddp" else "-"
-                ax.plot(curve[xkey], curve["val_loss"], style, marker=".", markersize=3, label=name)
-            ax.set_xscale("log" if timed else "linear")
+                # a log time axis has no 0: the curve starts at the first evaluation after training began
+                points = [(x, y) for x, y in zip(curve[xkey], curve["val_loss"]) if x > 0 or not timed]
+                ax.plot([x for x, _ in points], [y for _, y in points], style, marker=".", markersize=3, label=name)
+            if timed:
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("replayed wall time (s)" if timed else "inner step")
             ax.set_ylabel("validation loss (nats/token)")
             ax.set_title(f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)"))
