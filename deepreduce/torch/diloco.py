@@ -24,7 +24,7 @@ optimizer and ``stats()["nonfinite_propagated"]`` counts it.
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -34,11 +34,10 @@ from ..collective.step import Item, StepEngine
 from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
+from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
 from .diloco_state import InFlight
 from .diloco_transport import open_transport
 from .tensors import TorchTensors
-
-OWNER = "DiLoCo"
 
 
 class DiLoCo:
@@ -60,8 +59,8 @@ class DiLoCo:
                  compression=None, group=None, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  backend: str = "torch", background: bool = True, path: str = "auto") -> None:
         self.schedule = Schedule(sync_every, fragments, delay, alpha, OWNER)
-        self.named = _trainable(model)
-        _check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
+        self.named = trainable(model)
+        check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
         self.pipeline = build_pipeline(compression, path)
@@ -95,7 +94,7 @@ class DiLoCo:
         """The engine's agreement: parameters, config, schedule, outer optimizer and inner step
         equal on every worker, or the same CommunicationError on each."""
         label, digest = agreement.compressor_identity(self.pipeline)
-        outer = f"outer {type(self.outer).__name__} {_hyperparameters(self.outer)}"
+        outer = f"outer {type(self.outer).__name__} {hyperparameters(self.outer)}"
         extra = f"; {self.schedule.describe()}; {outer}; inner step {self.step_count}"
         digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
         tensors = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
@@ -197,7 +196,7 @@ class DiLoCo:
             self.outer.step()
             with torch.no_grad():
                 for k, (_, p, g, _) in enumerate(parts):
-                    g.copy_(p.detach().view_as(g))
+                    g.copy_(p.detach().reshape(g.shape))
                     if alpha:
                         p.copy_((alpha * local[k].to(torch.float32) + (1 - alpha) * g).view_as(p))
         finally:
@@ -248,36 +247,6 @@ class DiLoCo:
             self.engine.close()
             release, self._release = self._release, lambda: None
             release()
-
-
-def _trainable(model) -> List[tuple]:
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"{OWNER}: model must be a torch.nn.Module, got {type(model).__name__}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ConfigError(f"{OWNER}: the model has no trainable parameters")
-    if len({p.device for _, p in named}) > 1:
-        raise ConfigError(f"{OWNER}: the model's parameters are on several devices "
-                          f"({sorted(str(p.device) for p in {p.device for _, p in named})}); one device is supported")
-    return named
-
-
-def _check_optimizers(inner, outer, params) -> None:
-    for what, opt in (("inner_optimizer", inner), ("outer_optimizer", outer)):
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"{OWNER}: {what} must be a torch.optim.Optimizer, got {type(opt).__name__}")
-    if inner is outer:
-        raise ConfigError(f"{OWNER}: inner_optimizer and outer_optimizer must be two optimizers")
-    held = {id(p) for group in outer.param_groups for p in group["params"]}
-    if held != {id(p) for p in params}:
-        raise ConfigError(f"{OWNER}: outer_optimizer must hold exactly the model's trainable parameters "
-                          f"(it holds {len(held)}, the model has {len(params)}); build it as "
-                          "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
-
-
-def _hyperparameters(optimizer) -> str:
-    """The outer optimizer's settings (every group's, without its parameters), for the agreement."""
-    return repr([{k: v for k, v in sorted(group.items()) if k != "params"} for group in optimizer.param_groups])
 
 
 __all__ = ["DiLoCo"]

@@ -85,8 +85,8 @@ class Counted:
 def open_transport(backend: str, group, owner: str = "DiLoCo") -> Tuple[Counted, Callable, Callable, Callable]:
     """(communicator, ``allreduce(tensor, item, average) -> Pending`` (a sum, in place),
     ``broadcast(tensor, name)`` from the group's first rank, in place, ``release()`` of what it
-    opened) over ``group``. Over torch.distributed the collectives run in a private group of
-    ``group``'s ranks (collective over them)."""
+    opened) over ``group``. Over torch.distributed with ``group=None`` the collectives run in a
+    private copy of the default group (collective over every rank)."""
     if backend == "torch":
         return _torch(group, owner)
     if backend == "horovod":
@@ -106,10 +106,15 @@ def _torch(group, owner: str):
     if dist.get_rank(group) < 0:
         raise ConfigError(f"{owner}: this process (global rank {dist.get_rank()}) is not in the group; "
                           "build DiLoCo only on the group's ranks")
-    # a private group over the same ranks (only they build it): the engine's worker thread runs its
-    # collectives while the training thread may use ``group`` for its own (a loss all-reduce)
+    # the default group is the training thread's too (a loss all-reduce may run while the engine's
+    # worker runs a reduction): the outer loop gets a private copy (every rank builds it, as every
+    # rank builds DiLoCo then). A group passed in is DiLoCo's own (docs/semisync.md); a private copy
+    # of a subgroup cannot be made safely (torch names a group built by its ranks alone after the
+    # ranks, so a second copy would reuse the first one's store keys)
     ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
-    group = dist.new_group(ranks=ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+    private = group is None
+    if private:
+        group = dist.new_group(ranks=ranks, backend=dist.get_backend())
     inner = TorchDistributedCommunicator()
     inner.group = group
     counted = Counted(inner)
@@ -124,7 +129,7 @@ def _torch(group, owner: str):
         dist.broadcast(tensor, src=root, group=group)
 
     def release():
-        if dist.is_initialized():
+        if private and dist.is_initialized():
             dist.destroy_process_group(group)
     return counted, allreduce, broadcast, release
 

@@ -183,6 +183,28 @@ def scenario_resume(rank):
             "resumed": run_with_checkpoint(rank, 14, stop=6)}   # fragment 0 is in flight at step 6
 
 
+def scenario_checkpoint_refused(rank):
+    """A checkpoint of another schedule or model is refused with a ConfigError naming the field."""
+    model, opt, diloco = build(TOPK, 3)
+    for step in range(4):
+        inner_step(model, opt, rank, step)
+        diloco.step()
+    state = diloco.state_dict()
+    diloco.close()
+    out = {}
+    other = build(TOPK, 4)[2]
+    out["schedule"] = error_of(lambda: other.load_state_dict(state))
+    other.close()
+    target = build(TOPK, 3)[2]
+    bad = dict(state, globals=dict(state["globals"], **{"fc1.weight": torch.zeros(2, 2)}))
+    out["globals"] = error_of(lambda: target.load_state_dict(bad))
+    out["pending"] = error_of(lambda: target.load_state_dict(dict(state, pending={"fragment": 5})))
+    target.load_state_dict(state)   # the good one still loads
+    out["loaded"] = target.step_count
+    target.close()
+    return out
+
+
 def scenario_disagree(rank):
     """Ranks that differ in H, fragments, delay, config or outer optimizer fail together."""
     out = {}
@@ -248,7 +270,7 @@ def scenario_nonfinite(rank):
 
 
 SCENARIOS = [scenario_equals_ddp, scenario_identical_globals, scenario_conservation, scenario_resume,
-             scenario_nonfinite, scenario_disagree]
+             scenario_checkpoint_refused, scenario_nonfinite, scenario_disagree]
 
 
 def run(rank, world, port, queue):
