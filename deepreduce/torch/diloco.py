@@ -185,8 +185,11 @@ class DiLoCo:
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
         if self._bundled:
+            # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
+            # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
+            dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
             self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
-                                    label=f"fragment {fragment} (outer round {round_})",
+                                    label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
                                     parts=[(name, delta) for name, _, _, delta in parts]))
         else:
             for name, _, _, delta in parts:
