@@ -1,0 +1,269 @@
+"""Semi-synchronous training (DiLoCo, Streaming DiLoCo, SparseLoCo): the outer loop as one more
+binding of the step engine (:class:`deepreduce.collective.step.StepEngine`).
+
+Each worker trains with its own inner optimizer; every ``sync_every`` (H) inner steps it reduces
+its pseudo-gradient ``Δ = θ_global − θ_local`` (float32) over the group of workers through a
+deepreduce config and its aggregation (allgather of containers, the sparse all-reduce, ``auto``),
+averaged; the outer optimizer (over the model's parameters, as torchft's) steps with
+``grad = mean Δ`` from ``θ_global``, and every worker continues from the new ``θ_global``. The
+spec: ALGORITHMS.md IV.1-2; usage and recipes: docs/semisync.md.
+
+With ``fragments=P`` the parameters are cut into P contiguous fragments that sync at staggered
+steps (:mod:`deepreduce.collective.fragments`); with ``delay=τ`` a fragment's reduction is
+submitted at its sync step (the engine's worker encodes it and starts its collective), finished
+and applied τ inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in
+flight at a time, so each reduction is one engine step: ``begin`` (the ranks agree on parameters,
+config, schedule, outer optimizer and step), ``submit`` (one item whose parts are the fragment's
+parameters), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
+
+A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
+fragment's global parameters, outer optimizer state and residuals stay as before, and its local
+parameters are reset to the global ones. Under ``nonfinite: propagate`` the NaN reaches the outer
+optimizer and ``stats()["nonfinite_propagated"]`` counts it.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional
+
+import torch
+
+from ..collective import agreement
+from ..collective.fragments import Schedule, split
+from ..collective.step import Item, StepEngine
+from ..errors import ConfigError
+from . import diloco_state
+from .arguments import build_pipeline
+from .diloco_state import InFlight
+from .diloco_transport import open_transport
+from .tensors import TorchTensors
+
+OWNER = "DiLoCo"
+
+
+class DiLoCo:
+    """The outer loop around ``model`` trained by ``inner_optimizer`` (see the module docstring).
+
+    ``outer_optimizer``: a torch optimizer over the model's trainable parameters, e.g.
+    ``SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)`` (DiLoCo) or ``SGD(..., lr=1)``
+    (plain averaging, SparseLoCo). ``compression``: a deepreduce config (name, YAML path, dict) or
+    pipeline; None: lossless. ``group``: the workers' process group (``backend="torch"``, None: the
+    default group) or Horovod process set (``backend="horovod"``). ``alpha``: the local parameters'
+    weight when a fragment is applied. ``background``: encode and start the collectives on the
+    engine's worker thread (False: inline; same bytes).
+
+    Building it is collective over ``group``: the workers agree on the layout and schedule, and
+    every worker's model takes the first worker's parameters, the first global parameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer, outer_optimizer, sync_every: int,
+                 compression=None, group=None, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
+                 backend: str = "torch", background: bool = True, path: str = "auto") -> None:
+        self.schedule = Schedule(sync_every, fragments, delay, alpha, OWNER)
+        self.named = _trainable(model)
+        _check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
+        self.inner, self.outer = inner_optimizer, outer_optimizer
+        self.groups = split([p.numel() for _, p in self.named], self.schedule.fragments, OWNER)
+        self.pipeline = build_pipeline(compression, path)
+        self.communicator, allreduce, self._broadcast = open_transport(backend, group, OWNER)
+        self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
+                                 background=background, allreduce_averages=False, worker="deepreduce-diloco")
+        device = self.named[0][1].device
+        self.deltas = [torch.zeros(sum(self.named[i][1].numel() for i in g), dtype=torch.float32, device=device)
+                       for g in self.groups]
+        self.step_count = 0                      # inner steps counted
+        self.rounds = [0] * self.schedule.fragments   # reductions submitted per fragment
+        self.outer_steps = 0                     # reductions applied
+        self.last_applied: Optional[int] = None  # the fragment the last of them updated
+        self.in_flight: Optional[InFlight] = None
+        self._hook = None
+        self._agree()
+        with torch.no_grad():
+            for name, p in self.named:
+                self._broadcast(p.data, name)
+        self.globals = [p.detach().to(torch.float32, copy=True) for _, p in self.named]
+
+    # ------------------------------------------------------------------ agreement
+    def _agree(self) -> None:
+        """The engine's agreement: parameters, config, schedule, outer optimizer and inner step
+        equal on every worker, or the same CommunicationError on each."""
+        label, digest = agreement.compressor_identity(self.pipeline)
+        outer = f"outer {type(self.outer).__name__} {_hyperparameters(self.outer)}"
+        extra = f"; {self.schedule.describe()}; {outer}; inner step {self.step_count}"
+        digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
+        tensors = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
+        self.engine.begin(agreement.Layout((label + extra, digest), tensors, "parameter"), OWNER)
+        self._agreed = True
+
+    # ------------------------------------------------------------------ the loop
+    def __enter__(self) -> "DiLoCo":
+        """Count ``inner_optimizer.step()`` calls (a post-step hook) and sync every H of them."""
+        if self._hook is not None:
+            raise ConfigError(f"{OWNER}: already entered; use one `with` block at a time")
+        self._hook = self.inner.register_step_post_hook(lambda *_: self.step())
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        """Remove the hook; on a normal exit, wait for a reduction in flight (it is applied at its
+        due step if training goes on)."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        if kind is None:
+            self.wait()
+
+    def step(self) -> None:
+        """After each inner optimizer step (the context manager calls it): count it, apply a
+        fragment whose reduction is due, submit a fragment whose sync step this is."""
+        if not self._agreed:
+            self._agree()
+        self.step_count += 1
+        if self.in_flight is not None and self.in_flight.due <= self.step_count:
+            self._apply()
+        fragment = self.schedule.syncing(self.step_count)
+        if fragment is not None:
+            self._submit(fragment)
+            if self.schedule.delay == 0:
+                self._apply()
+
+    def _parts(self, fragment: int):
+        """(name, parameter, global copy, Δ view) of each parameter of ``fragment``."""
+        at, out = 0, []
+        for i in self.groups[fragment]:
+            name, p = self.named[i]
+            out.append((name, p, self.globals[i], self.deltas[fragment][at:at + p.numel()]))
+            at += p.numel()
+        return out
+
+    def _submit(self, fragment: int) -> None:
+        parts = self._parts(fragment)
+        with torch.no_grad():
+            for _, p, g, delta in parts:
+                torch.sub(g.reshape(-1), p.detach().reshape(-1).to(torch.float32), out=delta)
+        round_ = self.rounds[fragment]
+        self.rounds[fragment] += 1
+        # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
+        # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
+        dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
+        self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
+                                label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
+                                parts=[(name, delta) for name, _, _, delta in parts]))
+        self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
+
+    def wait(self) -> None:
+        """Finish the reduction in flight, if any (collective): its mean Δ is kept until its due
+        step. A failure raises here, on every worker (see the module docstring)."""
+        flight = self.in_flight
+        if flight is None or flight.finished:
+            return
+        parts = self._parts(flight.fragment)
+        try:
+            self.engine.finish(flight.round, [name for name, _, _, _ in parts])
+        except Exception:
+            self.in_flight = None
+            with torch.no_grad():
+                for _, p, g, _ in parts:
+                    p.copy_(g.view_as(p))
+            raise
+        flight.finished = True
+
+    def _apply(self) -> None:
+        """The outer optimizer's step on the fragment in flight, then the mix into the model."""
+        self.wait()
+        fragment, self.in_flight = self.in_flight.fragment, None
+        parts = self._parts(fragment)
+        params = [p for _, p in self.named]
+        grads = [p.grad for p in params]
+        alpha = self.schedule.alpha
+        try:
+            with torch.no_grad():
+                local = [p.detach().clone() for _, p, _, _ in parts] if alpha else None
+                for p in params:
+                    p.grad = None
+                for _, p, g, delta in parts:
+                    p.copy_(g.view_as(p))
+                    p.grad = delta.view_as(p).to(p.dtype)
+            self.outer.step()
+            with torch.no_grad():
+                for k, (_, p, g, _) in enumerate(parts):
+                    g.copy_(p.detach().view_as(g))
+                    if alpha:
+                        p.copy_((alpha * local[k].to(torch.float32) + (1 - alpha) * g).view_as(p))
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        self.outer_steps += 1
+        self.last_applied = fragment
+
+    # ------------------------------------------------------------------ statistics, checkpoints, life
+    def stats(self) -> dict:
+        """The engine's figures and the outer loop's: ``outer_steps`` (fragment reductions
+        applied), ``inner_steps``, ``sent_bytes`` / ``received_bytes`` (this rank, all outer
+        steps), their means per outer step, and bits per parameter per inner step sent and
+        received (``8 * bytes / (parameters * inner steps)``)."""
+        out = self.engine.stats()
+        sent, received, steps = self.communicator.sent, self.communicator.received, self.outer_steps
+        numel = sum(p.numel() for _, p in self.named)
+        per = 8.0 / (numel * max(self.step_count, 1))
+        out.update(outer_steps=steps, inner_steps=self.step_count, parameters=numel, fragments=len(self.groups),
+                   sent_bytes=sent, received_bytes=received,
+                   sent_bytes_per_outer_step=sent / steps if steps else 0.0,
+                   received_bytes_per_outer_step=received / steps if steps else 0.0,
+                   bits_per_parameter_per_inner_step=sent * per,
+                   received_bits_per_parameter_per_inner_step=received * per)
+        return out
+
+    def state_dict(self) -> dict:
+        """The outer state (collective while a reduction is in flight: it is finished first):
+        global parameters, outer optimizer state, compressor state (residuals, the sparse
+        all-reduce's), schedule, inner step, rounds, the finished reduction awaiting its due step,
+        byte counters. Save the model's and inner optimizer's state beside it."""
+        self.wait()
+        return diloco_state.save(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (a DiLoCo built alike); the workers agree again
+        (on the restored inner step too) before the next outer step."""
+        self.engine.idle()
+        diloco_state.load(self, state)
+        self._agreed = False
+
+    def close(self) -> None:
+        """Wait for a reduction in flight, then stop the engine's worker thread."""
+        try:
+            self.wait()
+        finally:
+            self.engine.close()
+
+
+def _trainable(model) -> List[tuple]:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"{OWNER}: model must be a torch.nn.Module, got {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ConfigError(f"{OWNER}: the model has no trainable parameters")
+    if len({p.device for _, p in named}) > 1:
+        raise ConfigError(f"{OWNER}: the model's parameters are on several devices "
+                          f"({sorted(str(p.device) for p in {p.device for _, p in named})}); one device is supported")
+    return named
+
+
+def _check_optimizers(inner, outer, params) -> None:
+    for what, opt in (("inner_optimizer", inner), ("outer_optimizer", outer)):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"{OWNER}: {what} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if inner is outer:
+        raise ConfigError(f"{OWNER}: inner_optimizer and outer_optimizer must be two optimizers")
+    held = {id(p) for group in outer.param_groups for p in group["params"]}
+    if held != {id(p) for p in params}:
+        raise ConfigError(f"{OWNER}: outer_optimizer must hold exactly the model's trainable parameters "
+                          f"(it holds {len(held)}, the model has {len(params)}); build it as "
+                          "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
+
+
+def _hyperparameters(optimizer) -> str:
+    """The outer optimizer's settings (every group's, without its parameters), for the agreement."""
+    return repr([{k: v for k, v in sorted(group.items()) if k != "params"} for group in optimizer.param_groups])
+
+
+__all__ = ["DiLoCo"]
