@@ -4,8 +4,10 @@ Both train every (method, seed, workers) over loopback recording each step's mes
 run as JSON, and later read the loss curves against a wall clock rebuilt from measured compute
 and link times (:mod:`~experiments.reproduce.semisync_replay`). What they share lives here:
 starting one worker process per rank and collecting the ranks' JSON (:func:`run_ranks`), the
-cached train phase (:func:`train_phase`, :func:`train_path`, :func:`load_records`) and the reading
-of curves against clocks (:func:`reach`, :func:`mean_curve`). A benchmark names its own worker
+cached train phase (:func:`train_phase`, :func:`train_path`, :func:`load_records`), the time
+phase's parts (:func:`profiles` over loopback, :func:`time_links` over the shaped link, ranks
+placed by :func:`launch`) and the reading of curves against clocks (:func:`clocks`,
+:func:`reach`, :func:`mean_curve`). A benchmark names its own worker
 module (``python -m <worker> --mode MODE --method JSON --data --budget --seed --out --rank
 --world --init [extra]``) and its file prefix.
 """
@@ -16,11 +18,11 @@ import json
 import os
 import socket
 from dataclasses import asdict
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import semisync_replay as rp
 from .common import progress_bar
-from .netns import launch_ranks, python_module
+from .netns import ShapedLink, launch_ranks, master_addr, python_module
 
 
 def free_port() -> int:
@@ -73,7 +75,7 @@ def train_phase(worker: str, methods: Dict[str, dict], seeds: Sequence[int], wor
                               extra)
             record = rp.merge_ranks(ranks)
             record.update(seed=seed, method_spec=methods[name], budget=asdict(plan),
-                          extra=[r.get("extra", {}) for r in ranks])
+                          extra=[r.get("extra", {}) for r in ranks], inside=[r.get("inside", [0, 0]) for r in ranks])
             path = train_path(cache, name, methods[name], seed, world, plan, prefix)
             with open(f"{path}.tmp", "w", encoding="utf-8") as handle:
                 json.dump(record, handle)
@@ -116,4 +118,74 @@ def mean_curve(seeds: List[dict], clocks: Dict[str, List[List[float]]]) -> dict:
     out = {"step": common, "val_loss": loss}
     for net, per_seed in clocks.items():
         out[f"time_{net}"] = [0.0 if s == 0 else sum(c[s - 1] for c in per_seed) / len(per_seed) for s in common]
+    return out
+
+
+LINK_WORKER = "experiments.reproduce.semisync_link"
+LINK_PORT = 29650       # inside fresh namespaces nothing else listens
+
+
+def launch(worker: str, world: int, args: List[str], log: str, timeout: float, link=None,
+           what: str = "replay") -> None:
+    """Run ``worker`` on ``world`` ranks: over loopback, or over ``link`` as two hosts of
+    ``world / 2`` ranks (one namespace each)."""
+    port = free_port() if link is None else LINK_PORT
+    commands = [python_module(worker, *args, "--rank", str(r), "--world", str(world),
+                              "--init", f"tcp://{master_addr(link)}:{port}") for r in range(world)]
+    launch_ranks(link, commands, log, timeout, what, per_namespace=max(1, world // 2))
+
+
+def profiles(worker: str, methods: Dict[str, dict], names: Sequence[str], world: int, plan, data_path: str,
+             work: str, timeout: float, extra: Sequence[str] = ()) -> Dict[str, List[list]]:
+    """``{method: [[slowest rank's seconds, whether any rank sent], ...]}`` of a loopback profile."""
+    out = {}
+    for name in names:
+        ranks = run_ranks(worker, "profile", name, methods[name], 0, world, plan, data_path, work, timeout, extra)
+        steps = zip(*(r["steps"] for r in ranks))
+        out[name] = [[max(s for s, _ in step), any(synced for _, synced in step)] for step in steps]
+    return out
+
+
+def messages_to_time(records: Iterable[dict], per_op: int) -> List[list]:
+    """``[[op, bytes], ...]``: the representative sizes (:func:`semisync_replay.representatives`)
+    of every kind of collective the records hold."""
+    sizes = rp.distinct_messages(records)
+    return [[op, size] for op, found in sizes.items() for size in rp.representatives(found, per_op)]
+
+
+def time_links(messages: List[list], world: int, bandwidths: Sequence[Tuple[str, float]], work: str,
+               timeout: float, repeats: int, groups: Optional[List[List[int]]] = None, what: str = "replay"
+               ) -> Tuple[Dict[str, list], Dict[str, str]]:
+    """Each message's measured seconds over a fresh :class:`~experiments.reproduce.netns.ShapedLink`
+    at each bandwidth (``({net: [[op, bytes, seconds], ...]}, {net: qdisc})``); ``groups``: the
+    ranks replay inside these groups (see :mod:`~experiments.reproduce.semisync_link`)."""
+    links, qdiscs = {}, {}
+    with ShapedLink() as link:
+        for net, rate in bandwidths:
+            link.shape(rate)
+            qdiscs[net] = link.qdisc()
+            out = os.path.join(work, f"{what}_link_w{world}_{net}.json")
+            args = ["--messages", json.dumps(messages), "--repeats", str(repeats), "--out", out]
+            if groups is not None:
+                args += ["--groups", json.dumps(groups)]
+            launch(LINK_WORKER, world, args, os.path.join(work, f"{what}_link_w{world}_{net}"), timeout, link, what)
+            with open(out, encoding="utf-8") as handle:
+                links[net] = json.load(handle)
+    return links, qdiscs
+
+
+def clocks(runs: Dict[str, List[dict]], timing: Optional[dict], bandwidths: Sequence[Tuple[str, float]],
+           delay_of: Callable[[str], int] = lambda name: 0) -> Dict[str, dict]:
+    """``{method: {net: [wall clock per step, per seed]}}`` from a time phase's entry (``profile``,
+    ``links``); empty without one. ``delay_of(method)``: steps its messages overlap."""
+    if timing is None:
+        return {}
+    transfers = {net: rp.Transfer(timing["links"][net]) for net, _ in bandwidths}
+    out: Dict[str, dict] = {}
+    for name, seeds in runs.items():
+        if name not in timing["profile"]:
+            continue
+        compute = rp.compute_times(timing["profile"][name])
+        out[name] = {net: [rp.wall_clock(r["messages"], compute, transfers[net], delay_of(name)) for r in seeds]
+                     for net, _ in bandwidths}
     return out

@@ -48,8 +48,8 @@ from . import replay_runs
 from . import semisync_methods as sm
 from . import semisync_replay as rp
 from .common import Result, named_config, no_plot_note, pyplot, save_figure
-from .netns import ShapedLink, launch_ranks, master_addr, namespaces_available, python_module
-from .replay_runs import free_port, load_records, train_path  # noqa: F401  (train_path: the cached runs by name)
+from .netns import namespaces_available
+from .replay_runs import load_records, train_path  # noqa: F401  (train_path: the cached runs by name)
 
 BANDWIDTHS = (("10mbit", 10e6), ("100mbit", 100e6))
 PHASES = ("train", "time", "all")
@@ -99,10 +99,7 @@ WORKER = "experiments.reproduce.semisync_worker"
 
 
 def _launch(worker: str, world: int, args: List[str], log: str, timeout: float, link=None) -> None:
-    port = free_port() if link is None else 29650
-    commands = [python_module(worker, *args, "--rank", str(r), "--world", str(world),
-                              "--init", f"tcp://{master_addr(link)}:{port}") for r in range(world)]
-    launch_ranks(link, commands, log, timeout, "semisync", per_namespace=max(1, world // 2))
+    replay_runs.launch(worker, world, args, log, timeout, link, "semisync")
 
 
 def _run_ranks(mode: str, name: str, method: dict, seed: int, world: int, plan: sm.Budget, data_path: str,
@@ -125,24 +122,10 @@ def time_phase(methods: Dict[str, dict], records: Dict[int, Dict[str, List[dict]
     """Profile each method's compute over loopback, then time the recorded messages over the shaped link."""
     for world in workers:
         runs = records.get(world, {})
-        profiles = {}
-        for name in runs:
-            ranks = _run_ranks("profile", name, methods[name], 0, world, plan, data_path, cache, timeout)
-            steps = zip(*(r["steps"] for r in ranks))
-            profiles[name] = [[max(s for s, _ in step), any(synced for _, synced in step)] for step in steps]
-        sizes = rp.distinct_messages(r for seeds in runs.values() for r in seeds)
-        messages = [[op, size] for op, found in sizes.items() for size in rp.representatives(found, SIZES_PER_OP)]
-        links, qdiscs = {}, {}
-        with ShapedLink() as link:
-            for net, rate in BANDWIDTHS:
-                link.shape(rate)
-                qdiscs[net] = link.qdisc()
-                out = os.path.join(cache, f"link_w{world}_{net}.json")
-                _launch("experiments.reproduce.semisync_link", world,
-                        ["--messages", json.dumps(messages), "--repeats", str(REPEATS), "--out", out],
-                        os.path.join(cache, f"link_w{world}_{net}"), timeout, link)
-                with open(out, encoding="utf-8") as handle:
-                    links[net] = json.load(handle)
+        profiles = replay_runs.profiles(WORKER, methods, list(runs), world, plan, data_path, cache, timeout)
+        messages = replay_runs.messages_to_time((r for seeds in runs.values() for r in seeds), SIZES_PER_OP)
+        links, qdiscs = replay_runs.time_links(messages, world, BANDWIDTHS, cache, timeout, REPEATS,
+                                               what="semisync")
         entry = {"world": world, "profile": profiles, "links": links, "qdisc": qdiscs, "cpus": os.cpu_count()}
         with open(time_path(cache, world, plan), "w", encoding="utf-8") as handle:
             json.dump(entry, handle)
@@ -237,19 +220,9 @@ def _bits(seeds: List[dict], key: str, params: int, steps: int) -> float:
 
 
 def _clocks(runs: Dict[str, List[dict]], timing: Optional[dict], methods: Dict[str, dict]) -> Dict[str, dict]:
-    """``{method: {net: [wall clock per step, per seed]}}`` (empty without a time phase)."""
-    if timing is None:
-        return {}
-    transfers = {net: rp.Transfer(timing["links"][net]) for net, _ in BANDWIDTHS}
-    out: Dict[str, dict] = {}
-    for name, seeds in runs.items():
-        if name not in timing["profile"]:
-            continue
-        compute = rp.compute_times(timing["profile"][name])
-        delay = methods[name].get("delay", 0) if methods[name]["kind"] == "diloco" else 0
-        out[name] = {net: [rp.wall_clock(r["messages"], compute, transfers[net], delay) for r in seeds]
-                     for net, _ in BANDWIDTHS}
-    return out
+    """``{method: {net: [wall clock per step, per seed]}}``; a streaming DiLoCo row overlaps its delay."""
+    return replay_runs.clocks(runs, timing, BANDWIDTHS,
+                              lambda name: methods[name].get("delay", 0) if methods[name]["kind"] == "diloco" else 0)
 
 
 def notes(result: Result, records, timing, plan: sm.Budget, seeds: Sequence[int]) -> None:
