@@ -74,7 +74,7 @@ METHODS: Dict[str, dict] = {
 BASELINE, HALF, RECOMMENDED = "hsdp_fp32", "hsdp_bf16", "fsdp_topk"
 
 # About a minute of training per row on 2 idle cores (4 ranks); see docs/benchmarks.md.
-FULL = Budget(steps=200, eval_every=20, eval_windows=64, batch=8, lr=2e-3, warmup=20, vocab=4096, width=64,
+FULL = Budget(steps=400, eval_every=20, eval_windows=64, batch=8, lr=2e-3, warmup=30, vocab=4096, width=64,
               layers=2, heads=4, context=64, profile_steps=12)
 QUICK = Budget(steps=8, eval_every=4, eval_windows=8, batch=2, lr=2e-3, warmup=4, vocab=4096, width=32,
                layers=2, heads=4, context=32, profile_steps=4)
