@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -120,24 +119,19 @@ def test_hsdp_train_phase_quick(tmp_path):
     assert again.rows == result.rows                                # cached: nothing retrained
 
 
-def _our_namespaces():
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith(("drns0-", "drns1-", "drprobe"))}
-
-
 @pytest.mark.slow
 def test_hsdp_time_phase_quick(tmp_path):
     """Where namespaces exist: profile, the replicate groups' messages over the shaped link, combine;
     else the note says why."""
     available, why = netns.namespaces_available()
     out = str(tmp_path)
-    before = _our_namespaces() if available else set()
+    before = netns.namespaces_of_ours() if available else set()
     result = hsdp.run(out, quick=True, methods=["fsdp_topk"], steps=4, show_progress=False)
     rows = {r["method"]: r for r in result.rows}
     if not available:
         assert any("time phase SKIPPED" in n and why in n for n in result.notes)
         return
-    assert _our_namespaces() == before
+    assert netns.namespaces_of_ours() == before
     with open(hsdp.time_path(os.path.join(out, "cache"), hsdp.budget(True, 4)), encoding="utf-8") as handle:
         timing = json.load(handle)
     assert set(timing["links"]) == {"100mbit", "1gbit"} and all("tbf" in q for q in timing["qdisc"].values())

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from . import replay_runs
+from . import semisync_methods as sm
 from . import semisync_replay as rp
 from .common import Result, named_config, no_plot_note, pyplot, save_figure
 from .netns import namespaces_available
@@ -85,12 +86,8 @@ COLUMNS = ["method", "reduces", "final_loss", "spread", "vs_fp32_pct", "link_B_s
 
 
 def budget(quick: bool, steps: Optional[int] = None) -> Budget:
-    chosen = QUICK if quick else FULL
-    if steps is not None:
-        if steps < 1:
-            raise ValueError(f"hsdp: steps must be at least 1, got {steps}")
-        chosen = replace(chosen, steps=steps, eval_every=min(chosen.eval_every, steps))
-    return chosen
+    """:data:`QUICK` or :data:`FULL`, with ``steps`` if given."""
+    return sm.budget(quick, steps, plans=(FULL, QUICK), what="hsdp")
 
 
 def select(names: Optional[Sequence[str]]) -> List[str]:
@@ -305,15 +302,7 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
     columns = [f"time_{net}" for net, _ in BANDWIDTHS] if timed else ["step"]
     fig, axes = plt.subplots(1, len(columns), figsize=(6.5 * len(columns), 4.5), squeeze=False)
     for col, xkey in enumerate(columns):
-        ax = axes[0][col]
-        for name, curve in curves.items():
-            if xkey in curve:
-                style = "--" if METHODS[name]["kind"] == "native" else "-"
-                ax.plot(curve[xkey], curve["val_loss"], style, marker=".", markersize=3, label=name)
-        ax.set_xscale("log" if timed else "linear")
-        ax.set_xlabel("replayed wall time (s)" if timed else "step")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title("2 nodes x 2 ranks" + (f", {xkey[5:]} between nodes" if timed else " (no time phase yet)"))
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        title = "2 nodes x 2 ranks" + (f", {xkey[5:]} between nodes" if timed else " (no time phase yet)")
+        replay_runs.draw_curves(axes[0][col], curves, xkey, lambda name: METHODS[name]["kind"] == "native", "step",
+                                title)
     save_figure(result, fig, out_dir, "hsdp_loss_vs_time.png")

@@ -189,3 +189,20 @@ def clocks(runs: Dict[str, List[dict]], timing: Optional[dict], bandwidths: Sequ
         out[name] = {net: [rp.wall_clock(r["messages"], compute, transfers[net], delay_of(name)) for r in seeds]
                      for net, _ in bandwidths}
     return out
+
+
+def draw_curves(ax, curves: Dict[str, dict], xkey: str, dashed: Callable[[str], bool], step_label: str,
+                title: str) -> None:
+    """One panel: each curve's validation loss against ``xkey`` (``time_<net>``: replayed wall
+    time, log scale; ``step``: the training step); ``dashed(label)`` marks the baselines."""
+    timed = xkey != "step"
+    for label, curve in curves.items():
+        if xkey in curve:
+            ax.plot(curve[xkey], curve["val_loss"], "--" if dashed(label) else "-", marker=".", markersize=3,
+                    label=label)
+    ax.set_xscale("log" if timed else "linear")
+    ax.set_xlabel("replayed wall time (s)" if timed else step_label)
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)

@@ -314,18 +314,9 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
     fig, axes = plt.subplots(len(worlds), len(columns), figsize=(6.5 * len(columns), 4.5 * len(worlds)),
                              squeeze=False)
     for row, world in enumerate(worlds):
+        mine = {key.split("/", 1)[1]: curve for key, curve in curves.items() if int(key.split("/")[0]) == world}
         for col, xkey in enumerate(columns):
-            ax = axes[row][col]
-            for key, curve in curves.items():
-                if int(key.split("/")[0]) != world or xkey not in curve:
-                    continue
-                name = key.split("/", 1)[1]
-                style = "--" if sm.METHODS[name]["kind"] == "ddp" else "-"
-                ax.plot(curve[xkey], curve["val_loss"], style, marker=".", markersize=3, label=name)
-            ax.set_xscale("log" if timed else "linear")
-            ax.set_xlabel("replayed wall time (s)" if timed else "inner step")
-            ax.set_ylabel("validation loss (nats/token)")
-            ax.set_title(f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)"))
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            title = f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)")
+            replay_runs.draw_curves(axes[row][col], mine, xkey, lambda name: sm.METHODS[name]["kind"] == "ddp",
+                                    "inner step", title)
     save_figure(result, fig, out_dir, "semisync_loss_vs_time.png")

@@ -12,8 +12,10 @@ around the plain model.
 every training step (not of evaluation), and at the method's evaluation steps the validation
 loss is measured (half the windows on each rank, summed). Each rank writes
 ``{"rank", "world", "parameters", "curve": [{"step", "val_loss", "bpb", "train_loss"}],
-"steps": [[[op, bytes_in, bytes_received], ...] per step], "stats"}`` to ``--out``. No clock is
-kept: the machine may be busy while this runs.
+"steps": [[[op, bytes_in, bytes_received], ...] per step], "stats", "inside", "extra"}`` to
+``--out`` (``inside``: ``[sent, received]`` of the calls a caller's ``on_link`` predicate leaves
+out of ``steps``, see :func:`train`; ``extra``: the runner's own figures). No clock is kept: the
+machine may be busy while this runs.
 
 ``profile``: ``--profile-steps`` steps timed with ``perf_counter`` (the DiLoCo rows with H cut to
 ``--profile-sync`` so that some steps carry an outer step); each rank writes
