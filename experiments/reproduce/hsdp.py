@@ -11,7 +11,9 @@ inside a node, the replicate groups ``[0, 2]`` and ``[1, 3]`` reduce across the 
   of docs/fsdp.md: ``fully_shard`` on the ``shard`` mesh, ``deepreduce.torch.fsdp.register(...,
   replicate_group=..., reduce_scatter=False)``): ``lm_topk`` gathers Top-5% containers,
   ``fsdp_topk`` (the recommended config: ``lm_topk`` with the sparse all-reduce) reduces them by
-  owner, ``lm_qsgd`` gathers 8-bit QSGD containers with a residual on the rank's shard;
+  owner, ``lm_qsgd`` gathers 8-bit QSGD containers with a residual on the rank's shard and
+  ``lm_qsgd_sra`` reduces them with the sparse all-reduce (every entry: each owner re-quantises
+  its sum);
 * ``rs_fsdp_topk``: ``fsdp_topk`` on FSDP's reduce-scatter inside the node as well.
 
 As :mod:`~experiments.reproduce.semisync`, it **replays** rather than trains on the link, with the
@@ -69,6 +71,8 @@ METHODS: Dict[str, dict] = {
     "hsdp_bf16": {"kind": "native", "reduce_dtype": "bfloat16"},
     "lm_topk": {"kind": "deepreduce", "config": "lm_topk", "reduce_scatter": False},
     "lm_qsgd": {"kind": "deepreduce", "config": "lm_qsgd", "reduce_scatter": False},
+    "lm_qsgd_sra": {"kind": "deepreduce", "config": "lm_qsgd", "reduce_scatter": False,
+                    "aggregation": "sparse_allreduce"},
     "fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": False},
     "rs_fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": True},
 }
@@ -109,7 +113,8 @@ def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) ->
             config = named_config(method["config"], result, configs_dir)
             if config is None:
                 continue
-            method["config"] = config
+            method["config"] = config if "aggregation" not in method else \
+                dict(config, aggregation={"id": method.pop("aggregation")})
         out[name] = method
     return out
 
@@ -123,6 +128,14 @@ def reduces(method: dict) -> str:
 
 def time_path(cache: str, plan: Budget) -> str:
     return os.path.join(cache, f"{PREFIX}_time_w{WORLD}_{plan.key()}.json")
+
+
+def _timing(cache: str, plan: Budget) -> Optional[dict]:
+    """The cached time phase of ``plan``, or None."""
+    if not os.path.exists(time_path(cache, plan)):
+        return None
+    with open(time_path(cache, plan), encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 def time_phase(methods: Dict[str, dict], runs: Dict[str, List[dict]], plan: Budget, data_path: str, cache: str,
@@ -169,12 +182,9 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
         if not available:
             result.notes.append(f"time phase SKIPPED: network namespaces are unavailable ({why}); it needs "
                                 "root with iproute2")
-        elif phase == "time" or not os.path.exists(time_path(cache, plan)):
-            time_phase(resolved, runs, plan, data_path, cache, timeout)
-    timing = None
-    if os.path.exists(time_path(cache, plan)):
-        with open(time_path(cache, plan), encoding="utf-8") as handle:
-            timing = json.load(handle)
+        elif phase == "time" or not set(runs) <= set((_timing(cache, plan) or {}).get("profile", {})):
+            time_phase(resolved, runs, plan, data_path, cache, timeout)   # again when a row has no profile
+    timing = _timing(cache, plan)
     curves = combine(result, runs, timing, resolved)
     notes(result, runs, timing, plan, seeds)
     targets(result)
