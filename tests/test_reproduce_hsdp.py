@@ -38,6 +38,10 @@ def test_rows_budgets_and_bad_options(tmp_path):
     assert hsdp.reduces(hsdp.METHODS["rs_fsdp_topk"]) == "reduce-scatter + replicate"
     resolved = hsdp.resolve(["hsdp_fp32", "fsdp_topk"], Result("x", "x", []), None)
     assert resolved["fsdp_topk"]["config"]["aggregation"]["id"] == "sparse_allreduce"
+    qsgd = hsdp.resolve(["lm_qsgd", "lm_qsgd_sra"], Result("x", "x", []), None)
+    assert "aggregation" not in qsgd["lm_qsgd"]["config"] and "aggregation" not in qsgd["lm_qsgd_sra"]
+    assert qsgd["lm_qsgd_sra"]["config"] == dict(qsgd["lm_qsgd"]["config"], aggregation={"id": "sparse_allreduce"})
+    assert hsdp.METHODS["lm_qsgd_sra"]["aggregation"] == "sparse_allreduce"      # the table's spec is left alone
     with pytest.raises(ValueError, match="phase"):
         hsdp.run(str(tmp_path), quick=True, phase="later")
     with pytest.raises(ValueError, match="seed"):
