@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -195,23 +194,18 @@ def test_semisync_train_phase_quick(tmp_path):
     assert again.rows == result.rows
 
 
-def _our_namespaces():
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith(("drns0-", "drns1-", "drprobe"))}
-
-
 @pytest.mark.slow
 def test_semisync_time_phase_quick(tmp_path):
     """Where namespaces exist: profile, link timing at 2 workers and combine; else the note says why."""
     available, why = netns.namespaces_available()
     out = str(tmp_path)
-    before = _our_namespaces() if available else set()
+    before = netns.namespaces_of_ours() if available else set()
     result = semisync.run(out, quick=True, methods=["semisync_h30"], steps=6, show_progress=False)
     rows = {r["method"]: r for r in result.rows}
     if not available:
         assert any("time phase SKIPPED" in n and why in n for n in result.notes)
         return
-    assert _our_namespaces() == before
+    assert netns.namespaces_of_ours() == before
     timing = json.load(open(semisync.time_path(os.path.join(out, "cache"), 2, sm.budget(True, 6)), encoding="utf-8"))
     assert set(timing["links"]) == {"10mbit", "100mbit"} and all("tbf" in q for q in timing["qdisc"].values())
     slow, fast = (dict(((op, b), s) for op, b, s in timing["links"][net]) for net in ("10mbit", "100mbit"))

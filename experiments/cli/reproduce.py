@@ -6,7 +6,9 @@ ResNet-20 layer), table2 (inherently sparse recommender), fig7 (2-rank convergen
 (time per iteration over a shaped network between two network namespaces; needs root), quality
 (time to accuracy of a language model over the same shaped network; needs root), semisync
 (semi-synchronous training against every-step compression: trained over loopback, then replayed
-over the shaped network; ``--phase train`` runs anywhere, ``--phase time`` needs root).
+over the shaped network; ``--phase train`` runs anywhere, ``--phase time`` needs root), hsdp
+(FSDP2 as HSDP on 2 nodes x 2 ranks, native HSDP against deepreduce, replayed over the shaped
+network between the nodes; the same phases).
 """
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ def register(subparsers) -> None:
     parser.add_argument("--accumulate", type=int, default=None,
                         help="fig11: micro-batches accumulated per iteration (the paper uses 10)")
     parser.add_argument("--methods", default=None,
-                        help="fig7, quality, semisync: comma-separated methods to run (default: all)")
-    parser.add_argument("--steps", type=int, default=None, help="quality, semisync: training steps per method")
-    parser.add_argument("--seeds", default=None, help="semisync: comma-separated seeds (default 0,1; quick: 0)")
+                        help="fig7, quality, semisync, hsdp: comma-separated methods to run (default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="quality, semisync, hsdp: training steps per method")
+    parser.add_argument("--seeds", default=None, help="semisync, hsdp: comma-separated seeds (default 0,1; quick: 0)")
     parser.add_argument("--workers", default=None, help="semisync: comma-separated worker counts (default 2,4)")
     parser.add_argument("--phase", default=None, choices=("train", "time", "all"),
-                        help="semisync: train (cached, any machine), time (idle machine, root), all (default)")
-    parser.add_argument("--cache", default=None, help="semisync: directory of the cached runs (default OUT/cache)")
+                        help="semisync, hsdp: train (cached, any machine), time (idle machine, root), all (default)")
+    parser.add_argument("--cache", default=None, help="semisync, hsdp: directory of the cached runs (default OUT/cache)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 

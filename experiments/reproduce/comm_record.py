@@ -3,10 +3,13 @@
 ``deepreduce reproduce semisync`` replays training over a shaped link instead of training on it
 (:mod:`experiments.reproduce.semisync`), so it needs the exact messages of each step: the kind
 of collective and the bytes each rank put into it. :class:`CollectiveRecorder` wraps the
-module-level functions of ``torch.distributed`` that PyTorch's DDP hooks and deepreduce's
+module-level functions of ``torch.distributed`` that PyTorch's DDP hooks, FSDP2 and deepreduce's
 communicators call (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
-``all_to_all_single``, ``broadcast``, ``reduce_scatter_tensor``) while it is active, records
-``(op, bytes_in, bytes_received)`` per call and passes the call through unchanged. Whatever
+``all_gather_single``, ``all_to_all_single``, ``broadcast``, ``reduce_scatter_tensor``,
+``reduce_scatter_single``) while it is active, records ``(op, bytes_in, bytes_received)`` per
+call and the global ranks of its process group (``ranks``; None for the default group, which
+:mod:`~experiments.reproduce.hsdp` uses to tell the traffic between "nodes" from the traffic
+inside one) and passes the call through unchanged. Whatever
 issues the collective (a DDP hook, the deepreduce step engine, an outer loop) is measured the same
 way, with no knowledge of its internals.
 
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
-       "reduce_scatter_tensor")
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "broadcast",
+       "reduce_scatter_tensor", "reduce_scatter_single")
 
 
 def _nbytes(tensor) -> int:
@@ -48,7 +51,7 @@ def message(op: str, args: tuple, kwargs: dict, rank: int, world: int) -> Dict[s
         tensor = tensor if tensor is not None else kwargs["tensor"]
         n = _nbytes(tensor)
         return {"op": op, "bytes_in": n, "bytes_received": sum(_nbytes(t) for t in outputs) - n}
-    if op == "all_gather_into_tensor":
+    if op in ("all_gather_into_tensor", "all_gather_single"):
         output, tensor = (list(args[:2]) + [None, None])[:2]
         output = output if output is not None else kwargs["output_tensor"]
         tensor = tensor if tensor is not None else kwargs["input_tensor"]
@@ -68,7 +71,7 @@ def message(op: str, args: tuple, kwargs: dict, rank: int, world: int) -> Dict[s
         src = args[1] if len(args) > 1 else kwargs.get("src", 0)
         n = _nbytes(tensor)
         return {"op": op, "bytes_in": n if rank == src else 0, "bytes_received": 0 if rank == src else n}
-    if op == "reduce_scatter_tensor":
+    if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
         output, tensor = (list(args[:2]) + [None, None])[:2]
         output = output if output is not None else kwargs["output"]
         tensor = tensor if tensor is not None else kwargs["input"]
@@ -111,7 +114,9 @@ class CollectiveRecorder:
         def call(*args, **kwargs):
             if self.recording:
                 group = kwargs.get("group")
-                self.calls.append(message(op, args, kwargs, dist.get_rank(group), dist.get_world_size(group)))
+                call = message(op, args, kwargs, dist.get_rank(group), dist.get_world_size(group))
+                call["ranks"] = None if group is None else list(dist.get_process_group_ranks(group))
+                self.calls.append(call)
             return original(*args, **kwargs)
 
         call.__wrapped__ = original

@@ -118,6 +118,16 @@ class ShapedLink:
         self.close()
 
 
+def namespaces_of_ours() -> set:
+    """The network namespaces that exist now with the names this module gives them (a
+    :class:`ShapedLink`'s or the probe's): what tests check is gone after a run."""
+    try:
+        out = _ip("netns", "list").stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.startswith(("drns0-", "drns1-", "drprobe"))}
+
+
 def package_root() -> str:
     """The directory holding ``experiments/`` (and, in a checkout, ``deepreduce/``)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

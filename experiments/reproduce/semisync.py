@@ -39,18 +39,17 @@ time, one panel per bandwidth and worker count.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import os
-import socket
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
+from . import replay_runs
 from . import semisync_methods as sm
 from . import semisync_replay as rp
-from .common import Result, named_config, no_plot_note, progress_bar, pyplot, save_figure
-from .netns import ShapedLink, launch_ranks, master_addr, namespaces_available, python_module
+from .common import Result, named_config, no_plot_note, pyplot, save_figure
+from .netns import namespaces_available
+from .replay_runs import load_records, train_path  # noqa: F401  (train_path: the cached runs by name)
 
 BANDWIDTHS = (("10mbit", 10e6), ("100mbit", 100e6))
 PHASES = ("train", "time", "all")
@@ -60,12 +59,6 @@ TOLERANCE = 0.02        # the issue's target: within 2% of DDP's final loss
 BITS_TARGET = 0.05      # ... sending at most 0.05 bits per parameter per inner step
 COLUMNS = ["workers", "method", "final_loss", "spread", "vs_ddp_pct", "sent_bppis", "recv_bppis", "outer_steps",
            "t_10mbit", "x_ddp_10mbit", "x_topk_10mbit", "t_100mbit", "x_ddp_100mbit", "x_topk_100mbit"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) -> Dict[str, dict]:
@@ -102,77 +95,22 @@ def for_sparse_allreduce(config: dict, name: str, result: Result) -> dict:
     return dict(config, sparsifier=sparsifier)
 
 
-def _tag(method: dict) -> str:
-    return hashlib.sha256(json.dumps(method, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def train_path(cache: str, name: str, method: dict, seed: int, world: int, plan: sm.Budget) -> str:
-    return os.path.join(cache, f"train_{name}_s{seed}_w{world}_{plan.key()}_{_tag(method)}.json")
-
-
-_LINK_PORTS = itertools.count(29650)    # inside fresh namespaces: any port is free; a new one per launch
+WORKER = "experiments.reproduce.semisync_worker"
 
 
 def _launch(worker: str, world: int, args: List[str], log: str, timeout: float, link=None) -> None:
-    port = _free_port() if link is None else next(_LINK_PORTS)
-    commands = [python_module(worker, *args, "--rank", str(r), "--world", str(world),
-                              "--init", f"tcp://{master_addr(link)}:{port}") for r in range(world)]
-    launch_ranks(link, commands, log, timeout, "semisync", per_namespace=max(1, world // 2))
+    replay_runs.launch(worker, world, args, log, timeout, link, "semisync")
 
 
 def _run_ranks(mode: str, name: str, method: dict, seed: int, world: int, plan: sm.Budget, data_path: str,
                work: str, timeout: float) -> List[dict]:
-    outs = [os.path.join(work, f"{mode}_{name}_s{seed}_w{world}.rank{r}.json") for r in range(world)]
-    for path in outs:
-        if os.path.exists(path):
-            os.remove(path)
-    base = ["--mode", mode, "--method", json.dumps([name, method]), "--data", data_path,
-            "--budget", json.dumps(asdict(plan)), "--seed", str(seed)]
-    port = _free_port()
-    commands = [python_module("experiments.reproduce.semisync_worker", *base, "--out", outs[r], "--rank", str(r),
-                              "--world", str(world), "--init", f"tcp://127.0.0.1:{port}") for r in range(world)]
-    launch_ranks(None, commands, os.path.join(work, f"{mode}_{name}_s{seed}_w{world}"), timeout, "semisync")
-    ranks = []
-    for path in outs:
-        with open(path, encoding="utf-8") as handle:
-            ranks.append(json.load(handle))
-    return ranks
+    return replay_runs.run_ranks(WORKER, mode, name, method, seed, world, plan, data_path, work, timeout)
 
 
 def train_phase(methods: Dict[str, dict], seeds: Sequence[int], workers: Sequence[int], plan: sm.Budget,
                 data_path: str, cache: str, timeout: float, show_progress: bool) -> None:
-    """Train every (method, seed, workers) not in the cache; write each run's merged record."""
-    todo = [(n, s, w) for w in workers for s in seeds for n in methods
-            if not os.path.exists(train_path(cache, n, methods[n], s, w, plan))]
-    bar = progress_bar(len(todo), "semisync train", enabled=show_progress)
-    try:
-        for name, seed, world in todo:
-            record = rp.merge_ranks(_run_ranks("train", name, methods[name], seed, world, plan, data_path,
-                                               cache, timeout))
-            record.update(seed=seed, method_spec=methods[name], budget=asdict(plan))
-            path = train_path(cache, name, methods[name], seed, world, plan)
-            with open(f"{path}.tmp", "w", encoding="utf-8") as handle:
-                json.dump(record, handle)
-            os.replace(f"{path}.tmp", path)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def load_records(methods: Dict[str, dict], seeds: Sequence[int], workers: Sequence[int], plan: sm.Budget,
-                 cache: str) -> Dict[int, Dict[str, List[dict]]]:
-    """``{workers: {method: [record per seed]}}`` of the cached runs (missing ones left out)."""
-    out: Dict[int, Dict[str, List[dict]]] = {}
-    for world in workers:
-        for name, method in methods.items():
-            for seed in seeds:
-                path = train_path(cache, name, method, seed, world, plan)
-                if os.path.exists(path):
-                    with open(path, encoding="utf-8") as handle:
-                        out.setdefault(world, {}).setdefault(name, []).append(json.load(handle))
-    return out
+    """Train every (method, seed, workers) not in the cache (:func:`replay_runs.train_phase`)."""
+    replay_runs.train_phase(WORKER, methods, seeds, workers, plan, data_path, cache, timeout, show_progress)
 
 
 def time_path(cache: str, world: int, plan: sm.Budget) -> str:
@@ -184,24 +122,10 @@ def time_phase(methods: Dict[str, dict], records: Dict[int, Dict[str, List[dict]
     """Profile each method's compute over loopback, then time the recorded messages over the shaped link."""
     for world in workers:
         runs = records.get(world, {})
-        profiles = {}
-        for name in runs:
-            ranks = _run_ranks("profile", name, methods[name], 0, world, plan, data_path, cache, timeout)
-            steps = zip(*(r["steps"] for r in ranks))
-            profiles[name] = [[max(s for s, _ in step), any(synced for _, synced in step)] for step in steps]
-        sizes = rp.distinct_messages(r for seeds in runs.values() for r in seeds)
-        messages = [[op, size] for op, found in sizes.items() for size in rp.representatives(found, SIZES_PER_OP)]
-        links, qdiscs = {}, {}
-        with ShapedLink() as link:
-            for net, rate in BANDWIDTHS:
-                link.shape(rate)
-                qdiscs[net] = link.qdisc()
-                out = os.path.join(cache, f"link_w{world}_{net}.json")
-                _launch("experiments.reproduce.semisync_link", world,
-                        ["--messages", json.dumps(messages), "--repeats", str(REPEATS), "--out", out],
-                        os.path.join(cache, f"link_w{world}_{net}"), timeout, link)
-                with open(out, encoding="utf-8") as handle:
-                    links[net] = json.load(handle)
+        profiles = replay_runs.profiles(WORKER, methods, list(runs), world, plan, data_path, cache, timeout)
+        messages = replay_runs.messages_to_time((r for seeds in runs.values() for r in seeds), SIZES_PER_OP)
+        links, qdiscs = replay_runs.time_links(messages, world, BANDWIDTHS, cache, timeout, REPEATS,
+                                               what="semisync")
         entry = {"world": world, "profile": profiles, "links": links, "qdisc": qdiscs, "cpus": os.cpu_count()}
         with open(time_path(cache, world, plan), "w", encoding="utf-8") as handle:
             json.dump(entry, handle)
@@ -282,7 +206,7 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
             continue
         clocks = _clocks(runs, timing.get(world), methods)
         ddp_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[sm.BASELINE]])
-        reach = {name: {net: _reach(seeds, clocks.get(name, {}).get(net), ddp_loss) for net, _ in BANDWIDTHS}
+        reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), ddp_loss) for net, _ in BANDWIDTHS}
                  for name, seeds in runs.items()}
         for name, seeds in runs.items():
             loss, spread = rp.mean_spread([r["curve"][-1]["val_loss"] for r in seeds])
@@ -299,7 +223,7 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
                     base = reach.get(ref, {}).get(net)
                     row[f"x_{col}_{net}"] = base / t if (t and base) else None
             result.rows.append(row)
-            curves[f"{world}/{name}"] = _curve(seeds, clocks.get(name, {}))
+            curves[f"{world}/{name}"] = replay_runs.mean_curve(seeds, clocks.get(name, {}))
     return curves
 
 
@@ -309,39 +233,9 @@ def _bits(seeds: List[dict], key: str, params: int, steps: int) -> float:
 
 
 def _clocks(runs: Dict[str, List[dict]], timing: Optional[dict], methods: Dict[str, dict]) -> Dict[str, dict]:
-    """``{method: {net: [wall clock per step, per seed]}}`` (empty without a time phase)."""
-    if timing is None:
-        return {}
-    transfers = {net: rp.Transfer(timing["links"][net]) for net, _ in BANDWIDTHS}
-    out: Dict[str, dict] = {}
-    for name, seeds in runs.items():
-        if name not in timing["profile"]:
-            continue
-        compute = rp.compute_times(timing["profile"][name])
-        delay = methods[name].get("delay", 0) if methods[name]["kind"] == "diloco" else 0
-        out[name] = {net: [rp.wall_clock(r["messages"], compute, transfers[net], delay) for r in seeds]
-                     for net, _ in BANDWIDTHS}
-    return out
-
-
-def _reach(seeds: List[dict], clocks: Optional[List[List[float]]], target: float) -> Optional[float]:
-    """Mean over seeds of the wall time to ``target``; None if a seed never reaches it or no timing."""
-    if not clocks:
-        return None
-    times = [rp.time_to_reach(r["curve"], clock, target) for r, clock in zip(seeds, clocks)]
-    return None if any(t is None for t in times) else sum(times) / len(times)
-
-
-def _curve(seeds: List[dict], clocks: Dict[str, List[List[float]]]) -> dict:
-    """Mean validation loss at each evaluation step, and the mean wall time there per bandwidth."""
-    steps = [p["step"] for p in seeds[0]["curve"]]
-    common = [s for s in steps if all(any(p["step"] == s for p in r["curve"]) for r in seeds)]
-    loss = [sum(next(p["val_loss"] for p in r["curve"] if p["step"] == s) for r in seeds) / len(seeds)
-            for s in common]
-    out = {"step": common, "val_loss": loss}
-    for net, per_seed in clocks.items():
-        out[f"time_{net}"] = [0.0 if s == 0 else sum(c[s - 1] for c in per_seed) / len(per_seed) for s in common]
-    return out
+    """``{method: {net: [wall clock per step, per seed]}}``; a streaming DiLoCo row overlaps its delay."""
+    return replay_runs.clocks(runs, timing, BANDWIDTHS,
+                              lambda name: methods[name].get("delay", 0) if methods[name]["kind"] == "diloco" else 0)
 
 
 def notes(result: Result, records, timing, plan: sm.Budget, seeds: Sequence[int]) -> None:
@@ -427,29 +321,15 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
         return
     if not curves:
         return
-    from matplotlib.ticker import NullFormatter
     worlds = sorted({int(k.split("/")[0]) for k in curves})
     timed = any("time_10mbit" in c for c in curves.values())
     columns = [f"time_{net}" for net, _ in BANDWIDTHS] if timed else ["step"]
     fig, axes = plt.subplots(len(worlds), len(columns), figsize=(6.5 * len(columns), 4.5 * len(worlds)),
                              squeeze=False)
     for row, world in enumerate(worlds):
+        mine = {key.split("/", 1)[1]: curve for key, curve in curves.items() if int(key.split("/")[0]) == world}
         for col, xkey in enumerate(columns):
-            ax = axes[row][col]
-            for key, curve in curves.items():
-                if int(key.split("/")[0]) != world or xkey not in curve:
-                    continue
-                name = key.split("/", 1)[1]
-                style = "--" if sm.METHODS[name]["kind"] == "ddp" else "-"
-                # a log time axis has no 0: the curve starts at the first evaluation after training began
-                points = [(x, y) for x, y in zip(curve[xkey], curve["val_loss"]) if x > 0 or not timed]
-                ax.plot([x for x, _ in points], [y for _, y in points], style, marker=".", markersize=3, label=name)
-            if timed:
-                ax.set_xscale("log")
-                ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_xlabel("replayed wall time (s)" if timed else "inner step")
-            ax.set_ylabel("validation loss (nats/token)")
-            ax.set_title(f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)"))
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            title = f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)")
+            replay_runs.draw_curves(axes[row][col], mine, xkey, lambda name: sm.METHODS[name]["kind"] == "ddp",
+                                    "inner step", title)
     save_figure(result, fig, out_dir, "semisync_loss_vs_time.png")

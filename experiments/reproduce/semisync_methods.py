@@ -100,11 +100,15 @@ QUICK = Budget(steps=12, eval_every=4, eval_windows=8, batch=2, warmup=4, vocab=
                h_scale=10, profile_steps=6, profile_sync=3)
 
 
-def budget(quick: bool, steps: Optional[int] = None) -> Budget:
-    chosen = QUICK if quick else FULL
+def budget(quick: bool, steps: Optional[int] = None, plans: Optional[Sequence[Budget]] = None,
+           what: str = "semisync") -> Budget:
+    """The quick or the full budget (``plans``: ``(full, quick)`` of another benchmark; default this
+    one's), with ``steps`` steps if given (evaluating at least at the end)."""
+    full, quick_plan = plans or (FULL, QUICK)
+    chosen = quick_plan if quick else full
     if steps is not None:
         if steps < 1:
-            raise ValueError(f"semisync: steps must be at least 1, got {steps}")
+            raise ValueError(f"{what}: steps must be at least 1, got {steps}")
         chosen = replace(chosen, steps=steps, eval_every=min(chosen.eval_every, steps))
     return chosen
 

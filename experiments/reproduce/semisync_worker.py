@@ -12,8 +12,10 @@ around the plain model.
 every training step (not of evaluation), and at the method's evaluation steps the validation
 loss is measured (half the windows on each rank, summed). Each rank writes
 ``{"rank", "world", "parameters", "curve": [{"step", "val_loss", "bpb", "train_loss"}],
-"steps": [[[op, bytes_in, bytes_received], ...] per step], "stats"}`` to ``--out``. No clock is
-kept: the machine may be busy while this runs.
+"steps": [[[op, bytes_in, bytes_received], ...] per step], "stats", "inside", "extra"}`` to
+``--out`` (``inside``: ``[sent, received]`` of the calls a caller's ``on_link`` predicate leaves
+out of ``steps``, see :func:`train`; ``extra``: the runner's own figures). No clock is kept: the
+machine may be busy while this runs.
 
 ``profile``: ``--profile-steps`` steps timed with ``perf_counter`` (the DiLoCo rows with H cut to
 ``--profile-sync`` so that some steps carry an outer step); each rank writes
@@ -77,8 +79,7 @@ class Runner:
                 self.state = register(self.forward, method["config"])
         else:
             self.forward = self.model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / plan.warmup))
+        self.optimizers()
         if method["kind"] == "diloco":
             from deepreduce.torch import DiLoCo
 
@@ -91,6 +92,14 @@ class Runner:
             h = min(sync_every(method, plan), plan.profile_sync) if profile else sync_every(method, plan)
             self.diloco = DiLoCo(self.model, self.opt, outer, sync_every=h, compression=compression,
                                  fragments=method.get("fragments", 1), delay=method.get("delay", 0))
+
+    def optimizers(self) -> None:
+        """AdamW (betas 0.9, 0.95, no weight decay) with a linear warm-up, the same for every method."""
+        import torch
+
+        plan = self.plan
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / plan.warmup))
 
     def step(self, k: int) -> float:
         import torch
@@ -110,18 +119,18 @@ class Runner:
 
     def stats(self) -> dict:
         if self.diloco is not None:
-            return _plain(self.diloco.stats())
+            return plain_stats(self.diloco.stats())
         if self.state is not None:
-            return _plain(self.state.compression_stats())
+            return plain_stats(self.state.compression_stats())
         return {}
 
 
-def _plain(stats: dict) -> dict:
+def plain_stats(stats: dict) -> dict:
     """A stats dict with only JSON-able leaves (numbers, strings, lists and dicts of them)."""
     out = {}
     for key, value in stats.items():
         if isinstance(value, dict):
-            out[str(key)] = _plain(value)
+            out[str(key)] = plain_stats(value)
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[str(key)] = value
         elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
@@ -148,15 +157,21 @@ def evaluate(model, ids, targets, data) -> tuple:
     return loss / tokens, data.bits_per_byte(loss / tokens, int(tokens), int(nbytes))
 
 
-def train(args, name: str, method: dict, plan, data) -> dict:
+def train(args, name: str, method: dict, plan, data, make_runner=None, on_link=None) -> dict:
+    """Train and record (see the module docstring). ``make_runner``: the runner's class (default
+    :class:`Runner`; :mod:`~experiments.reproduce.hsdp_worker` passes its FSDP one). ``on_link``:
+    a predicate on a recorded call; only the calls it accepts are the step's messages (the others'
+    bytes are summed into ``"inside": [sent, received]``). The runner's ``extra()``, if it has one,
+    goes into ``"extra"``."""
     from .comm_record import CollectiveRecorder
     from .semisync_methods import eval_steps
 
     ids, targets = data.validation(plan.eval_windows, plan.context)
     val = (ids[args.rank::args.world], targets[args.rank::args.world])
     recorder = CollectiveRecorder().install()
+    inside = [0, 0]
     try:
-        runner = Runner(name, method, plan, args.rank, args.seed, data, profile=False)
+        runner = (make_runner or Runner)(name, method, plan, args.rank, args.seed, data, profile=False)
         recorder.take()                    # set-up traffic (DDP's parameter broadcast) is not a step's
         loss, bpb = evaluate(runner.model, *val, data)
         curve = [{"step": 0, "val_loss": loss, "bpb": bpb, "train_loss": None}]
@@ -165,7 +180,13 @@ def train(args, name: str, method: dict, plan, data) -> dict:
             recorder.recording = True
             losses.append(runner.step(k))
             recorder.recording = False
-            steps.append([[c["op"], c["bytes_in"], c["bytes_received"]] for c in recorder.take()])
+            calls = recorder.take()
+            for c in calls:
+                if on_link is not None and not on_link(c):
+                    inside[0] += c["bytes_in"]
+                    inside[1] += c["bytes_received"]
+            steps.append([[c["op"], c["bytes_in"], c["bytes_received"]] for c in calls
+                          if on_link is None or on_link(c)])
             if k + 1 in wanted:
                 loss, bpb = evaluate(runner.model, *val, data)
                 curve.append({"step": k + 1, "val_loss": loss, "bpb": bpb,
@@ -173,19 +194,22 @@ def train(args, name: str, method: dict, plan, data) -> dict:
                 if not math.isfinite(loss):
                     break                  # diverged: the table says so
         return {"rank": args.rank, "world": args.world, "parameters": runner.parameters, "curve": curve,
-                "steps": steps, "stats": runner.stats()}
+                "steps": steps, "stats": runner.stats(), "inside": inside,
+                "extra": runner.extra() if hasattr(runner, "extra") else {}}
     finally:
         recorder.uninstall()
 
 
-def profile(args, name: str, method: dict, plan, data) -> dict:
+def profile(args, name: str, method: dict, plan, data, make_runner=None, on_link=None) -> dict:
+    """Time ``plan.profile_steps`` steps; a step is ``synced`` when it sent a message (one that
+    ``on_link`` accepts, when given)."""
     import torch.distributed as dist
 
     from .comm_record import CollectiveRecorder
 
     recorder = CollectiveRecorder().install()
     try:
-        runner = Runner(name, method, plan, args.rank, args.seed, data, profile=True)
+        runner = (make_runner or Runner)(name, method, plan, args.rank, args.seed, data, profile=True)
         runner.step(0)                     # first-call allocations and the engine's warm-up
         recorder.take()
         timed = []
@@ -196,14 +220,16 @@ def profile(args, name: str, method: dict, plan, data) -> dict:
             runner.step(k)
             elapsed = time.perf_counter() - start
             recorder.recording = False
-            timed.append([elapsed, bool(recorder.take())])
+            timed.append([elapsed, any(on_link is None or on_link(c) for c in recorder.take())])
         return {"rank": args.rank, "steps": timed}
     finally:
         recorder.uninstall()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+def main(argv: Optional[List[str]] = None, args=None, make_runner=None, on_link=None) -> int:
+    """One rank: parse ``argv`` (or take parsed ``args``), join the group, train or profile, write
+    the JSON. ``make_runner`` and ``on_link``: see :func:`train`."""
+    args = args if args is not None else parse_args(argv)
     import torch
     import torch.distributed as dist
 
@@ -216,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     data = read(args.data)
     plan = Budget(**json.loads(args.budget))
     name, method = json.loads(args.method)
-    result = (train if args.mode == "train" else profile)(args, name, method, plan, data)
+    result = (train if args.mode == "train" else profile)(args, name, method, plan, data, make_runner, on_link)
     result.update(method=name, mode=args.mode)
     tmp = f"{args.out}.tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
