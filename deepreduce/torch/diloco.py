@@ -34,6 +34,7 @@ import torch
 
 from ..collective import agreement, sync_period
 from ..collective.fragments import Schedule, split
+from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
 from ..errors import ConfigError
 from . import diloco_state
@@ -187,7 +188,7 @@ class DiLoCo:
         if self._bundled:
             # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
             # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
-            dense = all(self.pipeline.core.summed_dense(delta.numel()) for _, _, _, delta in parts)
+            dense = all(summed_dense(self.pipeline.core, delta.numel()) for _, _, _, delta in parts)
             self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
                                     label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
                                     parts=[(name, delta) for name, _, _, delta in parts]))
