@@ -10,11 +10,11 @@ spec: ALGORITHMS.md IV.1-2; usage and recipes: docs/semisync.md.
 
 With ``fragments=P`` the parameters are cut into P contiguous fragments that sync at staggered
 steps (:mod:`deepreduce.collective.fragments`); with ``delay=τ`` a fragment's reduction is
-submitted at its sync step (the engine's worker encodes it and starts its collective), finished
-and applied τ inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in
-flight at a time, so each reduction is one engine step: ``begin`` (the ranks agree on parameters,
-config, schedule, outer optimizer and step), ``submit`` (over torch.distributed one item whose parts are
-the fragment's parameters, one collective; over Horovod one item per parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
+submitted at its sync step (encoded and started on the engine's worker), finished and applied τ
+inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in flight at a
+time, so each reduction is one engine step: ``begin`` (agreement), ``submit`` (over
+torch.distributed one item whose parts are the fragment's parameters; over Horovod one item per
+parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
 With ``sync_every="auto"`` the first inner steps are timed without syncing, then the workers
 measure the link and the config's codec and adopt rank 0's choice of H
@@ -33,14 +33,15 @@ from typing import Optional
 import torch
 
 from ..collective import agreement, sync_period
-from ..collective.fragments import Schedule, split
+from ..collective.fragments import split
 from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
 from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
 from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
-from .diloco_period import PROBE_STEPS, AutoPeriod
+from .diloco_outer import outer_step, pseudo_gradient
+from .diloco_period import PROBE_STEPS, schedule_or_auto
 from .diloco_state import InFlight
 from .diloco_transport import open_transport
 from .tensors import TorchTensors
@@ -75,16 +76,10 @@ class DiLoCo:
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.pipeline = build_pipeline(compression, path)
-        self.period: Optional[AutoPeriod] = None   # sync_every="auto": the choice of H
-        self.schedule: Optional[Schedule] = None   # None until the auto choice is made
-        if isinstance(sync_every, str):
-            if sync_every != "auto":
-                raise ConfigError(f"{OWNER}: sync_every must be an integer >= 1 or 'auto', got {sync_every!r}")
-            self.period = AutoPeriod(self.pipeline, fragments, delay, alpha, auto_candidates, auto_slack,
-                                     auto_probe_steps, auto_inputs, OWNER)
-            fragments = self.period.fragments
-        else:
-            self.schedule = Schedule(sync_every, fragments, delay, alpha, OWNER)
+        # sync_every="auto": period makes the choice of H, and schedule is None until it has
+        self.period, self.schedule = schedule_or_auto(sync_every, self.pipeline, fragments, delay, alpha,
+                                                      auto_candidates, auto_slack, auto_probe_steps, auto_inputs)
+        fragments = self.schedule.fragments if self.schedule is not None else self.period.fragments
         self.groups = split([p.numel() for _, p in self.named], fragments, OWNER)
         self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
         # over torch.distributed a fragment is one item (its containers end to end, one collective);
@@ -115,7 +110,6 @@ class DiLoCo:
         if self.period is not None:
             self.period.restart(self.step_count)
 
-    # ------------------------------------------------------------------ agreement
     def _agree(self) -> None:
         """The engine's agreement: parameters, config, schedule, outer optimizer and inner step
         equal on every worker, or the same CommunicationError on each."""
@@ -180,9 +174,7 @@ class DiLoCo:
 
     def _submit(self, fragment: int) -> None:
         parts = self._parts(fragment)
-        with torch.no_grad():
-            for _, p, g, delta in parts:
-                torch.sub(g.reshape(-1), p.detach().reshape(-1).to(torch.float32), out=delta)
+        pseudo_gradient(parts)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
         if self._bundled:
@@ -218,53 +210,15 @@ class DiLoCo:
         """The outer optimizer's step on the fragment in flight, then the mix into the model."""
         self.wait()
         fragment, self.in_flight = self.in_flight.fragment, None
-        parts = self._parts(fragment)
-        params = [p for _, p in self.named]
-        grads = [p.grad for p in params]
-        alpha = self.schedule.alpha
-        try:
-            with torch.no_grad():
-                local = [p.detach().clone() for _, p, _, _ in parts] if alpha else None
-                for p in params:
-                    p.grad = None
-                for _, p, g, delta in parts:
-                    p.copy_(g.view_as(p))
-                    p.grad = delta.view_as(p).to(p.dtype)
-            self.outer.step()
-            with torch.no_grad():
-                for k, (_, p, g, _) in enumerate(parts):
-                    g.copy_(p.detach().reshape(g.shape))
-                    if alpha:
-                        p.copy_((alpha * local[k].to(torch.float32) + (1 - alpha) * g).view_as(p))
-        finally:
-            for p, grad in zip(params, grads):
-                p.grad = grad
+        outer_step(self.outer, [p for _, p in self.named], self._parts(fragment), self.schedule.alpha)
         self.outer_steps += 1
         self.last_applied = fragment
 
     # ------------------------------------------------------------------ statistics, checkpoints, life
     def stats(self) -> dict:
-        """The engine's figures and the outer loop's: ``outer_steps`` (fragment reductions
-        applied), ``inner_steps``, ``sent_bytes`` / ``received_bytes`` (this rank, all outer
-        steps), their means per outer step, and bits per parameter per inner step sent and
-        received (``8 * bytes / (parameters * inner steps)``); ``sync_every`` (None while
-        ``"auto"`` has not chosen yet) and, under ``"auto"``, ``sync_period``: the decision (H,
-        option, predicted inner step seconds and bits per parameter per inner step, and the
-        measured inputs: compute seconds per rank, link, codec costs)."""
-        out = self.engine.stats()
-        sent, received, steps = self.communicator.sent, self.communicator.received, self.outer_steps
-        numel = sum(p.numel() for _, p in self.named)
-        per = 8.0 / (numel * max(self.step_count, 1))
-        out.update(outer_steps=steps, inner_steps=self.step_count, parameters=numel, fragments=len(self.groups),
-                   sent_bytes=sent, received_bytes=received,
-                   sent_bytes_per_outer_step=sent / steps if steps else 0.0,
-                   received_bytes_per_outer_step=received / steps if steps else 0.0,
-                   bits_per_parameter_per_inner_step=sent * per,
-                   received_bits_per_parameter_per_inner_step=received * per,
-                   sync_every=None if self.schedule is None else self.schedule.sync_every)
-        if self.period is not None:
-            out["sync_period"] = None if self.period.decision is None else dict(self.period.decision)
-        return out
+        """The engine's figures and the outer loop's (:func:`deepreduce.torch.diloco_state.stats`
+        lists them: outer steps, bytes, bits per parameter per inner step, the auto choice of H)."""
+        return diloco_state.stats(self)
 
     def state_dict(self) -> dict:
         """The outer state (collective while a reduction is in flight: it is finished first):

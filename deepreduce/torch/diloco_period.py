@@ -37,6 +37,7 @@ from ..collective.agreement import unwrap_bytes, wrap_bytes
 from ..collective.cost_model import CodecCosts, Link, check_nonnegative
 from ..collective.fragments import ALPHA, DELAY, FRAGMENTS, Schedule
 from ..errors import ConfigError, quote
+from .diloco_arguments import OWNER
 
 PROBE_STEPS = 5
 PROBE_SIZES = (1 << 14, 1 << 15, 1 << 16)     # tensor sizes of the codec-cost probe
@@ -214,3 +215,13 @@ class AutoPeriod:
 
 
 __all__ = ["AutoPeriod", "PROBE_STEPS", "priced_config"]
+
+
+def schedule_or_auto(sync_every, pipeline, fragments: int, delay: int, alpha: float, candidates, slack: float,
+                     probe_steps: int, inputs: Optional[dict]):
+    """``(AutoPeriod, None)`` for ``sync_every="auto"``, ``(None, Schedule)`` for an integer H."""
+    if isinstance(sync_every, str):
+        if sync_every != "auto":
+            raise ConfigError(f"{OWNER}: sync_every must be an integer >= 1 or 'auto', got {sync_every!r}")
+        return AutoPeriod(pipeline, fragments, delay, alpha, candidates, slack, probe_steps, inputs, OWNER), None
+    return None, Schedule(sync_every, fragments, delay, alpha, OWNER)

@@ -157,3 +157,27 @@ def _checked_pending(diloco, schedule, pending, step: int, rounds):
     if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (numel,):
         raise ConfigError(f"{OWNER}: pending delta must be a float32 tensor of {numel} elements, got {quote(delta)}")
     return fragment, due, round_, delta
+
+
+def stats(loop) -> dict:
+    """:meth:`deepreduce.torch.diloco.DiLoCo.stats`: the engine's figures and the outer loop's:
+    ``outer_steps`` (fragment reductions applied), ``inner_steps``, ``sent_bytes`` /
+    ``received_bytes`` (this rank, all outer steps), their means per outer step, and bits per
+    parameter per inner step sent and received (``8 * bytes / (parameters * inner steps)``);
+    ``sync_every`` (None while ``"auto"`` has not chosen yet) and, under ``"auto"``,
+    ``sync_period``: the decision (H, option, predicted inner step seconds and bits per parameter
+    per inner step, and the measured inputs: compute seconds per rank, link, codec costs)."""
+    out = loop.engine.stats()
+    sent, received, steps = loop.communicator.sent, loop.communicator.received, loop.outer_steps
+    numel = sum(p.numel() for _, p in loop.named)
+    per = 8.0 / (numel * max(loop.step_count, 1))
+    out.update(outer_steps=steps, inner_steps=loop.step_count, parameters=numel, fragments=len(loop.groups),
+               sent_bytes=sent, received_bytes=received,
+               sent_bytes_per_outer_step=sent / steps if steps else 0.0,
+               received_bytes_per_outer_step=received / steps if steps else 0.0,
+               bits_per_parameter_per_inner_step=sent * per,
+               received_bits_per_parameter_per_inner_step=received * per,
+               sync_every=None if loop.schedule is None else loop.schedule.sync_every)
+    if loop.period is not None:
+        out["sync_period"] = None if loop.period.decision is None else dict(loop.period.decision)
+    return out
