@@ -158,34 +158,23 @@ class FSDPCompression:
         adaptive state and the sparse all-reduce's owner residuals and shard bounds."""
         total = 0
         for engine in self._engines.values():
-            total += _nbytes(engine.core.state_dict())
+            total += fsdp_checkpoint.nbytes(engine.core.state_dict())
             if engine.protocol.sparse is not None:
                 total += engine.protocol.sparse.state_bytes()
         return total
-
-    # ------------------------------------------------------------------ DCP Stateful
-    def _by_state_key(self) -> Dict[str, StepEngine]:
-        out: Dict[str, StepEngine] = {}
-        for (_, role, average), engine in self._engines.items():
-            key = fsdp_checkpoint.engine_key(role, average)
-            if key in out:
-                raise ConfigError(f"deepreduce.torch.fsdp: two process groups serve {key!r}; a checkpoint "
-                                  "keeps one state per role and averaging")
-            out[key] = engine
-        return out
 
     def state_dict(self) -> dict:
         """This rank's compressor state for ``torch.distributed.checkpoint``: ``{"meta": {...},
         "rank<r>": bytes}`` (step counters, residuals, the sparse all-reduce's owner residuals
         and bounds; see :mod:`deepreduce.torch.fsdp_checkpoint`). State restored but not yet
         used by an engine is saved as it was loaded."""
-        return fsdp_checkpoint.save(self._by_state_key(), self._restore, self._steps, self.digest)
+        return fsdp_checkpoint.save(fsdp_checkpoint.by_state_key(self._engines), self._restore, self._steps, self.digest)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (as ``dcp.load`` hands it back), checked whole
         first: another config, world size or rank is a ConfigError naming it, on every rank."""
         engines, steps = fsdp_checkpoint.load(state, self.digest, self.compression, self.path)
-        for key, engine in self._by_state_key().items():
+        for key, engine in fsdp_checkpoint.by_state_key(self._engines).items():
             if key in engines:
                 fsdp_checkpoint.apply(engine, engines.pop(key))
             else:   # the checkpoint predates this engine: it starts afresh, as it did then
@@ -198,15 +187,6 @@ class FSDPCompression:
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()
-
-
-def _nbytes(state) -> int:
-    """Bytes of the arrays in a (nested) state dict."""
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return int(getattr(state, "nbytes", 0))
 
 
 def _param_group(fsdp_module):

@@ -155,3 +155,25 @@ def _as_saved(state: dict) -> dict:
     if state["aggregation"] is not None:
         out["aggregation"] = state["aggregation"]
     return out
+
+
+def by_state_key(engines: dict) -> dict:
+    """``{state key: engine}`` of a handle's ``{(group, role, average): engine}``: a checkpoint
+    keeps one state per role and averaging (:func:`engine_key`)."""
+    out = {}
+    for (_, role, average), engine in engines.items():
+        key = engine_key(role, average)
+        if key in out:
+            raise ConfigError(f"deepreduce.torch.fsdp: two process groups serve {key!r}; a checkpoint "
+                              "keeps one state per role and averaging")
+        out[key] = engine
+    return out
+
+
+def nbytes(state) -> int:
+    """Bytes of the arrays in a (nested) state dict."""
+    if isinstance(state, dict):
+        return sum(nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(nbytes(v) for v in state)
+    return int(getattr(state, "nbytes", 0))

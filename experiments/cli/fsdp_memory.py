@@ -127,11 +127,11 @@ def measure(config: str, rank: int, steps: int) -> dict:
 
 def _state_by_role(handle) -> Dict[str, int]:
     """Persistent state bytes per role (reduce_scatter, replicate)."""
-    from deepreduce.torch.fsdp import _nbytes
+    from deepreduce.torch.fsdp_checkpoint import nbytes
 
     out: Dict[str, int] = {}
     for (_, role, _), engine in handle._engines.items():
-        total = _nbytes(engine.core.state_dict())
+        total = nbytes(engine.core.state_dict())
         if engine.protocol.sparse is not None:
             total += engine.protocol.sparse.state_bytes()
         out[role] = out.get(role, 0) + total
@@ -140,9 +140,9 @@ def _state_by_role(handle) -> Dict[str, int]:
 
 def _bounds_bytes(handle) -> int:
     """Bytes of the sparse all-reduce's shard bounds (int64, one array per tensor)."""
-    from deepreduce.torch.fsdp import _nbytes
+    from deepreduce.torch.fsdp_checkpoint import nbytes
 
-    return sum(_nbytes(e.protocol.sparse.state_dict()["bounds"]) for e in handle._engines.values()
+    return sum(nbytes(e.protocol.sparse.state_dict()["bounds"]) for e in handle._engines.values()
                if e.protocol.sparse is not None)
 
 
