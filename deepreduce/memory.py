@@ -24,7 +24,7 @@ residual after sending ``s_t``, each step rounds once in each operation, so per 
 tests/test_memory.py checks this bound over many steps.
 
 A gradient that arrives as entries (a torch sparse COO gradient, a TF ``IndexedSlices``:
-``Pipeline.encode_entries``) keeps a sparse residual (:class:`SparseResidual`): compensation is
+``routes.entries.encode_entries``) keeps a sparse residual (:class:`SparseResidual`): compensation is
 the union of the gradient's and the residual's entries (:meth:`ResidualMemory.accumulate_entries`)
 and the residual afterwards holds only what was not reconstructed, so no dense tensor of an
 embedding table's size is ever made. A tensor that later travels dense gets its residual
@@ -209,7 +209,7 @@ class ResidualMemory(Memory):
 
     def hold(self, name: str, residual: np.ndarray) -> None:
         """Keep ``residual`` as ``name``'s: the one the C++ pipeline created on the tensor's first
-        finite step (``Pipeline.encode_shards``), exactly what :meth:`accumulate` would have made."""
+        finite step (``shards.encode_shards``), exactly what :meth:`accumulate` would have made."""
         self._residuals[name] = residual
 
     def reset(self):

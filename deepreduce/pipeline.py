@@ -5,6 +5,13 @@ choose and compress the positions, let the value codec compress the values, carr
 permutation when the value codec reorders and the index codec cannot follow, pack one
 container. Decode reads everything it needs from the container header, so any rank decodes
 any rank's payload.
+
+``encode`` is made of stages that are public too (save_state, compensate, select,
+pack_selection, settle, pack; entries_of on the decode side): a route that encodes otherwise
+writes its encode from them beside itself (the sparse all-reduce's shards in
+``deepreduce.collective.shards``, a sparse gradient's entries in
+``deepreduce.collective.routes.entries``), so nothing here knows how a container travels.
+Whether the C++ pipeline runs this config is decided here once (:meth:`Pipeline.native_reason`).
 """
 from __future__ import annotations
 
@@ -105,7 +112,8 @@ class Pipeline:
         self._decoders = {("index", index.wire_id): index, ("value", value.wire_id): value}
         self._journal = None     # a StepJournal once collective_steps() is on
         self._own = OwnContainers()   # this rank's last containers, added to sums without decoding
-        self._native_settings = None   # C++ encode settings (False: a stage has no C++ twin), on first use
+        self._native_reason = None     # why the C++ pipeline cannot run this config ("": it can), on first use
+        self._native_settings = None   # the C++ pipeline's settings of this config, on first use
 
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -167,24 +175,6 @@ class Pipeline:
                 getattr(self, kind).load_state_dict(before[kind])
             raise
 
-    def summed_dense(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements may skip the container and be summed by a plain
-        all-reduce: it travels dense anyway (below ``min_numel``), so the sum is the same, and
-        under ``nonfinite: propagate`` a NaN/Inf reaches every rank in it just as in a container.
-        The integrations then hand such tensors to the framework's all-reduce, whose tensor fusion
-        sends the many small tensors of a model (biases, norms) in one message instead of one
-        container (header, checksum, parse) each. Under ``nonfinite: raise`` they keep their
-        containers, which name the rank that sent a NaN.
-        """
-        return numel < self.min_numel and self.nonfinite == "propagate"
-
-    def count_summed_dense(self, numel: int) -> None:
-        """Count a tensor :meth:`summed_dense` sent by all-reduce in :attr:`stats` (its bytes as sent)."""
-        self.stats.tensors_encoded += 1
-        self.stats.dense_bytes += 4 * numel
-        self.stats.wire_bytes += 4 * numel
-        self.stats.value_bytes += 4 * numel
-
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is one of the config's ``warmup`` first steps, which send every tensor
         losslessly: dense (a sparse gradient too), the residual emptied.
@@ -214,12 +204,16 @@ class Pipeline:
             self._journal = StepJournal(self)
 
     def commit_step(self) -> None:
-        """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`)."""
+        """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`).
+        Its own containers are dropped: the step's sums are done, and holding them until the
+        next step would keep a copy of every container between steps (memory FSDP budgets)."""
+        self._own.clear()
         if self._journal is not None:
             self._journal.commit()
 
     def undo_step(self) -> None:
         """Every rank skipped the step: restore the residuals and learned state from before it."""
+        self._own.clear()
         if self._journal is not None:
             self._journal.undo()
 
@@ -233,18 +227,14 @@ class Pipeline:
 
         With error feedback, the memory's residual absorbs the gradient in place and is what
         the sparsifier reads; after encoding, what the receiver reconstructs (the value codec's
-        by-product) is taken out of it at the positions it lands on.
+        by-product) is taken out of it at the positions it lands on. The stages below, in order.
         """
         start = time.perf_counter()
-        flat, shape = _as_float32(grad, name)
+        flat, shape = as_flat_float32(grad, name)
         on_torch = arrays.is_torch(flat)
         numel = flat.shape[0]
         sparse = numel >= self.min_numel and not self.warming_up(step)
-        fused = sparse and select is None and not on_torch and self._fuses_selection
-        if self._journal is not None:
-            self._journal.save(name)
-        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
-                                      self.threads)
+        comp = self.compensate(flat, name, selecting=sparse and select is None)
         if not comp.finite:
             if self.nonfinite == "raise" and self._journal is None:
                 xp = arrays.namespace(flat)
@@ -253,25 +243,23 @@ class Pipeline:
                     f"gradient {name!r} at step {step} has {nan} NaN and {inf} Inf entries "
                     "(pipeline option nonfinite='raise')"
                 )
-            c = _dense_container(flat, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
+            c = dense_container(flat, shape, nonfinite=True)
         elif not sparse:
-            if self.memory.stateful and not _all_finite(comp.flat):
+            if self.memory.stateful and not all_finite(comp.flat):
                 c = self._overflowed(comp, shape, name, step)
             else:
-                c = _dense_container(comp.flat, shape, container.FLAG_DENSE)
-                self.memory.settle(name, None, None)
+                c = dense_container(comp.flat, shape)
+                self.settle(name)
         else:
             try:
-                c, positions, received = self._encode_sparse(comp, shape, self.context(name, step), select,
-                                                             on_torch)
-                self.memory.settle(name, positions, received, self.threads)
+                ctx = self.context(name, step)
+                c, positions, received = self.pack_selection(comp.flat, self.select(comp, ctx, select), ctx, shape)
+                self.settle(name, positions, received)
             except CompensationOverflow:
                 c = self._overflowed(comp, shape, name, step)
-        c.digest = self._wire_digest   # names the sender's config (agreement compares configs up front)
-        payload = container.pack(c, like=flat)
+        payload = self.pack([c], start, like=flat)[0]
         if sparse and comp.finite and not c.flags & container.FLAG_NONFINITE and not on_torch:
             self._own.remember(name, payload, shape, positions, received, ascending=not self.index.keeps_order)
-        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
         return payload
 
     def _overflowed(self, comp, shape, name: str, step: int) -> container.Container:
@@ -280,247 +268,155 @@ class Pipeline:
         outside a collective step it is refused; otherwise the compensated tensor travels dense
         and flagged (every rank then sees it, and skips the step under ``raise``), and the
         residual starts again from zero (a skipped step restores it)."""
-        if self.nonfinite == "raise" and self._journal is None:
-            raise NonFiniteGradientError(f"gradient {name!r} at step {step}: adding the error-feedback residual "
-                                         "overflows float32 (pipeline option nonfinite='raise')")
-        c = _dense_container(comp.flat, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
-        self.memory.settle(name, None, None)   # comp.flat is the residual: zeroed once it is packed
+        self.refuse_overflow(name, step)
+        c = dense_container(comp.flat, shape, nonfinite=True)
+        self.settle(name)   # comp.flat is the residual: zeroed once it is packed
         return c
 
-    def encode_entries(self, positions, values, shape: Sequence[int], name: str = "", step: int = 0) -> np.ndarray:
-        """Compress a gradient given by its touched entries (a torch sparse COO gradient, a TF
-        ``IndexedSlices``): ascending distinct flat ``positions`` into a tensor of ``shape`` and
-        their float32 ``values``. The positions go straight to the index codec and the values to
-        the value codec; no dense tensor is made (Bloom policies other than ``naive`` read values
-        at their false positives, so they get a dense copy). Sparsifier ``none`` sends every touched
-        entry, zeros included, so the receivers see the rows the sender touched; another sparsifier
-        selects among the touched values. With error feedback (``memory: residual``) the
-        residual stays sparse too (:meth:`ResidualMemory.accumulate_entries`): the touched entries
-        are compensated by it, and it keeps what was not sent. A warm-up step
-        (:meth:`warming_up`) sends the tensor dense, as a non-finite or small one.
-        """
-        start = time.perf_counter()
-        positions = np.ascontiguousarray(positions, dtype=np.int64)
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        shape, numel = tuple(int(n) for n in shape), math.prod(int(n) for n in shape)
-        if positions.shape != values.shape or positions.ndim != 1:
-            raise DeepReduceError(f"encode_entries {name!r}: {positions.shape[0]} positions, {values.shape} values")
+    # ------------------------------------------------------------------ stages
+    # What encode is made of, for the routes that encode otherwise (one container per shard of
+    # a tensor, a sparse gradient's entries, the sparse all-reduce owner's re-selection):
+    # save_state -> compensate -> select -> pack_selection (of the whole selection or of a slice
+    # of it) -> settle the residual with what was sent -> pack. Each route writes its own
+    # encode from these (deepreduce.collective.shards, deepreduce.collective.routes.entries).
+    def save_state(self, name: str) -> None:
+        """Keep ``name``'s residual and learned state as they are before a stage changes them,
+        for :meth:`undo_step` (under :meth:`collective_steps`; otherwise nothing to keep)."""
         if self._journal is not None:
             self._journal.save(name)
-        if not _all_finite(values) or numel < self.min_numel or self.warming_up(step):   # the dense path
-            dense = np.zeros(numel, dtype=np.float32)
-            dense[positions] = values
-            return self.encode(dense.reshape(shape), name=name, step=step)
-        ctx = self.context(name, step)
-        touched = None
-        if self.memory.stateful:   # compensated entries: the gradient's and the residual's
-            touched = positions, values = self.memory.accumulate_entries(name, positions, values, numel)
-            if not _all_finite(values):
-                return self._overflowed_entries(touched, shape, name, step, start)
-        if self.sparsifier.id != "none":
-            keep = select_positions(self.sparsifier, values, ctx)
-            positions, values = positions[keep], values[keep]
-        if getattr(self.index, "policy", "naive") == "naive":
-            lookup = np.broadcast_to(np.float32(0), (numel,))   # shape and namespace only: no memory
-        else:
-            lookup = np.zeros(numel, dtype=np.float32)
-            lookup[positions] = values
-        c, sent, received = self._encode_pairs(positions, values, lookup, shape, ctx)
-        if touched is not None:
-            self.memory.settle_entries(name, *touched, sent, received, numel)
-        c.digest = self._wire_digest
-        payload = container.pack(c)
-        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
-        return payload
 
-    def _overflowed_entries(self, touched, shape, name: str, step: int, start: float) -> np.ndarray:
-        """:meth:`_overflowed` for :meth:`encode_entries`: the compensated entries travel dense and
-        flagged, and the residual starts again from nothing (a skipped step restores it)."""
-        if self.nonfinite == "raise" and self._journal is None:
-            raise NonFiniteGradientError(f"gradient {name!r} at step {step}: adding the error-feedback residual "
-                                         "overflows float32 (pipeline option nonfinite='raise')")
-        numel = math.prod(shape)
-        dense = np.zeros(numel, dtype=np.float32)
-        dense[touched[0]] = touched[1]
-        c = _dense_container(dense, shape, container.FLAG_DENSE | container.FLAG_NONFINITE)
-        self.memory.settle_entries(name, *touched, None, None, numel)
-        c.digest = self._wire_digest
-        payload = container.pack(c)
-        self._count_encode(c, payload.shape[0], numel, time.perf_counter() - start)
-        return payload
-
-    def decode_entries(self, payloads: Sequence, expected_shape: Sequence[int]):
-        """The sum of several containers (one per rank) as (ascending distinct flat positions,
-        float32 sums there), without a dense tensor: what :meth:`encode_entries` senders need.
-        Ranks' entries at one position are added in rank order."""
-        shape = tuple(int(n) for n in expected_shape)
-        lookup = np.broadcast_to(np.float32(0), (math.prod(shape),))
-        positions, values = [], []
-        for rank, payload in enumerate(payloads):
-            start = time.perf_counter()
-            try:
-                c = self._unpack(payload, shape)
-                if c.dense:
-                    dense = np.frombuffer(c.value_section, dtype="<f4")
-                    _check_finite(c, dense, "dense section")
-                    where = np.flatnonzero(dense)
-                    idx, val = where, dense[where]
-                else:
-                    idx, val, _ = self._entries(c, lookup)
-                    idx, val = _distinct_in_bounds(np.asarray(idx, dtype=np.int64), np.asarray(val), lookup.shape[0])
-            except DeepReduceError as exc:
-                raise type(exc)(f"rank {rank}: {exc}") from exc
-            positions.append(idx)
-            values.append(val.astype(np.float32, copy=False))
-            self.stats.tensors_decoded += 1
-            self.stats.decode_seconds += time.perf_counter() - start
-        return _sum_entries(np.concatenate(positions), np.concatenate(values))
-
-    def encode_shards(self, grad, name: str, step: int, bounds: Sequence[int]) -> list:
-        """One container per contiguous shard ``[bounds[j], bounds[j+1])`` of one gradient (the
-        first phase of the sparse all-reduce, :mod:`deepreduce.collective.sparse_allreduce`).
-
-        Compensation and selection run once over the whole tensor, exactly as :meth:`encode`
-        does; the selected entries of each shard are encoded with the config's codecs as a
-        tensor of the shard's length (indices relative to its start, seeded as ``name#j``), and
-        the residual keeps what the receivers do not reconstruct. A non-finite gradient sends
-        every shard dense and flagged; a tensor below ``min_numel``, or a warm-up step, every shard dense.
-        NumPy input (a torch binding passes its host view).
-        """
-        start = time.perf_counter()
-        flat, _ = _as_float32(grad, name)
-        numel = flat.shape[0]
-        bounds = [int(b) for b in bounds]
-        if bounds[0] != 0 or bounds[-1] != numel or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise DeepReduceError(f"encode_shards: bounds {bounds[:4]}... must rise from 0 to {numel}")
-        sparse = numel >= self.min_numel and not self.warming_up(step)
-        if self._journal is not None:
-            self._journal.save(name)
-        native = self._native_shards()
-        residual = self.memory.residual(name) if native is not None and self.memory.stateful else None
-        if native is not None and not arrays.is_torch(flat) and not arrays.is_torch(residual):
-            return self._encode_shards_native(native, flat, name, step, bounds, residual, start)
-        fused = sparse and self._fuses_selection
-        comp = self.memory.accumulate(name, flat, self.sparsifier.fused_count(numel) if fused else 0,
+    def compensate(self, flat, name: str, selecting: bool = False) -> Compensated:
+        """Error feedback's first half: ``name``'s residual absorbs the flat float32 ``flat``
+        (:meth:`save_state` first). ``selecting``: the sparsifier's own selection of this host
+        array follows, so a sparsifier that fuses it into this pass (``fused_count``) selects here."""
+        self.save_state(name)
+        fused = selecting and self._fuses_selection and not arrays.is_torch(flat)
+        return self.memory.accumulate(name, flat, self.sparsifier.fused_count(flat.shape[0]) if fused else 0,
                                       self.threads)
-        shards = list(zip(bounds, bounds[1:]))
-        if not comp.finite:
-            parts = [_dense_container(flat[lo:hi], (hi - lo,), container.FLAG_DENSE | container.FLAG_NONFINITE)
-                     for lo, hi in shards]
-        elif not sparse:
-            parts = [_dense_container(comp.flat[lo:hi], (hi - lo,), container.FLAG_DENSE) for lo, hi in shards]
-            self.memory.settle(name, None, None)
-        else:
-            chosen = self._select(comp, self.context(name, step), None)
-            cuts = np.searchsorted(chosen, bounds)
-            parts, positions, received = [], [], []
-            for j, (lo, hi) in enumerate(shards):
-                part = Compensated(comp.flat[lo:hi], True, chosen[cuts[j]:cuts[j + 1]] - lo)
-                c, sent, values = self._encode_sparse(part, (hi - lo,), self.context(f"{name}#{j}", step))
-                parts.append(c)
-                positions.append(np.asarray(sent, dtype=np.int64) + lo)
-                received.append(values)
-            self.memory.settle(name, np.concatenate(positions), np.concatenate(received), self.threads)
-        payloads = []
-        for c in parts:
-            c.digest = self._wire_digest
-            payloads.append(container.pack(c))
-        seconds = (time.perf_counter() - start) / max(1, len(parts))
-        for c, payload in zip(parts, payloads):
-            self._count_encode(c, payload.shape[0], c.numel, seconds)
-        return payloads
 
-    def _native_shards(self):
-        """The C++ pipeline when it runs this config's encode_shards, else None.
-
-        Every nonfinite policy is safe here, unlike for the C++ encode of one tensor
-        (native_pipeline.unsupported): encode_shards sends a non-finite gradient as flagged dense
-        shards under both policies and raises CompensationOverflow under both, and the residual
-        the C++ code updates in place is this pipeline's own, saved by its journal just before."""
-        if self._native_settings is None:
-            self._native_settings = native_pipeline.settings(self) \
-                if native_pipeline.unsupported_stage(self) is None else False
-        return native_pipeline.module() if self._native_settings else None
-
-    def _encode_shards_native(self, native, flat, name: str, step: int, bounds: list, residual, start: float) -> list:
-        """:meth:`encode_shards` in one C++ call (byte-identical, tests/test_native_pipeline.py)."""
-        try:
-            payloads, held, sections = native_pipeline.encode_shards(native, self._native_settings, name, step, flat,
-                                                                      bounds, residual)
-        except NonFiniteGradientError as exc:
-            raise CompensationOverflow(str(exc)) from exc
-        if held is not None and held is not residual:
-            self.memory.hold(name, held)
-        seconds = (time.perf_counter() - start) / max(1, len(payloads))
-        for (lo, hi), payload, (index, value, perm) in zip(zip(bounds, bounds[1:]), payloads, sections):
-            self._count_sections(payload.shape[0], hi - lo, index, value, perm, seconds)
-        return payloads
-
-    def encode_dense(self, flat: np.ndarray, flagged: bool = False) -> np.ndarray:
-        """A dense container of the flat float32 ``flat`` (``flagged``: marked non-finite, as the
-        ``propagate`` policy sends a NaN/Inf gradient)."""
-        flags = container.FLAG_DENSE | (container.FLAG_NONFINITE if flagged else 0)
-        c = _dense_container(flat, (flat.shape[0],), flags)
-        c.digest = self._wire_digest
-        return container.pack(c)
-
-    def encode_selection(self, dense: np.ndarray, positions: np.ndarray, name: str, step: int):
-        """``(container, sent positions, the values receivers reconstruct there)`` for the given
-        ascending ``positions`` of the flat float32 ``dense`` (no error feedback: the caller keeps
-        its own residual; the owner's re-selection of the sparse all-reduce)."""
-        start = time.perf_counter()
-        part = Compensated(dense, True, np.asarray(positions, dtype=np.int64))
-        c, sent, values = self._encode_sparse(part, (dense.shape[0],), self.context(name, step))
-        c.digest = self._wire_digest
-        payload = container.pack(c)
-        self._count_encode(c, payload.shape[0], dense.shape[0], time.perf_counter() - start)
-        return payload, np.asarray(sent, dtype=np.int64), values
-
-    def _select(self, comp, ctx: EncodeContext, select) -> np.ndarray:
+    def select(self, comp: Compensated, ctx: EncodeContext, select=None):
+        """The ascending positions of ``comp.flat`` to send: ``select(flat, ctx)`` when given, the
+        positions the compensation pass selected, or the sparsifier's choice."""
         if select is not None:
             return select(comp.flat, ctx)
         if comp.selected is not None:  # selected by the compensation pass (``fused_count``)
             return comp.selected
         return select_positions(self.sparsifier, comp.flat, ctx)
 
-    def _encode_sparse(self, comp, shape, ctx: EncodeContext, select=None, on_torch: bool = False):
-        """(container, positions, the receiver's values at those positions)."""
-        indices = self._select(comp, ctx, select)
-        return self._encode_pairs(indices, comp.flat[indices], comp.flat, shape, ctx, on_torch)
-
-    def _encode_pairs(self, indices, values, compensated, shape, ctx: EncodeContext, on_torch: bool = False):
-        """:meth:`_encode_sparse` after selection: the chosen positions and their values through
-        the index and value codecs (``compensated``: the tensor the index codec may read)."""
+    def pack_selection(self, flat, positions, ctx: EncodeContext, shape=None, values=None):
+        """``(container, the positions it sends, the values receivers reconstruct there)`` for
+        the ascending ``positions`` of the flat float32 ``flat`` (a tensor of ``shape``, default
+        flat), through the index and value codecs. A slice of a selection is packed as the
+        tensor ``flat[lo:hi]`` with ``positions - lo``. ``values``: the values at ``positions``
+        when ``flat`` does not hold them (a sparse gradient's entries; ``flat`` is then what the
+        index codec may read). Nothing is settled or counted; the container is not yet packed
+        (:meth:`pack`). CompensationOverflow when error feedback's values are not finite."""
+        on_torch = arrays.is_torch(flat)
+        shape = (flat.shape[0],) if shape is None else shape
+        values = flat[positions] if values is None else values
         perm_width, perm_section = 0, b""
         if on_torch:
-            index_encode, value_encode = _runner(self.index, compensated), _runner(self.value, compensated)
+            index_encode, value_encode = _runner(self.index, flat), _runner(self.value, flat)
         else:   # NumPy: every codec's own encode
             index_encode, value_encode = self.index.encode, self.value.encode
-        if self.memory.stateful and not _all_finite(values):
+        if self.memory.stateful and not all_finite(values):
             raise CompensationOverflow(f"{len(values)} selected values include NaN/Inf")
         if self.index.keeps_order:
             venc = value_encode(values, ctx)
-            positions = indices
+            sent = positions
             if venc.order is not None:
-                indices = indices[venc.order]
-            ienc = index_encode(indices, values if venc.order is None else values[venc.order], compensated, ctx)
+                positions = positions[venc.order]
+            ienc = index_encode(positions, values if venc.order is None else values[venc.order], flat, ctx)
         else:
-            ienc = index_encode(indices, values, compensated, ctx)
-            if self.memory.stateful and not _all_finite(ienc.values):   # false positives of a filter
+            ienc = index_encode(positions, values, flat, ctx)
+            if self.memory.stateful and not all_finite(ienc.values):   # false positives of a filter
                 raise CompensationOverflow(f"{len(ienc.values)} values at the index codec's positions include NaN/Inf")
             venc = value_encode(ienc.values, ctx)
-            positions = ienc.indices
+            sent = ienc.indices
             if venc.order is not None and len(ienc.indices):
                 perm_width = bitpack.width_for(len(ienc.indices) - 1)
                 perm_section = bitpack.pack(arrays.adapter(venc.order).to_numpy(venc.order), perm_width)
-        received = self.value.reconstruct(venc, len(positions))
+        received = self.value.reconstruct(venc, len(sent))
         c = container.Container(
             shape=shape, n=len(ienc.indices), index_id=self.index.wire_id, value_id=self.value.wire_id,
             flags=container.FLAG_PERMUTED if perm_width else 0, perm_width=perm_width,
             index_params=ienc.params, value_params=venc.params,
             index_section=ienc.payload, value_section=venc.payload, perm_section=perm_section,
         )
-        return c, positions, received
+        return c, sent, received
+
+    def settle(self, name: str, positions=None, received=None) -> None:
+        """Error feedback's second half: take what the receivers reconstruct (``received`` at the
+        distinct ``positions``) out of ``name``'s residual; no positions: all of it was sent."""
+        self.memory.settle(name, positions, received, self.threads)
+
+    def refuse_overflow(self, name: str, step: int) -> None:
+        """Raise NonFiniteGradientError for a compensation that overflows float32 when the policy
+        refuses it here (``nonfinite: raise`` outside :meth:`collective_steps`); otherwise the
+        caller sends it dense and flagged (:func:`dense_container`)."""
+        if self.nonfinite == "raise" and self._journal is None:
+            raise NonFiniteGradientError(f"gradient {name!r} at step {step}: adding the error-feedback residual "
+                                         "overflows float32 (pipeline option nonfinite='raise')")
+
+    def pack(self, parts: Sequence[container.Container], start: Optional[float] = None, like=None) -> list:
+        """The containers ``parts`` as bytes, each stamped with this config's digest (it names the
+        sender's config; agreement compares configs up front). ``start`` (``time.perf_counter()``
+        when their encode began): each is counted in :attr:`stats` with an equal share of the
+        time since. ``like``: a torch tensor assembles them on its device."""
+        payloads = []
+        for c in parts:
+            c.digest = self._wire_digest
+            payloads.append(container.pack(c, like=like))
+        if start is not None:
+            seconds = (time.perf_counter() - start) / max(1, len(parts))
+            for c, payload in zip(parts, payloads):
+                self.count_encoded(payload.shape[0], c.numel, len(c.index_section), len(c.value_section),
+                                   len(c.perm_section), seconds)
+        return payloads
+
+    def entries_of(self, payload, expected_shape: Sequence[int]):
+        """The entries of one container, without a dense tensor: (ascending distinct flat
+        positions, float32 values); a dense container's non-zeros. Checked as :meth:`decode`
+        checks, counted in :attr:`stats` as one decode."""
+        start = time.perf_counter()
+        shape = tuple(int(n) for n in expected_shape)
+        c = self._unpack(payload, shape)
+        if c.dense:
+            dense = np.frombuffer(c.value_section, dtype="<f4")
+            _check_finite(c, dense, "dense section")
+            positions = np.flatnonzero(dense)
+            values = dense[positions]
+        else:
+            lookup = np.broadcast_to(np.float32(0), (c.numel,))   # shape and namespace only: no memory
+            positions, values, _ = self._entries(c, lookup)
+            positions, values = _distinct_in_bounds(np.asarray(positions, dtype=np.int64), np.asarray(values),
+                                                    c.numel)
+        self.stats.tensors_decoded += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+        return positions, values.astype(np.float32, copy=False)
+
+    # ------------------------------------------------------------------ the C++ pipeline
+    def native_reason(self) -> Optional[str]:
+        """Why this config's stages cannot run in the C++ pipeline (csrc/pipeline), None when
+        they can: the one rule every caller asks (the sparse all-reduce's encode and decode, the
+        TensorFlow ops). Decided once: the components never change."""
+        if self._native_reason is None:
+            self._native_reason = _native_reason(self)
+        return self._native_reason or None
+
+    @property
+    def native(self):
+        """The C++ pipeline module (``deepreduce._pipeline``) when it runs this config and is
+        available (built, and ``DEEPREDUCE_BACKEND`` is not ``numpy``), else None."""
+        return native_pipeline.module() if self.native_reason() is None else None
+
+    @property
+    def native_settings(self) -> dict:
+        """This config's settings as the C++ pipeline takes them (computed once; only asked
+        when :meth:`native_reason` is None)."""
+        if self._native_settings is None:
+            self._native_settings = native_pipeline.settings(self)
+        return self._native_settings
 
     # ------------------------------------------------------------------ decode
     def decode(self, payload, expected_shape: Optional[Sequence[int]] = None,
@@ -608,14 +504,14 @@ class Pipeline:
                 out += dense
             else:
                 out[...] = dense
-            if check_sum and not _all_finite(out):
+            if check_sum and not all_finite(out):
                 raise _sum_overflow()
             return
         indices, values, keeps_order = self._entries(c, out)
         if not accumulate:
             out[...] = 0.0
         kernels.scatter_add(out, indices, values, not keeps_order, self.threads)
-        if check_sum and not _all_finite(out[indices]):
+        if check_sum and not all_finite(out[indices]):
             raise _sum_overflow()
 
     def _entries(self, c: container.Container, out):
@@ -658,7 +554,7 @@ class Pipeline:
         if not accumulate:
             out[...] = 0.0
         kernels.scatter_add(out, own.positions, own.values, own.ascending, self.threads)
-        if check_sum and not _all_finite(out[own.positions]):
+        if check_sum and not all_finite(out[own.positions]):
             raise _sum_overflow()
 
     # ------------------------------------------------------------------ backends
@@ -687,11 +583,7 @@ class Pipeline:
                 "container": f"{on_device} (header and CRC on the host)", "decode_accumulate": on_device}
 
     # ------------------------------------------------------------------ stats
-    def _count_encode(self, c: container.Container, nbytes: int, numel: int, seconds: float) -> None:
-        self._count_sections(nbytes, numel, len(c.index_section), len(c.value_section), len(c.perm_section),
-                             seconds)
-
-    def _count_sections(self, nbytes: int, numel: int, index: int, value: int, perm: int, seconds: float) -> None:
+    def count_encoded(self, nbytes: int, numel: int, index: int, value: int, perm: int, seconds: float) -> None:
         """Count one encoded container of ``nbytes`` (its sections' bytes given) in :attr:`stats`."""
         s = self.stats
         s.tensors_encoded += 1
@@ -714,14 +606,21 @@ def _distinct_in_bounds(indices: np.ndarray, values: np.ndarray, numel: int):
     return indices, values
 
 
-def _sum_entries(positions: np.ndarray, values: np.ndarray):
-    """(distinct ascending positions, the sum of the values at each), adding in the given order."""
-    order = np.argsort(positions, kind="stable")
-    positions, values = positions[order], values[order]
-    if positions.shape[0] == 0:
-        return positions, values
-    starts = np.flatnonzero(np.r_[True, positions[1:] != positions[:-1]])
-    return positions[starts], np.add.reduceat(values, starts).astype(np.float32, copy=False)
+def _native_reason(core: Pipeline) -> str:
+    """:meth:`Pipeline.native_reason` ("" when every stage has a C++ twin). Every ``nonfinite``
+    policy runs there: a non-finite gradient travels flagged under both, an overflowing
+    compensation raises under both, and the residual the C++ code updates in place is the
+    pipeline's own, saved by its journal first."""
+    if type(core.sparsifier) not in native_pipeline.SPARSIFIERS:
+        return f"sparsifier {core.sparsifier.id!r} (the C++ pipeline selects Top-r or by threshold)"
+    for kind, ids in (("index codec", native_pipeline.INDEX_CODECS), ("value codec", native_pipeline.VALUE_CODECS),
+                      ("memory", native_pipeline.MEMORIES)):
+        component = getattr(core, kind.split()[0])
+        if component.id not in ids:
+            return f"{kind} {component.id!r} (the C++ pipeline has {', '.join(ids)})"
+    if core.warmup:
+        return f"warmup: {core.warmup} (the C++ pipeline has no dense warm-up steps)"
+    return ""
 
 
 def check_numel_option(owner: str, key: str, value, low: int) -> int:
@@ -743,7 +642,7 @@ def check_warmup(owner: str, value) -> int:
 def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None:
     """Finite in, finite out: a container without the NONFINITE flag must decode to finite values
     (one pass over the ``n`` values, :func:`_all_finite`)."""
-    if c.nonfinite or not len(values) or _all_finite(values):
+    if c.nonfinite or not len(values) or all_finite(values):
         return
     raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
 
@@ -753,7 +652,7 @@ def _sum_overflow() -> NonFiniteGradientError:
                                   "overflow when added (pipeline option nonfinite='raise')")
 
 
-def _all_finite(x) -> bool:
+def all_finite(x) -> bool:
     """Whether every entry of a float array (NumPy, or torch on its device) is finite. torch: one
     float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow it), without
     a boolean tensor; NumPy float32: the finiteness pass of :func:`kernels.scan` (C++ when built),
@@ -790,7 +689,7 @@ def to_float32(arr, name: str):
         with np.errstate(over="ignore"):
             out = arr.astype(np.float32)
         wide = arr.dtype.itemsize > 4
-    if wide and len(out.reshape(-1)) and not _all_finite(out):
+    if wide and len(out.reshape(-1)) and not all_finite(out):
         xp = arrays.namespace(arr)
         overflow = xp.isinf(out) & xp.isfinite(arr)
         count = int(xp.sum(xp.astype(overflow, xp.int64)))
@@ -862,7 +761,7 @@ def _decoded(codec, out, section, decode):
     return a.from_numpy(np.asarray(decode(bytes(section))), out)
 
 
-def _as_float32(grad, name: str):
+def as_flat_float32(grad, name: str):
     """A gradient as a flat float32 array and its shape; rejects non-float input by name.
 
     A torch tensor stays a torch tensor on its device (the torch device path); a float32
@@ -902,7 +801,10 @@ def _output(out: Optional[np.ndarray], numel: int) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _dense_container(flat, shape, flags: int) -> container.Container:
+def dense_container(flat, shape, nonfinite: bool = False) -> container.Container:
+    """A dense container of the flat float32 ``flat`` (a tensor of ``shape``); ``nonfinite``:
+    flagged as holding NaN/Inf (how ``propagate`` sends such a tensor, and an overflow)."""
+    flags = container.FLAG_DENSE | (container.FLAG_NONFINITE if nonfinite else 0)
     return container.Container(
         shape=shape, n=flat.shape[0], index_id=0, value_id=0, flags=flags,
         value_section=arrays.adapter(flat).as_bytes(arrays.namespace(flat).asarray(flat, copy=True)),

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,6 @@ def run_threads(target, args_per_rank, timeout: float, what: str = "a rank hung"
     """``target(*args)`` on one thread per entry of ``args_per_rank`` (ranks simulated in one
     process, e.g. over a thread allgather); joins them within ``timeout`` seconds each and fails
     with ``what`` when one is still running (a hang becomes a failure, not a stuck suite)."""
-    import threading
-
     threads = [threading.Thread(target=target, args=tuple(args)) for args in args_per_rank]
     for t in threads:
         t.start()
@@ -118,3 +117,37 @@ class OneRank:
 
     def allgather(self, payload, name):
         return [payload]
+
+
+class ThreadRanks:
+    """``size`` ranks as threads of this process exchanging through shared slots (a barrier
+    between writing and reading): the collectives of the sparse all-reduce without a launcher.
+    ``calls``: the name of every collective, as rank 0 made them."""
+
+    def __init__(self, size):
+        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), {}
+        self.calls = []
+
+    def rank_view(self, rank):
+        ranks = self
+
+        class View:
+            def __init__(self):
+                self.rank, self.size = rank, ranks.size
+
+            def alltoall(self, payloads, name):
+                return ranks.exchange(rank, name, list(payloads), lambda sent, j: sent[j][rank])
+
+            def allgather(self, payload, name):
+                return ranks.exchange(rank, name, payload, lambda sent, j: sent[j])
+
+        return View()
+
+    def exchange(self, rank, name, mine, pick):
+        if rank == 0:
+            self.calls.append(name)
+        self.slots[(name, rank)] = mine
+        self.barrier.wait()
+        got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
+        self.barrier.wait()
+        return got

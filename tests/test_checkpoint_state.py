@@ -114,5 +114,5 @@ def test_distributed_optimizer_resumed_from_its_state_dict_sends_identical_conta
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # one container per step: fc1.weight; the five tensors below min_numel are summed by Horovod's
-    # all-reduce without a container (Pipeline.summed_dense)
+    # all-reduce without a container (routes.dense.summed_dense)
     assert result == {"containers": 1, "identical": True, "without_state_identical": False}

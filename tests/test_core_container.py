@@ -158,6 +158,21 @@ def test_split_recovers_concatenated_containers_of_both_versions(payload, v1_pay
             container.split(np.concatenate([payload, cut]))
 
 
+def test_a_split_segment_is_unpacked_where_it_lies_and_its_sections_outlive_the_receive(payload, v1_payload):
+    """unpack reads a host segment's header and checksum in place (no copy of the container) and
+    copies each section once, so the container stays valid when the receive buffer is reused."""
+    received = np.concatenate([v1_payload, payload])
+    parts = container.split(received)
+    assert np.shares_memory(np.frombuffer(container._in_place(parts[1]), np.uint8), received)
+    expected = [container.unpack(bytes(p)) for p in parts]
+    got = [container.unpack(p) for p in parts]
+    assert got == expected and all(type(c.value_section) is bytes for c in got)
+    received[:] = 0   # the transport reuses its buffer
+    assert got == expected
+    with pytest.raises(ContainerError, match=r"magic b'\\x00\\x00\\x00\\x00'"):
+        container.unpack(parts[1])
+
+
 def test_pack_refuses_what_the_format_cannot_hold():
     with pytest.raises(ContainerError, match="dimensions"):
         container.pack(container.Container(shape=(1,) * 33, n=0, index_id=0, value_id=0))

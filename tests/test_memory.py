@@ -9,6 +9,7 @@ import pytest
 
 import deepreduce
 from deepreduce import registry
+from deepreduce.collective.routes.entries import decode_entries, encode_entries
 from deepreduce.wire.seeding import EncodeContext
 
 EPS32 = 2.0 ** -24
@@ -105,7 +106,7 @@ def test_warmup_sends_a_sparse_gradient_whole(memory):
                              "memory": memory, "warmup": 1})
     positions = np.arange(0, 10_000, 10, dtype=np.int64)
     values = np.random.default_rng(4).standard_normal(positions.shape[0]).astype(np.float32)
-    counts = [np.count_nonzero(pipe.decode(pipe.encode_entries(positions, values, (10_000,), name="e", step=step)))
+    counts = [np.count_nonzero(pipe.decode(encode_entries(pipe, positions, values, (10_000,), name="e", step=step)))
               for step in (0, 1)]
     assert counts == [1000, 100]
 
@@ -176,7 +177,7 @@ def _touched_rows(rng, rows, width, touched):
 
 @pytest.mark.parametrize("sparsifier,index,value", SPARSE_CASES, ids=[_id(c) for c in SPARSE_CASES])
 def test_sparse_gradients_keep_a_sparse_residual_that_conserves_mass(sparsifier, index, value):
-    """Entries (Pipeline.encode_entries) with error feedback: what the receivers decode plus the
+    """Entries (routes.entries.encode_entries) with error feedback: what the receivers decode plus the
     residual equals the sum of the gradients, and the residual never holds more entries than the
     rows ever touched (it is a SparseResidual, not a dense table)."""
     from deepreduce.memory import SparseResidual
@@ -191,8 +192,8 @@ def test_sparse_gradients_keep_a_sparse_residual_that_conserves_mass(sparsifier,
         positions, values = _touched_rows(rng, rows, width, 40)
         ever.update(positions.tolist())
         np.add.at(total, positions, values)
-        payload = pipe.encode_entries(positions, values, (rows, width), name="emb", step=step)
-        got_positions, got_values = pipe.decode_entries([payload], (rows, width))
+        payload = encode_entries(pipe, positions, values, (rows, width), name="emb", step=step)
+        got_positions, got_values = decode_entries(pipe, [payload], (rows, width))
         np.add.at(sent, got_positions, got_values)
         held = pipe.memory._residuals["emb"]
         assert isinstance(held, SparseResidual) and held.positions.shape[0] <= len(ever | set(got_positions.tolist()))
@@ -212,7 +213,7 @@ def test_sparse_residual_checkpoints_densifies_and_overflows_cleanly():
               "memory": {"id": "residual"}, "min_numel": 0, "nonfinite": "propagate"}
     pipe = deepreduce.build(config)
     positions = np.array([3, 10, 11, 40], np.int64)
-    pipe.encode_entries(positions, np.array([1.0, -4.0, 2.0, 0.5], np.float32), (64,), name="e", step=0)
+    encode_entries(pipe, positions, np.array([1.0, -4.0, 2.0, 0.5], np.float32), (64,), name="e", step=0)
     state = pipe.state_dict()
     again = deepreduce.build(config)
     again.load_state_dict(state)
@@ -230,8 +231,8 @@ def test_sparse_residual_checkpoints_densifies_and_overflows_cleanly():
     assert isinstance(again.memory._residuals["e"], np.ndarray)
 
     big = np.float32(3e38)
-    pipe.encode_entries(np.array([7, 8], np.int64), np.array([big, 1.1 * big], np.float32), (64,), name="o", step=0)
+    encode_entries(pipe, np.array([7, 8], np.int64), np.array([big, 1.1 * big], np.float32), (64,), name="o", step=0)
     assert pipe.memory._residuals["o"].positions.tolist() == [7]   # the larger one was sent
-    payload = pipe.encode_entries(np.array([7], np.int64), np.array([big], np.float32), (64,), name="o", step=1)
+    payload = encode_entries(pipe, np.array([7], np.int64), np.array([big], np.float32), (64,), name="o", step=1)
     assert container.unpack(payload).flags & container.FLAG_NONFINITE
     assert pipe.memory._residuals["o"].positions.shape[0] == 0

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import deepreduce
 from deepreduce.backend import native_pipeline
+from deepreduce.collective.shards import encode_shards
 from deepreduce.index import bloom as bloom_codec
 from deepreduce.wire import container
 
@@ -28,7 +29,7 @@ def config(index="raw", policy="p0", value="raw", memory="residual", **extra):
 
 
 FILE_CONFIGS = [c for c in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-                if native_pipeline.unsupported(deepreduce.build(c)) is None]
+                if deepreduce.build(c).native_reason() is None]
 CONFIGS = FILE_CONFIGS + [config("bloom", p, v, m) for p in bloom_codec.POLICIES for v in ("raw", "fp16", "polyfit")
                           for m in ("none", "residual")] \
     + [config(i, value=v) for i in ("raw", "elias_fano") for v in ("raw", "fp16", "polyfit")] \
@@ -110,10 +111,10 @@ def test_cpp_pipeline_refuses_what_the_core_refuses(cfg):
 
 
 def test_settings_of_an_unsupported_config_are_not_asked_for():
-    assert "qsgd" in native_pipeline.unsupported(deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")))
+    assert "qsgd" in deepreduce.build(os.path.join(ROOT, "configs", "qsgd.yaml")).native_reason()
     # the C++ pipeline has no warm-up: such a config runs through the core in every binding
     warm = dict(deepreduce.load_config(os.path.join(ROOT, "configs", "topk_raw.yaml")), warmup=3)
-    assert "warmup" in native_pipeline.unsupported(deepreduce.build(warm))
+    assert "warmup" in deepreduce.build(warm).native_reason()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -181,7 +182,7 @@ def shard_bounds(numel, ranks, rng):
 @pytest.mark.parametrize("cfg", SHARD_CONFIGS, ids=config_id)
 def test_cpp_encode_shards_is_the_cores(cfg, monkeypatch):
     fast, slow = deepreduce.build(cfg), deepreduce.build(cfg)
-    assert native_pipeline.unsupported_stage(fast) is None and native_pipeline.module() is not None
+    assert fast.native_reason() is None and fast.native is not None
     numel = 20000
     rng = np.random.default_rng(11)
     for step, ranks in enumerate((1, 2, 5, 16, 64)):
@@ -189,10 +190,10 @@ def test_cpp_encode_shards_is_the_cores(cfg, monkeypatch):
         g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
         if step == 3:
             g[123] = np.inf   # every shard dense and flagged, the residual untouched
-        got = fast.encode_shards(g, "w", step, bounds)
+        got = encode_shards(fast, g, "w", step, bounds)
         with monkeypatch.context() as m:
             m.setattr(native_pipeline, "module", lambda: None)
-            expected = slow.encode_shards(g, "w", step, bounds)
+            expected = encode_shards(slow, g, "w", step, bounds)
         assert len(got) == len(expected) == ranks
         for j, (a, b) in enumerate(zip(got, expected)):
             assert np.array_equal(a, b), f"step {step}, shard {j}"
@@ -210,9 +211,9 @@ def test_cpp_encode_shards_refuses_an_overflowing_compensation_as_the_core_does(
         with monkeypatch.context() as m:
             if not native:
                 m.setattr(native_pipeline, "module", lambda: None)
-            core.encode_shards(big, "w", 0, bounds)
+            encode_shards(core, big, "w", 0, bounds)
             with pytest.raises(deepreduce.NonFiniteGradientError) as exc:
-                core.encode_shards(big, "w", 1, bounds)
+                encode_shards(core, big, "w", 1, bounds)
         outcomes.append((type(exc.value), str(exc.value), core.memory.residual("w").copy()))
     assert outcomes[0][:2] == outcomes[1][:2]
     np.testing.assert_array_equal(outcomes[0][2], outcomes[1][2])

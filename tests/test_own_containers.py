@@ -73,3 +73,19 @@ def test_only_the_last_container_of_a_name_is_kept(monkeypatch):
     calls = count_decodes(pipe, monkeypatch)
     pipe.decode_sum([first])
     assert len(calls) == 1 and len(pipe._own._by_key) == 1
+
+
+def test_a_collective_step_drops_its_own_containers_when_it_ends(monkeypatch):
+    """Between steps a pipeline keeps no copy of its containers: the step's sums are done (memory
+    a sharded model budgets); within the step its own container is still added without decoding."""
+    for end in ("commit_step", "undo_step"):
+        pipe = deepreduce.build("configs/topk_raw.yaml")
+        pipe.collective_steps()
+        payload = pipe.encode(gradient(0), name="w", step=0)
+        calls = count_decodes(pipe, monkeypatch)
+        pipe.decode_sum([payload])
+        assert calls == [] and len(pipe._own._by_key) == 1
+        getattr(pipe, end)()
+        assert not pipe._own._by_key and not pipe._own._key_of_name
+        pipe.decode_sum([payload])       # still decodes, the slow way
+        assert len(calls) == 1

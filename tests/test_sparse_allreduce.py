@@ -7,10 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import OneRank, run_ranks, run_threads
+from conftest import OneRank, ThreadRanks, run_ranks, run_threads
 
 import deepreduce
 from deepreduce.backend import native_pipeline
+from deepreduce.collective import shards
 from deepreduce.collective.sparse_allreduce import SparseAllreduce, balanced_bounds, even_bounds
 from deepreduce.errors import ConfigError
 
@@ -71,66 +72,40 @@ def test_horovod_optimizer_with_sparse_allreduce(ranks):
     a checkpoint byte-identically, ranks that disagree on the aggregation fail together, and the
     ``auto`` plan follows the link and is the same on every rank."""
     out = run_ranks("horovodrun", "torch_sparse_allreduce.py", np_=ranks, timeout=600).stdout
-    for scenario in ("exact", "trains", "resume", "disagree", "auto"):
+    for scenario in ("exact", "fused", "trains", "resume", "disagree", "auto"):
         assert out.count(f"OK {scenario} ") == ranks, (scenario, out[-2000:])
-
-
-class _ThreadRanks:
-    """``size`` ranks as threads of this process exchanging through shared slots (a barrier
-    between writing and reading): the collectives of the sparse all-reduce without a launcher."""
-
-    def __init__(self, size):
-        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), {}
-
-    def rank_view(self, rank):
-        ranks = self
-
-        class View:
-            def __init__(self):
-                self.rank, self.size = rank, ranks.size
-
-            def alltoall(self, payloads, name):
-                return ranks.exchange(rank, name, list(payloads), lambda sent, j: sent[j][rank])
-
-            def allgather(self, payload, name):
-                return ranks.exchange(rank, name, payload, lambda sent, j: sent[j])
-
-        return View()
-
-    def exchange(self, rank, name, mine, pick):
-        self.slots[(name, rank)] = mine
-        self.barrier.wait()
-        got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
-        self.barrier.wait()
-        return got
 
 
 def _reduce_on_threads(config, grads, corrupt=None):
     """Every rank's (outputs per step, final residual, error text) for ``grads[step][rank]``;
     ``corrupt(rank, step, payloads)`` may spoil what a rank sends in the first phase."""
     size = len(grads[0])
-    ranks = _ThreadRanks(size)
+    ranks = ThreadRanks(size)
     results = [None] * size
     pipes = [deepreduce.build(config) for _ in range(size)]   # the registry fills on first use: not in threads
 
     def run(rank):
         pipe = pipes[rank]
-        if corrupt is not None:
-            encode = pipe.encode_shards
-            pipe.encode_shards = lambda g, name, step, bounds: corrupt(rank, step, encode(g, name, step, bounds))
         sra = SparseAllreduce(pipe, ranks.rank_view(rank), repartition_every=2)
         outs = []
         try:
             for step, per_rank in enumerate(grads):
                 outs.append(sra.reduce(per_rank[rank], "w", step))
-        except deepreduce.DeepReduceError as exc:
-            ranks.barrier.abort()
+        except deepreduce.DeepReduceError as exc:   # every rank raises at the same step: no abort needed
             outs.append(f"{type(exc).__name__}: {exc}")
         except threading.BrokenBarrierError:
             outs.append("aborted")
         results[rank] = (outs, pipe.memory.residual("w"), sra.owner_residual("w"), pipe.stats.tensors_decoded)
 
-    run_threads(run, [(r,) for r in range(size)], 120)
+    encode = shards.encode_shards
+    if corrupt is not None:   # the shard encode of the rank whose pipeline it is, spoiled
+        rank_of = {id(pipe): rank for rank, pipe in enumerate(pipes)}
+        shards.encode_shards = lambda core, g, name, step, bounds: corrupt(rank_of[id(core)], step,
+                                                                           encode(core, g, name, step, bounds))
+    try:
+        run_threads(run, [(r,) for r in range(size)], 120)
+    finally:
+        shards.encode_shards = encode
     return results
 
 
@@ -166,6 +141,20 @@ def test_native_decode_of_both_phases_equals_the_python_path(name, monkeypatch):
     _assert_same(native, python)
 
 
+def test_an_overflowing_shard_sum_under_nonfinite_raise_is_refused_as_the_python_path(monkeypatch):
+    """Finite containers whose sum overflows float32: under ``raise`` the owner refuses it with the
+    core's error (the C++ decode, which returns Inf, hands such a sum to the core's decode_sum)."""
+    config = dict(deepreduce.load_config("topk_raw"), nonfinite="raise")
+    rng = np.random.default_rng(5)
+    grads = [[rng.standard_normal(30_000).astype(np.float32) for _ in range(4)] for _ in range(2)]
+    for g in grads[1]:
+        g[5] = np.float32(3e38)   # in rank 0's shard: 4 x 3e38 is beyond float32
+    native, python = _both_paths(config, grads, monkeypatch)
+    # the owner that refuses; the others are aborted wherever they were (a thread race)
+    _assert_same(native[:1], python[:1])
+    assert "NonFiniteGradientError: rank 1: " in native[0][0][1] and "overflow when added" in native[0][0][1]
+
+
 def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatch):
     def corrupt(rank, step, payloads):
         if rank == 1 and step == 1:
@@ -176,7 +165,11 @@ def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatc
     rng = np.random.default_rng(4)
     grads = [[rng.standard_normal(20_000).astype(np.float32) for _ in range(3)] for _ in range(2)]
     native, python = _both_paths("elias_fano", grads, monkeypatch, corrupt)
-    assert native[2][0][1].startswith("ContainerError: rank 1: ")
-    # the other ranks stop wherever the abort finds them; the decode count differs by the
-    # containers Python decoded before the bad one
-    _assert_same([r[:3] + (0,) for r in native[2:]], [r[:3] + (0,) for r in python[2:]])
+    for results in (native, python):
+        assert results[2][0][1].startswith("ContainerError: rank 1: ")
+        # the owner's error travels in its shard: every other rank raises too, naming it
+        for rank in (0, 1):
+            assert results[rank][0][1].startswith("CommunicationError: sparse_allreduce of 'w' at step 1: rank 2 could "
+                                                  "not reduce its shard (ContainerError: rank 1: ")
+    # the decode count differs by the containers Python decoded before the bad one
+    _assert_same([r[:3] + (0,) for r in native], [r[:3] + (0,) for r in python])

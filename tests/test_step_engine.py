@@ -44,6 +44,9 @@ class Recording(Route):
         self.log.append(("settle", item.name))
         return started
 
+    def settle_all(self, engine, items):
+        self.log.append(("settle_all", self.id, [it.name for it in items]))
+
     def finish(self, engine, item, started):
         self.log.append(("finish", item.name))
         if started == "failure payload":
@@ -74,6 +77,10 @@ def test_starts_run_on_the_worker_or_inline_and_finish_in_one_order(background, 
     assert threads == ({"deepreduce-step_0"} if background else {threading.current_thread().name})
     # every settle before any finish; the routes matched by name first, then the sparse all-reduce, by name
     assert [e[1] for e in log if e[0] == "settle"] == ["b", "c", "a", "z"]
+    # then each route once with its items (the sparse all-reduce's one shared exchange), before any finish
+    first_finish = log.index(("finish", "b"))
+    assert [e for e in log[:first_finish] if e[0] == "settle_all"] == [
+        ("settle_all", "allgather", ["b", "c"]), ("settle_all", "sparse_allreduce", ["a", "z"])]
     assert [e[1] for e in log if e[0] == "finish"] == ["b", "c", "a", "z"]
     assert [e for e in log if e[0] == "write"] == [("write", n, 1) for n in "bcaz"]
     stats = engine.stats()

@@ -105,3 +105,17 @@ def test_bench_scaling_prints_the_sync_period_tables(tmp_path, capsys):
               ("dense", "bf16", "int8", "ag:topk_raw", "sa:topk_raw")}
     assert labels == {"dense", "bf16", "int8", "ag:topk_raw", "sa:topk_raw"}
     assert out.count("planner: ") == 2
+
+
+def test_chunked_configs_are_priced_at_k_per_chunk():
+    """A chunk_topk of k per chunk of C is measured as the ratio k / C (the same selection), so
+    bench-scaling --sync-every and DiLoCo(sync_every="auto") price the semi-synchronous configs."""
+    from deepreduce.collective.cost_probe import measure_codec_costs, with_ratio
+
+    topk = {"sparsifier": {"id": "topk", "ratio": 0.01}, "index": "raw", "value": "raw"}
+    assert with_ratio(topk) is topk
+    chunked = {"sparsifier": {"id": "chunk_topk", "chunk": 4096, "k": 64}, "index": "raw", "value": "raw"}
+    assert with_ratio(chunked)["sparsifier"] == {"id": "chunk_topk", "chunk": 4096, "k": 0, "ratio": 64 / 4096}
+    costs = measure_codec_costs("sparseloco", sizes=(1 << 14, 1 << 15), repeat=1, clock="wall")
+    assert costs.ratio == 64 / 4096 and costs.name == "sparseloco"
+    assert 1 < costs.entry_bytes < 4   # 12-bit chunk-local indices and 2-bit values per entry

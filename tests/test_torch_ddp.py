@@ -81,6 +81,10 @@ def test_auto_aggregation_plans_each_bucket_alike_on_every_rank(ranks):
 def test_sparse_allreduce_in_the_hook(ranks):
     for r in both(ranks, "scenario_sparse_allreduce"):
         assert max(r["max_diffs"]) < 1e-5          # the exact union equals DDP's all-reduce
+        # per parameter: the step's six tensors in one alltoall per phase (two all_to_all_single each);
+        # whole buckets: one container per bucket, and a step of one bucket sends phase two by allgather
+        per_parameter, whole = r["alltoalls_per_step"][:3], r["alltoalls_per_step"][3:]
+        assert per_parameter == [4, 4, 4] and set(whole) <= {2, 4}, r["alltoalls_per_step"]
         assert r["resumed_equal"] and r["has_owner_state"]
 
 

@@ -2,8 +2,8 @@
 
 ``csrc/pipeline`` encodes one float32 tensor and decodes (and sums) containers for the configs
 whose every stage exists in C++: Top-r or threshold selection with or without error feedback,
-raw, Elias-Fano or Bloom indices (every policy), raw, fp16 or polyfit values, non-finite gradients
-propagated. The TensorFlow custom ops (:mod:`deepreduce.tensorflow.ops`) run it, and
+raw, Elias-Fano or Bloom indices (every policy), raw, fp16 or polyfit values (which configs:
+``Pipeline.native_reason``). The TensorFlow custom ops (:mod:`deepreduce.tensorflow.ops`) run it, and
 ``deepreduce._pipeline`` binds the same functions for NumPy. :func:`settings` reads a core
 pipeline's components into the plain values both take; nothing here restates a codec.
 :func:`encode_shards`, :func:`decode_sum` and :func:`decode_shards` are the sparse all-reduce's
@@ -26,40 +26,14 @@ from . import _native
 INDEX_CODECS = ("raw", "bloom", "elias_fano")
 VALUE_CODECS = ("raw", "fp16", "polyfit")
 MEMORIES = ("none", "residual")
+SPARSIFIERS = (TopK, ThresholdSparsifier)
+# Which configs run here is decided by Pipeline.native_reason from these (one rule).
 
 
 def module():
     """The C++ pipeline (``deepreduce._pipeline``), or None when it is not built or
     ``DEEPREDUCE_BACKEND=numpy`` is set."""
     return _native.load("pipeline")
-
-
-def unsupported(core) -> Optional[str]:
-    """Why ``core``'s config cannot run in the C++ pipeline (None when it can)."""
-    stage = unsupported_stage(core)
-    if stage is not None:
-        return stage
-    if core.nonfinite != "propagate":
-        # the ranks then decide each step together and undo it through the core's journal
-        # (deepreduce.collective.agreement), which holds the core's residuals, not the binding's; and
-        # the core's decode_sum refuses a sum that overflows, which the C++ one returns as Inf
-        return f"nonfinite: {core.nonfinite!r} (the C++ pipeline propagates non-finite gradients)"
-    return None
-
-
-def unsupported_stage(core) -> Optional[str]:
-    """Why one of ``core``'s stages (sparsifier, codecs, memory) has no C++ twin (None when all have)."""
-    if type(core.sparsifier) not in (TopK, ThresholdSparsifier):
-        return f"sparsifier {core.sparsifier.id!r} (the C++ pipeline selects Top-r or by threshold)"
-    if core.index.id not in INDEX_CODECS:
-        return f"index codec {core.index.id!r} (the C++ pipeline has {', '.join(INDEX_CODECS)})"
-    if core.value.id not in VALUE_CODECS:
-        return f"value codec {core.value.id!r} (the C++ pipeline has {', '.join(VALUE_CODECS)})"
-    if core.memory.id not in MEMORIES:
-        return f"memory {core.memory.id!r} (the C++ pipeline has {', '.join(MEMORIES)})"
-    if core.warmup:
-        return f"warmup: {core.warmup} (the C++ pipeline has no dense warm-up steps)"
-    return None
 
 
 def settings(core) -> dict:
@@ -85,7 +59,7 @@ def settings(core) -> dict:
 
 def encode_shards(native, config: dict, name: str, step: int, flat: np.ndarray, bounds: Sequence[int],
                   residual: Optional[np.ndarray]):
-    """``native.encode_shards`` (see ``Pipeline.encode_shards``): (containers, the residual, each
+    """``native.encode_shards`` (see :func:`deepreduce.collective.shards.encode_shards`): (containers, the residual, each
     container's (index, value, permutation) section bytes). A codec's refusal (fp16 range,
     polyfit) is raised as DeepReduceError; a residual of another size as CommunicationError and
     an overflowing compensation as NonFiniteGradientError, as the C++ pipeline raises them."""

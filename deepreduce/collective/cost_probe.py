@@ -1,6 +1,6 @@
 """Measure a config's codec costs and PowerSGD's compute on this machine, for the cost model.
 
-:func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``Pipeline.encode_shards``
+:func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``shards.encode_shards``
 and ``SparseAllreduce.sum_shard`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..wire.container import unpack
 from .cost_model import CodecCosts, PowerSGDCosts
 from .linear_fit import fit_nonnegative
+from .shards import encode_shards
 from .sparse_allreduce import SparseAllreduce, even_bounds
 
 DEFAULT_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -54,16 +55,29 @@ def _median_s(fn: Callable[[int], object], repeat: int, now: Callable[[], float]
     return max(statistics.median(samples), 1e-9)
 
 
+def with_ratio(config: dict) -> dict:
+    """``config`` with its sparsifier's selection given as a ``ratio`` (what the probe varies): a
+    ``chunk_topk`` of ``k`` per chunk of ``C`` becomes ``ratio = k / C``, the same selection."""
+    sparsifier = config.get("sparsifier")
+    if not isinstance(sparsifier, dict) or sparsifier.get("id") != "chunk_topk" or not sparsifier.get("k"):
+        return config
+    from ..sparsify.chunked import ChunkTopK
+
+    chunk = sparsifier.get("chunk", ChunkTopK.PARAMS["chunk"].default)
+    return dict(config, sparsifier=dict(sparsifier, ratio=sparsifier["k"] / chunk, k=0))
+
+
 def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 3,
                         seed: int = 0, threads: int = 1, clock: str = "cpu", note: str = "") -> CodecCosts:
     """Fit ``config``'s (a path, shipped name or dict) encode, decode and container-size costs.
 
-    Its sparsifier must have a ``ratio`` (Top-r and the like). ``threads``: the kernels' threads
+    Its sparsifier must have a ``ratio`` (Top-r and the like; a ``chunk_topk``'s ``k`` counts as
+    ``k / chunk``, :func:`with_ratio`). ``threads``: the kernels' threads
     (1: one rank per core). ``note`` is stored with the figures (say where they were taken).
     """
     from ..config import build, load_config
 
-    raw = dict(load_config(config))
+    raw = with_ratio(dict(load_config(config)))
     ratio = raw.get("sparsifier", {}).get("ratio")
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
         raise ConfigError(f"measure_codec_costs: the config's sparsifier needs a ratio in (0, 1], got {ratio!r}")
@@ -81,11 +95,11 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
         owner = SparseAllreduce(pipe, None, reselect="none")
         for numel in sizes:
             grad = rng.laplace(size=numel).astype(np.float32)
-            payload = peer.encode_shards(-grad, f"probe{numel}", 0, [0, numel])[0]
+            payload = encode_shards(peer, -grad, f"probe{numel}", 0, [0, numel])[0]
             entries = unpack(payload).n
             for shards in (1, SHARDS):
                 bounds = even_bounds(numel, shards)
-                encode_s = _median_s(lambda step: pipe.encode_shards(grad, f"probe{numel}", step, bounds), repeat,
+                encode_s = _median_s(lambda step: encode_shards(pipe, grad, f"probe{numel}", step, bounds), repeat,
                                      now)
                 received = [payload] * shards   # as many containers as ranks, each of the whole tensor
                 decode_s = _median_s(lambda _: owner.sum_shard(received, numel), repeat, now)

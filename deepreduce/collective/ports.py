@@ -55,7 +55,8 @@ class Tensors(Protocol):
         """A flat float32 NumPy view (or copy) of ``tensor`` on the host."""
 
     def write(self, target, flat: np.ndarray) -> None:
-        """Copy the flat float32 ``flat`` into ``target`` (its shape, dtype and device)."""
+        """Copy the flat float32 ``flat`` into ``target`` (its shape, dtype and device); nothing
+        to do where ``flat`` is :meth:`host`'s view of ``target`` (a route decoded into it)."""
 
     def divide(self, target, ranks: int) -> None:
         """``target /= ranks`` in place."""
@@ -84,6 +85,10 @@ class Tensors(Protocol):
         """``flat`` in ``shaped``'s shape."""
 
     def all_finite(self, tensor) -> bool: ...
+
+    def float32(self, tensor) -> bool:
+        """Whether ``tensor`` holds float32: a sum divided in place there rounds once; any other
+        dtype (bf16, fp16) takes the float32 quotient instead, so it is rounded once too."""
 
     def is_sparse(self, tensor) -> bool: ...
 
@@ -114,7 +119,11 @@ class NumpyTensors:
 
     @staticmethod
     def write(target, flat) -> None:
-        np.copyto(target.reshape(-1), np.asarray(flat).reshape(-1), casting="same_kind")
+        flat = np.asarray(flat).reshape(-1)
+        if flat.dtype == target.dtype and flat.size == target.size and flat.ctypes.data == target.ctypes.data \
+                and target.flags.c_contiguous:   # host()'s view of the target itself: nothing to copy
+            return
+        np.copyto(target.reshape(-1), flat, casting="same_kind")
 
     copy = write
 
@@ -147,6 +156,10 @@ class NumpyTensors:
     @staticmethod
     def all_finite(tensor) -> bool:
         return bool(np.isfinite(tensor).all())
+
+    @staticmethod
+    def float32(tensor) -> bool:
+        return np.asarray(tensor).dtype == np.float32
 
     @staticmethod
     def is_sparse(tensor) -> bool:

@@ -6,7 +6,7 @@ PPoPP'22; the owner-side residual is DeepSpeed's "server error"):
 
 1. every rank compensates and selects once over the whole tensor (its pipeline's memory and
    sparsifier) and encodes the part of its selection that falls in shard ``j`` as its own
-   container (``Pipeline.encode_shards``), sent to rank ``j`` by one alltoall;
+   container (:func:`deepreduce.collective.shards.encode_shards`), sent to rank ``j`` by one alltoall;
 2. the owner decode-sums the N containers of its shard, adds its owner residual, re-selects
    (``reselect="topk"``: the shard's top ``ratio``, so the result has about k entries;
    ``"none"``: every non-zero of the sum, the exact union), keeps what it did not send in the
@@ -16,15 +16,23 @@ Each rank receives about k entries in each phase (k/N from each rank, then k/N f
 owner) whatever N is, against k(N-1) for the allgather of whole containers. The shard
 boundaries start even and are moved every ``repartition_every`` steps so that each shard holds
 about the same number of the previous aggregate's non-zeros: every rank decoded the same
-aggregate, so every rank computes the same boundaries without a message. Owner-residual mass
-that a move leaves outside a rank's shard travels with that rank's next contribution, so
-nothing is lost: the sum of what was delivered and of both residuals over all ranks equals the
-sum of the gradients (tested).
+aggregate, so every rank computes the same boundaries without a message. A rank's owner residual
+covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
+budget needs). Owner-residual mass that a move leaves outside a rank's shard travels with that
+rank's next contribution, so nothing is lost: the sum of what was delivered and of both
+residuals over all ranks equals the sum of the gradients (tested).
 
-When the config runs in the C++ pipeline (``native_pipeline.unsupported``), a tensor's shard
-containers are encoded in one C++ call (``Pipeline.encode_shards``) and each phase's received
+When the config runs in the C++ pipeline (``Pipeline.native``), a tensor's shard
+containers are encoded in one C++ call (``shards.encode_shards``) and each phase's received
 containers are decoded in one more, where they lie in what the collective returned, so the cost
 per container is a microsecond or two rather than a Python loop's tens (docs/scaling.md).
+
+Batches: the shard exchanges of several tensors share one collective per phase (:meth:`send`,
+:meth:`exchange`, :meth:`complete`; the step engine batches a step's tensors). Rank ``j``
+receives from each rank one payload holding its shard containers of every tensor of the batch
+behind a small length table (:func:`fuse`, :func:`cut`), so a step costs two collectives rather
+than two per tensor. A tensor's failure (its encode, or its owner step, on any rank) travels as
+that tensor's failure payload inside the batch: the other tensors and every rank stay in phase.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from ..backend import kernels, native_pipeline
 from ..errors import CommunicationError, ConfigError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
-from . import agreement, failure, ports
+from . import agreement, failure, ports, shards
 
 RESELECT = ("topk", "none")
 
@@ -66,10 +74,9 @@ class SparseAllreduce:
         self.pipeline, self.communicator = pipeline, communicator
         self.reselect, self.ratio, self.repartition_every = reselect, ratio, repartition_every
         self._bounds: Dict[str, np.ndarray] = {}
-        self._owner_residuals: Dict[str, np.ndarray] = {}
-        self._moved: set = set()   # tensors whose bounds moved: owner mass may lie outside the new shard
+        self._owner_residuals: Dict[str, OwnerResidual] = {}
         # both phases decode what they received in one C++ call when the config runs there
-        self._native_decode = native_pipeline.unsupported(pipeline) is None
+        self._native_decode = pipeline.native_reason() is None
         self.received_bytes = {"alltoall": 0, "allgather": 0}
         self.sent_bytes = 0   # what this rank handed to the collectives (its shards, then its owned shard)
         self.last_nonfinite = None   # (rank, NaN, Inf) of the last reduce's first flagged shard
@@ -82,32 +89,40 @@ class SparseAllreduce:
     # ------------------------------------------------------------------ the step
     def reduce(self, grad: np.ndarray, name: str, step: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The sum over the ranks of ``grad`` (flat float32 NumPy, ``name`` and ``step`` alike on
-        every rank), written into ``out`` when given: the three phases below in one blocking call."""
-        phase = self.start(grad, name, step)
-        self.exchange(phase)
-        return self.complete(phase, out)[0]
+        every rank), written into ``out`` when given: the phases below in one blocking call."""
+        batch = self.send([self.encode(grad, name, step)])
+        self.exchange(batch)
+        return self.complete(batch, 0, out)[0]
 
-    def start(self, grad: np.ndarray, name: str, step: int) -> "Phase":
-        """Phase one: compensate, select, encode one container per shard and start the alltoall
-        (asynchronous where the communicator can). May raise (the encode): then
-        :meth:`start_failed` sends the failure payload in its place."""
+    def encode(self, grad: np.ndarray, name: str, step: int) -> "Phase":
+        """Phase one's encode: compensate, select and encode one container per shard
+        (``phase.sent``); :meth:`send` starts the collective. May raise: then
+        :meth:`encode_failed` makes the failure payload to go in its place."""
         flat = np.asarray(grad).reshape(-1)
         phase = self._phase(name, step, flat.shape[0])
-        owner = self._owner_residual(name, phase.numel)
-        if name in self._moved:   # only after a boundary move (or a checkpoint load): O(d) once
-            self._moved.discard(name)
-            flat = self._with_stranded_mass(flat, owner, phase.lo, phase.hi)
-        sent = self.pipeline.encode_shards(flat, name, step, phase.bounds)
-        self.sent_bytes += sum(int(p.shape[0]) for p in sent)
-        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        flat = self._align_owner_residual(name, flat, phase.lo, phase.hi)
+        phase.sent = shards.encode_shards(self.pipeline, flat, name, step, phase.bounds)
         return phase
 
-    def start_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
-        """Phase one of a rank whose encode raised ``error``: the failure payload to every owner."""
+    def encode_failed(self, name: str, step: int, numel: int, error: BaseException) -> "Phase":
+        """Phase one of a tensor whose encode raised ``error`` on this rank: the failure payload
+        to every owner (the tensor's collectives go on, so every rank stays in phase)."""
         phase = self._phase(name, step, numel)
-        sent = [failure.payload(error)] * self.communicator.size
-        phase.pending = self._alltoall(sent, f"deepreduce.sra1.{name}")
+        phase.sent = [failure.payload(error)] * self.communicator.size
         return phase
+
+    def send(self, phases: List["Phase"]) -> "Batch":
+        """Start phase one's alltoall for ``phases`` (the same tensors in the same order on every
+        rank): rank ``j`` receives, from each rank, the containers of shard ``j`` of every tensor
+        (:func:`fuse`): one collective for the batch, whatever its number of tensors."""
+        size = self.communicator.size
+        payloads = [fuse([phase.sent[j] for phase in phases]) for j in range(size)]
+        for phase in phases:
+            phase.sent = None
+        self.sent_bytes += sum(int(p.shape[0]) for p in payloads)
+        batch = Batch(phases, f"{phases[0].name}")
+        batch.pending = self._alltoall(payloads, f"deepreduce.sra1.{batch.name}")
+        return batch
 
     def _alltoall(self, payloads, name: str):
         if self.asynchronous:
@@ -124,44 +139,95 @@ class SparseAllreduce:
         bounds = self._bounds.setdefault(name, even_bounds(numel, size))
         if self._journal is not None and name not in self._journal:
             owner = self._owner_residuals.get(name)
-            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy(), name in self._moved)
+            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy())
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
 
-    def exchange(self, phase: "Phase") -> None:
-        """Phase two, in one order on every rank: wait for this rank's shard containers,
-        decode-sum them, re-select with the owner residual, encode, and start the allgather. A
-        peer's failure payload is passed on in place of the shard, so every rank hears of it."""
-        mine = phase.pending.wait()
-        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in mine)
-        failed = failure.failed_rank(mine)
+    def exchange(self, batch: "Batch") -> None:
+        """Phase two, in one order on every rank: wait for this rank's shard containers of every
+        tensor of ``batch``, decode-sum each tensor's, re-select with its owner residual, encode,
+        and start one collective returning every owner's shards to every rank. A peer's failure
+        payload is passed on in place of the shard, and so is this rank's own owner-step error
+        (kept in ``phase.error``, raised by :meth:`complete`), so every rank hears of it."""
+        received = batch.pending.wait()
+        self.received_bytes["alltoall"] += sum(int(p.shape[0]) for p in received)
+        count, size = len(batch.phases), self.communicator.size
+        if len(received) != size:
+            raise CommunicationError(f"sparse_allreduce of {batch.name!r}: {len(received)} alltoall parts for {size} ranks")
+        try:
+            per_rank = [cut(part, count, f"sparse_allreduce of {batch.name!r} from rank {r}")
+                        for r, part in enumerate(received)]
+        except CommunicationError as exc:   # this rank raises it; the peers hear of it in every shard
+            for phase in batch.phases:
+                phase.error = exc
+            per_rank = [[failure.payload(exc)] * count] * size
+        shards = [self._owner_shard(phase, [parts[i] for parts in per_rank]) for i, phase in enumerate(batch.phases)]
+        payload = fuse(shards)
+        self.sent_bytes += int(payload.shape[0])
+        name = f"deepreduce.sra2.{batch.name}"
+        if count == 1:   # one container: the communicators' allgather cuts its result by container
+            batch.pending = self._allgather(payload, name)
+        else:   # a fused payload is not one container: every rank is sent the same bytes by the alltoall
+            batch.pending = self._alltoall([payload] * size, name)
+
+    def _owner_shard(self, phase: "Phase", mine: List[np.ndarray]) -> np.ndarray:
+        """This rank's shard of one tensor of the batch (or the failure payload it passes on)."""
+        failed = None if phase.error is not None else failure.failed_rank(mine)
         if failed is not None:
             kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
-            shard = failure.payload(kind(f"rank {failed[0]}: {failed[2]}"))
-        else:
-            owner = self._owner_residual(phase.name, phase.numel)
-            shard = self._owner_step(mine, owner, phase.lo, phase.hi, phase.name, phase.step)
-        self.sent_bytes += int(shard.shape[0])
-        phase.pending = self._allgather(shard, f"deepreduce.sra2.{phase.name}")
+            return failure.payload(kind(f"rank {failed[0]} could not encode its gradient ({failed[2]})"))
+        try:
+            if phase.error is not None:
+                raise phase.error
+            owner = self._owner_residual(phase.name, phase.lo, phase.hi, phase.numel)
+            return self._owner_step(mine, owner, phase.hi - phase.lo, phase.name, phase.step)
+        except Exception as exc:   # noqa: BLE001 (raised by complete; the peers hear of it)
+            phase.error = exc
+            kind = NonFiniteGradientError if isinstance(exc, NonFiniteGradientError) else CommunicationError
+            rank = self.communicator.rank
+            return failure.payload(kind(f"rank {rank} could not reduce its shard ({type(exc).__name__}: {exc})"))
 
-    def complete(self, phase: "Phase", out: Optional[np.ndarray] = None):
-        """Phase three: wait for every shard and decode them into ``out`` (or a new array);
-        returns (the sum, the first flagged shard's (rank, NaN, Inf) or None). A peer's failure
-        payload raises (:func:`deepreduce.collective.failure.raise_if_failed`)."""
-        shards = phase.pending.wait()
-        self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in shards)
-        size = self.communicator.size
-        if len(shards) != size:
-            raise CommunicationError(f"sparse_allreduce of {phase.name!r}: {len(shards)} shards for {size} ranks")
-        failure.raise_if_failed(shards, f"sparse_allreduce of {phase.name!r}", phase.step)
+    def complete(self, batch: "Batch", index: int = 0, out: Optional[np.ndarray] = None):
+        """Phase three of tensor ``index`` of ``batch``: :meth:`arrived`, then :meth:`decode` into
+        ``out`` (or a new array); returns (the sum, the first flagged shard's (rank, NaN, Inf) or None)."""
+        shards, flagged = self.arrived(batch, index)
+        return self.decode(batch, index, shards, flagged, out), flagged
+
+    def arrived(self, batch: "Batch", index: int):
+        """Wait for every owner's shards (once for the batch) and return tensor ``index``'s, with the
+        first flagged one's (rank, NaN, Inf) or None. This rank's owner-step error, or a failure
+        an owner passed on (its own, or a rank's encode), raises here."""
+        phase = batch.phases[index]
+        if batch.shards is None:
+            gathered = batch.pending.wait()
+            self.received_bytes["allgather"] += sum(int(p.shape[0]) for p in gathered)
+            size, count = self.communicator.size, len(batch.phases)
+            if len(gathered) != size:
+                raise CommunicationError(f"sparse_allreduce of {batch.name!r}: {len(gathered)} shards for {size} ranks")
+            batch.shards = [cut(part, count, f"sparse_allreduce of {batch.name!r} from rank {r}")
+                            for r, part in enumerate(gathered)]
+        if phase.error is not None:
+            raise phase.error
+        shards = [parts[index] for parts in batch.shards]
+        failed = failure.failed_rank(shards)
+        if failed is not None:   # an owner passed on what failed (its own step, or a rank's encode)
+            kind = NonFiniteGradientError if failed[1] == "nonfinite" else CommunicationError
+            raise kind(f"sparse_allreduce of {phase.name!r} at step {phase.step}: {failed[2].partition(': ')[2]}; "
+                       "every rank skips this step")
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
+        return shards, flagged
+
+    def decode(self, batch: "Batch", index: int, shards: List[np.ndarray], flagged, out: Optional[np.ndarray] = None):
+        """Write tensor ``index``'s ``shards`` (from :meth:`arrived`) into ``out`` (every element of
+        it: no need to zero it first) or a new array, and move its shard bounds every
+        ``repartition_every`` steps (the same on every rank: the same sum). Returns the flat sum."""
+        phase = batch.phases[index]
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
-            moved = balanced_bounds(kernels.nonzero(target), phase.numel, size)
+            moved = balanced_bounds(kernels.nonzero(target), phase.numel, self.communicator.size)
             if not np.array_equal(moved, phase.bounds):
-                self._bounds[phase.name] = moved
-                self._moved.add(phase.name)
-        return target, flagged
+                self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
+        return target
 
     # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
     def commit(self) -> None:
@@ -174,13 +240,12 @@ class SparseAllreduce:
         per-rank residuals are the pipeline's, restored by its own journal)."""
         if self._journal is None:
             return
-        for name, (owner, bounds, moved) in self._journal.items():
+        for name, (owner, bounds) in self._journal.items():
             if owner is None:
                 self._owner_residuals.pop(name, None)
             else:
                 self._owner_residuals[name] = owner
             self._bounds[name] = bounds
-            (self._moved.add if moved else self._moved.discard)(name)
         self._journal.clear()
 
     def _native(self):
@@ -207,6 +272,8 @@ class SparseAllreduce:
             return self.pipeline.decode_sum(payloads, expected_shape=(m,))
         start = time.perf_counter()
         total = native_pipeline.decode_sum(native, payloads, m, self.pipeline.threads)
+        if self.pipeline.nonfinite == "raise" and not np.isfinite(total).all():
+            return self.pipeline.decode_sum(payloads, expected_shape=(m,))   # raises the core's overflow error
         self._count_decoded(len(payloads), start)
         return total
 
@@ -215,55 +282,64 @@ class SparseAllreduce:
         stats.tensors_decoded += containers
         stats.decode_seconds += time.perf_counter() - start
 
-    def _owner_residual(self, name: str, numel: int) -> np.ndarray:
+    def _owner_residual(self, name: str, lo: int, hi: int, numel: int) -> "OwnerResidual":
+        """``name``'s owner residual over ``[lo, hi)`` (zeros the first time). Phase one's encode
+        (:meth:`_align_owner_residual`) has moved it onto this step's shard already."""
         owner = self._owner_residuals.get(name)
-        if owner is None or owner.shape[0] != numel:
-            owner = self._owner_residuals[name] = np.zeros(numel, np.float32)
+        if owner is None or not owner.covers(lo, hi):
+            owner = self._owner_residuals[name] = OwnerResidual(lo, np.zeros(hi - lo, np.float32), numel)
         return owner
 
-    @staticmethod
-    def _with_stranded_mass(flat: np.ndarray, owner: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """``flat`` plus the owner residual a boundary move left outside this rank's shard (that
-        mass is sent on with this rank's contribution); ``flat`` itself when there is none."""
-        outside = np.concatenate([owner[:lo], owner[hi:]])
-        if not outside.any():
+    def _align_owner_residual(self, name: str, flat: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Move ``name``'s owner residual onto the shard ``[lo, hi)`` when its bounds moved (or
+        a checkpoint was loaded): the part inside stays, the mass outside is added to (a copy
+        of) ``flat``, sent on with this rank's contribution. Returns what to encode."""
+        owner = self._owner_residuals.get(name)
+        if owner is None or owner.covers(lo, hi):
+            return flat
+        kept = np.zeros(hi - lo, np.float32)
+        start, stop = max(lo, owner.lo), min(hi, owner.hi)
+        stranded = owner.values.copy()
+        if start < stop:
+            kept[start - lo:stop - lo] = owner.values[start - owner.lo:stop - owner.lo]
+            stranded[start - owner.lo:stop - owner.lo] = 0.0
+        self._owner_residuals[name] = OwnerResidual(lo, kept, flat.shape[0])
+        if not stranded.any():
             return flat
         moved = flat.astype(np.float32, copy=True)
-        moved[:lo] += owner[:lo]
-        moved[hi:] += owner[hi:]
-        owner[:lo] = 0.0
-        owner[hi:] = 0.0
+        moved[owner.lo:owner.hi] += stranded
         return moved
 
-    def _owner_step(self, payloads: List[np.ndarray], owner: np.ndarray, lo: int, hi: int,
+    def _owner_step(self, payloads: List[np.ndarray], owner: "OwnerResidual", m: int,
                     name: str, step: int) -> np.ndarray:
-        """Decode-sum this rank's shard, re-select with the owner residual, encode the result."""
-        m = hi - lo
+        """Decode-sum this rank's shard (``m`` elements), re-select with the owner residual,
+        encode the result."""
         if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
             total = np.zeros(m, np.float32)
             for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
                 total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
-            return self.pipeline.encode_dense(total, flagged=True)
+            return shards.encode_dense(self.pipeline, total, flagged=True)
         total = self.sum_shard(payloads, m)
         if not np.isfinite(total).all():
-            return self.pipeline.encode_dense(total, flagged=True)
-        total += owner[lo:hi]
+            return shards.encode_dense(self.pipeline, total, flagged=True)
+        total += owner.values
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
-            owner[lo:hi] = 0.0
-            return self.pipeline.encode_dense(total)
+            owner.values[:] = 0.0
+            return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
             chosen = kernels.nonzero(total)
         else:
             chosen = kernels.topk_positions(total, count_for(self.ratio, m))
-        payload, sent, received = self.pipeline.encode_selection(total, chosen, f"{name}#owner", step)
+        payload, sent, received = shards.encode_owned(self.pipeline, total, chosen, f"{name}#owner", step)
         total[sent] -= received
-        owner[lo:hi] = total
+        owner.values[:] = total
         return payload
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Owner residuals and shard boundaries, per tensor (copies)."""
-        return {"owner_residuals": {n: r.copy() for n, r in self._owner_residuals.items()},
+        """Owner residuals (each as a whole tensor's float32 array, zero outside the shard it
+        covers) and shard boundaries, per tensor (copies)."""
+        return {"owner_residuals": {n: self.owner_residual(n) for n in self._owner_residuals},
                 "bounds": {n: b.copy() for n, b in self._bounds.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -275,7 +351,7 @@ class SparseAllreduce:
             r = np.asarray(r)
             if r.dtype != np.float32 or r.ndim != 1 or not np.isfinite(r).all():
                 raise ConfigError(f"sparse_allreduce: owner residual of {name!r} must be a finite 1-D float32 array")
-            residuals[name] = r.copy()
+            residuals[name] = OwnerResidual(0, r.copy(), r.shape[0])   # moved onto the shard by the next encode
         for name, b in state["bounds"].items():
             b = np.asarray(b, dtype=np.int64)
             if b.ndim != 1 or b.shape[0] != self.communicator.size + 1 or b[0] != 0 or np.any(np.diff(b) < 0):
@@ -283,12 +359,43 @@ class SparseAllreduce:
                                   f"{self.communicator.size + 1} steps")
             bounds[name] = b.copy()
         self._owner_residuals, self._bounds = residuals, bounds
-        self._moved = set(residuals)
 
     def owner_residual(self, name: str) -> Optional[np.ndarray]:
-        """The owner residual held for ``name`` (non-zero only inside this rank's shard)."""
-        return self._owner_residuals.get(name)
+        """The owner residual held for ``name`` as a whole tensor's float32 array (a new one,
+        non-zero only inside the shard it covers), or None."""
+        owner = self._owner_residuals.get(name)
+        return None if owner is None else owner.whole()
 
+    def state_bytes(self) -> int:
+        """Bytes this object holds between steps: the owner residuals and the shard bounds."""
+        return sum(o.values.nbytes for o in self._owner_residuals.values()) \
+            + sum(b.nbytes for b in self._bounds.values())
+
+
+
+class OwnerResidual:
+    """One tensor's owner residual: ``values`` over the elements ``[lo, lo + len(values))`` of a
+    tensor of ``numel`` (the shard it covers; the whole tensor after a checkpoint load)."""
+
+    __slots__ = ("lo", "values", "numel")
+
+    def __init__(self, lo: int, values: np.ndarray, numel: int) -> None:
+        self.lo, self.values, self.numel = int(lo), values, int(numel)
+
+    @property
+    def hi(self) -> int:
+        return self.lo + int(self.values.shape[0])
+
+    def covers(self, lo: int, hi: int) -> bool:
+        return self.lo == lo and self.hi == hi
+
+    def copy(self) -> "OwnerResidual":
+        return OwnerResidual(self.lo, self.values.copy(), self.numel)
+
+    def whole(self) -> np.ndarray:
+        out = np.zeros(self.numel, np.float32)
+        out[self.lo:self.hi] = self.values
+        return out
 
 @dataclass
 class Phase:
@@ -301,7 +408,48 @@ class Phase:
     bounds: np.ndarray
     lo: int
     hi: int
+    sent: Optional[List[np.ndarray]] = None   # phase one's container per shard, until send()
+    error: Optional[BaseException] = None     # this rank's owner step raised it (complete raises it)
+
+
+@dataclass
+class Batch:
+    """The tensors whose shard exchanges share one collective per phase (:meth:`SparseAllreduce.send`):
+    their phases in the order every rank sends them, the collective in flight (``pending``), and
+    once phase three waited, each rank's shard containers cut per tensor (``shards``)."""
+
+    phases: List[Phase]
+    name: str
     pending: object = None
+    shards: Optional[List[List[np.ndarray]]] = None
+
+
+def fuse(containers: List[np.ndarray]) -> np.ndarray:
+    """One payload for several containers bound to the same rank: a little-endian uint64 length
+    per container, then the containers end to end (any of them may be empty). One container is
+    sent as it is (the payload of a batch of one is the container, as before batches)."""
+    if len(containers) == 1:
+        return containers[0]
+    parts = [np.ascontiguousarray(c, dtype=np.uint8).reshape(-1) for c in containers]
+    table = np.array([p.shape[0] for p in parts], dtype="<u8").view(np.uint8)
+    return np.concatenate([table, *parts])
+
+
+def cut(payload, count: int, where: str) -> List[np.ndarray]:
+    """The ``count`` containers of a :func:`fuse` payload, as views of it; a table that does not
+    describe the payload exactly is a CommunicationError naming ``where``."""
+    if count == 1:
+        return [payload]
+    data = np.asarray(failure.on_host(payload), dtype=np.uint8).reshape(-1)
+    head = 8 * count
+    if data.shape[0] < head:
+        raise CommunicationError(f"{where}: {data.shape[0]} bytes cannot hold the lengths of {count} containers")
+    lengths = np.frombuffer(data[:head].tobytes(), dtype="<u8")
+    if int(lengths.sum(dtype=np.float64)) != data.shape[0] - head or np.any(lengths > data.shape[0]):
+        raise CommunicationError(f"{where}: the lengths of {count} containers add up to {int(lengths.sum(dtype=np.float64))} "
+                                 f"bytes, {data.shape[0] - head} arrived")
+    ends = head + np.cumsum(lengths.astype(np.int64))
+    return [data[int(end - length):int(end)] for end, length in zip(ends, lengths)]
 
 
 def even_bounds(numel: int, ranks: int) -> np.ndarray:

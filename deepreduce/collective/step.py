@@ -13,7 +13,8 @@ how bytes move (a communicator with ``allgather_async`` / ``alltoall_async``, pl
   ``background=False``: same bytes). An error there sends the failure payload instead
   (:mod:`deepreduce.collective.failure`), so every rank stays in phase;
 * :meth:`StepEngine.finish`: in one canonical order on every rank (route order, then name), each
-  route's middle phases, then its last wait; then the one decision (the ``nonfinite`` policy:
+  route's middle phases (per item, then for all of a route's items at once where the route shares
+  collectives among them: the sparse all-reduce's one alltoall per step), then its last wait; then the one decision (the ``nonfinite`` policy:
   ``propagate`` writes the NaN/Inf and counts it in :meth:`stats`; ``raise`` writes nothing for the
   step), one divisor for averaging, commit or undo of every residual the step touched (the
   pipeline's and the routes'), and the step's first error raised on every rank.
@@ -45,7 +46,7 @@ class Item:
     (optional) runs after the result was written, e.g. a bucket copying its slices back;
     ``replace`` (optional) takes a new tensor where the result cannot be written in place (a
     sparse gradient's entries); ``summed_dense``: the binding lets its framework's all-reduce sum
-    it (a small tensor, :meth:`deepreduce.pipeline.Pipeline.summed_dense`).
+    it (a small tensor, :func:`deepreduce.collective.routes.dense.summed_dense`).
 
     ``parts``: (name, tensor, out) of each container the item travels as, encoded from ``tensor``
     and written into ``out`` (a pair (name, tensor): written into the tensor; default: ``grad``
@@ -223,6 +224,9 @@ class StepEngine:
             if it.started is not None:
                 with totals.timed(self.seconds, "communication_wait"):
                     it.started = self._guarded(it, errors, self.routes[it.route].settle, it.started)
+        for rid in dict.fromkeys(it.route for it in items):   # routes that share collectives among their items
+            with totals.timed(self.seconds, "communication_wait"):
+                self.routes[rid].settle_all(self, [it for it in items if it.route == rid and it.started is not None])
         for it in items:
             if it.started is None:   # failed on every rank at its start, or reported by settle
                 continue

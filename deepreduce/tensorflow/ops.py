@@ -11,8 +11,8 @@ with every pure C++ source of ``csrc/`` into ``deepreduce/tensorflow/_deepreduce
   and CRC included. It updates the tensor's residual in place, inside its resource variable.
 * ``DeepReduceDecode`` is ``Pipeline.decode_sum`` (or ``decode``) over an allgather result.
 
-They serve the configs whose every stage exists in C++
-(:func:`deepreduce.backend.native_pipeline.unsupported` says why another config does not
+They serve the configs whose every stage exists in C++ and that propagate non-finite gradients
+(:func:`unsupported` says why another config does not
 qualify); every other config runs its encode and its decode as one ``tf.numpy_function`` stage
 each over the core (see :mod:`.pipeline`). The attributes of the ops come from the core
 pipeline's components (:func:`deepreduce.backend.native_pipeline.settings`).
@@ -86,8 +86,15 @@ def available() -> bool:
 
 
 def unsupported(core) -> Optional[str]:
-    """Why ``core``'s config cannot run as the two ops (None when it can)."""
-    return native_pipeline.unsupported(core)
+    """Why ``core``'s config cannot run as the two ops (None when it can): the C++ pipeline's
+    rule (``Pipeline.native_reason``), and the ops' own limit: they hold the residuals in the
+    binding, outside the core's journal, so they leave ``nonfinite: raise`` (the ranks then
+    decide each step together and undo it through that journal) to the core; and the core's
+    decode_sum refuses a sum that overflows, which the C++ one returns as Inf."""
+    reason = core.native_reason()
+    if reason is None and core.nonfinite != "propagate":
+        reason = f"nonfinite: {core.nonfinite!r} (the TensorFlow ops propagate non-finite gradients)"
+    return reason
 
 
 def accelerator_for(core) -> Optional["PipelineOps"]:

@@ -3,7 +3,7 @@
 An embedding lookup's gradient is a ``tf.IndexedSlices``: the touched rows of the variable
 (possibly repeated) and one dense slice per index. It travels as the flat positions of the touched
 rows' entries (``row * row_size + column``) with their values
-(:meth:`deepreduce.pipeline.Pipeline.encode_entries`, on the step engine's ``entries`` route, whose
+(:func:`deepreduce.collective.routes.entries.encode_entries`, on the step engine's ``entries`` route, whose
 phases are ops: :meth:`SliceRoutes.reduce`), as the torch binding sends a sparse COO gradient (:mod:`deepreduce.torch.sparse`): every index codec and sparsifier applies unchanged, and
 a full row is a run of consecutive positions. The summed entries come back as the touched rows,
 ascending and distinct, with their summed slices: an ``IndexedSlices`` whose dense value is what
@@ -123,7 +123,7 @@ class SliceRoutes:
     def reduce(self, grads: List[tf.IndexedSlices], names: List[str], step, reports: list) -> List[tf.IndexedSlices]:
         """The ``IndexedSlices`` gradients through the step engine's ``entries`` route
         (:mod:`deepreduce.collective.routes.entries`) as three ops: one host op submits every
-        gradient (each rank's touched entries in one container, ``Pipeline.encode_entries``, or
+        gradient (each rank's touched entries in one container, ``routes.entries.encode_entries``, or
         the failure payload), each container travels by a named ``hvd.allgather`` graph op
         (:func:`~deepreduce.tensorflow.collectives.gather`, which Horovod fuses), and one host op
         finishes the engine: every rank's entries summed (averaged under ``op=Average``) into the

@@ -88,6 +88,23 @@ class CodeTensors(NumpyTensors):
         return tf.convert_to_tensor(np.reshape(flat, np.shape(shaped)))
 
 
+class NumpyCodes:
+    """The compressor as the engine sees it: NumPy in, NumPy codes out (what the route sizes a
+    failed rank's zeros by), the compressor itself between TF tensors (as Horovod calls it)."""
+
+    accepts_name = True
+
+    def __init__(self, compressor) -> None:
+        self.compressor = compressor
+
+    def compress(self, array, name: str = ""):
+        codes, ctx = compress(self.compressor, tf.convert_to_tensor(array), name)
+        return np.asarray(codes), ctx
+
+    def decompress(self, codes, ctx):
+        return self.compressor.decompress(codes, ctx)
+
+
 def host_op(func, inputs: list, dtypes: list, name: str) -> list:
     """A stateful ``tf.numpy_function`` op. Unlike the pipeline's ops (``numpy_op``) it keeps
     TensorFlow's floating-point environment: the compressor's TF ops run inside it, as they
@@ -139,7 +156,7 @@ class SummableRoutes:
         if kept is None:
             exchange = Exchange()
             engine = StepEngine(None, self._communicator, CodeTensors(), exchange, average=key[2], background=False,
-                                compressor=self.compressor, worker="deepreduce-tf-summable")
+                                compressor=NumpyCodes(self.compressor), worker="deepreduce-tf-summable")
             kept = _ENGINES.setdefault(key, Kept(self.compressor, engine, exchange))
         return kept
 
@@ -170,8 +187,8 @@ class SummableRoutes:
             sent = []
             with kept.lock:
                 for name, array, dtype in zip(names, arrays, dtypes):
-                    grad = tf.convert_to_tensor(array)
-                    exchange.targets[name] = np.zeros(grad.shape, grad.dtype.as_numpy_dtype)
+                    grad = np.asarray(array)
+                    exchange.targets[name] = np.zeros_like(grad)
                     engine.submit(Item(name, int(step_value), grad, target=exchange.targets[name]))
                     sent.append(np.asarray(exchange.sent.pop(name), dtype=dtype.as_numpy_dtype))
             return sent

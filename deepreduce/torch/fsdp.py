@@ -34,6 +34,7 @@ from ..collective.ports import Pending
 from ..collective.routes.shard import Scaling
 from ..collective.step import Item, StepEngine
 from ..errors import BackendUnavailableError, CommunicationError, ConfigError
+from . import fsdp_checkpoint
 from .arguments import build_pipeline, is_summable
 from .tensors import TorchTensors
 
@@ -77,15 +78,21 @@ def scaling_of(op, size: int) -> Scaling:
 
 class FSDPCompression:
     """What :func:`register` installed: one step engine per (group, role, averaging), the layouts
-    the ranks agreed on, and each module's step count. ``stats()``: the engines' figures."""
+    the ranks agreed on, and each module's step count. ``stats()``: the engines' figures.
+
+    A DCP ``Stateful``: ``state_dict()`` / ``load_state_dict()`` save and restore this rank's
+    compressor state under a rank-unique key (:mod:`deepreduce.torch.fsdp_checkpoint`), so the
+    handle goes into ``dcp.save`` / ``dcp.load`` beside the model and optimizer."""
 
     def __init__(self, compression, path: str) -> None:
         self.compression, self.path = compression, path
         self._engines: Dict[tuple, StepEngine] = {}
         self._agreed: set = set()
         self._steps: Dict[Tuple[str, str], int] = {}
+        self._restore: Dict[str, dict] = {}   # engine key -> checked state, for engines not built yet
         pipeline = build_pipeline(compression, path)
         self.identity = agreement.compressor_identity(pipeline)
+        self.digest = pipeline.core.config_digest.hex()
         aggregation = pipeline.core.get_config().get("aggregation", {}).get("id")
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"deepreduce.torch.fsdp: aggregation {aggregation!r} is not supported over the "
@@ -96,9 +103,12 @@ class FSDPCompression:
         if key not in self._engines:
             communicator = TorchDistributedCommunicator()
             communicator.group = group
-            self._engines[key] = StepEngine(build_pipeline(self.compression, self.path), communicator,
-                                            TorchTensors(), self._unused_allreduce, average=average,
-                                            background=False)
+            engine = StepEngine(build_pipeline(self.compression, self.path), communicator, TorchTensors(),
+                                self._unused_allreduce, average=average, background=False)
+            state = self._restore.pop(fsdp_checkpoint.engine_key(role, average), None)
+            if state is not None:
+                fsdp_checkpoint.apply(engine, state)
+            self._engines[key] = engine
         return self._engines[key]
 
     @staticmethod
@@ -148,23 +158,35 @@ class FSDPCompression:
         adaptive state and the sparse all-reduce's owner residuals and shard bounds."""
         total = 0
         for engine in self._engines.values():
-            total += _nbytes(engine.core.state_dict())
+            total += fsdp_checkpoint.nbytes(engine.core.state_dict())
             if engine.protocol.sparse is not None:
-                total += _nbytes(engine.protocol.sparse.state_dict())
+                total += engine.protocol.sparse.state_bytes()
         return total
+
+    def state_dict(self) -> dict:
+        """This rank's compressor state for ``torch.distributed.checkpoint``: ``{"meta": {...},
+        "rank<r>": bytes}`` (step counters, residuals, the sparse all-reduce's owner residuals
+        and bounds; see :mod:`deepreduce.torch.fsdp_checkpoint`). State restored but not yet
+        used by an engine is saved as it was loaded."""
+        return fsdp_checkpoint.save(fsdp_checkpoint.by_state_key(self._engines), self._restore, self._steps, self.digest)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (as ``dcp.load`` hands it back), checked whole
+        first: another config, world size or rank is a ConfigError naming it, on every rank."""
+        engines, steps = fsdp_checkpoint.load(state, self.digest, self.compression, self.path)
+        for key, engine in fsdp_checkpoint.by_state_key(self._engines).items():
+            if key in engines:
+                fsdp_checkpoint.apply(engine, engines.pop(key))
+            else:   # the checkpoint predates this engine: it starts afresh, as it did then
+                self._engines = {k: e for k, e in self._engines.items() if e is not engine}
+                self._agreed = {k for k in self._agreed if k[0] != id(engine)}
+                engine.close()
+        self._restore = engines
+        self._steps = dict(steps)
 
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()
-
-
-def _nbytes(state) -> int:
-    """Bytes of the arrays in a (nested) state dict."""
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return int(getattr(state, "nbytes", 0))
 
 
 def _param_group(fsdp_module):

@@ -27,6 +27,7 @@ from ..collective import agreement, buckets
 from ..collective.comm import Communicator
 from ..collective.comm.horovod import HorovodCommunicator
 from ..collective.ports import Pending
+from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
 from ..errors import ConfigError
 from . import grad_buckets
@@ -122,11 +123,11 @@ class EngineReduction:
         self.engine.submit(item)
 
     def _summed_dense(self, grad: torch.Tensor) -> bool:   # a gradient, or its parameter (same shape)
-        """Small float32 CPU gradients go to Horovod's fused all-reduce (Pipeline.summed_dense) when
+        """Small float32 CPU gradients go to Horovod's fused all-reduce (routes.dense.summed_dense) when
         Horovod is the communicator."""
         return (not self.summable and isinstance(self.communicator, HorovodCommunicator)
                 and grad.device.type == "cpu" and grad.dtype == torch.float32
-                and self.pipeline.core.summed_dense(grad.numel()))
+                and summed_dense(self.pipeline.core, grad.numel()))
 
     def finish(self, step: int) -> None:
         """The engine's finish in the parameters' order (then the buckets'); buckets are emptied

@@ -3,7 +3,7 @@
 ``nn.Embedding(sparse=True)`` / ``EmbeddingBag(sparse=True)`` produce a hybrid COO gradient: one
 sparse dimension (the touched rows, possibly repeated) and dense rows of ``embedding_dim``. It
 travels as the flat positions of the touched rows' entries (``row * dim + column``) with their
-values (:meth:`deepreduce.pipeline.Pipeline.encode_entries`): the container format, every index
+values (:func:`deepreduce.collective.routes.entries.encode_entries`): the container format, every index
 codec and every sparsifier apply unchanged, and full rows are runs of consecutive positions that
 the delta / Elias-Fano / RLE index codecs pack into little more than one number per row. (Rows as
 a 2-D gather would send one index per row but needs a second container layout and does not let a

@@ -23,8 +23,13 @@ class TorchTensors:
 
     @staticmethod
     def write(target: torch.Tensor, flat: np.ndarray) -> None:
+        """Copy ``flat`` into ``target``; nothing to copy where ``flat`` is :meth:`host`'s view of it."""
+        source = torch.from_numpy(flat)
+        if source.data_ptr() == target.data_ptr() and target.dtype == torch.float32 and target.is_contiguous() \
+                and source.numel() == target.numel():
+            return
         with torch.no_grad():
-            target.copy_(torch.from_numpy(flat).view(target.shape))
+            target.copy_(source.view(target.shape))
 
     @staticmethod
     def copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -74,6 +79,10 @@ class TorchTensors:
     @staticmethod
     def all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor).all())
+
+    @staticmethod
+    def float32(tensor: torch.Tensor) -> bool:
+        return tensor.dtype == torch.float32
 
     entries = staticmethod(sparse.entries)
     from_entries = staticmethod(sparse.from_entries)

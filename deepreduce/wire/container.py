@@ -184,6 +184,16 @@ def _as_bytes(payload) -> bytes:
     return arr.tobytes()
 
 
+def _in_place(payload):
+    """A host payload (a 1-D contiguous uint8 array: every host receive and its :func:`split`
+    segments) as a memoryview of itself, so that :func:`unpack` reads the header and checksum
+    where the bytes lie and copies each section once; any other payload as bytes."""
+    if type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1 \
+            and payload.flags.c_contiguous:
+        return memoryview(payload)
+    return _as_bytes(payload)
+
+
 class _Header(NamedTuple):
     version: int
     flags: int
@@ -206,7 +216,7 @@ def _read_header(buf: bytes, offset: int) -> _Header:
     """The header of the container starting at ``offset`` (either version)."""
     if len(buf) - offset < 5 + CRC_SIZE:
         raise ContainerError(f"truncated container at byte {offset}: {len(buf) - offset} bytes")
-    magic, version = buf[offset:offset + 4], buf[offset + 4]
+    magic, version = bytes(buf[offset:offset + 4]), buf[offset + 4]
     if magic != MAGIC:
         raise ContainerError(f"not a deepreduce container at byte {offset}: magic {magic!r}, expected {MAGIC!r}")
     if version not in READ_VERSIONS:
@@ -321,7 +331,7 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
     ``expected_shape``: the shape the receiver expects (CommunicationError if the header names
     another); without one, a header claiming more than ``max_numel`` elements is refused.
     """
-    buf = _as_bytes(payload)
+    buf = _in_place(payload)
     native = _native.load("container")
     if native is None:
         h = _checked_header(buf, expected_shape, max_numel)
@@ -333,8 +343,8 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
     c = b + pv
     d = c + li
     e = d + lv
-    return Container(h.shape, h.n, h.index_id, h.value_id, h.flags, h.perm_width, buf[a:b], buf[b:c],
-                     buf[c:d], buf[d:e], buf[e:e + lp], h.digest, h.version, len(buf))
+    return Container(h.shape, h.n, h.index_id, h.value_id, h.flags, h.perm_width, bytes(buf[a:b]), bytes(buf[b:c]),
+                     bytes(buf[c:d]), bytes(buf[d:e]), bytes(buf[e:e + lp]), h.digest, h.version, len(buf))
 
 
 def _checked_header(buf: bytes, expected_shape, max_numel: int) -> _Header:

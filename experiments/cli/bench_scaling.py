@@ -127,6 +127,12 @@ def register(subparsers) -> None:
                         help="what the outer reduction may add to an inner step, as a fraction of its compute")
     parser.add_argument("--sync-delay", type=int, default=0,
                         help="inner steps the outer transfer overlaps (Streaming DiLoCo's tau)")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="model HSDP instead (experiments/hsdp_model.py): 7B and 70B transformer shapes on N nodes "
+                             "x 8 accelerators, bf16 replicate all-reduce against deepreduce's sparse all-reduce of "
+                             "each --configs config, per --nodes and --hsdp-gbits")
+    parser.add_argument("--nodes", default="2,4,8,16,32,64,128,256,512", help="--hsdp: comma-separated node counts")
+    parser.add_argument("--hsdp-gbits", default="25,100,400", help="--hsdp: inter-node Gbit/s per accelerator")
     parser.set_defaults(func=run)
 
 
@@ -441,6 +447,23 @@ def _csv(text: str, cast, option: str) -> list:
     return values
 
 
+def run_hsdp(args, codecs, alpha_s: float) -> int:
+    """``--hsdp``: the HSDP tables of every model, bandwidth and config (experiments/hsdp_model.py)."""
+    from deepreduce.errors import ConfigError
+
+    from .. import hsdp_model
+
+    nodes, gbits = _csv(args.nodes, int, "--nodes"), _csv(args.hsdp_gbits, float, "--hsdp-gbits")
+    if min(nodes) < 1 or min(gbits) <= 0:
+        raise ConfigError("bench-scaling --hsdp: --nodes must be >= 1 and --hsdp-gbits > 0")
+    for codec in codecs:
+        for model in hsdp_model.MODELS:
+            found = hsdp_model.rows(model, nodes, gbits, codec, alpha_s=alpha_s)
+            for gbit in gbits:
+                print("\n" + hsdp_model.table(model, gbit, found, codec))
+    return 0
+
+
 def run(args) -> int:
     from deepreduce.collective.cost_model import Link, check_nonnegative
     from deepreduce.errors import ConfigError
@@ -462,7 +485,7 @@ def run(args) -> int:
         call_s = check_nonnegative(args.call_us, "bench-scaling --call-us") * 1e-6
         codecs = [replace(c, encode_call_s=call_s, decode_call_s=call_s) for c in codecs]
         print(f"what-if --call-us {args.call_us:g}: every container's per-call encode and decode constants set to it")
-    print("codec costs (per rank, per container; fits of Pipeline.encode_shards / SparseAllreduce.sum_shard"
+    print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.sum_shard"
           f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
     for c in codecs:
         print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
@@ -471,6 +494,8 @@ def run(args) -> int:
               f"{'  [' + c.note + ']' if c.note else ''}")
     print(f"  powersgd{POWERSGD_RANK}: {1e12 * powersgd.mac_s:.1f} ps/MAC, {1e9 * powersgd.orth_s:.2f} ns per n r^2, "
           f"{1e9 * powersgd.element_s:.2f} ns/elem")
+    if args.hsdp:
+        return run_hsdp(args, codecs, alpha_s)
     table, titles = {}, {}
     for name in models:
         spec = MODELS[name]

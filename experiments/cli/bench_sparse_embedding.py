@@ -6,7 +6,7 @@ ids, a long tail), gives each rank a sparse COO gradient. For every rank the com
 bytes it sends and receives and the CPU time of its local work, for
 
 - deepreduce: the gradient's touched entries through a config
-  (:meth:`deepreduce.pipeline.Pipeline.encode_entries`; the code path of the optimizer and the
+  (:func:`deepreduce.collective.routes.entries.encode_entries`; the code path of the optimizer and the
   DDP hook: ``deepreduce.torch.sparse.entries``, encode, then decode-sum of every rank's
   container and the COO result);
 - Horovod's sparse allgather (``sparse_allreduce_async``): every rank's uncoalesced indices
@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from deepreduce.collective.routes.entries import decode_entries, encode_entries
 from deepreduce.config import build
 
 DEFAULT_CONFIGS = ("none_raw", "sparse_delta", "sparse_topk_delta")
@@ -75,10 +76,10 @@ def deepreduce_row(name: str, grads, args) -> dict:
     shape = (args.rows, args.dim)
 
     def encode_all():
-        return [pipe.encode_entries(*entries(g), shape, name="emb", step=0) for g in grads]
+        return [encode_entries(pipe, *entries(g), shape, name="emb", step=0) for g in grads]
 
     encode_s, payloads = median_seconds(encode_all, args.repeat)
-    decode_s, _ = median_seconds(lambda: from_entries(*pipe.decode_entries(payloads, shape), like=grads[0]),
+    decode_s, _ = median_seconds(lambda: from_entries(*decode_entries(pipe, payloads, shape), like=grads[0]),
                                  args.repeat)
     sent = float(np.mean([p.shape[0] for p in payloads]))
     return {"scheme": f"deepreduce {name}", "sent": sent, "received": sent * (args.ranks - 1),

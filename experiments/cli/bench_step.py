@@ -12,7 +12,7 @@ does, and the bytes one rank sends.
   ``--ranks - 1`` of a peer's (a second pipeline of the config encoding the negated gradient,
   untimed: same sizes, same decode work); tensors below the config's ``min_numel``
   are summed dense without a container, as the optimizer hands them to Horovod's fused
-  all-reduce (``Pipeline.summed_dense``).
+  all-reduce (``routes.dense.summed_dense``).
 * PyTorch's alternatives run as PyTorch ships them (:mod:`experiments.reproduce.torch_hooks`):
   the DDP communication hooks for PowerSGD rank 1 and 4, fp16 and plain all-reduce (the dense
   reference), on a ``DistributedDataParallel`` module whose gradients are the set's, in a
@@ -179,8 +179,10 @@ class ConfigRunner:
             for k, members in enumerate(plan([grads[n].size for n in coded], bucket_mb * MIB))]
 
     def _summed(self, numel: int) -> bool:
-        """A small CPU tensor that ``Pipeline.summed_dense`` lets skip the container."""
-        return self.device == "cpu" and self.pipe.core.summed_dense(numel)
+        """A small CPU tensor that ``routes.dense.summed_dense`` lets skip the container."""
+        from deepreduce.collective.routes.dense import summed_dense
+
+        return self.device == "cpu" and summed_dense(self.pipe.core, numel)
 
     def _grad_buffer(self, name: str, tensor):
         """The tensor's decode target, kept across steps like a parameter's ``.grad``."""
@@ -202,7 +204,7 @@ class ConfigRunner:
         its ``.grad``-like buffer (as the optimizer decodes into ``p.grad``; a bucket's slices are
         then copied back): (s, s, bytes).
 
-        As in the optimizer, a small CPU tensor that ``Pipeline.summed_dense`` lets skip the
+        As in the optimizer, a small CPU tensor that ``routes.dense.summed_dense`` lets skip the
         container is summed by the all-reduce instead: no encode, its "decode" is the sum of
         ``ranks`` contributions, its bytes the dense ones."""
         import torch

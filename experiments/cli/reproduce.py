@@ -4,7 +4,11 @@ Prints the experiment's table, writes ``<experiment>.md``/``.json`` and its PNG 
 ``DIR``. Experiments: fig6 (Bloom policies vs FPR), fig10 (per-config volume and time on one
 ResNet-20 layer), table2 (inherently sparse recommender), fig7 (2-rank convergence), fig11
 (time per iteration over a shaped network between two network namespaces; needs root), quality
-(time to accuracy of a language model over the same shaped network; needs root).
+(time to accuracy of a language model over the same shaped network; needs root), semisync
+(semi-synchronous training against every-step compression: trained over loopback, then replayed
+over the shaped network; ``--phase train`` runs anywhere, ``--phase time`` needs root), hsdp
+(FSDP2 as HSDP on 2 nodes x 2 ranks, native HSDP against deepreduce, replayed over the shaped
+network between the nodes; the same phases).
 """
 from __future__ import annotations
 
@@ -25,10 +29,25 @@ def register(subparsers) -> None:
     parser.add_argument("--accumulate", type=int, default=None,
                         help="fig11: micro-batches accumulated per iteration (the paper uses 10)")
     parser.add_argument("--methods", default=None,
-                        help="fig7, quality: comma-separated methods to run (default: all)")
-    parser.add_argument("--steps", type=int, default=None, help="quality: training steps per method")
+                        help="fig7, quality, semisync, hsdp: comma-separated methods to run (default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="quality, semisync, hsdp: training steps per method")
+    parser.add_argument("--seeds", default=None, help="semisync, hsdp: comma-separated seeds (default 0,1; quick: 0)")
+    parser.add_argument("--workers", default=None, help="semisync: comma-separated worker counts (default 2,4)")
+    parser.add_argument("--phase", default=None, choices=("train", "time", "all"),
+                        help="semisync, hsdp: train (cached, any machine), time (idle machine, root), all (default)")
+    parser.add_argument("--cache", default=None, help="semisync, hsdp: directory of the cached runs (default OUT/cache)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
+
+
+def _ints(text, flag: str):
+    """``"0,1"`` -> ``[0, 1]`` (None stays None); anything else is a clear error."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"deepreduce reproduce: {flag} takes comma-separated integers, got {text!r}") from None
 
 
 def run(args) -> int:
@@ -37,7 +56,8 @@ def run(args) -> int:
     module = get(args.experiment)
     options = {"quick": args.quick, "show_progress": not args.no_progress}
     wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
-              "accumulate": args.accumulate, "steps": args.steps,
+              "accumulate": args.accumulate, "steps": args.steps, "phase": args.phase, "cache": args.cache,
+              "seeds": _ints(args.seeds, "--seeds"), "workers": _ints(args.workers, "--workers"),
               "methods": [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None}
     accepted = inspect.signature(module.run).parameters
     options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})

@@ -1,5 +1,7 @@
-"""Reproductions of the DeepReduce paper's experiments (Figs. 6, 7, 10, 11 and Table 2), and quality
-(time to accuracy of a language model over a shaped link).
+"""Reproductions of the DeepReduce paper's experiments (Figs. 6, 7, 10, 11 and Table 2), quality
+(time to accuracy of a language model over a shaped link), semisync (semi-synchronous training
+against every-step compression, replayed over a shaped link) and hsdp (FSDP2 as HSDP on two
+"nodes": native HSDP against deepreduce on the replicate dimension, replayed over a shaped link).
 
 One module per experiment, each with ``run(out_dir, quick=False, ...) -> Result``; the command
 ``python -m deepreduce reproduce <experiment> --out DIR`` runs one, prints its table and writes
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-EXPERIMENTS = ("fig6", "fig10", "table2", "fig7", "fig11", "quality")
+EXPERIMENTS = ("fig6", "fig10", "table2", "fig7", "fig11", "quality", "semisync", "hsdp")
 
 
 def get(name: str):

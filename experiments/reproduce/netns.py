@@ -1,4 +1,4 @@
-"""Two ranks over a shaped link: network namespaces, token-bucket shaping and the rank launcher.
+"""Ranks over a shaped link: network namespaces, token-bucket shaping and the rank launcher.
 
 Shared by the experiments that measure training over a constrained network (fig11: time per
 iteration; quality: validation loss against wall-clock time). :class:`ShapedLink` creates two
@@ -6,7 +6,7 @@ fresh network namespaces joined by one veth pair with private addresses (``10.21
 ``10.213.0.2/30``) that exist only inside those namespaces, so no traffic can reach any other
 interface or host, and ``tc`` shapes both ends with a token bucket (``tbf``).
 :func:`launch_ranks` starts one worker process per rank (inside the namespaces when a link is
-given, over loopback otherwise), each in a session of its own, waits with a deadline and kills
+given, one or several ranks per namespace, over loopback otherwise), each in a session of its own, waits with a deadline and kills
 what is left on any exit. Creating namespaces needs root and iproute2;
 :func:`namespaces_available` says whether this process can, and if not, why.
 """
@@ -118,6 +118,16 @@ class ShapedLink:
         self.close()
 
 
+def namespaces_of_ours() -> set:
+    """The network namespaces that exist now with the names this module gives them (a
+    :class:`ShapedLink`'s or the probe's): what tests check is gone after a run."""
+    try:
+        out = _ip("netns", "list").stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.startswith(("drns0-", "drns1-", "drprobe"))}
+
+
 def package_root() -> str:
     """The directory holding ``experiments/`` (and, in a checkout, ``deepreduce/``)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -137,11 +147,25 @@ def tail(path: str, n: int = 1500) -> str:
         return "(no log)"
 
 
-def launch_ranks(link: Optional[ShapedLink], commands: Sequence[List[str]], log_prefix: str, timeout: float,
-                 what: str, poll: Optional[Callable[[], None]] = None) -> None:
-    """Run one command per rank (rank ``r`` in ``link.ns[r]``), wait for all; raise if any fails.
+def namespace_of(rank: int, per_namespace: int, namespaces: int = 2) -> int:
+    """The namespace index of ``rank`` when ``per_namespace`` consecutive ranks share one."""
+    if per_namespace < 1:
+        raise ValueError(f"shaped link: ranks per namespace must be at least 1, got {per_namespace}")
+    index = rank // per_namespace
+    if index >= namespaces:
+        raise ValueError(f"shaped link: rank {rank} needs namespace {index}, but the link has {namespaces} "
+                         f"({per_namespace} rank(s) each)")
+    return index
 
-    Each rank gets this checkout on PYTHONPATH, one OpenMP thread, ``LOCAL_WORLD_SIZE`` (both
+
+def launch_ranks(link: Optional[ShapedLink], commands: Sequence[List[str]], log_prefix: str, timeout: float,
+                 what: str, poll: Optional[Callable[[], None]] = None, per_namespace: int = 1) -> None:
+    """Run one command per rank, wait for all; raise if any fails.
+
+    Rank ``r`` runs in ``link.ns[r // per_namespace]``: with ``per_namespace`` 2, four ranks are
+    two hosts of two ranks each, and only the traffic between the hosts crosses the shaped veth
+    pair (the ranks of one namespace talk over its loopback, as on one machine). Each rank gets
+    this checkout on PYTHONPATH, one OpenMP thread, ``LOCAL_WORLD_SIZE`` (all
     ranks share this host: deepreduce's ``threads: auto`` then gives each its share) and
     ``GLOO_SOCKET_IFNAME`` naming its end of the link (``lo`` without one). Output goes to
     ``<log_prefix>.rank<r>.log``. ``poll`` is called every half second while the ranks run
@@ -152,9 +176,10 @@ def launch_ranks(link: Optional[ShapedLink], commands: Sequence[List[str]], log_
     procs, logs = [], []
     try:
         for rank, cmd in enumerate(commands):
-            rank_env = dict(env, GLOO_SOCKET_IFNAME=link.dev[rank] if link is not None else "lo")
+            where = namespace_of(rank, per_namespace, len(link.ns)) if link is not None else 0
+            rank_env = dict(env, GLOO_SOCKET_IFNAME=link.dev[where] if link is not None else "lo")
             if link is not None:
-                cmd = ["ip", "netns", "exec", link.ns[rank]] + list(cmd)
+                cmd = ["ip", "netns", "exec", link.ns[where]] + list(cmd)
             log = open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env,

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 import deepreduce
+from deepreduce.collective import shards
 from deepreduce.collective.sparse_allreduce import SparseAllreduce
 
 D = 20_000
@@ -43,7 +44,7 @@ def gradient(rank, step, span=D):
 
 def gather_sum(comm, pipe, x):
     """The sum over the ranks of the float32 vector ``x`` (dense containers through the communicator)."""
-    parts = comm.allgather(pipe.encode_dense(x), "check")
+    parts = comm.allgather(shards.encode_dense(pipe, x), "check")
     return np.sum([pipe.decode(p) for p in parts], axis=0, dtype=np.float64)
 
 

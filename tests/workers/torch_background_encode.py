@@ -21,6 +21,7 @@ import torch
 import deepreduce.torch as drt
 from deepreduce import NonFiniteGradientError
 from deepreduce.collective.comm.horovod import HorovodCommunicator
+from deepreduce.collective.routes.dense import summed_dense
 
 STEPS = 4
 CONFIGS = {
@@ -89,7 +90,7 @@ def check_background_matches_synchronous(label, config):
                 f"{label}: step {step} differs ({other})"
     (model, opt, comm), (_, sync_opt, sync_comm) = runs[True], runs[False]
     # tensors below min_numel (1000) skip the container: Horovod's fused all-reduce sums them
-    containers = [p for p in model.parameters() if not opt._reduction.pipeline.core.summed_dense(p.numel())]
+    containers = [p for p in model.parameters() if not summed_dense(opt._reduction.pipeline.core, p.numel())]
     assert 0 < len(containers) < len(list(model.parameters()))
     assert len(comm.sent) == STEPS * len(containers)
     assert sorted(comm.sent) == sorted(sync_comm.sent), f"{label}: containers differ"

@@ -112,16 +112,26 @@ def scenario_lossless(rank):
 
 def scenario_sparse_allreduce(rank):
     """``aggregation: sparse_allreduce`` without re-selection (the exact union) against DDP's own
-    all-reduce, per parameter and in whole buckets; Top-r with re-selection resumes from the
-    state dict (owner residuals included) like the uninterrupted run."""
+    all-reduce, per parameter and in whole buckets, the step's tensors sharing one alltoall per
+    phase (``all_to_all_single`` calls per step: two per alltoall, its sizes then its bytes);
+    Top-r with re-selection resumes from the state dict (owner residuals included) like the
+    uninterrupted run."""
     reference, ref_opt, _ = make()
     train(reference, ref_opt, rank, 3)
     exact = dict(LOSSLESS, sparsifier={"id": "topk", "ratio": 1.0}, min_numel=0,
                  aggregation={"id": "sparse_allreduce", "reselect": "none"})
-    diffs = []
+    diffs, alltoalls = [], []
     for per_parameter in (True, False):
-        model, opt, _ = make(exact, per_parameter=per_parameter)
-        train(model, opt, rank, 3)
+        model, opt, state = make(exact, per_parameter=per_parameter)
+        counter = [0]
+        restore = count_collectives(state._group, counter, ("all_to_all_single",))
+        try:
+            for step in range(3):
+                before = counter[0]
+                train(model, opt, rank, 1, start=step)
+                alltoalls.append(counter[0] - before)
+        finally:
+            restore()
         diffs.append(float(np.abs(flat_params(model) - flat_params(reference)).max()))
     topk = dict(TOPK, aggregation={"id": "sparse_allreduce", "repartition_every": 2})
     straight, opt, _ = make(topk)
@@ -134,7 +144,8 @@ def scenario_sparse_allreduce(rank):
     opt2.load_state_dict(saved[1])
     state2.load_state_dict(saved[2])
     train(resumed, opt2, rank, 2, start=2)
-    return {"max_diffs": diffs, "resumed_equal": bool(np.array_equal(flat_params(straight), flat_params(resumed))),
+    return {"max_diffs": diffs, "alltoalls_per_step": alltoalls,
+            "resumed_equal": bool(np.array_equal(flat_params(straight), flat_params(resumed))),
             "has_owner_state": "aggregation" in saved[2]}
 
 
@@ -142,10 +153,10 @@ COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all
                "all_gather_object", "reduce_scatter", "gather", "scatter")
 
 
-def count_collectives(group, counter: list):
-    """Wrap torch.distributed's collectives so each call on ``group`` adds one to ``counter[0]``;
-    returns a function that unwraps them."""
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+def count_collectives(group, counter: list, names=COLLECTIVES):
+    """Wrap torch.distributed's collectives (``names``) so each call on ``group`` adds one to
+    ``counter[0]``; returns a function that unwraps them."""
+    originals = {name: getattr(dist, name) for name in names}
 
     def wrap(name, original):
         def counted(*args, **kwargs):

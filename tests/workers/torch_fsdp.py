@@ -1,7 +1,8 @@
 """FSDP2 and HSDP on gloo ranks (torch.multiprocessing spawn) with deepreduce's comms
 (deepreduce.torch.fsdp); tests/test_torch_fsdp.py checks the results.
 
-``run_two`` (2 ranks, 1-D FSDP) and ``run_mesh`` (4 ranks as a 2x2 (replicate, shard) mesh) put
+``run_two`` (2 ranks, 1-D FSDP) and ``run_mesh`` (4 ranks as a 2x2 (replicate, shard) mesh, then
+1-D FSDP over the 4) put
 ``(rank, {scenario: result})`` on the queue; every rank arms workers/watchdog.py first, so a hang
 fails the test with the ranks' stacks.
 """
@@ -89,6 +90,11 @@ def largest(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def relative(a, b):
+    """The largest difference relative to the reference's largest magnitude, over the steps."""
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b))
+
+
 # ------------------------------------------------------------------ 2 ranks, 1-D FSDP
 CASES = {   # name: (make's arguments for deepreduce, for the baseline)
     "avg_fp32": ({}, {}),
@@ -102,18 +108,21 @@ CASES = {   # name: (make's arguments for deepreduce, for the baseline)
 }
 
 
-def scenario_lossless(rank):
+def scenario_lossless(rank, configs=(("none", LOSSLESS), ("topk1", TOPK_RATIO_ONE))):
+    """Every case of CASES with each lossless config against FSDP's own reduce-scatter over all
+    ranks (1-D mesh): gradients of every step, parameters, the engine's step count."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for case, (ours, theirs) in CASES.items():
         reference = make(mesh, **theirs)
         ref_grads, _ = train(reference, rank)
-        for label, config in (("none", LOSSLESS), ("topk1", TOPK_RATIO_ONE)):
+        for label, config in configs:
             model = make(mesh, **ours)
             handle = fsdp.register(model, config)
             grads, _ = train(model, rank)
             out[(case, label)] = {"equal": same(grads, ref_grads), "largest": largest(grads, ref_grads),
+                                  "relative": relative(grads, ref_grads),
                                   "params_equal": torch.equal(full_params(model), full_params(reference)),
                                   "steps": handle.stats()["reduce_scatter"]["steps"]}
             handle.close()
@@ -169,6 +178,12 @@ def scenario_disagree(rank):
         return f"{type(exc).__name__}: {exc}"
 
 
+# ------------------------------------------------------------------ 4 ranks
+def scenario_four_ranks_1d(rank):
+    """1-D FSDP over the 4 ranks: every case of CASES, the lossless config without sparsifier."""
+    return scenario_lossless(rank, configs=(("none", LOSSLESS),))
+
+
 # ------------------------------------------------------------------ 4 ranks, 2x2 (replicate, shard)
 def scenario_hsdp(rank):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -201,7 +216,7 @@ def scenario_lossy(rank):
     handle = fsdp.register(model, "fsdp_topk", replicate_group=mesh["replicate"].get_group())
     _, losses = train(model, rank, steps=24, lr=0.1)
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
-    out = {"losses": losses, "params": full_params(model), "shard_numel": shard_numel,
+    out = {"losses": losses, "params": full_params(model).numpy(), "shard_numel": shard_numel,
            "state_bytes": handle.state_bytes(), "stats": handle.stats()}
     handle.close()
     return out
@@ -212,4 +227,4 @@ def run_two(rank, world, port, queue):
 
 
 def run_mesh(rank, world, port, queue):
-    run_scenarios(rank, world, port, queue, [scenario_hsdp, scenario_lossy], 150)
+    run_scenarios(rank, world, port, queue, [scenario_hsdp, scenario_lossy, scenario_four_ranks_1d], 200)

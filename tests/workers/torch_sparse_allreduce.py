@@ -2,6 +2,7 @@
 
 * ``exact``: without re-selection (``reselect: none``) and with raw codecs, training equals the
   allgather run parameter for parameter (per tensor and in 1 MiB buckets);
+* ``fused``: a step's tensors share one alltoall per phase (a one-element tensor: an empty shard);
 * ``trains``: Top-r 10% with re-selection lowers the loss like the allgather run does;
 * ``resume``: a checkpoint (optimizer state dict, owner residuals included) resumes byte-identically;
 * ``disagree``: ranks that disagree on the aggregation fail together with a clear error;
@@ -61,6 +62,39 @@ def exact():
         assert opt.compression_stats()["aggregation"] == "sparse_allreduce"
 
 
+def fused():
+    """A step's tensors (unequal sizes; a one-element bias, so one rank's shard of it is empty)
+    share one Horovod alltoall per phase, and equal the allgather run without re-selection."""
+    lossless = dict(TOPK, sparsifier={"id": "topk", "ratio": 1.0}, memory={"id": "none"}, min_numel=0)
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    data = [(x, y.float()[:, None]) for x, y in batches(3)]
+
+    def run(config, calls=None):
+        model = net()
+        opt = drt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=config)
+        if calls is not None:
+            comm = opt._reduction.engine.communicator
+            for kind in ("alltoall_async", "allgather_async"):
+                real = getattr(comm, kind)
+                setattr(comm, kind, lambda *args, real=real, kind=kind, **kw: (calls.append((kind, args[1])), real(*args, **kw))[1])
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return model
+    calls = []
+    a = run(lossless)
+    b = run(with_aggregation(lossless, reselect="none"), calls)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q), (p - q).abs().max()
+    sparse = [c for c in calls if c[1].startswith("deepreduce.sra")]
+    assert sparse == [("alltoall_async", "deepreduce.sra1.0.bias"), ("alltoall_async", "deepreduce.sra2.0.bias")] * 3, calls
+
+
 def trains():
     data = batches(2) * 20   # a small set seen again and again: the loss must fall
     _, _, gathered = train(TOPK, data=data)
@@ -116,6 +150,6 @@ def auto():
     assert set(plans["slow"].values()) <= {"allgather", "sparse_allreduce"}, plans["slow"]
 
 
-for scenario in (exact, trains, resume, disagree, auto):
+for scenario in (exact, fused, trains, resume, disagree, auto):
     scenario()
     print(f"OK {scenario.__name__} {hvd.rank()}", flush=True)

@@ -68,6 +68,8 @@ class SlottedTorchDistributed(TorchDistributedCommunicator):
     def _count_sparse(self, name: str, payloads) -> None:
         """The sparse all-reduce's rounds (``deepreduce.sra*``): what this rank sends is on the wire."""
         if name.startswith(SPARSE_ROUNDS):
+            if name.startswith(SPARSE_ROUNDS + "2"):   # phase two: one payload for every rank (an allgather
+                payloads = payloads[:1]                # by alltoall where a batch is fused), counted once
             nbytes = sum(int(np.asarray(p).size) for p in payloads)
             self.totals["wire_bytes"] += nbytes
             self.totals["collective_bytes"] += nbytes

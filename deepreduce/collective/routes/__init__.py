@@ -8,7 +8,9 @@ A route owns a tensor's whole life in one step. The step engine
   the engine then calls ``fail(engine, item, error)``, which starts the same collectives with
   the failure payload (:mod:`deepreduce.collective.failure`), so every rank stays in phase;
 * ``settle(engine, item, started)`` in the canonical order on every rank, after backward: the
-  middle phases (the sparse all-reduce's owner step and its allgather's start); default: nothing;
+  middle phases; default: nothing. Then ``settle_all(engine, items)`` with the route's items
+  of the step, for a route whose items share collectives (the sparse all-reduce: one alltoall,
+  the owner steps, one collective back, for every item); default: nothing;
 * ``finish(engine, item, started) -> Outcome``: wait for the last collective, read the flags
   (a peer's failure raises here; a non-finite payload is reported in ``Outcome.nonfinite``) and
   return how to write the sum. The engine, not the route, applies the ``nonfinite`` policy,

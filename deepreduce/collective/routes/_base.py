@@ -28,6 +28,10 @@ class Route:
     def settle(self, engine, item, started):
         return started
 
+    def settle_all(self, engine, items) -> None:
+        """After every item's ``settle``: the route's items of the step (canonical order, each
+        one's ``started`` set), for a route whose items share collectives; default: nothing."""
+
     def commit(self) -> None:
         """The step was applied on every rank: keep what it changed in this route's state."""
 

@@ -61,11 +61,15 @@ class Allgather(Route):
 
         def write(divisor: int) -> None:
             for (name, _, target), received in zip(item.parts, groups):
+                shape = tuple(engine.tensors.shape(target))
+                in_place = divisor == 1 or engine.tensors.float32(target)   # else: divided in float32 first
                 try:
-                    engine.codec.decode_sum(received, expected_shape=tuple(engine.tensors.shape(target)), out=target)
+                    total = engine.codec.decode_sum(received, expected_shape=shape, out=target if in_place else None)
                 except DeepReduceError as exc:
                     raise type(exc)(f"{item.part_label(name)}: {exc}") from exc
                 if divisor != 1:
-                    engine.tensors.divide(target, divisor)
+                    engine.tensors.divide(total, divisor)
+                if not in_place:   # a bf16/fp16 target: the float32 quotient, rounded once
+                    engine.tensors.copy(target, total)
         name, found = first_flagged(item, groups)
         return Outcome(write, found, name)

@@ -1,5 +1,5 @@
 """A tensor summed by the binding's all-reduce, in float32 (``dense``) or float16 (``fp16``): a
-small tensor the framework's fusion sends best (``Pipeline.summed_dense``), or one the ``auto``
+small tensor the framework's fusion sends best (:func:`summed_dense`), or one the ``auto``
 plan leaves uncompressed because its communication hides behind backward. What error feedback
 had held back for the tensor goes with it (the residual flush), so nothing is lost when the plan
 moves a tensor off compression.
@@ -16,6 +16,27 @@ import numpy as np
 
 from ...errors import CommunicationError
 from ._base import Outcome, Route
+
+
+def summed_dense(core, numel: int) -> bool:
+    """Whether a tensor of ``numel`` elements may skip the container and be summed by a plain
+    all-reduce under the pipeline ``core``: it travels dense anyway (below ``min_numel``), so
+    the sum is the same, and under ``nonfinite: propagate`` a NaN/Inf reaches every rank in it
+    just as in a container. The integrations then hand such tensors to the framework's
+    all-reduce, whose tensor fusion sends the many small tensors of a model (biases, norms) in
+    one message instead of one container (header, checksum, parse) each. Under ``nonfinite:
+    raise`` they keep their containers, which name the rank that sent a NaN.
+    """
+    return numel < core.min_numel and core.nonfinite == "propagate"
+
+
+def count_summed_dense(core, numel: int) -> None:
+    """Count a tensor :func:`summed_dense` sent by all-reduce in ``core.stats`` (its bytes as sent)."""
+    stats = core.stats
+    stats.tensors_encoded += 1
+    stats.dense_bytes += 4 * numel
+    stats.wire_bytes += 4 * numel
+    stats.value_bytes += 4 * numel
 
 
 def flagged(tensors, data, dtype: str, failed: bool):
@@ -53,7 +74,7 @@ class Dense(Route):
     def start(self, engine, item):
         tensors = engine.tensors
         if self._in_place(item):   # nothing here can fail: summed where it lies, no flag, no copy
-            engine.core.count_summed_dense(tensors.numel(item.grad))
+            count_summed_dense(engine.core, tensors.numel(item.grad))
             return None, engine.allreduce(item.grad, item, False)
         for name, tensor, _ in item.parts:
             residual = engine.protocol.take_residual(name)
@@ -67,7 +88,7 @@ class Dense(Route):
         (``summed_dense``): its start only counts it, so it has no failure to announce, and it is
         all-reduced in place like Horovod's own (the per-tensor flag copy cost the main job ~4%)."""
         return item.summed_dense and self.dtype == "float32" and len(item.parts) == 1 \
-            and item.parts[0][1] is item.parts[0][2]
+            and item.parts[0][1] is item.parts[0][2] and self.engine.tensors.float32(item.grad)
 
     def fail(self, engine, item, error):
         sent = flagged(engine.tensors, [tensor for _, tensor, _ in item.parts], self.dtype, failed=True)
@@ -82,11 +103,19 @@ class Dense(Route):
             at = 0
             for _, _, target in item.parts:   # each part's elements, in the order they were sent
                 numel = engine.tensors.numel(target)
-                if sent is not None:
-                    engine.tensors.copy(target, data[at:at + numel])
-                at += numel
-                if divisor != 1:
-                    engine.tensors.divide(target, divisor)
+                if sent is None:   # summed in place (float32)
+                    if divisor != 1:
+                        engine.tensors.divide(target, divisor)
+                    continue
+                part, at = data[at:at + numel], at + numel
+                if engine.tensors.float32(target):
+                    engine.tensors.copy(target, part)
+                    if divisor != 1:
+                        engine.tensors.divide(target, divisor)
+                else:   # a bf16 target: the quotient in the sum's dtype, rounded once
+                    if divisor != 1:
+                        engine.tensors.divide(part, divisor)
+                    engine.tensors.copy(target, part)
         return Outcome(write, nonfinite_report(engine.tensors, data))
 
 

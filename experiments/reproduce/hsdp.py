@@ -1,0 +1,318 @@
+"""HSDP between two "nodes" over a slow link: native HSDP against deepreduce (issue 32, item 5a).
+
+The stdlib language model (:mod:`experiments.lm`, small: see :data:`FULL`) is trained with FSDP2
+on 4 ranks laid out as 2 nodes of 2 ranks (:mod:`~experiments.reproduce.hsdp_worker`): FSDP shards
+inside a node, the replicate groups ``[0, 2]`` and ``[1, 3]`` reduce across the nodes. Rows
+(:data:`METHODS`), all for the same steps, batches and seeds:
+
+* ``hsdp_fp32`` / ``hsdp_bf16``: native HSDP (``fully_shard`` on the 2-D mesh) with its own dense
+  replicate all-reduce, ``reduce_dtype`` float32 / bfloat16 (compute in float32);
+* ``lm_topk``, ``lm_qsgd``, ``fsdp_topk``: deepreduce on the replicate dimension only (the recipe
+  of docs/fsdp.md: ``fully_shard`` on the ``shard`` mesh, ``deepreduce.torch.fsdp.register(...,
+  replicate_group=..., reduce_scatter=False)``): ``lm_topk`` gathers Top-5% containers,
+  ``fsdp_topk`` (the recommended config: ``lm_topk`` with the sparse all-reduce) reduces them by
+  owner, ``lm_qsgd`` gathers 8-bit QSGD containers with a residual on the rank's shard and
+  ``lm_qsgd_sra`` reduces them with the sparse all-reduce (every entry: each owner re-quantises
+  its sum);
+* ``rs_fsdp_topk``: ``fsdp_topk`` on FSDP's reduce-scatter inside the node as well.
+
+As :mod:`~experiments.reproduce.semisync`, it **replays** rather than trains on the link, with the
+same harness (:mod:`~experiments.reproduce.replay_runs`) and arithmetic
+(:mod:`~experiments.reproduce.semisync_replay`):
+
+1. **train** (any machine): each (method, seed) trains over loopback, recording the validation
+   loss at each evaluation and every step's collectives with their process group; those whose
+   group spans both nodes are the step's messages on the inter-node link, the others (FSDP's
+   all-gathers and reduce-scatters inside a node) are summed. Cached as
+   ``<cache>/hsdp_*.json``.
+2. **time** (idle machine, root with iproute2): a loopback profile of each row gives its time per
+   step (compute, the traffic inside the node, and the inter-node messages over loopback); then
+   each distinct inter-node message is replayed as its real collective inside the replicate groups
+   (both at once, as in training) between two namespaces of two ranks joined by the veth pair
+   shaped with tc tbf at 100 Mbit/s and 1 Gbit/s. Cached as ``<cache>/hsdp_time_*.json``.
+3. **combine**: wall time after a step = profiled step time + measured time of its inter-node
+   messages (:func:`~experiments.reproduce.semisync_replay.wall_clock`).
+
+Table: per row, the final validation loss (mean and half-range over the seeds) and its difference
+to ``hsdp_fp32`` at equal tokens; bytes per rank per step handed to the inter-node collectives
+(mean over ranks, seeds and steps) and their ratio to ``hsdp_bf16``'s; bytes per rank per step
+inside a node; persistent compressor bytes per rank and the rank's fp32 gradient shard; time to
+``hsdp_fp32``'s final loss at each bandwidth and the speed-up against ``hsdp_fp32`` and
+``hsdp_bf16``. Notes check the issue's targets for the recommended row.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from typing import Dict, List, Optional, Sequence
+
+from . import replay_runs
+from . import semisync_methods as sm
+from . import semisync_replay as rp
+from .common import Result, named_config, no_plot_note, pyplot, save_figure
+from .netns import namespaces_available
+from .semisync_methods import Budget
+
+WORKER = "experiments.reproduce.hsdp_worker"
+PREFIX = "hsdp"
+WORLD = 4                        # 2 nodes x 2 ranks
+GROUPS = [[0, 2], [1, 3]]        # the replicate groups of the (2, 2) mesh: what crosses the link
+BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9))
+PHASES = ("train", "time", "all")
+SIZES_PER_OP = 6
+REPEATS = 3
+TOLERANCE = 0.02                 # targets: within 2% of HSDP fp32's final loss
+SOONER_FP32, SOONER_BF16 = 3.0, 1.5   # ... at 100 Mbit/s, this much sooner than HSDP fp32 / bf16
+BYTES_TARGET = 0.1               # ... with at most this fraction of HSDP bf16's inter-node bytes
+
+METHODS: Dict[str, dict] = {
+    "hsdp_fp32": {"kind": "native", "reduce_dtype": "float32"},
+    "hsdp_bf16": {"kind": "native", "reduce_dtype": "bfloat16"},
+    "lm_topk": {"kind": "deepreduce", "config": "lm_topk", "reduce_scatter": False},
+    "lm_qsgd": {"kind": "deepreduce", "config": "lm_qsgd", "reduce_scatter": False},
+    "lm_qsgd_sra": {"kind": "deepreduce", "config": "lm_qsgd", "reduce_scatter": False,
+                    "aggregation": "sparse_allreduce"},
+    "fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": False},
+    "rs_fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": True},
+}
+BASELINE, HALF, RECOMMENDED = "hsdp_fp32", "hsdp_bf16", "fsdp_topk"
+
+# About a minute of training per row on 2 idle cores (4 ranks); see docs/benchmarks.md.
+FULL = Budget(steps=400, eval_every=20, eval_windows=64, batch=8, lr=2e-3, warmup=30, vocab=4096, width=64,
+              layers=2, heads=4, context=64, profile_steps=12)
+QUICK = Budget(steps=8, eval_every=4, eval_windows=8, batch=2, lr=2e-3, warmup=4, vocab=4096, width=32,
+               layers=2, heads=4, context=32, profile_steps=4)
+
+COLUMNS = ["method", "reduces", "final_loss", "spread", "vs_fp32_pct", "link_B_step", "link_vs_bf16",
+           "node_B_step", "state_B", "shard_B", "t_100mbit", "x_fp32_100mbit", "x_bf16_100mbit", "t_1gbit",
+           "x_fp32_1gbit", "x_bf16_1gbit"]
+
+
+def budget(quick: bool, steps: Optional[int] = None) -> Budget:
+    """:data:`QUICK` or :data:`FULL`, with ``steps`` if given."""
+    return sm.budget(quick, steps, plans=(FULL, QUICK), what="hsdp")
+
+
+def select(names: Optional[Sequence[str]]) -> List[str]:
+    """The rows to run in table order; the two baselines (HSDP fp32 and bf16) always run."""
+    if not names:
+        return list(METHODS)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"hsdp: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    return [n for n in METHODS if n in (BASELINE, HALF) or n in names]
+
+
+def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) -> Dict[str, dict]:
+    """Each row with its named config read (``configs/<name>.yaml``); a missing one is noted and skipped."""
+    out = {}
+    for name in names:
+        method = dict(METHODS[name])
+        if method["kind"] == "deepreduce":
+            config = named_config(method["config"], result, configs_dir)
+            if config is None:
+                continue
+            method["config"] = config if "aggregation" not in method else \
+                dict(config, aggregation={"id": method.pop("aggregation")})
+        out[name] = method
+    return out
+
+
+def reduces(method: dict) -> str:
+    """What the row compresses, for the table."""
+    if method["kind"] == "native":
+        return f"native {method['reduce_dtype']}"
+    return "reduce-scatter + replicate" if method["reduce_scatter"] else "replicate"
+
+
+def time_path(cache: str, plan: Budget) -> str:
+    return os.path.join(cache, f"{PREFIX}_time_w{WORLD}_{plan.key()}.json")
+
+
+def _timing(cache: str, plan: Budget) -> Optional[dict]:
+    """The cached time phase of ``plan``, or None."""
+    if not os.path.exists(time_path(cache, plan)):
+        return None
+    with open(time_path(cache, plan), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def time_phase(methods: Dict[str, dict], runs: Dict[str, List[dict]], plan: Budget, data_path: str, cache: str,
+               timeout: float) -> None:
+    """Profile each row over loopback, then time its inter-node messages over the shaped link."""
+    profiles = replay_runs.profiles(WORKER, methods, list(runs), WORLD, plan, data_path, cache, timeout)
+    messages = replay_runs.messages_to_time((r for seeds in runs.values() for r in seeds), SIZES_PER_OP)
+    links, qdiscs = replay_runs.time_links(messages, WORLD, BANDWIDTHS, cache, timeout, REPEATS, GROUPS, PREFIX)
+    entry = {"world": WORLD, "profile": profiles, "links": links, "qdisc": qdiscs, "cpus": os.cpu_count()}
+    with open(time_path(cache, plan), "w", encoding="utf-8") as handle:
+        json.dump(entry, handle)
+
+
+def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = None, steps: Optional[int] = None,
+        seeds: Optional[Sequence[int]] = None, phase: str = "all", cache: Optional[str] = None,
+        show_progress: bool = True, timeout: Optional[float] = None, configs_dir: Optional[str] = None) -> Result:
+    from ..lm import data as lm_data
+
+    if phase not in PHASES:
+        raise ValueError(f"hsdp: unknown phase {phase!r}; known: {', '.join(PHASES)}")
+    seeds = list(seeds if seeds is not None else ((0,) if quick else (0, 1)))
+    if not seeds:
+        raise ValueError("hsdp: at least one seed")
+    plan = budget(quick, steps)
+    if plan.eval_windows % WORLD:
+        raise ValueError(f"hsdp: eval_windows ({plan.eval_windows}) must split evenly over {WORLD} ranks")
+    names = select(methods)
+    cache = cache or os.path.join(out_dir, "cache")
+    os.makedirs(cache, exist_ok=True)
+    result = Result("hsdp", f"HSDP over a shaped link - the stdlib LM with FSDP2 on 2 nodes x 2 ranks, "
+                    f"{plan.steps} steps per row, loss against replayed wall time", list(COLUMNS))
+    resolved = resolve(names, result, configs_dir)
+    timeout = timeout or (900 if quick else 4 * 3600)
+    _, data_path = lm_data.load(plan.vocab)
+    if phase in ("train", "all"):
+        replay_runs.train_phase(WORKER, resolved, seeds, [WORLD], plan, data_path, cache, timeout, show_progress,
+                                PREFIX)
+    runs = replay_runs.load_records(resolved, seeds, [WORLD], plan, cache, PREFIX).get(WORLD, {})
+    missing = [f"{n} seed {s}" for n in resolved for s in seeds if len(runs.get(n, [])) <= seeds.index(s)]
+    if missing:
+        result.notes.append(f"not trained yet (run --phase train): {', '.join(missing)}")
+    if phase in ("time", "all"):
+        available, why = namespaces_available()
+        if not available:
+            result.notes.append(f"time phase SKIPPED: network namespaces are unavailable ({why}); it needs "
+                                "root with iproute2")
+        elif phase == "time" or not set(runs) <= set((_timing(cache, plan) or {}).get("profile", {})):
+            time_phase(resolved, runs, plan, data_path, cache, timeout)   # again when a row has no profile
+    timing = _timing(cache, plan)
+    curves = combine(result, runs, timing, resolved)
+    notes(result, runs, timing, plan, seeds)
+    targets(result)
+    result.extra.update(budget=asdict(plan), seeds=seeds, world=WORLD, groups=GROUPS, curves=curves,
+                        methods=resolved)
+    plot(result, curves, out_dir)
+    return result
+
+
+def _per_step(seeds: List[dict], values) -> float:
+    """Mean over seeds and ranks of a per-rank byte total, per step."""
+    per = [v / r["steps"] for r in seeds for v in values(r)]
+    return sum(per) / len(per)
+
+
+def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
+            methods: Dict[str, dict]) -> Dict[str, dict]:
+    """The table's rows (into ``result``) and the mean loss curves against wall time."""
+    if BASELINE not in runs:
+        result.notes.append(f"no {BASELINE} run: the baseline of every comparison")
+        return {}
+    clocks = replay_runs.clocks(runs, timing, BANDWIDTHS)
+    base_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[BASELINE]])
+    reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), base_loss) for net, _ in BANDWIDTHS}
+             for name, seeds in runs.items()}
+    bounds = []
+    for ref in (BASELINE, HALF):        # a baseline that ends above the target: its whole run, a lower bound
+        for net, _ in BANDWIDTHS:
+            per_seed = clocks.get(ref, {}).get(net)
+            if ref in reach and reach[ref][net] is None and per_seed:
+                reach[ref][net] = sum(c[-1] for c in per_seed) / len(per_seed)
+                bounds.append(f"{ref} at {net}")
+    if bounds:
+        result.notes.append(f"never reached {BASELINE}'s final loss: {', '.join(bounds)}; its whole run's time "
+                            "stands for its time, so the speed-ups against it are lower bounds")
+    half = _per_step(runs[HALF], lambda r: r["sent_bytes"]) if HALF in runs else None
+    curves = {}
+    for name, seeds in runs.items():
+        loss, spread = rp.mean_spread([r["curve"][-1]["val_loss"] for r in seeds])
+        link = _per_step(seeds, lambda r: r["sent_bytes"])
+        extra = [e for r in seeds for e in r.get("extra", [])]
+        row = {"method": name, "reduces": reduces(methods[name]), "final_loss": loss, "spread": spread,
+               "vs_fp32_pct": 100 * (loss / base_loss - 1), "link_B_step": link,
+               "link_vs_bf16": link / half if half else None,
+               "node_B_step": _per_step(seeds, lambda r: [sent for sent, _ in r["inside"]]),
+               "state_B": max((e["state_bytes"] for e in extra), default=None),
+               "shard_B": max((e["shard_bytes"] for e in extra), default=None)}
+        for net, _ in BANDWIDTHS:
+            t = reach[name][net]
+            row[f"t_{net}"] = t
+            for col, ref in (("fp32", BASELINE), ("bf16", HALF)):
+                base = reach.get(ref, {}).get(net)
+                row[f"x_{col}_{net}"] = base / t if (t and base) else None
+        result.rows.append(row)
+        curves[name] = replay_runs.mean_curve(seeds, clocks.get(name, {}))
+    return curves
+
+
+def notes(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict], plan: Budget,
+          seeds: Sequence[int]) -> None:
+    model = plan.model()
+    any_run = next((r[0] for r in runs.values()), None)
+    params = any_run["parameters"] if any_run else 0
+    result.notes.append(
+        f"model: {params / 1e6:.2f} M parameters (vocabulary {model.vocab_size}, width {model.width}, "
+        f"{model.layers} layers, context {model.context}), every block and the root fully_shard-ed; {plan.steps} "
+        f"steps x {plan.batch} sequences x {model.context} tokens per rank on {WORLD} ranks, AdamW lr {plan.lr} "
+        f"(warm-up {plan.warmup}), the same batches for every row; seeds {', '.join(map(str, seeds))} "
+        "(final_loss: mean, spread: half the range)")
+    result.notes.append(
+        f"layout: 2 nodes x 2 ranks, mesh (replicate, shard) = (2, 2): FSDP shards over ranks [0, 1] and [2, 3] "
+        f"(one namespace each, loopback), replicate groups {GROUPS} cross the link; link_B_step: bytes per rank per "
+        "step handed to collectives whose group spans both nodes (mean over ranks, seeds, steps); link_vs_bf16: "
+        "that over hsdp_bf16's; node_B_step: the same inside a node (FSDP's all-gathers and reduce-scatters); "
+        "state_B: persistent compressor bytes per rank (deepreduce.torch.fsdp's state_bytes, max over ranks); "
+        "shard_B: the rank's fp32 gradient shard")
+    result.notes.append(
+        "method: trained over loopback recording every step's messages, then replayed: wall time = loopback "
+        "profile per step on an idle machine (compute, the node's own traffic, codecs) + the measured time of "
+        "each inter-node message as its real collective in both replicate groups at once over a veth pair shaped "
+        "with tc tbf (sizes between measured ones interpolated); evaluation excluded; t_<net> = wall time of the "
+        "first evaluation at or below hsdp_fp32's final loss (mean over seeds, '-' if a seed never reaches it); "
+        "x_fp32 / x_bf16 = hsdp_fp32's / hsdp_bf16's time over that time")
+    result.notes.append(
+        "hsdp_bf16: MixedPrecisionPolicy(reduce_dtype=bfloat16) with float32 parameters and compute, so only the "
+        "communication differs; fsdp_topk is lm_topk (Top-5%, Elias-Fano, no residual) with the sparse all-reduce "
+        "and an owner residual on the shard; lm_qsgd keeps its residual on the rank's reduced shard")
+    if timing is not None:
+        result.notes.append(f"timed on {timing['cpus']} CPUs; qdisc {timing['qdisc'].get('100mbit', '')}")
+    else:
+        result.notes.append("no time phase yet: the time columns are empty (run --phase time on an idle machine "
+                            "as root with iproute2)")
+
+
+def targets(result: Result) -> None:
+    """The issue's targets for the recommended row, met or missed by how much, as notes."""
+    rows = {r["method"]: r for r in result.rows}
+    rec = rows.get(RECOMMENDED)
+    if rec is None:
+        return
+    within = rec["vs_fp32_pct"] <= 100 * TOLERANCE
+    result.notes.append(f"target {RECOMMENDED} within {100 * TOLERANCE:g}% of {BASELINE}'s final loss: "
+                        f"{'met' if within else 'MISSED'} ({rec['vs_fp32_pct']:+.2f}%)")
+    if rec["link_vs_bf16"] is not None:
+        small = rec["link_vs_bf16"] <= BYTES_TARGET
+        result.notes.append(f"target {RECOMMENDED} inter-node bytes per rank per step <= {BYTES_TARGET:g} of "
+                            f"{HALF}'s: {'met' if small else 'MISSED'} ({rec['link_vs_bf16']:.3f})")
+    if rec["t_100mbit"] is not None or rows.get(BASELINE, {}).get("t_100mbit") is not None:
+        fp32, bf16 = rec["x_fp32_100mbit"] or 0.0, rec["x_bf16_100mbit"] or 0.0
+        fast = fp32 >= SOONER_FP32 and bf16 >= SOONER_BF16
+        result.notes.append(f"target {RECOMMENDED} at 100 Mbit/s >= {SOONER_FP32:g}x sooner than {BASELINE} and "
+                            f">= {SOONER_BF16:g}x sooner than {HALF} to {BASELINE}'s final loss: "
+                            f"{'met' if fast else 'MISSED'} (x{fp32:.2f}, x{bf16:.2f}"
+                            f"{'' if rec['t_100mbit'] is not None else '; never reached'})")
+
+
+def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        no_plot_note(result)
+        return
+    if not curves:
+        return
+    timed = any(f"time_{BANDWIDTHS[0][0]}" in c for c in curves.values())
+    columns = [f"time_{net}" for net, _ in BANDWIDTHS] if timed else ["step"]
+    fig, axes = plt.subplots(1, len(columns), figsize=(6.5 * len(columns), 4.5), squeeze=False)
+    for col, xkey in enumerate(columns):
+        title = "2 nodes x 2 ranks" + (f", {xkey[5:]} between nodes" if timed else " (no time phase yet)")
+        replay_runs.draw_curves(axes[0][col], curves, xkey, lambda name: METHODS[name]["kind"] == "native", "step",
+                                title)
+    save_figure(result, fig, out_dir, "hsdp_loss_vs_time.png")

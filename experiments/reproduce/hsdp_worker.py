@@ -1,0 +1,101 @@
+"""One rank of ``deepreduce reproduce hsdp``: the stdlib LM trained (``train``) or timed
+(``profile``) with FSDP2 as HSDP on two "nodes".
+
+The ranks form a 2-D mesh ``(replicate, shard) = (2, world / 2)``: ranks ``0 .. world/2 - 1``
+are node 0 (one FSDP shard group), the rest node 1; the replicate groups (``[0, 2]`` and
+``[1, 3]`` on 4 ranks) are what crosses the link between the nodes. Every block and the root are
+``fully_shard``-ed; the rows (:mod:`experiments.reproduce.hsdp`) differ only in how gradients are
+reduced:
+
+* ``{"kind": "native", "reduce_dtype": "float32" | "bfloat16"}``: native HSDP (the 2-D mesh given
+  to ``fully_shard``): FSDP's reduce-scatter in the node, its dense all-reduce across nodes, in
+  ``MixedPrecisionPolicy(reduce_dtype=...)`` (parameters and compute stay float32);
+* ``{"kind": "deepreduce", "config": dict, "reduce_scatter": bool}``: the recipe of docs/fsdp.md
+  (``fully_shard`` on the ``shard`` mesh) and ``deepreduce.torch.fsdp.register(model, config,
+  replicate_group=mesh["replicate"].get_group(), reduce_scatter=...)``: deepreduce on the
+  replicate dimension, and with ``reduce_scatter`` on FSDP's reduce-scatter in the node too.
+
+The training loop, the evaluation and the recording are :mod:`~experiments.reproduce.semisync_worker`'s
+(same seeds, batches of ``(seed, step, global rank)``, AdamW with warm-up); only the calls whose
+process group spans both nodes are the step's messages (the link's traffic), the rest is summed
+as ``"inside"``. ``"extra"``: the rank's persistent compressor bytes (``state_bytes``, from
+:meth:`deepreduce.torch.fsdp.FSDPCompression.state_bytes`) and its fp32 gradient shard
+(``shard_bytes``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+from .semisync_worker import Runner, parse_args, plain_stats
+from .semisync_worker import main as run_rank
+
+NODES = 2
+
+
+def node_of(rank: int, world: int) -> int:
+    """The "node" of ``rank``: consecutive blocks of ``world / NODES`` ranks."""
+    return rank // max(1, world // NODES)
+
+
+def crosses_nodes(call: dict, world: int) -> bool:
+    """Whether a recorded call's process group spans more than one node (the default group does)."""
+    ranks = call.get("ranks")
+    return ranks is None or len({node_of(r, world) for r in ranks}) > 1
+
+
+class HSDPRunner(Runner):
+    """The LM under FSDP2 on the (replicate, shard) mesh, reduced as the method says."""
+
+    def __init__(self, name: str, method: dict, plan, rank: int, seed: int, data, profile: bool) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from ..lm.model import TransformerLM
+
+        self.name, self.method, self.plan, self.rank, self.seed, self.data = name, method, plan, rank, seed, data
+        self.state = self.diloco = self.handle = None
+        torch.manual_seed(seed)
+        self.model = TransformerLM(plan.model())
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (NODES, world // NODES), mesh_dim_names=("replicate", "shard"))
+        native = method["kind"] == "native"
+        policy = MixedPrecisionPolicy(reduce_dtype=getattr(torch, method["reduce_dtype"])) if native else \
+            MixedPrecisionPolicy()
+        target = mesh if native else mesh["shard"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=target, mp_policy=policy)
+        fully_shard(self.model, mesh=target, mp_policy=policy)
+        self.shard_bytes = sum(p.to_local().numel() for p in self.model.parameters()) * 4   # while sharded
+        if not native:
+            from deepreduce.torch.fsdp import register
+
+            self.handle = register(self.model, method["config"], replicate_group=mesh["replicate"].get_group(),
+                                   reduce_scatter=method["reduce_scatter"])
+        self.forward = self.model
+        self.optimizers()
+
+    def stats(self) -> dict:
+        return plain_stats(self.handle.stats()) if self.handle is not None else {}
+
+    def extra(self) -> dict:
+        return {"state_bytes": self.handle.state_bytes() if self.handle is not None else 0,
+                "shard_bytes": self.shard_bytes}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.world % NODES:
+        raise SystemExit(f"hsdp_worker: --world must be a multiple of {NODES} (two nodes), got {args.world}")
+    return run_rank(args=args, make_runner=HSDPRunner, on_link=lambda call: crosses_nodes(call, args.world))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)   # every rank passed the last barrier: skip gloo's destructors (see fig11_worker)

@@ -1,0 +1,142 @@
+"""The rows of ``deepreduce reproduce semisync``: methods, the model and the training budgets.
+
+A method is a JSON-able dict that travels to the ranks:
+
+* ``{"kind": "ddp", "hook": "allreduce" | "fp16"}``: PyTorch's DDP communication hook
+  (:mod:`experiments.reproduce.torch_hooks`), every step. The half-precision row is fp16:
+  PyTorch's ``bf16_compress_hook`` refuses a CPU model ("requires CUDA 11+ and NCCL 2.10+"), so
+  on gloo CPU ``fp16_compress_hook`` stands for it (the same 16 bits per value on the wire);
+* ``{"kind": "ddp", "config": NAME}``: deepreduce's DDP hook with the shipped config ``NAME``,
+  every step;
+* ``{"kind": "diloco", "sync_every": H, "compression": NAME | dict | None, "outer": "nesterov" |
+  "average", "aggregation": None | "sparse_allreduce", "fragments": P, "delay": d}``:
+  :class:`deepreduce.torch.DiLoCo` around the same AdamW inner loop; ``compression`` is a shipped
+  config's name (``configs/NAME.yaml``) or a config written here (:data:`FP32`: one float32
+  all-reduce per outer step; :data:`INT8`); ``outer`` is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9; ALGORITHMS.md
+  IV.1) or SparseLoCo's plain averaging (SGD, lr 1, no momentum; IV.4), the latter for the recipes
+  whose error-feedback accumulator replaces outer momentum.
+
+The int8 rows use deepreduce's QSGD value codec at 127 levels (int8 codes) with one float32 norm
+per 64 values, every entry sent, no error feedback (INTELLECT-1's int8 pseudo-gradient, IV.5, has
+none): 8.5 bits per value. It is QSGD's stochastic L2-normalised rounding, not a per-tensor absmax
+int8 quantiser (no such codec ships), so its noise is that of ``lm_qsgd`` without the residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence
+
+# The uncompressed pseudo-gradient: every tensor below min_numel, so DiLoCo sums each fragment by
+# one float32 all-reduce (DiLoCo's own baseline), not as lossless containers by allgather.
+FP32 = {"sparsifier": {"id": "none"}, "index": {"id": "raw"}, "value": {"id": "raw"}, "memory": {"id": "none"},
+        "min_numel": 2 ** 60, "nonfinite": "propagate"}
+# 8-bit pseudo-gradients with an existing deepreduce codec (see the module docstring).
+INT8 = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "rle"},
+        "value": {"id": "qsgd", "levels": 127, "bucket_size": 64}, "memory": {"id": "none"}}
+
+
+def _diloco(h: int, compression, outer: str = "nesterov", aggregation: Optional[str] = None,
+            fragments: int = 1, delay: int = 0) -> dict:
+    return {"kind": "diloco", "sync_every": h, "compression": compression, "outer": outer,
+            "aggregation": aggregation, "fragments": fragments, "delay": delay}
+
+
+METHODS: Dict[str, dict] = {
+    "ddp_fp32": {"kind": "ddp", "hook": "allreduce"},
+    "ddp_fp16": {"kind": "ddp", "hook": "fp16"},
+    "lm_topk": {"kind": "ddp", "config": "lm_topk"},
+    "diloco_h10_fp32": _diloco(10, FP32),
+    "diloco_h30_fp32": _diloco(30, FP32),
+    "diloco_h100_fp32": _diloco(100, FP32),
+    "diloco_h10_int8": _diloco(10, INT8),
+    "diloco_h30_int8": _diloco(30, INT8),
+    "diloco_h100_int8": _diloco(100, INT8),
+    "demo_style_h30": _diloco(30, "demo_style", outer="average"),
+    "sparseloco_h30": _diloco(30, "sparseloco", outer="average"),
+    "semisync_h30": _diloco(30, "semisync_topk", outer="average"),
+    "semisync_h30_sra": _diloco(30, "semisync_topk", outer="average", aggregation="sparse_allreduce"),
+}
+BASELINE = "ddp_fp32"
+PER_STEP_BEST = "lm_topk"
+# The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
+GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra")
+OUTER_LR = {"nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True}, "average": {"lr": 1.0}}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The model, the token budget and the evaluation grid (identical for every method)."""
+
+    steps: int = 900                 # inner steps: DiLoCo at H = 30 makes 30 outer steps
+    eval_every: int = 30             # a DiLoCo row evaluates at the first sync at or after each point
+    eval_windows: int = 64           # validation windows of the context (over all ranks)
+    batch: int = 8                   # sequences per rank per step
+    lr: float = 2e-3                 # AdamW (inner optimizer of the DiLoCo rows), betas (0.9, 0.95)
+    warmup: int = 30
+    vocab: int = 4096
+    width: int = 64
+    layers: int = 2
+    heads: int = 4
+    context: int = 64
+    h_scale: int = 1                 # the quick budget divides every H by this (at least 1)
+    profile_steps: int = 24          # time phase: timed inner steps per method
+    profile_sync: int = 4            # time phase: DiLoCo rows sync every this many steps while profiled
+
+    def model(self):
+        from ..lm.model import LMConfig
+
+        return LMConfig(vocab_size=self.vocab, context=self.context, width=self.width, layers=self.layers,
+                        heads=self.heads)
+
+    def key(self) -> str:
+        """A short tag of every field that changes the training (cache file names carry it)."""
+        fields = (self.steps, self.eval_every, self.eval_windows, self.batch, self.lr, self.warmup, self.vocab,
+                  self.width, self.layers, self.heads, self.context, self.h_scale)
+        return "b" + "-".join(str(f) for f in fields)
+
+
+FULL = Budget()
+QUICK = Budget(steps=12, eval_every=4, eval_windows=8, batch=2, warmup=4, vocab=4096, width=32, context=32,
+               h_scale=10, profile_steps=6, profile_sync=3)
+
+
+def budget(quick: bool, steps: Optional[int] = None, plans: Optional[Sequence[Budget]] = None,
+           what: str = "semisync") -> Budget:
+    """The quick or the full budget (``plans``: ``(full, quick)`` of another benchmark; default this
+    one's), with ``steps`` steps if given (evaluating at least at the end)."""
+    full, quick_plan = plans or (FULL, QUICK)
+    chosen = quick_plan if quick else full
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"{what}: steps must be at least 1, got {steps}")
+        chosen = replace(chosen, steps=steps, eval_every=min(chosen.eval_every, steps))
+    return chosen
+
+
+def sync_every(method: dict, plan: Budget) -> int:
+    """The H a DiLoCo row runs at under ``plan`` (1 for the every-step rows)."""
+    if method["kind"] != "diloco":
+        return 1
+    return max(1, method["sync_every"] // plan.h_scale)
+
+
+def eval_steps(method: dict, plan: Budget) -> List[int]:
+    """The steps after which ``method`` is evaluated: every ``eval_every`` steps, a DiLoCo row at
+    the first outer step at or after each point (its workers then hold the global parameters),
+    and always after the last step."""
+    h = sync_every(method, plan)
+    every = -(-plan.eval_every // h) * h
+    steps = list(range(every, plan.steps + 1, every))
+    if not steps or steps[-1] != plan.steps:
+        steps.append(plan.steps)
+    return steps
+
+
+def select(names: Optional[Sequence[str]]) -> List[str]:
+    """The methods to run, in table order, with the DDP fp32 baseline always first."""
+    if not names:
+        return list(METHODS)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"semisync: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    return [n for n in METHODS if n == BASELINE or n in names]

@@ -1,0 +1,148 @@
+"""``deepreduce reproduce hsdp``: the node layout, the rows, the recorder's FSDP2 collectives, the
+command's train phase on 2 x 2 gloo ranks (table, bytes against the configs, compressor memory)
+and, where network namespaces exist, its time phase over the shaped link."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from experiments.reproduce import comm_record, hsdp, netns, replay_runs, semisync_link
+from experiments.reproduce.common import Result
+from experiments.reproduce.hsdp_worker import crosses_nodes, node_of
+
+
+# ------------------------------------------------------------------ layout and rows
+def test_nodes_and_what_crosses_them():
+    assert [node_of(r, 4) for r in range(4)] == [0, 0, 1, 1]
+    assert crosses_nodes({"ranks": [0, 2]}, 4) and crosses_nodes({"ranks": [1, 3]}, 4)
+    assert not crosses_nodes({"ranks": [0, 1]}, 4) and not crosses_nodes({"ranks": [2, 3]}, 4)
+    assert crosses_nodes({"ranks": None}, 4)                       # the default group spans both nodes
+    assert all(not crosses_nodes({"ranks": [a, b]}, 4) for a, b in ([0, 1], [2, 3]))
+    assert sorted(r for g in hsdp.GROUPS for r in g) == list(range(hsdp.WORLD))
+    assert all(crosses_nodes({"ranks": g}, hsdp.WORLD) for g in hsdp.GROUPS)
+
+
+def test_rows_budgets_and_bad_options(tmp_path):
+    assert hsdp.select(["fsdp_topk"]) == ["hsdp_fp32", "hsdp_bf16", "fsdp_topk"]
+    assert hsdp.select(None) == list(hsdp.METHODS)
+    with pytest.raises(ValueError, match="unknown method"):
+        hsdp.select(["nope"])
+    with pytest.raises(ValueError, match="at least 1"):
+        hsdp.budget(False, 0)
+    assert hsdp.budget(True, 3).steps == 3 and hsdp.budget(True, 3).eval_every == 3
+    assert hsdp.FULL.eval_windows % hsdp.WORLD == 0 and hsdp.QUICK.eval_windows % hsdp.WORLD == 0
+    assert hsdp.reduces(hsdp.METHODS["hsdp_bf16"]) == "native bfloat16"
+    assert hsdp.reduces(hsdp.METHODS["rs_fsdp_topk"]) == "reduce-scatter + replicate"
+    resolved = hsdp.resolve(["hsdp_fp32", "fsdp_topk"], Result("x", "x", []), None)
+    assert resolved["fsdp_topk"]["config"]["aggregation"]["id"] == "sparse_allreduce"
+    qsgd = hsdp.resolve(["lm_qsgd", "lm_qsgd_sra"], Result("x", "x", []), None)
+    assert "aggregation" not in qsgd["lm_qsgd"]["config"] and "aggregation" not in qsgd["lm_qsgd_sra"]
+    assert qsgd["lm_qsgd_sra"]["config"] == dict(qsgd["lm_qsgd"]["config"], aggregation={"id": "sparse_allreduce"})
+    assert hsdp.METHODS["lm_qsgd_sra"]["aggregation"] == "sparse_allreduce"      # the table's spec is left alone
+    with pytest.raises(ValueError, match="phase"):
+        hsdp.run(str(tmp_path), quick=True, phase="later")
+    with pytest.raises(ValueError, match="seed"):
+        hsdp.run(str(tmp_path), quick=True, seeds=[])
+
+
+def test_recorder_knows_fsdp2_collectives():
+    out, inp = torch.zeros(4), torch.zeros(8)
+    assert comm_record.message("reduce_scatter_single", (), {"output": out, "input": inp}, 0, 2) == \
+        {"op": "reduce_scatter_single", "bytes_in": 32, "bytes_received": 16}
+    gathered = comm_record.message("all_gather_single", (torch.zeros(8), torch.zeros(4)), {}, 1, 2)
+    assert gathered == {"op": "all_gather_single", "bytes_in": 16, "bytes_received": 16}
+
+
+def test_link_groups_must_partition_the_ranks():
+    assert semisync_link.own_group(None, 1, 4) == (None, 1, 4)
+    with pytest.raises(ValueError, match="partition"):
+        semisync_link.own_group(json.dumps([[0, 2], [1]]), 0, 4)
+
+
+# ------------------------------------------------------------------ the command
+QUICK_METHODS = ["lm_topk", "fsdp_topk", "rs_fsdp_topk"]
+
+
+def _record(out: str, name: str) -> dict:
+    plan = hsdp.budget(True)
+    method = hsdp.resolve([name], Result("x", "x", []), None)[name]
+    path = replay_runs.train_path(os.path.join(out, "cache"), name, method, 0, hsdp.WORLD, plan, hsdp.PREFIX)
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def test_hsdp_train_phase_quick(tmp_path):
+    out = str(tmp_path)
+    result = hsdp.run(out, quick=True, methods=QUICK_METHODS, phase="train", show_progress=False)
+    result.write(out)
+    rows = {r["method"]: r for r in result.rows}
+    assert list(rows) == ["hsdp_fp32", "hsdp_bf16"] + QUICK_METHODS and result.columns == hsdp.COLUMNS
+    assert all(r["spread"] == 0.0 for r in result.rows) and rows["hsdp_fp32"]["vs_fp32_pct"] == 0.0
+    fp32, bf16 = rows["hsdp_fp32"], rows["hsdp_bf16"]
+    # Native HSDP all-reduces each rank's reduced shard across the nodes: fp32 4 bytes per shard
+    # element (FSDP pads dim 0 to the shard count), bf16 exactly half of that.
+    for rank, extra in enumerate(_record(out, "hsdp_fp32")["extra"]):
+        sent = _record(out, "hsdp_fp32")["sent_bytes"][rank] / hsdp.QUICK.steps
+        assert extra["shard_bytes"] <= sent <= 1.02 * extra["shard_bytes"]
+    assert fp32["link_B_step"] == 2 * bf16["link_B_step"] and bf16["link_vs_bf16"] == 1.0
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.01 * fp32["final_loss"]
+    # Top-5% with raw fp32 values: at least 5% of the shard's bytes, well under bf16's dense bytes.
+    for name in QUICK_METHODS:
+        assert 0.05 * fp32["shard_B"] <= rows[name]["link_B_step"] <= 0.25 * bf16["link_B_step"]
+    # The same config on the reduce-scatter shrinks the traffic inside the node, not across it.
+    assert rows["rs_fsdp_topk"]["node_B_step"] < 0.5 * rows["fsdp_topk"]["node_B_step"]
+    assert rows["fsdp_topk"]["node_B_step"] == fp32["node_B_step"]
+    # Persistent compressor memory: none without a residual; the sparse all-reduce's owner
+    # residual is the rank's shard (padded) plus its bounds.
+    assert fp32["state_B"] == bf16["state_B"] == rows["lm_topk"]["state_B"] == 0
+    assert fp32["shard_B"] <= rows["fsdp_topk"]["state_B"] <= 1.01 * fp32["shard_B"]
+    assert rows["rs_fsdp_topk"]["state_B"] == rows["fsdp_topk"]["state_B"]   # fsdp_topk's reduce-scatter: none
+    # The recorder's inter-node bytes agree with the replicate engine's own counters: one engine
+    # step per FSDP module (2 blocks and the root) per training step; a gathering row hands in its
+    # containers plus an 8-byte size per gather and, on the first step, the config agreement.
+    record = _record(out, "lm_topk")
+    modules = hsdp.QUICK.layers + 1
+    for rank, stats in enumerate(record["stats"]):
+        engine = stats["replicate"]
+        assert set(stats) == {"replicate"} and engine["routes_taken"] == {"allgather": engine["steps"]}
+        assert engine["steps"] == hsdp.QUICK.steps * modules
+        overhead = record["sent_bytes"][rank] - engine["wire_bytes"]
+        assert 8 * engine["steps"] <= overhead <= 8 * engine["steps"] + 2048
+    assert set(_record(out, "rs_fsdp_topk")["stats"][0]) == {"reduce_scatter", "replicate"}
+    assert all(r["t_100mbit"] is None for r in result.rows)
+    assert any("no time phase yet" in n for n in result.notes)
+    assert any("within 2%" in n for n in result.notes) and any("<= 0.1 of hsdp_bf16" in n for n in result.notes)
+    assert result.plots and os.path.getsize(result.plots[0]) > 1000
+    with open(os.path.join(out, "hsdp.json"), encoding="utf-8") as handle:
+        curves = json.load(handle)["extra"]["curves"]
+    assert curves["fsdp_topk"]["step"][-1] == hsdp.QUICK.steps
+    again = hsdp.run(out, quick=True, methods=QUICK_METHODS, phase="train", show_progress=False)
+    assert again.rows == result.rows                                # cached: nothing retrained
+
+
+@pytest.mark.slow
+def test_hsdp_time_phase_quick(tmp_path):
+    """Where namespaces exist: profile, the replicate groups' messages over the shaped link, combine;
+    else the note says why."""
+    available, why = netns.namespaces_available()
+    out = str(tmp_path)
+    before = netns.namespaces_of_ours() if available else set()
+    result = hsdp.run(out, quick=True, methods=["fsdp_topk"], steps=4, show_progress=False)
+    rows = {r["method"]: r for r in result.rows}
+    if not available:
+        assert any("time phase SKIPPED" in n and why in n for n in result.notes)
+        return
+    assert netns.namespaces_of_ours() == before
+    with open(hsdp.time_path(os.path.join(out, "cache"), hsdp.budget(True, 4)), encoding="utf-8") as handle:
+        timing = json.load(handle)
+    assert set(timing["links"]) == {"100mbit", "1gbit"} and all("tbf" in q for q in timing["qdisc"].values())
+    assert set(timing["profile"]) == set(rows)
+    slow = {(op, b): s for op, b, s in timing["links"]["100mbit"]}
+    big = max(slow, key=lambda key: key[1])
+    # Both replicate groups all-reduce at once over the one link: the largest message is paced by it.
+    assert big[0] == "all_reduce" and slow[big] >= 0.8 * big[1] * 8 / 100e6
+    assert rows["hsdp_fp32"]["t_100mbit"] > 0 and rows["hsdp_fp32"]["x_fp32_100mbit"] == 1.0
+    assert any("at 100 Mbit/s" in n for n in result.notes)
