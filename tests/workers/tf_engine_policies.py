@@ -11,7 +11,8 @@ For the allgather (graph ops: a dense tensor's container, and ``entries``: an em
 * ``error`` (host routes): rank 1's route raises while starting a tensor at step 2: every rank
   raises, no weight moves.
 
-And for a summable compressor (``summable_fp16``: Horovod's ``Compression.fp16``;
+And for a summable compressor (``summable_fp16``: Horovod's ``Compression.fp16`` inside a wrapper,
+which puts it on the engine's summable route, as any compressor but Horovod's own casts;
 ``summable_gradiveq``: GradiVeQ, compressing from step 2), which has no ``nonfinite`` option: the
 NaN reaches every rank's weights (and ``compression_stats()["nonfinite_propagated"]``), and
 rank 1's ``compress`` raising at step 2 makes every rank raise with no weight moved. Before that,
