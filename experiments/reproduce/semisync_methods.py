@@ -55,6 +55,10 @@ METHODS: Dict[str, dict] = {
     "sparseloco_h30": _diloco(30, "sparseloco", outer="average"),
     "semisync_h30": _diloco(30, "semisync_topk", outer="average"),
     "semisync_h30_sra": _diloco(30, "semisync_topk", outer="average", aggregation="sparse_allreduce"),
+    # the same compressor at DiLoCo's best period here, with outer momentum, and denser
+    "semisync_h100": _diloco(100, "semisync_topk", outer="average"),
+    "semisync_h30_nesterov": _diloco(30, "semisync_topk"),
+    "semisync_dense_h30": _diloco(30, "semisync_dense", outer="average"),
 }
 BASELINE = "ddp_fp32"
 PER_STEP_BEST = "lm_topk"
