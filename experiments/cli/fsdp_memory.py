@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue as queue_module
 import socket
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -155,15 +157,20 @@ def _rank(rank: int, world: int, port: int, queue, configs: Sequence[str], steps
     warnings.filterwarnings("ignore")   # dense-gradient warnings of sparsifier-free configs
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = []
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         measure("fsdp_topk", rank, 1)   # a warm-up, discarded: one-time imports and caches are not a config's
         for config in configs:
             rows.append(dict(measure(config, rank, steps), rank=rank))
-    finally:
+    except BaseException as exc:   # the parent names it and stops the other ranks at once
+        queue.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+    else:
         queue.put((rank, rows))
-        dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(configs: Sequence[str], steps: int = 2, timeout: float = 900.0) -> List[dict]:
@@ -179,12 +186,27 @@ def run(configs: Sequence[str], steps: int = 2, timeout: float = 900.0) -> List[
     for p in procs:
         p.start()
     rows: List[dict] = []
+    reported: set = set()
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rows.extend(queue.get(timeout=timeout)[1])
+        while len(reported) < len(procs):   # a rank that dies before reporting fails the run now, not at the deadline
+            try:
+                rank, mine = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"fsdp-memory: rank(s) {dead} exited with "
+                                       f"{[procs[r].exitcode for r in dead]} before reporting" if dead else
+                                       f"fsdp-memory: ranks {sorted(set(range(len(procs))) - reported)} did not "
+                                       f"report within {timeout:g} s") from None
+                continue
+            if isinstance(mine, str):
+                raise RuntimeError(f"fsdp-memory: rank {rank} failed: {mine}")
+            reported.add(rank)
+            rows.extend(mine)
     finally:
         for p in procs:
-            p.join(30)
+            p.join(30 if len(reported) == len(procs) else 2)
             if p.is_alive():
                 p.kill()
     if any(p.exitcode != 0 for p in procs):
