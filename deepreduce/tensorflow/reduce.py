@@ -58,11 +58,10 @@ class Reducer:
     With a deepreduce pipeline, each gradient travels as a container by ``hvd.allgather``.
     With ``pipeline=None`` it travels by ``hvd.allreduce`` with the given summable compressor,
     which also works with Keras 3 variables (Horovod's own wrappers call ``Variable.ref``, which
-    Keras 3 removed): a compressor (GradiVeQ, any other) under ``hvd.Average`` or ``hvd.Sum`` on
-    the step engine's summable route (:class:`~deepreduce.tensorflow.summable.SummableRoutes`: a
-    compress error on one rank makes every rank raise, in phase); Horovod's own
-    ``hvd.Compression.none`` and ``fp16`` (casts, nothing that can fail), another Horovod op and
-    ``IndexedSlices`` as Horovod's own ``hvd.allreduce``.
+    Keras 3 removed): a compressor (GradiVeQ, any other) under ``hvd.Average``/``hvd.Sum`` on the
+    engine's summable route (:class:`~deepreduce.tensorflow.summable.SummableRoutes`: a compress
+    error on one rank makes every rank raise, in phase); Horovod's own casts (``Compression.none``,
+    ``fp16``: nothing can fail), another op and ``IndexedSlices`` by Horovod's ``hvd.allreduce``.
 
     Holds no per-step state: the pipeline owns residuals, statistics and the step counter, and
     the reduction protocol (with the sparse all-reduce's owner residuals and the ``auto`` plan)
@@ -110,7 +109,6 @@ class Reducer:
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol
         self._summable = None
-        # Horovod's own compressors are casts that cannot fail: they keep Horovod's all-graph path
         if self.pipeline is None and self.hvd_compression not in (self.hvd.Compression.none, self.hvd.Compression.fp16) \
                 and self.hvd_op in (self.hvd.Average, self.hvd.Sum):
             self._summable = SummableRoutes(self.hvd_compression, self.hvd, self.process_set, self.hvd_op,
