@@ -12,11 +12,10 @@ framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; thi
 Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
 routes (containers; under the sparse all-reduce or ``auto`` one host op), the ``IndexedSlices``
 ones as their touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`: the step
-engine's ``entries`` route, its phases as ops), a summable
-compressor's codes by the step engine's summable route
-(:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
-named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
-ranks whatever order they are submitted in.
+engine's ``entries`` route, its phases as ops), a summable compressor's codes by the engine's
+summable route (:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
+named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them
+across ranks whatever order they are submitted in.
 
 Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
 first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
