@@ -5,6 +5,7 @@ import pytest
 
 import deepreduce
 from deepreduce import registry
+from deepreduce.collective.routes.entries import decode_entries, encode_entries
 from deepreduce.errors import ConfigError
 from deepreduce.wire import container
 
@@ -90,12 +91,12 @@ def test_entries_decay_their_sparse_residual():
     pipe = deepreduce.build({"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw",
                              "memory": {"id": "decayed_residual", "decay": 0.5}, "min_numel": 0})
     positions = np.array([1, 5, 9, 20], np.int64)
-    pipe.encode_entries(positions, np.array([1.0, 8.0, 2.0, 4.0], np.float32), (32,), name="e", step=0)
+    encode_entries(pipe, positions, np.array([1.0, 8.0, 2.0, 4.0], np.float32), (32,), name="e", step=0)
     held = pipe.memory._residuals["e"]          # 8 and 4 were sent; 1 and 2 are held
     np.testing.assert_array_equal(held.positions, [1, 9])
     np.testing.assert_array_equal(held.values, [1.0, 2.0])
-    payload = pipe.encode_entries(np.array([1], np.int64), np.array([0.25], np.float32), (32,), name="e", step=1)
-    got_positions, got_values = pipe.decode_entries([payload], (32,))
+    payload = encode_entries(pipe, np.array([1], np.int64), np.array([0.25], np.float32), (32,), name="e", step=1)
+    got_positions, got_values = decode_entries(pipe, [payload], (32,))
     np.testing.assert_array_equal(got_positions, [9])          # 0.5 * 2 = 1 beats 0.5 * 1 + 0.25
     np.testing.assert_array_equal(got_values, [1.0])           # undecayed it would be 2
     held = pipe.memory._residuals["e"]
