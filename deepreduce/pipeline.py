@@ -197,11 +197,20 @@ class Pipeline:
 
         Under ``nonfinite: raise``, :meth:`encode` then packs a non-finite gradient in the
         flagged dense container instead of raising, so it reaches every rank and every rank
-        raises the same error; and each step's changes to the residuals and learned state are
-        kept until :meth:`commit_step` (the step was applied) or :meth:`undo_step` (skipped).
+        raises the same error. Under either policy each step's changes to the residuals and
+        learned state are kept until :meth:`commit_step` (the step was applied) or
+        :meth:`undo_step` (every rank raised: a non-finite gradient under ``raise``, or an error
+        caught on some rank under either policy), so a step that raises leaves every residual as
+        it was before it: what a rank compressed away that step is not lost with the step.
         """
-        if self._journal is None and self.nonfinite == "raise":
+        if self._journal is None:
             self._journal = StepJournal(self)
+
+    @property
+    def journaling(self) -> bool:
+        """Whether a step's changes wait for :meth:`commit_step` or :meth:`undo_step`
+        (:meth:`collective_steps` is on)."""
+        return self._journal is not None
 
     def commit_step(self) -> None:
         """Every rank applied the step: its changes stay (no-op unless :meth:`collective_steps`).

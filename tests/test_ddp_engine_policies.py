@@ -39,5 +39,5 @@ def test_a_caught_encode_error_fails_the_step_on_every_rank(ranks, route, policy
     # rank 1 reports its own error; rank 0 a CommunicationError (it raised nothing while encoding)
     assert "ValueError: injected encode failure" in r1["raised"] and "raised while encoding" in r1["raised"], r1
     assert "CommunicationError" in r0["raised"] and "raised while encoding" not in r0["raised"], r0
-    for r in (r0, r1):   # nothing applied; the next step runs alike on every rank
-        assert r["unchanged"] and r["next"] is None and r["finite_after"] and r["same"], r
+    for r in (r0, r1):   # nothing applied, residuals as before; the next step runs alike on every rank
+        assert r["unchanged"] and r["residuals_kept"] and r["next"] is None and r["finite_after"] and r["same"], r

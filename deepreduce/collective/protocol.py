@@ -53,7 +53,9 @@ class ReductionProtocol:
     def take_residual(self, name: str) -> Optional[np.ndarray]:
         """``name``'s error-feedback residual, cleared (None when it holds nothing): a tensor the
         ``auto`` plan moved to a dense or fp16 all-reduce sends what compression had held back,
-        so the binding adds it to the gradient."""
+        so the binding adds it to the gradient. The residual is saved first: a step that raises
+        puts it back (:meth:`end_step`)."""
+        self.core.save_state(name)
         residual = getattr(self.core.memory, "residual", lambda _: None)(name)
         if residual is None or not residual.any():
             return None

@@ -83,8 +83,9 @@ class SparseAllreduce:
         # start each phase's collective when it is ready (the step engine's route) rather than
         # when it is waited for (the blocking reduce(); a communicator without asynchronous calls)
         self.asynchronous = False
-        # under nonfinite: raise, each tensor's owner residual and bounds from before the step
-        self._journal: Optional[Dict[str, tuple]] = {} if pipeline.nonfinite == "raise" else None
+        # each tensor's owner residual and bounds from before the step, for a step every rank
+        # raises in (under either nonfinite policy; kept while the pipeline journals its own)
+        self._journal: Dict[str, tuple] = {}
 
     # ------------------------------------------------------------------ the step
     def reduce(self, grad: np.ndarray, name: str, step: int, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -137,7 +138,7 @@ class SparseAllreduce:
     def _phase(self, name: str, step: int, numel: int) -> "Phase":
         rank, size = self.communicator.rank, self.communicator.size
         bounds = self._bounds.setdefault(name, even_bounds(numel, size))
-        if self._journal is not None and name not in self._journal:
+        if self.pipeline.journaling and name not in self._journal:
             owner = self._owner_residuals.get(name)
             self._journal[name] = (None if owner is None else owner.copy(), bounds.copy())
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
@@ -229,17 +230,14 @@ class SparseAllreduce:
                 self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
 
-    # ------------------------------------------------------------------ commit or undo (nonfinite: raise)
+    # ------------------------------------------------------------------ commit or undo
     def commit(self) -> None:
         """The step was applied on every rank: forget the owner residuals saved for :meth:`undo`."""
-        if self._journal is not None:
-            self._journal.clear()
+        self._journal.clear()
 
     def undo(self) -> None:
         """The step was skipped on every rank: owner residuals and shard bounds as before it (the
         per-rank residuals are the pipeline's, restored by its own journal)."""
-        if self._journal is None:
-            return
         for name, (owner, bounds) in self._journal.items():
             if owner is None:
                 self._owner_residuals.pop(name, None)

@@ -130,14 +130,26 @@ def run(route: str, policy: str, mode: str):
                 raise RuntimeError("injected start failure")
             return real(eng, item)
         engine.routes[route].start = start
-        before = weights()
+        before, kept = weights(), residuals(pipe, engine)
         raised = take(2)
         engine.routes[route].start = real
         assert raised is not None, (route, mode)
         assert np.array_equal(weights(), before), (route, mode)
+        after = residuals(pipe, engine)   # under either policy nothing a rank compressed away is lost
+        assert kept.keys() == after.keys() and all(np.array_equal(kept[k], after[k]) for k in kept), (route, policy)
     assert take(3) is None and np.isfinite(weights()).all()
     everyone = hvd.allgather(tf.constant(weights()[None, :])).numpy()
     assert np.array_equal(everyone[0], everyone[1]), (route, policy, mode)
+
+
+def residuals(pipe, engine) -> dict:
+    """Copies of every dense error-feedback residual: the rank's own and the sparse all-reduce's owner ones."""
+    held = {k: np.array(v, copy=True) for k, v in pipe.core.memory.state_dict().get("residuals", {}).items()
+            if not isinstance(v, dict)}
+    sparse = engine.protocol.sparse
+    if sparse is not None:
+        held.update({f"owner.{k}": np.array(v, copy=True) for k, v in sparse.state_dict()["owner_residuals"].items()})
+    return held
 
 
 def summable_policies(route: str, take, weights, variables, stats):

@@ -106,11 +106,12 @@ def encode_error_scenario(route, policy):
     state._engine.routes[route].start = start
     for i in range(3):
         step(model, opt, route, i)
-    before = flat(model).clone()
+    before, kept = flat(model).clone(), residuals(state.pipeline, state._protocol)
     armed["on"] = True
     raised = step(model, opt, route, 3)
     armed["on"] = False
-    out = {"raised": raised, "unchanged": bool(torch.equal(flat(model), before)), "next": step(model, opt, route, 4)}
+    out = {"raised": raised, "unchanged": bool(torch.equal(flat(model), before)),
+           "residuals_kept": equal(kept, residuals(state.pipeline, state._protocol)), "next": step(model, opt, route, 4)}
     out.update(finite_after=bool(torch.isfinite(flat(model)).all()), same=same_on_every_rank(flat(model)))
     state.close()
     return out

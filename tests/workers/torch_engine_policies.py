@@ -9,7 +9,8 @@ For each route (allgather, sparse_allreduce, dense, fp16, entries, summable) and
   NonFiniteGradientError, nothing is applied, and every residual (the sparse all-reduce's owner
   residuals too) is as before the step.
 * ``encode_error``: rank 1's route raises while starting one tensor at step 3. Rank 1 raises its
-  own error, every other rank a CommunicationError; nothing is applied on any rank.
+  own error, every other rank a CommunicationError; nothing is applied on any rank, and under
+  either policy every residual is as before the step (what a rank compressed away is not lost).
 
 After each scenario the next step works and every rank holds the same parameters. A summable
 compressor has no ``nonfinite`` option: it runs once, and a NaN propagates.
@@ -113,7 +114,7 @@ def encode_error_scenario(route, policy):
     opt._reduction.engine.routes[route].start = start
     for i in range(3):
         step(net, opt, route, i)
-    before = flat(net).clone()
+    before, kept = flat(net).clone(), residuals(opt._reduction.pipeline, opt._reduction.protocol)
     armed["on"] = True
     try:
         step(net, opt, route, 3)
@@ -124,6 +125,8 @@ def encode_error_scenario(route, policy):
     expected = RuntimeError if hvd.rank() == 1 else CommunicationError
     assert isinstance(raised, expected), (route, policy, repr(raised))
     assert torch.equal(flat(net), before), route
+    after = residuals(opt._reduction.pipeline, opt._reduction.protocol)   # nothing sent is lost
+    assert kept.keys() == after.keys() and all(equal(kept[k], after[k]) for k in kept), (route, policy)
     step(net, opt, route, 4)
     assert torch.isfinite(flat(net)).all() and same_on_every_rank(flat(net)), (route, policy)
 
