@@ -607,9 +607,11 @@ class Pipeline:
 
 def _distinct_in_bounds(indices: np.ndarray, values: np.ndarray, numel: int):
     """One container's entries sorted by position; ContainerError for a position out of
-    ``[0, numel)`` or given twice (a corrupt container)."""
-    order = np.argsort(indices, kind="stable")
-    indices, values = indices[order], values[order]
+    ``[0, numel)`` or given twice (a corrupt container). Most index codecs give them ascending
+    already: then nothing is sorted."""
+    if np.any(indices[1:] <= indices[:-1]):
+        order = np.argsort(indices, kind="stable")
+        indices, values = indices[order], values[order]
     if indices.shape[0] and (indices[0] < 0 or indices[-1] >= numel or np.any(indices[1:] == indices[:-1])):
         raise ContainerError(f"container positions are out of [0, {numel}) or repeated")
     return indices, values

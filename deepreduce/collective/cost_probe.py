@@ -1,7 +1,7 @@
 """Measure a config's codec costs and PowerSGD's compute on this machine, for the cost model.
 
 :func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``shards.encode_shards``
-and ``SparseAllreduce.sum_shard`` on the host path: one C++ call per tensor and phase where the
+and ``SparseAllreduce.shard_entries`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
 ratios (the config's and a quarter of it, which separates a decode's per-element cost from its
@@ -102,7 +102,7 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
                 encode_s = _median_s(lambda step: encode_shards(pipe, grad, f"probe{numel}", step, bounds), repeat,
                                      now)
                 received = [payload] * shards   # as many containers as ranks, each of the whole tensor
-                decode_s = _median_s(lambda _: owner.sum_shard(received, numel), repeat, now)
+                decode_s = _median_s(lambda _: owner.shard_entries(received, numel), repeat, now)
                 rows.append((shards, numel, shards * entries, encode_s, decode_s, int(payload.shape[0]),
                              part == ratio and shards == 1))
     containers, numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))

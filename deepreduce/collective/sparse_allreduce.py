@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..backend import kernels, native_pipeline
-from ..errors import CommunicationError, ConfigError, NonFiniteGradientError
+from ..errors import CommunicationError, ConfigError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
 from . import agreement, failure, ports, shards
@@ -138,9 +138,8 @@ class SparseAllreduce:
     def _phase(self, name: str, step: int, numel: int) -> "Phase":
         rank, size = self.communicator.rank, self.communicator.size
         bounds = self._bounds.setdefault(name, even_bounds(numel, size))
-        if self.pipeline.journaling and name not in self._journal:
-            owner = self._owner_residuals.get(name)
-            self._journal[name] = (None if owner is None else owner.copy(), bounds.copy())
+        if self.pipeline.journaling and name not in self._journal:   # the residual held now, its edits to come
+            self._journal[name] = (self._owner_residuals.get(name), bounds.copy(), [])
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
 
     def exchange(self, batch: "Batch") -> None:
@@ -238,7 +237,12 @@ class SparseAllreduce:
     def undo(self) -> None:
         """The step was skipped on every rank: owner residuals and shard bounds as before it (the
         per-rank residuals are the pipeline's, restored by its own journal)."""
-        for name, (owner, bounds) in self._journal.items():
+        for name, (owner, bounds, edits) in self._journal.items():
+            for edited, positions, old in reversed(edits):   # the old values, last change first
+                if positions is None:
+                    edited.values[:] = old
+                else:
+                    edited.values[positions] = old
             if owner is None:
                 self._owner_residuals.pop(name, None)
             else:
@@ -262,18 +266,17 @@ class SparseAllreduce:
             self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
                                  out=target[int(bounds[j]):int(bounds[j + 1])])
 
-    def sum_shard(self, payloads: List[np.ndarray], m: int) -> np.ndarray:
-        """The flat sum of the ranks' containers of this rank's ``m``-element shard
-        (Pipeline.decode_sum): the first phase's decode, which ``cost_probe`` times."""
-        native = self._native()
-        if native is None:
-            return self.pipeline.decode_sum(payloads, expected_shape=(m,))
-        start = time.perf_counter()
-        total = native_pipeline.decode_sum(native, payloads, m, self.pipeline.threads)
-        if self.pipeline.nonfinite == "raise" and not np.isfinite(total).all():
-            return self.pipeline.decode_sum(payloads, expected_shape=(m,))   # raises the core's overflow error
-        self._count_decoded(len(payloads), start)
-        return total
+    def shard_entries(self, payloads: List[np.ndarray], m: int) -> list:
+        """Each rank's container of this rank's ``m``-element shard as entries (ascending distinct
+        positions, float32 values), in rank order, without a dense array of the shard: the first
+        phase's decode, which ``cost_probe`` times. A corrupt container's error names its rank."""
+        found = []
+        for rank, payload in enumerate(payloads):
+            try:
+                found.append(self.pipeline.entries_of(payload, (m,)))
+            except DeepReduceError as exc:   # named as decode_sum names it
+                raise type(exc)(f"rank {rank}: {exc}") from exc
+        return found
 
     def _count_decoded(self, containers: int, start: float) -> None:
         stats = self.pipeline.stats
@@ -310,28 +313,57 @@ class SparseAllreduce:
 
     def _owner_step(self, payloads: List[np.ndarray], owner: "OwnerResidual", m: int,
                     name: str, step: int) -> np.ndarray:
-        """Decode-sum this rank's shard (``m`` elements), re-select with the owner residual,
-        encode the result."""
+        """Add each rank's entries of this rank's shard (``m`` elements), in rank order, into its
+        owner residual, re-select there, encode the selection and keep the rest: the residual is
+        the owner's only dense array of the shard (no decoded copy of the sum), and each change
+        to it is journaled as the old values at the positions it touches (:meth:`undo`)."""
         if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
-            total = np.zeros(m, np.float32)
-            for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
-                total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
-            return shards.encode_dense(self.pipeline, total, flagged=True)
-        total = self.sum_shard(payloads, m)
-        if not np.isfinite(total).all():
-            return shards.encode_dense(self.pipeline, total, flagged=True)
-        total += owner.values
+            return self._flagged_sum(payloads, m)
+        values = owner.values
+        written = []
+        for positions, added in self.shard_entries(payloads, m):
+            old = values[positions]
+            new = old + added
+            if not np.isfinite(new).all():   # finite entries whose sum with the residual overflows float32
+                for at, kept in reversed(written):
+                    values[at] = kept
+                if self.pipeline.nonfinite == "raise":
+                    self.pipeline.decode_sum(payloads, expected_shape=(m,))   # the core's error, if the sum itself overflows
+                    raise NonFiniteGradientError(f"sparse_allreduce of {name!r} at step {step}: the ranks' finite "
+                                                 "entries and the owner residual overflow float32 when added "
+                                                 "(pipeline option nonfinite='raise')")
+                return self._flagged_sum(payloads, m)
+            values[positions] = new
+            written.append((positions, old))
+        for positions, old in written:
+            self._edit(name, owner, positions, old)
         if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
-            owner.values[:] = 0.0
+            self._edit(name, owner, None, values.copy())
+            total = values.copy()
+            values[:] = 0.0
             return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
-            chosen = kernels.nonzero(total)
+            chosen = kernels.nonzero(values)
         else:
-            chosen = kernels.topk_positions(total, count_for(self.ratio, m))
-        payload, sent, received = shards.encode_owned(self.pipeline, total, chosen, f"{name}#owner", step)
-        total[sent] -= received
-        owner.values[:] = total
+            chosen = kernels.topk_positions(values, count_for(self.ratio, m))
+        payload, sent, received = shards.encode_owned(self.pipeline, values, chosen, f"{name}#owner", step)
+        self._edit(name, owner, sent, values[sent])
+        kernels.subtract_at(values, sent, received)
         return payload
+
+    def _flagged_sum(self, payloads: List[np.ndarray], m: int) -> np.ndarray:
+        """The shard's sum, sent dense and flagged: a rank sent NaN/Inf, or the sum overflows
+        (``propagate``); every rank then sees the flag."""
+        total = np.zeros(m, np.float32)
+        for payload in payloads:   # decoded one by one: decode_sum refuses a non-finite sum under raise
+            total += self.pipeline.decode(payload, expected_shape=(m,)).reshape(-1)
+        return shards.encode_dense(self.pipeline, total, flagged=True)
+
+    def _edit(self, name: str, owner: "OwnerResidual", positions: Optional[np.ndarray], old: np.ndarray) -> None:
+        """Journal ``old``, the values of ``owner`` at ``positions`` (None: all of them), before they change."""
+        entry = self._journal.get(name)
+        if entry is not None:
+            entry[2].append((owner, positions, old))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

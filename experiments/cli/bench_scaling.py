@@ -485,7 +485,7 @@ def run(args) -> int:
         call_s = check_nonnegative(args.call_us, "bench-scaling --call-us") * 1e-6
         codecs = [replace(c, encode_call_s=call_s, decode_call_s=call_s) for c in codecs]
         print(f"what-if --call-us {args.call_us:g}: every container's per-call encode and decode constants set to it")
-    print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.sum_shard"
+    print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.shard_entries"
           f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
     for c in codecs:
         print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
