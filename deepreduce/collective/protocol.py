@@ -54,12 +54,7 @@ class ReductionProtocol:
         """``name``'s error-feedback residual, cleared (None when it holds nothing): a tensor the
         ``auto`` plan moved to a dense or fp16 all-reduce sends what compression had held back,
         so the binding adds it to the gradient."""
-        residual = getattr(self.core.memory, "residual", lambda _: None)(name)
-        if residual is None or not residual.any():
-            return None
-        out = residual.copy()
-        residual[...] = 0.0
-        return out
+        return self.core.memory.take(name)
 
     # ------------------------------------------------------------------ receive
     @classmethod

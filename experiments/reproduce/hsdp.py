@@ -45,7 +45,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from deepreduce.config import load_config
 
 from . import replay_runs
 from . import semisync_methods as sm
@@ -56,7 +58,8 @@ from .semisync_methods import Budget
 
 WORKER = "experiments.reproduce.hsdp_worker"
 PREFIX = "hsdp"
-WORLD = 4                        # 2 nodes x 2 ranks
+NODES, PER_NODE = 2, 2          # the default layout: 2 nodes x 2 ranks
+WORLD = NODES * PER_NODE
 GROUPS = [[0, 2], [1, 3]]        # the replicate groups of the (2, 2) mesh: what crosses the link
 BANDWIDTHS = (("100mbit", 100e6), ("1gbit", 1e9))
 PHASES = ("train", "time", "all")
@@ -76,6 +79,46 @@ METHODS: Dict[str, dict] = {
     "fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": False},
     "rs_fsdp_topk": {"kind": "deepreduce", "config": "fsdp_topk", "reduce_scatter": True},
 }
+
+
+def _inline(value: dict, memory: dict, aggregation: Optional[str] = None, sparsifier: Optional[dict] = None,
+            index: str = "rle") -> dict:
+    """A candidate row's config written out (not shipped): every entry unless ``sparsifier``."""
+    config = {"sparsifier": sparsifier or {"id": "topk", "ratio": 1.0}, "index": {"id": index}, "value": value,
+              "memory": memory}
+    return dict(config, aggregation={"id": aggregation}) if aggregation else config
+
+
+# Candidates searched for issue 32's targets on the replicate dimension (docs/fsdp.md, "Searching for
+# the targets"): 1-bit values of every entry with error feedback, Top-r with low-bit values.
+_ONE_BIT = {"id": "binmean", "bits": 1}
+CANDIDATES: Dict[str, dict] = {
+    "q1_ef": _inline(_ONE_BIT, {"id": "residual"}),
+    "q1_ef_sra": _inline(_ONE_BIT, {"id": "residual"}, "sparse_allreduce"),
+    "t10_q8_sra": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "none"}, "sparse_allreduce",
+                          {"id": "topk", "ratio": 0.1}, "elias_fano"),
+    "t15_u4_sra": _inline({"id": "uniform", "bits": 4}, {"id": "none"}, "sparse_allreduce",
+                          {"id": "topk", "ratio": 0.15}, "elias_fano"),
+    "t25_b2_sra": _inline({"id": "binmean", "bits": 2}, {"id": "none"}, "sparse_allreduce",
+                          {"id": "topk", "ratio": 0.25}, "elias_fano"),
+    "t25_b2_cef_sra": _inline({"id": "binmean", "bits": 2}, {"id": "compact_residual"}, "sparse_allreduce",
+                              {"id": "topk", "ratio": 0.25}, "elias_fano"),
+    "t10_q8_cef_sra": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "compact_residual"},
+                              "sparse_allreduce", {"id": "topk", "ratio": 0.1}, "elias_fano"),
+    "c10_q8": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "none"}, None,
+                      {"id": "chunk_topk", "chunk": 64, "ratio": 0.1}, "elias_fano"),
+    "c10_q8_sra": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "none"}, "sparse_allreduce",
+                          {"id": "chunk_topk", "chunk": 64, "ratio": 0.1}, "elias_fano"),
+    "t10_q8_cdec_sra": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64},
+                               {"id": "compact_residual", "decay": 0.5}, "sparse_allreduce",
+                               {"id": "topk", "ratio": 0.1}, "elias_fano"),
+    "q8_cef": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "compact_residual"}),
+    "q8_cef_sra": _inline({"id": "qsgd", "levels": 127, "bucket_size": 64}, {"id": "compact_residual"},
+                          "sparse_allreduce"),
+}
+#: The candidates as rows: run by name (``--methods``), not by default.
+CANDIDATE_METHODS: Dict[str, dict] = {name: {"kind": "deepreduce", "config": config, "reduce_scatter": False}
+                                      for name, config in CANDIDATES.items()}
 BASELINE, HALF, RECOMMENDED = "hsdp_fp32", "hsdp_bf16", "fsdp_topk"
 
 # About a minute of training per row on 2 idle cores (4 ranks); see docs/benchmarks.md.
@@ -94,23 +137,44 @@ def budget(quick: bool, steps: Optional[int] = None) -> Budget:
     return sm.budget(quick, steps, plans=(FULL, QUICK), what="hsdp")
 
 
+def known() -> Dict[str, dict]:
+    """Every row by name: the table's (:data:`METHODS`) and the candidates'."""
+    return {**METHODS, **CANDIDATE_METHODS}
+
+
+def layout(nodes: int) -> Tuple[int, List[List[int]]]:
+    """``(world, replicate groups)`` of ``nodes`` nodes x :data:`PER_NODE` ranks: node ``i`` holds
+    ranks ``PER_NODE i ...``; replicate group ``j`` holds local rank ``j`` of every node."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 2:
+        raise ValueError(f"hsdp: --nodes must be an integer >= 2, got {nodes!r}")
+    world = nodes * PER_NODE
+    return world, [list(range(j, world, PER_NODE)) for j in range(PER_NODE)]
+
+
 def select(names: Optional[Sequence[str]]) -> List[str]:
-    """The rows to run in table order; the two baselines (HSDP fp32 and bf16) always run."""
+    """The rows to run in table order (default: :data:`METHODS`; candidates by name); the two
+    baselines (HSDP fp32 and bf16) always run."""
     if not names:
         return list(METHODS)
-    unknown = [n for n in names if n not in METHODS]
+    rows = known()
+    unknown = [n for n in names if n not in rows]
     if unknown:
-        raise ValueError(f"hsdp: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
-    return [n for n in METHODS if n in (BASELINE, HALF) or n in names]
+        raise ValueError(f"hsdp: unknown method(s) {', '.join(unknown)}; known: {', '.join(rows)}")
+    return [n for n in rows if n in (BASELINE, HALF) or n in names]
 
 
-def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) -> Dict[str, dict]:
-    """Each row with its named config read (``configs/<name>.yaml``); a missing one is noted and skipped."""
-    out = {}
+def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str], nodes: int = NODES) -> Dict[str, dict]:
+    """Each row with its config read: a named one (``configs/<name>.yaml``; a missing one is noted and
+    skipped) or a candidate's dict (:data:`CANDIDATES`), validated. Another layout than 2 nodes
+    puts ``nodes`` in each row for the worker (the 2-node rows keep their cache keys)."""
+    out, rows = {}, known()
     for name in names:
-        method = dict(METHODS[name])
+        method = dict(rows[name])
+        if nodes != NODES:
+            method["nodes"] = nodes
         if method["kind"] == "deepreduce":
-            config = named_config(method["config"], result, configs_dir)
+            config = load_config(method["config"]) if isinstance(method["config"], dict) else \
+                named_config(method["config"], result, configs_dir)
             if config is None:
                 continue
             method["config"] = config if "aggregation" not in method else \
@@ -151,7 +215,8 @@ def time_phase(methods: Dict[str, dict], runs: Dict[str, List[dict]], plan: Budg
 
 def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = None, steps: Optional[int] = None,
         seeds: Optional[Sequence[int]] = None, phase: str = "all", cache: Optional[str] = None,
-        show_progress: bool = True, timeout: Optional[float] = None, configs_dir: Optional[str] = None) -> Result:
+        show_progress: bool = True, timeout: Optional[float] = None, configs_dir: Optional[str] = None,
+        nodes: int = NODES) -> Result:
     from ..lm import data as lm_data
 
     if phase not in PHASES:
@@ -160,20 +225,24 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     if not seeds:
         raise ValueError("hsdp: at least one seed")
     plan = budget(quick, steps)
-    if plan.eval_windows % WORLD:
-        raise ValueError(f"hsdp: eval_windows ({plan.eval_windows}) must split evenly over {WORLD} ranks")
+    world, groups = layout(nodes)
+    if nodes != NODES and phase != "train":
+        raise ValueError(f"hsdp: --nodes {nodes} records bytes only (--phase train); the link replay "
+                         f"lays out {NODES} nodes")
+    if plan.eval_windows % world:
+        raise ValueError(f"hsdp: eval_windows ({plan.eval_windows}) must split evenly over {world} ranks")
     names = select(methods)
     cache = cache or os.path.join(out_dir, "cache")
     os.makedirs(cache, exist_ok=True)
-    result = Result("hsdp", f"HSDP over a shaped link - the stdlib LM with FSDP2 on 2 nodes x 2 ranks, "
+    result = Result("hsdp", f"HSDP over a shaped link - the stdlib LM with FSDP2 on {nodes} nodes x {PER_NODE} ranks, "
                     f"{plan.steps} steps per row, loss against replayed wall time", list(COLUMNS))
-    resolved = resolve(names, result, configs_dir)
+    resolved = resolve(names, result, configs_dir, nodes)
     timeout = timeout or (900 if quick else 4 * 3600)
     _, data_path = lm_data.load(plan.vocab)
     if phase in ("train", "all"):
-        replay_runs.train_phase(WORKER, resolved, seeds, [WORLD], plan, data_path, cache, timeout, show_progress,
+        replay_runs.train_phase(WORKER, resolved, seeds, [world], plan, data_path, cache, timeout, show_progress,
                                 PREFIX)
-    runs = replay_runs.load_records(resolved, seeds, [WORLD], plan, cache, PREFIX).get(WORLD, {})
+    runs = replay_runs.load_records(resolved, seeds, [world], plan, cache, PREFIX).get(world, {})
     missing = [f"{n} seed {s}" for n in resolved for s in seeds if len(runs.get(n, [])) <= seeds.index(s)]
     if missing:
         result.notes.append(f"not trained yet (run --phase train): {', '.join(missing)}")
@@ -184,11 +253,11 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
                                 "root with iproute2")
         elif phase == "time" or not set(runs) <= set((_timing(cache, plan) or {}).get("profile", {})):
             time_phase(resolved, runs, plan, data_path, cache, timeout)   # again when a row has no profile
-    timing = _timing(cache, plan)
+    timing = _timing(cache, plan) if nodes == NODES else None
     curves = combine(result, runs, timing, resolved)
-    notes(result, runs, timing, plan, seeds)
+    notes(result, runs, timing, plan, seeds, nodes)
     targets(result)
-    result.extra.update(budget=asdict(plan), seeds=seeds, world=WORLD, groups=GROUPS, curves=curves,
+    result.extra.update(budget=asdict(plan), seeds=seeds, world=world, groups=groups, curves=curves,
                         methods=resolved)
     plot(result, curves, out_dir)
     return result
@@ -244,19 +313,21 @@ def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
 
 
 def notes(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict], plan: Budget,
-          seeds: Sequence[int]) -> None:
+          seeds: Sequence[int], nodes: int = NODES) -> None:
     model = plan.model()
+    world, groups = layout(nodes)
     any_run = next((r[0] for r in runs.values()), None)
     params = any_run["parameters"] if any_run else 0
     result.notes.append(
         f"model: {params / 1e6:.2f} M parameters (vocabulary {model.vocab_size}, width {model.width}, "
         f"{model.layers} layers, context {model.context}), every block and the root fully_shard-ed; {plan.steps} "
-        f"steps x {plan.batch} sequences x {model.context} tokens per rank on {WORLD} ranks, AdamW lr {plan.lr} "
+        f"steps x {plan.batch} sequences x {model.context} tokens per rank on {world} ranks, AdamW lr {plan.lr} "
         f"(warm-up {plan.warmup}), the same batches for every row; seeds {', '.join(map(str, seeds))} "
         "(final_loss: mean, spread: half the range)")
     result.notes.append(
-        f"layout: 2 nodes x 2 ranks, mesh (replicate, shard) = (2, 2): FSDP shards over ranks [0, 1] and [2, 3] "
-        f"(one namespace each, loopback), replicate groups {GROUPS} cross the link; link_B_step: bytes per rank per "
+        f"layout: {nodes} nodes x {PER_NODE} ranks, mesh (replicate, shard) = ({nodes}, {PER_NODE}): FSDP shards over "
+        f"the ranks of a node (one namespace each, loopback), replicate groups {groups} cross the link; "
+        "link_B_step: bytes per rank per "
         "step handed to collectives whose group spans both nodes (mean over ranks, seeds, steps); link_vs_bf16: "
         "that over hsdp_bf16's; node_B_step: the same inside a node (FSDP's all-gathers and reduce-scatters); "
         "state_B: persistent compressor bytes per rank (deepreduce.torch.fsdp's state_bytes, max over ranks); "
@@ -313,6 +384,6 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
     fig, axes = plt.subplots(1, len(columns), figsize=(6.5 * len(columns), 4.5), squeeze=False)
     for col, xkey in enumerate(columns):
         title = "2 nodes x 2 ranks" + (f", {xkey[5:]} between nodes" if timed else " (no time phase yet)")
-        replay_runs.draw_curves(axes[0][col], curves, xkey, lambda name: METHODS[name]["kind"] == "native", "step",
+        replay_runs.draw_curves(axes[0][col], curves, xkey, lambda name: known()[name]["kind"] == "native", "step",
                                 title)
     save_figure(result, fig, out_dir, "hsdp_loss_vs_time.png")
