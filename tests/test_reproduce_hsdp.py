@@ -61,6 +61,9 @@ def test_layouts_of_more_nodes_and_the_candidate_rows(tmp_path):
             hsdp.layout(bad)
     with pytest.raises(ValueError, match="--phase train"):
         hsdp.run(str(tmp_path), quick=True, nodes=4, phase="all")
+    from deepreduce.cli import main as cli_main
+    with pytest.raises(SystemExit, match="--nodes takes a whole number"):
+        cli_main(["reproduce", "hsdp", "--out", str(tmp_path), "--nodes", "1", "--phase", "train"])
     # Candidates run by name only; their configs are validated; more nodes travel in the row.
     assert not set(hsdp.CANDIDATE_METHODS) & set(hsdp.select(None))
     name = next(iter(hsdp.CANDIDATES))

@@ -56,6 +56,8 @@ def run(args) -> int:
     from ..reproduce import get
 
     module = get(args.experiment)
+    if args.nodes is not None and args.nodes < 2:
+        raise SystemExit(f"deepreduce reproduce: --nodes takes a whole number of nodes >= 2, got {args.nodes}")
     options = {"quick": args.quick, "show_progress": not args.no_progress}
     wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
               "accumulate": args.accumulate, "steps": args.steps, "phase": args.phase, "cache": args.cache,
