@@ -102,6 +102,11 @@ class Memory(Component):
         """Take what the receiver reconstructs out of the residual (``residual[positions] -=
         values``, distinct positions); ``positions=None``: the whole tensor was sent exactly."""
 
+    def take(self, name: str) -> Optional[np.ndarray]:
+        """``name``'s residual as a float32 array, cleared in the memory (None when it holds
+        nothing): the residual flush of a tensor the ``auto`` plan moved to a dense all-reduce."""
+        return None
+
     def reset(self) -> None:
         """Forget every residual."""
 
@@ -206,6 +211,14 @@ class ResidualMemory(Memory):
         if isinstance(held, SparseResidual):
             held = self._residuals[name] = held.dense()
         return held
+
+    def take(self, name: str) -> Optional[np.ndarray]:
+        residual = self.residual(name)
+        if residual is None or not residual.any():
+            return None
+        out = residual.copy()
+        residual[...] = 0.0
+        return out
 
     def hold(self, name: str, residual: np.ndarray) -> None:
         """Keep ``residual`` as ``name``'s: the one the C++ pipeline created on the tensor's first

@@ -15,7 +15,7 @@ from .errors import ConfigError, quote
 
 KINDS = ("sparsifier", "index", "value", "memory", "communicator", "aggregation")
 _BUILTIN_PACKAGES = ("sparsify", "index", "values", "collective.comm")
-_BUILTIN_MODULES = ("memory", "collective.aggregation")
+_BUILTIN_MODULES = ("memory", "memory_compact", "collective.aggregation")
 
 _classes: Dict[Tuple[str, str], type] = {}
 _wire_ids: Dict[Tuple[str, int], type] = {}

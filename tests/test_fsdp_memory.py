@@ -9,7 +9,7 @@ from experiments.cli import fsdp_memory
 
 @pytest.fixture(scope="module")
 def rows():
-    return fsdp_memory.run(fsdp_memory.RECOMMENDED + ("topk_raw",), steps=2, timeout=400)
+    return fsdp_memory.run(fsdp_memory.RECOMMENDED + ("topk_raw", "fsdp_qsgd"), steps=2, timeout=400)
 
 
 def test_recommended_configs_keep_persistent_state_within_the_fp32_gradient_shard(rows):
@@ -34,6 +34,18 @@ def test_error_feedback_configs_hold_a_residual_of_the_whole_reduce_scatter_inpu
     for r in (r for r in rows if r["config"] == "topk_raw"):
         assert r["by_role"]["reduce_scatter"] == 2 * r["shard_bytes"]
         assert r["state_bytes"] - r["bounds_bytes"] == 3 * r["shard_bytes"]
+
+
+def test_compact_residual_holds_its_codes_and_scales_only(rows):
+    """``fsdp_qsgd`` (memory: compact_residual, block 64): the reduce-scatter residual of the
+    shard group's whole flat input (2 x the shard's elements) is one int8 code per element and one
+    float32 scale per 64: 2 x S / 4 x (1 + 4 / 64) bytes, 0.53 S, where a float32 one is 2 S."""
+    mine = [r for r in rows if r["config"] == "fsdp_qsgd"]
+    assert len(mine) == 4
+    for r in mine:
+        codes = 2 * r["shard_bytes"] // 4
+        assert codes * 17 // 16 <= r["by_role"]["reduce_scatter"] <= codes * 17 // 16 + 4 * r["modules"], r
+        assert r["by_role"]["replicate"] < r["shard_bytes"]        # its own codes plus the owner residual
 
 
 def test_table_lists_each_config_once_with_its_ratio_to_the_shard(rows):

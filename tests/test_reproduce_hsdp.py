@@ -48,6 +48,54 @@ def test_rows_budgets_and_bad_options(tmp_path):
         hsdp.run(str(tmp_path), quick=True, seeds=[])
 
 
+def test_layouts_of_more_nodes_and_the_candidate_rows(tmp_path):
+    assert hsdp.layout(2) == (hsdp.WORLD, hsdp.GROUPS)
+    world, groups = hsdp.layout(4)
+    assert (world, groups) == (8, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert [node_of(r, 8, 4) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(crosses_nodes({"ranks": g}, 8, 4) for g in groups)
+    assert crosses_nodes({"ranks": [1, 2]}, 8, 4) and not crosses_nodes({"ranks": [1, 2]}, 8)   # 2 nodes of 4
+    assert not crosses_nodes({"ranks": [4, 5]}, 8, 4)
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="--nodes"):
+            hsdp.layout(bad)
+    with pytest.raises(ValueError, match="--phase train"):
+        hsdp.run(str(tmp_path), quick=True, nodes=4, phase="all")
+    from deepreduce.cli import main as cli_main
+    with pytest.raises(SystemExit, match="--nodes takes a whole number"):
+        cli_main(["reproduce", "hsdp", "--out", str(tmp_path), "--nodes", "1", "--phase", "train"])
+    # Candidates run by name only; their configs are validated; more nodes travel in the row.
+    assert not set(hsdp.CANDIDATE_METHODS) & set(hsdp.select(None))
+    name = next(iter(hsdp.CANDIDATES))
+    assert hsdp.select([name]) == ["hsdp_fp32", "hsdp_bf16", name]
+    rows = hsdp.resolve(["hsdp_fp32", name], Result("x", "x", []), None, nodes=4)
+    assert rows[name]["nodes"] == rows["hsdp_fp32"]["nodes"] == 4
+    assert "nodes" not in hsdp.resolve([name], Result("x", "x", []), None)[name]
+    assert rows[name]["config"]["memory"] == hsdp.CANDIDATES[name]["memory"] or \
+        rows[name]["config"]["memory"]["id"] == hsdp.CANDIDATES[name]["memory"]["id"]
+    from deepreduce.errors import ConfigError
+    hsdp.CANDIDATE_METHODS["broken"] = {"kind": "deepreduce", "config": {"sparsifier": "topk"}, "reduce_scatter": False}
+    try:
+        with pytest.raises(ConfigError):
+            hsdp.resolve(["broken"], Result("x", "x", []), None)
+    finally:
+        del hsdp.CANDIDATE_METHODS["broken"]
+
+
+def test_hsdp_train_phase_on_four_nodes_quick(tmp_path):
+    """--nodes 4: 8 ranks as 4 nodes x 2; HSDP bf16 hands the link the same bytes per rank per step
+    as on 2 nodes (its shard is the same), and the replicate groups span 4 nodes."""
+    result = hsdp.run(str(tmp_path), quick=True, methods=["fsdp_topk"], steps=2, phase="train", show_progress=False,
+                      nodes=4)
+    rows = {r["method"]: r for r in result.rows}
+    assert list(rows) == ["hsdp_fp32", "hsdp_bf16", "fsdp_topk"]
+    assert rows["hsdp_fp32"]["link_B_step"] == 2 * rows["hsdp_bf16"]["link_B_step"]
+    assert rows["hsdp_bf16"]["shard_B"] / 2 <= rows["hsdp_bf16"]["link_B_step"] <= 1.02 * rows["hsdp_bf16"]["shard_B"] / 2
+    assert 0 < rows["fsdp_topk"]["link_vs_bf16"] < 0.5
+    assert result.extra["world"] == 8 and result.extra["groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert any("4 nodes x 2 ranks" in n for n in result.notes)
+
+
 def test_recorder_knows_fsdp2_collectives():
     out, inp = torch.zeros(4), torch.zeros(8)
     assert comm_record.message("reduce_scatter_single", (), {"output": out, "input": inp}, 0, 2) == \

@@ -56,12 +56,7 @@ class ReductionProtocol:
         so the binding adds it to the gradient. The residual is saved first: a step that raises
         puts it back (:meth:`end_step`)."""
         self.core.save_state(name)
-        residual = getattr(self.core.memory, "residual", lambda _: None)(name)
-        if residual is None or not residual.any():
-            return None
-        out = residual.copy()
-        residual[...] = 0.0
-        return out
+        return self.core.memory.take(name)
 
     # ------------------------------------------------------------------ receive
     @classmethod

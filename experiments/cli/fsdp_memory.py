@@ -38,7 +38,7 @@ from typing import Dict, List, Sequence
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 #: The configs docs/fsdp.md recommends under FSDP: their persistent state must stay within the
 #: rank's fp32 gradient shard (tests/test_fsdp_memory.py).
-RECOMMENDED = ("fsdp_topk", "lm_topk")
+RECOMMENDED = ("fsdp_topk", "fsdp_topk_q8", "lm_topk")
 DIM, LAYERS, VOCAB, TOKENS = 128, 4, 4096, 64
 
 

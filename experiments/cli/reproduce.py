@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=None, help="quality, semisync, hsdp: training steps per method")
     parser.add_argument("--seeds", default=None, help="semisync, hsdp: comma-separated seeds (default 0,1; quick: 0)")
     parser.add_argument("--workers", default=None, help="semisync: comma-separated worker counts (default 2,4)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="hsdp: nodes of 2 ranks (default 2; more: --phase train only, bytes and loss)")
     parser.add_argument("--phase", default=None, choices=("train", "time", "all"),
                         help="semisync, hsdp: train (cached, any machine), time (idle machine, root), all (default)")
     parser.add_argument("--cache", default=None, help="semisync, hsdp: directory of the cached runs (default OUT/cache)")
@@ -54,10 +56,12 @@ def run(args) -> int:
     from ..reproduce import get
 
     module = get(args.experiment)
+    if args.nodes is not None and args.nodes < 2:
+        raise SystemExit(f"deepreduce reproduce: --nodes takes a whole number of nodes >= 2, got {args.nodes}")
     options = {"quick": args.quick, "show_progress": not args.no_progress}
     wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
               "accumulate": args.accumulate, "steps": args.steps, "phase": args.phase, "cache": args.cache,
-              "seeds": _ints(args.seeds, "--seeds"), "workers": _ints(args.workers, "--workers"),
+              "seeds": _ints(args.seeds, "--seeds"), "workers": _ints(args.workers, "--workers"), "nodes": args.nodes,
               "methods": [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None}
     accepted = inspect.signature(module.run).parameters
     options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})

@@ -1,9 +1,10 @@
 """One rank of ``deepreduce reproduce hsdp``: the stdlib LM trained (``train``) or timed
 (``profile``) with FSDP2 as HSDP on two "nodes".
 
-The ranks form a 2-D mesh ``(replicate, shard) = (2, world / 2)``: ranks ``0 .. world/2 - 1``
-are node 0 (one FSDP shard group), the rest node 1; the replicate groups (``[0, 2]`` and
-``[1, 3]`` on 4 ranks) are what crosses the link between the nodes. Every block and the root are
+The ranks form a 2-D mesh ``(replicate, shard) = (nodes, world / nodes)`` (``nodes``: the method's
+``"nodes"``, default 2): ranks ``0 .. world/nodes - 1`` are node 0 (one FSDP shard group), and so
+on; the replicate groups (``[0, 2]`` and ``[1, 3]`` on 4 ranks in 2 nodes) are what crosses the
+link between the nodes. Every block and the root are
 ``fully_shard``-ed; the rows (:mod:`experiments.reproduce.hsdp`) differ only in how gradients are
 reduced:
 
@@ -24,6 +25,7 @@ as ``"inside"``. ``"extra"``: the rank's persistent compressor bytes (``state_by
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import List, Optional
@@ -34,15 +36,15 @@ from .semisync_worker import main as run_rank
 NODES = 2
 
 
-def node_of(rank: int, world: int) -> int:
-    """The "node" of ``rank``: consecutive blocks of ``world / NODES`` ranks."""
-    return rank // max(1, world // NODES)
+def node_of(rank: int, world: int, nodes: int = NODES) -> int:
+    """The "node" of ``rank``: consecutive blocks of ``world / nodes`` ranks."""
+    return rank // max(1, world // nodes)
 
 
-def crosses_nodes(call: dict, world: int) -> bool:
+def crosses_nodes(call: dict, world: int, nodes: int = NODES) -> bool:
     """Whether a recorded call's process group spans more than one node (the default group does)."""
     ranks = call.get("ranks")
-    return ranks is None or len({node_of(r, world) for r in ranks}) > 1
+    return ranks is None or len({node_of(r, world, nodes) for r in ranks}) > 1
 
 
 class HSDPRunner(Runner):
@@ -62,7 +64,8 @@ class HSDPRunner(Runner):
         self.model = TransformerLM(plan.model())
         self.parameters = sum(p.numel() for p in self.model.parameters())
         world = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (NODES, world // NODES), mesh_dim_names=("replicate", "shard"))
+        nodes = method.get("nodes", NODES)
+        mesh = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
         native = method["kind"] == "native"
         policy = MixedPrecisionPolicy(reduce_dtype=getattr(torch, method["reduce_dtype"])) if native else \
             MixedPrecisionPolicy()
@@ -89,9 +92,10 @@ class HSDPRunner(Runner):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    if args.world % NODES:
-        raise SystemExit(f"hsdp_worker: --world must be a multiple of {NODES} (two nodes), got {args.world}")
-    return run_rank(args=args, make_runner=HSDPRunner, on_link=lambda call: crosses_nodes(call, args.world))
+    nodes = json.loads(args.method)[1].get("nodes", NODES)
+    if args.world % nodes:
+        raise SystemExit(f"hsdp_worker: --world must be a multiple of the {nodes} nodes, got {args.world}")
+    return run_rank(args=args, make_runner=HSDPRunner, on_link=lambda call: crosses_nodes(call, args.world, nodes))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """DCP save and resume of deepreduce's FSDP comms on gloo ranks (tests/test_torch_fsdp_checkpoint.py).
 
-Two settings on 2 ranks, each with per-rank state: ``fsdp`` (1-D FSDP, a Top-r config with an
+Three settings on 2 ranks, each with per-rank state: ``fsdp`` (1-D FSDP, a Top-r config with an
 error-feedback residual of each module's reduce-scatter input) and ``hsdp`` (a 2x1 (replicate,
 shard) mesh, the recipe of docs/fsdp.md: the sparse all-reduce over the replicate group keeps
-owner residuals of each rank's shard, plus the pipeline's residual). ``run_save`` trains ``K``
+owner residuals of each rank's shard, plus the pipeline's residual; ``hsdp_compact`` the same with
+every entry in 8 bits and the pipeline's residual kept as int8 codes, ``compact_residual``). ``run_save`` trains ``K``
 steps, saves model, optimizer and the handle with ``dcp.save``, then trains ``M`` more steps
 recording every container this rank sent; ``run_resume`` (fresh processes) loads the checkpoint
 and trains the same ``M`` steps, recording the same, loads the checkpoint again into the now
@@ -32,7 +33,11 @@ K, M = 3, 4
 RESIDUAL_TOPK = {"sparsifier": {"id": "topk", "ratio": 0.1}, "index": {"id": "raw"}, "value": {"id": "raw"},
                  "memory": {"id": "residual"}}
 HSDP = dict(RESIDUAL_TOPK, aggregation={"id": "sparse_allreduce"})
-SETTINGS = ("fsdp", "hsdp")
+# every entry, 8-bit values, the int8 residual of memory_compact (its codes and scales are the state)
+COMPACT = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "rle"},
+           "value": {"id": "qsgd", "levels": 127, "bucket_size": 16}, "memory": {"id": "compact_residual", "block": 8},
+           "aggregation": {"id": "sparse_allreduce"}}
+SETTINGS = ("fsdp", "hsdp", "hsdp_compact")
 
 
 def build(setting, config=None):
@@ -43,7 +48,8 @@ def build(setting, config=None):
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
         model = make(mesh["shard"])
-        handle = fsdp.register(model, config or HSDP, replicate_group=mesh["replicate"].get_group())
+        handle = fsdp.register(model, config or (COMPACT if setting == "hsdp_compact" else HSDP),
+                               replicate_group=mesh["replicate"].get_group())
     return model, torch.optim.Adam(model.parameters(), lr=0.01), handle
 
 
