@@ -7,10 +7,12 @@ PPoPP'22; the owner-side residual is DeepSpeed's "server error"):
 1. every rank compensates and selects once over the whole tensor (its pipeline's memory and
    sparsifier) and encodes the part of its selection that falls in shard ``j`` as its own
    container (:func:`deepreduce.collective.shards.encode_shards`), sent to rank ``j`` by one alltoall;
-2. the owner decode-sums the N containers of its shard, adds its owner residual, re-selects
-   (``reselect="topk"``: the shard's top ``ratio``, so the result has about k entries;
-   ``"none"``: every non-zero of the sum, the exact union), keeps what it did not send in the
-   owner residual, and encodes the result; one allgather returns every shard to every rank.
+2. the owner adds the entries of the N containers of its shard into its owner residual (in
+   rank order, entry by entry: no dense decode of the sum), re-selects there (``reselect="topk"``:
+   the shard's top ``ratio``, so the result has about k entries; ``"none"``: every non-zero, the
+   exact union), takes what it sends out of the residual, and encodes it; one allgather returns
+   every shard to every rank. A step that raises on any rank puts back the values the owner
+   step changed (journaled position by position, not as a copy of the shard).
 
 Each rank receives about k entries in each phase (k/N from each rank, then k/N from each
 owner) whatever N is, against k(N-1) for the allgather of whole containers. The shard
