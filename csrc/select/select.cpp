@@ -308,6 +308,23 @@ Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int thread
 }
 
 void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out) {
+    // One pass where a sample's bound holds r entries (most tensors): gather what reaches it.
+    // finish_topk picks the same r positions from any superset of the entries at or above the
+    // cut, so the result is the histogram path's, position for position.
+    const uint32_t sampled = sampled_bound(x, nullptr, n, r);
+    if (sampled > 0 && r > 0 && r < n) {
+        Chunks chunks(n, threads);
+        Candidates cand(chunks.count);
+        run_chunks(chunks.count, [&](int c) {
+            const int64_t lo = chunks.begin(c), hi = chunks.end(c);
+            cand.reserve(c, (hi - lo) * (r + r / 2) / n + 64);
+            cand.gather_from(c, x, lo, hi, sampled);
+        });
+        if (cand.size() >= r) {
+            finish_topk(cand, r, out);
+            return;
+        }
+    }
     const std::vector<uint64_t> hist = histogram(x, n, threads);
     // The bucket holding the r-th largest magnitude: gather it and everything above.
     int64_t bucket = HIST_SIZE - 1;
