@@ -102,6 +102,48 @@ def test_recorder_restores_torch_distributed():
         {"sent": 4, "received": 5}
 
 
+def test_recorder_keeps_a_background_reduction_made_between_steps():
+    """A streaming DiLoCo row's reduction runs on the engine's thread and may finish while the
+    harness is not recording (between steps, during evaluation): it is still the training's."""
+    import threading
+
+    import torch.distributed as dist
+
+    from experiments.reproduce.replay_runs import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    recorder = comm_record.CollectiveRecorder().install()
+    try:
+        dist.all_reduce(torch.zeros(3))                        # the harness's own, not recording
+        worker = threading.Thread(target=dist.all_reduce, args=(torch.zeros(5),))
+        worker.start()
+        worker.join()
+        recorder.recording = True
+        dist.all_reduce(torch.zeros(7))                        # the step's own
+        assert [c["bytes_in"] for c in recorder.take()] == [20, 28] and recorder.take() == []
+    finally:
+        recorder.uninstall()
+        dist.destroy_process_group()
+
+
+def test_a_streaming_row_is_evaluated_on_the_global_parameters():
+    from types import SimpleNamespace
+
+    from experiments.reproduce.semisync_worker import global_view
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    diloco = SimpleNamespace(named=[("w", weight)], globals=[torch.full((3,), 5.0)])
+    streaming = SimpleNamespace(diloco=diloco, method={"fragments": 2, "delay": 1})
+    with global_view(streaming):
+        assert weight.tolist() == [5.0] * 3
+    assert weight.tolist() == [1.0] * 3 and diloco.globals[0].tolist() == [5.0] * 3
+    for method in ({"fragments": 1, "delay": 0}, {}):                 # every worker holds θ_global there
+        with global_view(SimpleNamespace(diloco=diloco, method=method)):
+            assert weight.tolist() == [1.0] * 3
+    with global_view(SimpleNamespace(method={"fragments": 2})):       # a row without DiLoCo
+        pass
+
+
 def test_ranks_share_namespaces_in_blocks():
     assert [netns.namespace_of(r, 2) for r in range(4)] == [0, 0, 1, 1]
     assert [netns.namespace_of(r, 1) for r in range(2)] == [0, 1]
@@ -124,6 +166,44 @@ def test_evaluation_steps_fall_on_outer_steps():
     assert sm.select(["semisync_h30"]) == ["ddp_fp32", "semisync_h30"]
     with pytest.raises(ValueError, match="at least 1"):
         sm.budget(False, 0)
+
+
+def test_outer_optimizer_is_a_name_or_its_own_settings():
+    assert sm.outer_sgd("average") == {"lr": 1.0}
+    assert sm.outer_sgd("nesterov") == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert sm.outer_sgd(sm.NESTEROV_05) == {"lr": 1.0, "momentum": 0.5, "nesterov": True}
+    sm.outer_sgd("average")["lr"] = 9.0                      # a copy: the table's settings stay
+    assert sm.OUTER_LR["average"] == {"lr": 1.0}
+    with pytest.raises(ValueError, match="unknown outer optimizer 'adam'"):
+        sm.outer_sgd("adam")
+    with pytest.raises(ValueError, match="needs 'lr'.*'betas'"):
+        sm.outer_sgd({"lr": 1.0, "betas": (0.9, 0.99)})
+    with pytest.raises(ValueError, match="needs 'lr'"):
+        sm.outer_sgd({"momentum": 0.5})
+
+
+def test_sweep_rows_run_only_when_named():
+    assert not set(sm.SWEEP) & set(sm.METHODS) and set(sm.select(None)) == set(sm.METHODS)
+    name = next(iter(sm.SWEEP))
+    assert sm.select([name, "semisync_h30"]) == ["ddp_fp32", "semisync_h30", name]
+    assert sm.spec(name) is sm.SWEEP[name] and sm.spec("ddp_fp32") is sm.METHODS["ddp_fp32"]
+    with pytest.raises(ValueError, match="sweep's"):
+        sm.select(["nope"])
+
+
+def test_a_sweep_config_resolves_as_the_shipped_config_of_its_parameters(tmp_path):
+    """A row written as a dict resolves to what ``configs/NAME.yaml`` of the same parameters
+    loads to, so a config shipped from the sweep reuses the sweep's cached runs."""
+    (tmp_path / "dense.yaml").write_text("sparsifier: {id: chunk_topk, chunk: 4096, k: 256}\n"
+                                         "index: {id: chunk_enum, chunk: 4096}\nvalue: {id: binmean, bits: 2}\n"
+                                         "memory: {id: decayed_residual, decay: 0.95}\n")
+    written = semisync.named_config("dense", Result("x", "x", []), str(tmp_path))
+    sm.SWEEP["_probe"] = sm._diloco(30, sm.chunked(4096, 256, 2), outer="average")
+    try:
+        resolved = semisync.resolve(["_probe"], Result("x", "x", []), None)["_probe"]
+    finally:
+        del sm.SWEEP["_probe"]
+    assert resolved["compression"] == written and sm.SWEEP.get("_probe") is None
 
 
 def test_chunk_k_is_restated_as_a_ratio_for_the_sparse_allreduce():

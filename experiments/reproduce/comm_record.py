@@ -22,6 +22,7 @@ every rank but the root. These are collective-level figures; a ring all-reduce p
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, List, Optional
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "broadcast",
@@ -82,19 +83,25 @@ def message(op: str, args: tuple, kwargs: dict, rank: int, world: int) -> Dict[s
 class CollectiveRecorder:
     """Wraps ``torch.distributed``'s collectives; records the calls made while ``recording``.
 
-    ``install()`` patches the module functions (``uninstall()`` restores them); calls made while
-    ``recording`` is False (evaluation, barriers of the harness) pass through unrecorded. ``take()``
-    returns the calls recorded since the last ``take()`` and forgets them.
+    ``install()`` patches the module functions (``uninstall()`` restores them); calls the
+    installing thread makes while ``recording`` is False (evaluation, barriers of the harness) pass
+    through unrecorded. Calls from any other thread are always recorded: they are a reduction
+    running in the background (DiLoCo's engine thread with a ``delay``), which may finish between
+    two steps or during an evaluation, and belong to the training's messages (they go to the next
+    ``take()``). ``take()`` returns the calls recorded since the last ``take()`` and forgets them.
     """
 
     def __init__(self) -> None:
         self.recording = False
         self.calls: List[Dict[str, object]] = []
         self._saved: Dict[str, Callable] = {}
+        self._owner: Optional[int] = None
+        self._lock = threading.Lock()
 
     def install(self) -> "CollectiveRecorder":
         import torch.distributed as dist
 
+        self._owner = threading.get_ident()
         for op in OPS:
             original = getattr(dist, op, None)
             if original is None or op in self._saved:
@@ -112,18 +119,20 @@ class CollectiveRecorder:
 
     def _wrap(self, op: str, original: Callable, dist) -> Callable:
         def call(*args, **kwargs):
-            if self.recording:
+            if self.recording or threading.get_ident() != self._owner:
                 group = kwargs.get("group")
                 call = message(op, args, kwargs, dist.get_rank(group), dist.get_world_size(group))
                 call["ranks"] = None if group is None else list(dist.get_process_group_ranks(group))
-                self.calls.append(call)
+                with self._lock:
+                    self.calls.append(call)
             return original(*args, **kwargs)
 
         call.__wrapped__ = original
         return call
 
     def take(self) -> List[Dict[str, object]]:
-        calls, self.calls = self.calls, []
+        with self._lock:
+            calls, self.calls = self.calls, []
         return calls
 
 

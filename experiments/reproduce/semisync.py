@@ -44,6 +44,8 @@ import os
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
+from deepreduce.config import load_config
+
 from . import replay_runs
 from . import semisync_methods as sm
 from . import semisync_replay as rp
@@ -65,8 +67,10 @@ def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) ->
     """Each method with its named configs read (``configs/<name>.yaml``); a missing one is noted and skipped."""
     out = {}
     for name in names:
-        method = dict(sm.METHODS[name])
+        method = dict(sm.spec(name))
         key = "config" if method["kind"] == "ddp" else "compression"
+        if name in sm.SWEEP and isinstance(method.get(key), dict):
+            method[key] = load_config(method[key])     # as a shipped config of the same parameters reads
         if isinstance(method.get(key), str):
             config = named_config(method[key], result, configs_dir)
             if config is None:
@@ -330,6 +334,6 @@ def plot(result: Result, curves: Dict[str, dict], out_dir: str) -> None:
         mine = {key.split("/", 1)[1]: curve for key, curve in curves.items() if int(key.split("/")[0]) == world}
         for col, xkey in enumerate(columns):
             title = f"{world} workers" + (f", {xkey[5:]}" if timed else " (no time phase yet)")
-            replay_runs.draw_curves(axes[row][col], mine, xkey, lambda name: sm.METHODS[name]["kind"] == "ddp",
+            replay_runs.draw_curves(axes[row][col], mine, xkey, lambda name: sm.spec(name)["kind"] == "ddp",
                                     "inner step", title)
     save_figure(result, fig, out_dir, "semisync_loss_vs_time.png")

@@ -12,9 +12,14 @@ A method is a JSON-able dict that travels to the ranks:
   "average", "aggregation": None | "sparse_allreduce", "fragments": P, "delay": d}``:
   :class:`deepreduce.torch.DiLoCo` around the same AdamW inner loop; ``compression`` is a shipped
   config's name (``configs/NAME.yaml``) or a config written here (:data:`FP32`: one float32
-  all-reduce per outer step; :data:`INT8`); ``outer`` is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9; ALGORITHMS.md
-  IV.1) or SparseLoCo's plain averaging (SGD, lr 1, no momentum; IV.4), the latter for the recipes
-  whose error-feedback accumulator replaces outer momentum.
+  all-reduce per outer step; :data:`INT8`; :func:`chunked`); ``outer`` is DiLoCo's Nesterov SGD
+  (lr 0.7, momentum 0.9; ALGORITHMS.md IV.1) or SparseLoCo's plain averaging (SGD, lr 1, no
+  momentum; IV.4), the latter for the recipes whose error-feedback accumulator replaces outer
+  momentum, or a dict of SGD settings of the row's own (:func:`outer_sgd`).
+
+:data:`METHODS` are the table's rows (a default run trains them all); :data:`SWEEP` holds the rows
+of the sweep toward the issue's loss-and-bits target (docs/semisync.md, "Quality at this budget"),
+trained only when ``--methods`` names them.
 
 The int8 rows use deepreduce's QSGD value codec at 127 levels (int8 codes) with one float32 norm
 per 64 values, every entry sent, no error feedback (INTELLECT-1's int8 pseudo-gradient, IV.5, has
@@ -35,7 +40,7 @@ INT8 = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "rle"},
         "value": {"id": "qsgd", "levels": 127, "bucket_size": 64}, "memory": {"id": "none"}}
 
 
-def _diloco(h: int, compression, outer: str = "nesterov", aggregation: Optional[str] = None,
+def _diloco(h: int, compression, outer="nesterov", aggregation: Optional[str] = None,
             fragments: int = 1, delay: int = 0) -> dict:
     return {"kind": "diloco", "sync_every": h, "compression": compression, "outer": outer,
             "aggregation": aggregation, "fragments": fragments, "delay": delay}
@@ -60,11 +65,63 @@ METHODS: Dict[str, dict] = {
     "semisync_h30_nesterov": _diloco(30, "semisync_topk"),
     "semisync_dense_h30": _diloco(30, "semisync_dense", outer="average"),
 }
+
+
+def chunked(chunk: int, k: int, bits: int, decay: float = 0.95) -> dict:
+    """A semi-synchronous config written here: chunked Top-``k`` of ``chunk`` with decayed error
+    feedback, ``chunk_enum`` indices and ``bits``-bit bin-mean values (the sweep's rows; a shipped
+    config of the same parameters resolves to the same dict, so its cached runs carry over)."""
+    return {"sparsifier": {"id": "chunk_topk", "chunk": chunk, "k": k}, "index": {"id": "chunk_enum", "chunk": chunk},
+            "value": {"id": "binmean", "bits": bits}, "memory": {"id": "decayed_residual", "decay": decay}}
+
+
+# Nesterov outer SGD at a mild momentum: its lookahead extrapolates the averaged step (DiLoCo's
+# momentum 0.9 at lr 0.7 overshoots on this budget, docs/benchmarks.md).
+NESTEROV_05 = {"lr": 1.0, "momentum": 0.5, "nesterov": True}
+
+# The sweep toward the issue's target (docs/semisync.md, "Quality at this budget: the sweep"):
+# rows that ``--methods`` may name but that a default run leaves out. Names: period H, chunk (c1k:
+# 1,024; c4k: 4,096) and k per chunk, value bits, then what differs from decay 0.95 and averaging.
+SWEEP: Dict[str, dict] = {
+    # the loss of semi-synchrony itself: the uncompressed pseudo-gradient, plainly averaged
+    "diloco_h30_fp32_avg": _diloco(30, FP32, outer="average"),
+    "diloco_h10_fp32_avg": _diloco(10, FP32, outer="average"),
+    "sweep_h30_c4k_k256_b2_d1": _diloco(30, chunked(4096, 256, 2, decay=1.0), outer="average"),
+    "sweep_h30_c1k_k128_b2": _diloco(30, chunked(1024, 128, 2), outer="average"),
+    "sweep_h30_c1k_k128_b2_d09": _diloco(30, chunked(1024, 128, 2, decay=0.9), outer="average"),
+    "sweep_h30_c1k_k128_b2_n05": _diloco(30, chunked(1024, 128, 2), outer=NESTEROV_05),
+    "sweep_h30_c1k_k128_b2_lr15": _diloco(30, chunked(1024, 128, 2), outer={"lr": 1.5}),
+    "sweep_h30_c1k_k256_b2": _diloco(30, chunked(1024, 256, 2), outer="average"),
+    "sweep_h30_c1k_k256_b2_lr15": _diloco(30, chunked(1024, 256, 2), outer={"lr": 1.5}),
+    "sweep_h30_c1k_k256_b2_lr2": _diloco(30, chunked(1024, 256, 2), outer={"lr": 2.0}),
+    "sweep_h20_c1k_k128_b2": _diloco(20, chunked(1024, 128, 2), outer="average"),
+    "sweep_h15_c1k_k64_b2": _diloco(15, chunked(1024, 64, 2), outer="average"),
+    "sweep_h10_c1k_k48_b2": _diloco(10, chunked(1024, 48, 2), outer="average"),
+    "sweep_h10_c1k_k48_b2_d098": _diloco(10, chunked(1024, 48, 2, decay=0.98), outer="average"),
+    # Streaming DiLoCo of the best row: 2 fragments synced 5 steps apart, each applied 1 step late
+    "sweep_h10_c1k_k48_b2_stream": _diloco(10, chunked(1024, 48, 2), outer="average", fragments=2, delay=1),
+    # ... and of the H = 30 row, where the step a fragment trains during its delay is 1 of 30
+    "sweep_h30_c1k_k256_b2_stream": _diloco(30, chunked(1024, 256, 2), outer="average", fragments=2, delay=1),
+}
 BASELINE = "ddp_fp32"
 PER_STEP_BEST = "lm_topk"
 # The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
 GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra")
 OUTER_LR = {"nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True}, "average": {"lr": 1.0}}
+
+
+def outer_sgd(outer) -> dict:
+    """The ``torch.optim.SGD`` arguments of a method's ``outer``: a name of :data:`OUTER_LR`, or a
+    dict of its own (``lr``, ``momentum``, ``nesterov``) for a row tuned apart from the named ones."""
+    if isinstance(outer, str):
+        if outer not in OUTER_LR:
+            raise ValueError(f"semisync: unknown outer optimizer {outer!r}; known: {', '.join(OUTER_LR)} or a dict")
+        return dict(OUTER_LR[outer])
+    unknown = set(outer) - {"lr", "momentum", "nesterov"}
+    if unknown or "lr" not in outer:
+        raise ValueError(f"semisync: an outer optimizer dict needs 'lr' and may carry 'momentum' and 'nesterov', "
+                         f"got {sorted(outer)}")
+    return dict(outer)
 
 
 @dataclass(frozen=True)
@@ -140,7 +197,13 @@ def select(names: Optional[Sequence[str]]) -> List[str]:
     """The methods to run, in table order, with the DDP fp32 baseline always first."""
     if not names:
         return list(METHODS)
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if n not in METHODS and n not in SWEEP]
     if unknown:
-        raise ValueError(f"semisync: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
-    return [n for n in METHODS if n == BASELINE or n in names]
+        raise ValueError(f"semisync: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)} "
+                         f"and the sweep's {', '.join(SWEEP)}")
+    return [n for n in {**METHODS, **SWEEP} if n == BASELINE or n in names]
+
+
+def spec(name: str) -> dict:
+    """The method dict of a row of :data:`METHODS` or :data:`SWEEP`."""
+    return METHODS[name] if name in METHODS else SWEEP[name]

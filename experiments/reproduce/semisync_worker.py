@@ -24,6 +24,7 @@ machine may be busy while this runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -83,12 +84,12 @@ class Runner:
         if method["kind"] == "diloco":
             from deepreduce.torch import DiLoCo
 
-            from .semisync_methods import OUTER_LR
+            from .semisync_methods import outer_sgd
 
             compression = method["compression"]
             if method.get("aggregation"):
                 compression = dict(compression, aggregation={"id": method["aggregation"]})
-            outer = torch.optim.SGD(self.model.parameters(), **OUTER_LR[method["outer"]])
+            outer = torch.optim.SGD(self.model.parameters(), **outer_sgd(method["outer"]))
             h = min(sync_every(method, plan), plan.profile_sync) if profile else sync_every(method, plan)
             self.diloco = DiLoCo(self.model, self.opt, outer, sync_every=h, compression=compression,
                                  fragments=method.get("fragments", 1), delay=method.get("delay", 0))
@@ -157,6 +158,35 @@ def evaluate(model, ids, targets, data) -> tuple:
     return loss / tokens, data.bits_per_byte(loss / tokens, int(tokens), int(nbytes))
 
 
+@contextlib.contextmanager
+def global_view(runner):
+    """The model holding DiLoCo's global parameters while evaluated, for a streaming row.
+
+    A DiLoCo row is evaluated at its outer steps, where every worker holds θ_global, except a
+    streaming one (``fragments`` > 1 or ``delay`` > 0): there the other fragments trained on
+    locally since their syncs and a delayed reduction is not applied yet, so each rank would
+    evaluate its own local model. Streaming DiLoCo evaluates the global model; so does this (the
+    parameters of the last applied reductions; one in flight is not in them). Other rows: unchanged.
+    """
+    import torch
+
+    diloco = getattr(runner, "diloco", None)
+    method = getattr(runner, "method", {})
+    if diloco is None or (method.get("fragments", 1) == 1 and method.get("delay", 0) == 0):
+        yield
+        return
+    saved = [p.detach().clone() for _, p in diloco.named]
+    with torch.no_grad():
+        for (_, p), g in zip(diloco.named, diloco.globals):
+            p.copy_(g)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (_, p), local in zip(diloco.named, saved):
+                p.copy_(local)
+
+
 def train(args, name: str, method: dict, plan, data, make_runner=None, on_link=None) -> dict:
     """Train and record (see the module docstring). ``make_runner``: the runner's class (default
     :class:`Runner`; :mod:`~experiments.reproduce.hsdp_worker` passes its FSDP one). ``on_link``:
@@ -188,7 +218,8 @@ def train(args, name: str, method: dict, plan, data, make_runner=None, on_link=N
             steps.append([[c["op"], c["bytes_in"], c["bytes_received"]] for c in calls
                           if on_link is None or on_link(c)])
             if k + 1 in wanted:
-                loss, bpb = evaluate(runner.model, *val, data)
+                with global_view(runner):
+                    loss, bpb = evaluate(runner.model, *val, data)
                 curve.append({"step": k + 1, "val_loss": loss, "bpb": bpb,
                               "train_loss": float(np.mean(losses[-plan.eval_every:]))})
                 if not math.isfinite(loss):
