@@ -298,7 +298,7 @@ def targets(result: Result, records) -> None:
     """The issue's targets, met or missed by how much, as notes."""
     rows = {(r["workers"], r["method"]): r for r in result.rows}
     for world in sorted(records):
-        semi = [rows[(world, n)] for n in ("semisync_h30", "semisync_h30_sra") if (world, n) in rows]
+        semi = [rows[(world, n)] for n in sm.SHIPPED_SEMISYNC if (world, n) in rows]
         if not semi:
             continue
         good = [r for r in semi if r["vs_ddp_pct"] <= 100 * TOLERANCE and r["sent_bppis"] <= BITS_TARGET]

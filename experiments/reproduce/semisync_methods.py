@@ -64,6 +64,8 @@ METHODS: Dict[str, dict] = {
     "semisync_h100": _diloco(100, "semisync_topk", outer="average"),
     "semisync_h30_nesterov": _diloco(30, "semisync_topk"),
     "semisync_dense_h30": _diloco(30, "semisync_dense", outer="average"),
+    # the sweep's best (docs/semisync.md): finer chunks, synchronised every 10 steps
+    "semisync_chunked_h10": _diloco(10, "semisync_chunked", outer="average"),
 }
 
 
@@ -104,6 +106,8 @@ SWEEP: Dict[str, dict] = {
     "sweep_h30_c1k_k256_b2_stream": _diloco(30, chunked(1024, 256, 2), outer="average", fragments=2, delay=1),
 }
 BASELINE = "ddp_fp32"
+# deepreduce's shipped semi-synchronous configs: the rows the targets are checked on
+SHIPPED_SEMISYNC = ("semisync_h30", "semisync_h30_sra", "semisync_dense_h30", "semisync_chunked_h10")
 PER_STEP_BEST = "lm_topk"
 # The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
 GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra")
