@@ -251,19 +251,26 @@ class ResidualMemory(Memory):
         """Replace every residual with the checkpoint's; errors name a malformed entry
         (:mod:`deepreduce.checkpoint`)."""
         owner = f"memory {self.id!r}"
-        residuals = checkpoint.checked_keys(owner, state, ("residuals",))["residuals"]
-        if not isinstance(residuals, dict):
-            raise ConfigError(f"{owner}: 'residuals' must be a dict of name -> array")
         loaded = {}
-        for name, residual in residuals.items():
-            if not isinstance(name, str):
-                raise ConfigError(f"{owner}: residual names must be strings, got {quote(name)}")
+        for name, residual in residual_entries(owner, state, "array"):
             if isinstance(residual, dict):
                 loaded[name] = _checked_sparse(owner, name, residual)
             else:
                 loaded[name] = checkpoint.checked_array(owner, f"residual {name!r}", residual, "float")
         self.reset()
         self._residuals.update(loaded)
+
+
+def residual_entries(owner: str, state: dict, kind: str):
+    """(name, entry) of a memory checkpoint's ``{"residuals": {name: entry}}``, the names checked
+    (ConfigError naming ``owner``; ``kind`` says what an entry is)."""
+    residuals = checkpoint.checked_keys(owner, state, ("residuals",))["residuals"]
+    if not isinstance(residuals, dict):
+        raise ConfigError(f"{owner}: 'residuals' must be a dict of name -> {kind}")
+    for name, entry in residuals.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{owner}: residual names must be strings, got {quote(name)}")
+        yield name, entry
 
 
 def _checked_sparse(owner: str, name: str, state: dict) -> SparseResidual:

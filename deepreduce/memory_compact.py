@@ -42,8 +42,8 @@ import numpy as np
 
 from . import checkpoint
 from .backend import arrays, kernels
-from .errors import CommunicationError, ConfigError, DeepReduceError, quote
-from .memory import Compensated, Memory, union_sum
+from .errors import CommunicationError, ConfigError, DeepReduceError
+from .memory import Compensated, Memory, residual_entries, union_sum
 from .params import Param
 from .registry import register
 
@@ -237,13 +237,8 @@ class CompactResidualMemory(Memory):
         """Replace every residual with the checkpoint's, checked whole first: codes in
         ``[-127, 127]``, ``ceil(numel / block)`` finite non-negative scales."""
         owner = f"memory {self.id!r}"
-        residuals = checkpoint.checked_keys(owner, state, ("residuals",))["residuals"]
-        if not isinstance(residuals, dict):
-            raise ConfigError(f"{owner}: 'residuals' must be a dict of name -> {{'codes', 'scales'}}")
         loaded = {}
-        for name, entry in residuals.items():
-            if not isinstance(name, str):
-                raise ConfigError(f"{owner}: residual names must be strings, got {quote(name)}")
+        for name, entry in residual_entries(owner, state, "{'codes', 'scales'}"):
             entry = checkpoint.checked_keys(f"{owner} residual {name!r}", entry, ("codes", "scales"))
             codes = checkpoint.checked_array(owner, f"residual {name!r} codes", entry["codes"], "int")
             if codes.size and (codes.min() < -LEVELS or codes.max() > LEVELS):
