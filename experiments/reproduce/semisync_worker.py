@@ -35,6 +35,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from .quality_worker import evaluate
+
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one rank of deepreduce reproduce semisync")
@@ -139,23 +141,6 @@ def plain_stats(stats: dict) -> dict:
         elif hasattr(value, "item"):
             out[str(key)] = value.item()
     return out
-
-
-def evaluate(model, ids, targets, data) -> tuple:
-    """``(mean validation loss in nats per token, bits per byte)`` over every rank's windows."""
-    import torch
-    import torch.distributed as dist
-
-    from ..lm.model import loss_sum
-
-    model.eval()
-    with torch.no_grad():
-        total = loss_sum(model, torch.from_numpy(ids), torch.from_numpy(targets)).item() if len(ids) else 0.0
-    model.train()
-    sums = torch.tensor([total, targets.size, data.bytes_of(targets)], dtype=torch.float64)
-    dist.all_reduce(sums)
-    loss, tokens, nbytes = sums.tolist()
-    return loss / tokens, data.bits_per_byte(loss / tokens, int(tokens), int(nbytes))
 
 
 @contextlib.contextmanager
