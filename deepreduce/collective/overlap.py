@@ -1,17 +1,30 @@
-"""How much of one stage of a reduction others hid, and the ``background`` option's reading.
+"""Per-tensor chains of work on a few threads, and how much of one stage the others hid.
 
 A data-parallel reduction handles each gradient with a chain: encode it, run the collective
-that exchanges the containers, decode what came back. The step engine starts each encode on its
-background worker as gradients arrive, so one tensor's encode proceeds while another tensor's
+that exchanges the containers, decode what came back. Run one chain after another, each
+encode waits for the previous tensor's collective round trip. :func:`run_in_order` runs the
+chains on a few threads instead, so one tensor's encode proceeds while another tensor's
 collective or decode is in flight (the C++ kernels, large NumPy passes and blocking collective
 calls release the GIL). :func:`covered_seconds` measures that overlap from the times each
-stage recorded (``compression_stats()["encode_hidden_seconds"]``); :func:`check_workers` reads a
-binding's ``background`` option. Framework-free.
+chain recorded; :func:`run_chains` does both for chains of an encode and what follows it.
+Framework-free. The TensorFlow binding uses :func:`check_workers` and :func:`covered_seconds`
+(:mod:`deepreduce.tensorflow.routes`); its encodes now run on the step engine's worker, so
+:func:`run_in_order` and :func:`run_chains` have no caller in the library.
+
+Why a blocking collective inside a task cannot deadlock the ranks: every rank submits the same
+tasks in the same order, and a thread pool starts tasks in submission order. Take the first task
+(in that order) not yet finished on some rank: every earlier task has finished everywhere, so on
+every rank that task is already running (a free or freed thread took it before any later one),
+its collective is submitted on every rank, and it completes. Runtimes that match collectives by
+name (Horovod) need nothing more; the order in which tasks *reach* their collectives may differ
+between ranks.
 """
 from __future__ import annotations
 
 import bisect
-from typing import List, Sequence, Tuple, TypeVar
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..errors import ConfigError
 
@@ -34,6 +47,40 @@ def check_workers(background, owner: str) -> int:
         return background
     raise ConfigError(f"{owner}: background must be True, False or a positive number of worker threads, "
                       f"got {background!r}")
+
+
+def run_in_order(task: Callable[[T], R], items: Iterable[T], workers: int) -> List[R]:
+    """``[task(item) for item in items]``, the tasks run on ``workers`` threads (inline for 1).
+
+    Tasks start in the items' order (see the module docstring for why that matters). Every task
+    runs to its end even when another one fails, so a rank still takes part in every collective
+    its peers expect; then the first failure in item order is re-raised as it was raised (same
+    exception object: type, message, traceback). The threads exist for this call only.
+    """
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [task(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="deepreduce-chain") as pool:
+        futures = [pool.submit(task, item) for item in items]
+        wait(futures)
+    return [future.result() for future in futures]
+
+
+def run_chains(encode: Callable[[T], object], rest: Callable[[T, object], R], items: Iterable[T],
+               workers: int) -> Tuple[List[R], float, float]:
+    """``[rest(item, encode(item)) for item in items]`` by :func:`run_in_order`, timed: returns
+    (the results, the encodes' total seconds, the part of them that ran while another chain's
+    ``rest`` -- its collective and decode -- was in flight, :func:`covered_seconds`)."""
+    def chain(item):
+        start = time.perf_counter()
+        encoded = encode(item)
+        middle = time.perf_counter()
+        return rest(item, encoded), (start, middle), (middle, time.perf_counter())
+
+    done = run_in_order(chain, items, workers)
+    encodes = [d[1] for d in done]
+    return [d[0] for d in done], sum(end - start for start, end in encodes), \
+        covered_seconds(encodes, [d[2] for d in done])
 
 
 def covered_seconds(spans: Sequence[Span], covers: Sequence[Span]) -> float:

@@ -10,7 +10,8 @@ finishes the engine (every rank's containers decode-summed, the one ``nonfinite`
 average). Eagerly with ``background`` on (the default) the engine encodes on its worker thread
 while this thread hands each container to its allgather as soon as it is ready, so later encodes
 run while earlier collectives wait; ``compression_stats()["encode_hidden_seconds"]`` sums that
-encode time.
+encode time (the engine's worker replaced the eager chains of
+:func:`deepreduce.collective.overlap.run_chains`).
 
 Under ``aggregation: sparse_allreduce`` or ``auto`` the step's gradients are reduced by one op
 that runs on the host: the step engine takes each tensor's route at this step (the sparse
