@@ -7,9 +7,7 @@ chains on a few threads instead, so one tensor's encode proceeds while another t
 collective or decode is in flight (the C++ kernels, large NumPy passes and blocking collective
 calls release the GIL). :func:`covered_seconds` measures that overlap from the times each
 chain recorded; :func:`run_chains` does both for chains of an encode and what follows it.
-Framework-free. The TensorFlow binding uses :func:`check_workers` and :func:`covered_seconds`
-(:mod:`deepreduce.tensorflow.routes`); its encodes now run on the step engine's worker, so
-:func:`run_in_order` and :func:`run_chains` have no caller in the library.
+Framework-free: the TensorFlow binding's eager reduction (:mod:`deepreduce.tensorflow.routes`) uses it.
 
 Why a blocking collective inside a task cannot deadlock the ranks: every rank submits the same
 tasks in the same order, and a thread pool starts tasks in submission order. Take the first task

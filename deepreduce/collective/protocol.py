@@ -1,11 +1,12 @@
-"""The per-step bookkeeping of the step engine (:mod:`deepreduce.collective.step`), framework-free:
+"""The per-step bookkeeping the step engine (:mod:`deepreduce.collective.step`) and the TF
+graph route share, framework-free:
 
 * the route a tensor takes this step (:meth:`ReductionProtocol.route`: the ``auto`` plan's choice
   or the config's aggregation) and the residual flush of a tensor sent dense
   (:meth:`ReductionProtocol.take_residual`);
-* what the engine records for the step's end: a tensor's error (:meth:`ReductionProtocol.fail`)
-  or non-finite container under ``nonfinite: raise`` (:meth:`ReductionProtocol.skip`), for a
-  binding that ends the step in an op of its own (TensorFlow's);
+* for TF's allgather graph ops, which decide in a later op: the receive-side verdict on gathered
+  containers (:meth:`ReductionProtocol.report`, with :meth:`ReductionProtocol.decide`, the
+  ``nonfinite`` policy's reading of a flagged container);
 * the end of a step (:meth:`ReductionProtocol.end_step`): commit or undo every residual the step
   touched (the pipeline's and the sparse all-reduce's owner residuals), the ``auto`` plan's turn,
   and the step's first error raised on every rank.
@@ -16,12 +17,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import CommunicationError
+from ..errors import CommunicationError, DeepReduceError
 from ..pipeline import Pipeline
 from ..wire import container
 from . import agreement, failure
 
 Found = Tuple[int, int, int]   # (rank, NaN count, Inf count) of a non-finite container
+FINE, FAILED_REPORT = (-1, 0, 0), (-2, 0, 0)   # what report() says of a tensor to decode / of a failed one
 
 
 class ReductionProtocol:
@@ -70,11 +72,31 @@ class ReductionProtocol:
                 raise CommunicationError(f"{label}: rank {rank} sent {len(parts)} containers, expected {count}")
         return per_rank
 
+    def report(self, payloads: Sequence, name: str, step: int) -> Found:
+        """The receive-side decision for one tensor, for adapters that decode in a later op
+        (TensorFlow): :data:`FAILED_REPORT` when a rank sent :func:`~deepreduce.collective.failure.payload` (the error is
+        recorded, :meth:`end_step` raises it), a non-finite container's (rank, NaN, Inf) (recorded
+        as :meth:`skip`), else :data:`FINE`. Only the first two skip the decode."""
+        try:
+            failure.raise_if_failed(payloads, name, step)
+        except DeepReduceError as exc:
+            self.fail(name, step, exc)
+            return FAILED_REPORT
+        found = self.decide(payloads)
+        if found is None:
+            return FINE
+        self.skip(name, step, found)
+        return found
+
     def fail(self, name: str, step: int, error: BaseException) -> None:
         """Record ``error`` of ``name`` at ``step`` (the same on every rank): :meth:`end_step` raises it."""
         self._failed.setdefault(step, []).append((name, error))
 
-    # ------------------------------------------------------------------ skip
+    # ------------------------------------------------------------------ decide, decode, average
+    def decide(self, payloads: Sequence) -> Optional[Found]:
+        """The first non-finite container among every rank's (only under ``nonfinite: raise``)."""
+        return agreement.first_nonfinite(payloads) if self.core.nonfinite == "raise" else None
+
     def skip(self, name: str, step: int, found: Found) -> None:
         """Record that ``name`` of ``step`` came with a non-finite container (every rank sees it)."""
         self._skipped.setdefault(step, []).append((name, found))

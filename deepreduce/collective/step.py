@@ -123,10 +123,8 @@ class StepEngine:
         same CommunicationError on every rank, naming the first difference."""
         agreement.agree(layout, lambda payload: self.communicator.allgather(payload, "deepreduce.collective.agreement"), who)
 
-    def submit(self, item: Item) -> Future:
-        """``item`` is ready: its route's ``start`` runs on the worker (or now, inline). Returns
-        the future of its start (resolving to ``item``), for a binding that hands each payload on
-        as soon as it is ready (TensorFlow's eager allgathers)."""
+    def submit(self, item: Item) -> None:
+        """``item`` is ready: its route's ``start`` runs on the worker (or now, inline)."""
         if self.auto is not None and self.compressor is None and not item.summed_dense and item.timeline \
                 and not self.tensors.is_sparse(item.grad):
             self.auto.ready(item.name, self.tensors.numel(item.grad))
@@ -137,7 +135,6 @@ class StepEngine:
             future = Future()
             future.set_result(self._start(item))
         self._pending.append((item, future))
-        return future
 
     def _start(self, item: Item) -> Item:
         began = time.perf_counter()

@@ -138,8 +138,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     when no deepreduce config is given): gradients of that many ``apply`` calls are summed
     locally, then reduced and applied once (divided by the count when
     ``average_aggregated_gradients``); ``iterations`` counts the applied steps.
-    ``background``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape` (encodes
-    run on the step engine's worker thread unless ``False``); ``bucket_cap_mb``:
+    ``background``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape` (eager
+    reductions run each tensor's chain on worker threads unless ``False``); ``bucket_cap_mb``:
     as for the tape (gradients in buckets of at most that many MiB, one container each).
     ``device_*`` are accepted for compatibility and have no effect here; ``num_groups``/``groups``
     are passed to Horovod's own wrapper where it takes over (legacy optimizer, no deepreduce

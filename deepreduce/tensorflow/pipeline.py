@@ -122,9 +122,9 @@ class TFPipeline:
         """:attr:`stats` as a dict, with two figures of the eager reductions of
         :mod:`deepreduce.tensorflow.reduce` (0 inside ``tf.function``): ``eager_encode_seconds``,
         the wall time of their encode calls (the codec's ``encode_seconds`` plus TensorFlow's
-        dispatch and, on the step engine's worker thread, waits for the GIL or a core), and
-        ``encode_hidden_seconds``, the part of it that ran while another tensor's allgather was
-        in flight (0 with ``background=False``). See docs/tensorflow.md."""
+        dispatch and, with worker threads, waits for the GIL or a core), and
+        ``encode_hidden_seconds``, the part of it that ran while another tensor's allgather or
+        decode was in flight (0 with ``background=False``). See docs/tensorflow.md."""
         out = self.stats.as_dict()
         out.update(eager_encode_seconds=self.eager_encode_seconds, encode_hidden_seconds=self.encode_hidden_seconds)
         return out

@@ -5,25 +5,25 @@ ranks travel by Horovod's public ``allgather`` (they differ in size and are not 
 allreduce cannot carry them), and every rank splits the gathered bytes, decodes each
 container, sums, and divides by the number of ranks for ``op=Average``. Every stage is a graph
 op, so the same code runs eagerly and inside ``tf.function`` (where Horovod and the tape's
-reduction code run only while the graph is traced). The step is the framework-free step engine's
-(:class:`~deepreduce.collective.step.StepEngine`, one per pipeline and process set), its phases
-made ops by this module's parts: a dense gradient travels on the engine's ``allgather`` route
-(:class:`~deepreduce.tensorflow.routes.ContainerRoutes`: a start op submits every gradient, a
-named ``hvd.allgather`` graph op per container, a finish op; under the sparse all-reduce or
-``auto`` one host op runs every route), an ``IndexedSlices`` one as its touched entries
-(:class:`~deepreduce.tensorflow.sparse.SliceRoutes`: the engine's ``entries`` route, the same
-three ops), a summable compressor's codes on the engine's summable route
-(:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is named
-(:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them across
-ranks whatever order they are submitted in.
+reduction code run only while the graph is traced). The steps every rank takes alike are the
+framework-free :class:`~deepreduce.collective.protocol.ReductionProtocol`'s; this module and its parts
+(:mod:`~deepreduce.tensorflow.routes`, :mod:`~deepreduce.tensorflow.sparse`) make them ops.
+
+Each dense gradient travels by one of :class:`~deepreduce.tensorflow.routes.ContainerRoutes`'s
+routes (containers; under the sparse all-reduce or ``auto`` one host op), the ``IndexedSlices``
+ones as their touched entries (:class:`~deepreduce.tensorflow.sparse.SliceRoutes`: the step
+engine's ``entries`` route, its phases as ops), a summable compressor's codes by the engine's
+summable route (:class:`~deepreduce.tensorflow.summable.SummableRoutes`); every collective is
+named (:func:`~deepreduce.tensorflow.collectives.gather`), which is how Horovod matches them
+across ranks whatever order they are submitted in.
 
 Before the first reduction of a set of gradients (when a ``tf.function`` is traced, or at the
 first eager step) the ranks compare their gradient names, shapes, dtypes and compressor with
 one small eager allgather (:func:`deepreduce.collective.agreement.agree`), so ranks running different
 models or configs fail with the same CommunicationError instead of stalling. Under
 ``nonfinite: raise`` a NaN/Inf gradient travels as a flagged container, and a rank whose encode
-raises sends the failure payload (:mod:`deepreduce.collective.failure`); every rank's finish op
-sees either, decodes nothing for that tensor, and one op that runs after
+raises sends the protocol's failure payload (``on_error`` of :meth:`TFPipeline.encode`); every
+rank's check of the gathered bytes sees either, decodes nothing, and one op that runs after
 every collective of the step (``ReductionProtocol.end_step``) restores the residuals and raises
 the same error on every rank (inside ``tf.function`` TensorFlow re-raises it as
 ``tf.errors.UnknownError`` carrying its text). The gradients depend on that op, so nothing is
@@ -44,7 +44,7 @@ from ..collective.step import StepEngine
 from ..errors import ConfigError
 from .collectives import import_horovod, resolve_op, tensor_key
 from .pipeline import TFPipeline, build
-from .routes import ContainerRoutes, HostCodec, graph_or_eager, host_allreduce, step_tensor
+from .routes import ContainerRoutes, graph_or_eager, host_allreduce, step_tensor
 from .sparse import DeferredGathers, SliceRoutes, SliceTensors
 from .summable import SummableRoutes
 
@@ -68,8 +68,8 @@ class Reducer:
     idiom) keeps using the same state.
 
     ``background`` and ``bucket_cap_mb``: as for :func:`~deepreduce.tensorflow.DistributedGradientTape`.
-    An error raised in the engine's ``background`` worker is re-raised by the step's end op (the
-    first in tensor order, once every tensor's collective has run). Buckets (:func:`deepreduce.collective.buckets.plan_backward`, as the
+    An error raised in a ``background`` worker is re-raised here (the first in tensor order, once
+    every tensor's chain has ended). Buckets (:func:`deepreduce.collective.buckets.plan_backward`, as the
     torch optimizer's) are concatenated, travel as one container each and are split back.
     """
 
@@ -103,7 +103,7 @@ class Reducer:
             key = (id(self.process_set), self.op == "average")
             if key not in self.pipeline.protocols:
                 self.pipeline.protocols[key] = StepEngine(
-                    HostCodec(self.pipeline), DeferredGathers(self._communicator), SliceTensors(),
+                    self.pipeline.core, DeferredGathers(self._communicator), SliceTensors(),
                     functools.partial(host_allreduce, self.hvd, self.process_set), average=key[1], background=False)
             self._engine = self.pipeline.protocols[key]
             self._protocol = self._engine.protocol

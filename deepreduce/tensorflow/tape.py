@@ -114,10 +114,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         name_prefix: tensors are named ``f"{name_prefix}_{i}"`` by position in ``sources``, the
             same on every rank; use another prefix when one step calls ``gradient()`` for
             different variable lists.
-        background: encode on the step engine's worker thread while each ready container's
-            allgather runs (``True`` or an int above 1), so encodes overlap other tensors'
-            communication; ``False`` (or 1): every tensor encoded before the first allgather.
-            Same containers and gradients either way.
+        background: eagerly, run each tensor's encode -> allgather -> decode on worker threads
+            (``True``: :data:`deepreduce.collective.overlap.DEFAULT_WORKERS` of them; an int: that many), so
+            encodes overlap other tensors' communication; ``False``: one tensor after another.
+            Same containers and gradients either way; no effect inside ``tf.function``.
         bucket_cap_mb: None (default): one container per gradient; a number of MiB: the float32
             gradients with at least the config's ``min_numel`` elements travel concatenated, one
             container per bucket of at most that size (see ``deepreduce.collective.buckets``; a sparsifier

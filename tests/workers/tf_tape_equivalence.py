@@ -392,8 +392,8 @@ def worker_error(config):
 
 
 def graph_order(config, backend):
-    """The start (encode), allgather and finish (decode) ops of a traced tape step, each with the
-    kinds of the ops it has control inputs from ("encode", "gather", "decode" or another op type)."""
+    """The encode, allgather and decode ops of a traced tape step, each with the kinds of the ops
+    it has control inputs from ("encode", "gather", "decode" or another op type)."""
     pipe = drtf.build(config, backend=backend)
     variables = [tf.Variable(w) for w in initial_weights()]
 
@@ -403,13 +403,12 @@ def graph_order(config, backend):
             loss = loss_fn(variables, x, y)
         return drtf.DistributedGradientTape(tape, compression=pipe, step=0).gradient(loss, variables)
 
-    def kind(op):   # the step engine's phases as ops: one start op encodes every tensor, one finish op decodes
-        base = op.name.split("/")[-1]
+    def kind(op):   # a decode runs inside the cond that skips it when a rank failed: the cond counts
         if op.type == "HorovodAllgather":
             return "gather"
-        if base.startswith("deepreduce_start_allgather"):
+        if op.type == "DeepReduceEncode" or op.name.startswith("deepreduce_encode"):
             return "encode"
-        if base.startswith("deepreduce_finish_allgather"):
+        if op.type in ("If", "StatelessIf") and op.name.startswith("deepreduce_decode"):
             return "decode"
         return op.type
 
