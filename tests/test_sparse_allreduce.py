@@ -173,3 +173,33 @@ def test_native_decode_reports_a_corrupt_container_as_the_python_path(monkeypatc
                                                   "not reduce its shard (ContainerError: rank 1: ")
     # the decode count differs by the containers Python decoded before the bad one
     _assert_same([r[:3] + (0,) for r in native], [r[:3] + (0,) for r in python])
+
+
+@pytest.mark.parametrize("policy", ["propagate", "raise"])
+def test_entries_whose_sum_with_the_owner_residual_overflows_are_flagged_or_refused(policy):
+    """Finite shard entries and a finite owner residual whose sum is beyond float32: under
+    ``propagate`` the owner sends the shard's sum dense and flagged (every rank then sees it),
+    under ``raise`` it refuses with a NonFiniteGradientError; the owner residual is left as it was."""
+    from deepreduce.collective.sparse_allreduce import OwnerResidual
+    from deepreduce.errors import NonFiniteGradientError
+    from deepreduce.wire import container
+
+    core = deepreduce.build(dict(deepreduce.load_config("topk_raw"), nonfinite=policy))
+    core = getattr(core, "core", core)
+    m = 4096
+    grads = [np.random.default_rng(r).standard_normal(m).astype(np.float32) for r in range(2)]
+    grads[0][5], grads[1][5] = np.float32(2e38), np.float32(-1e38)   # the largest entries: both sent; their sum 1e38
+    payloads = [shards.encode_shards(core, g, f"w{r}", 1, [0, m])[0] for r, g in enumerate(grads)]
+    owner = OwnerResidual(0, np.zeros(m, np.float32), m)
+    owner.values[5] = np.float32(3e38)   # 3e38 + 1e38 is beyond float32
+    before = owner.values.copy()
+    reducer = SparseAllreduce(core, None)
+    if policy == "raise":
+        core.collective_steps()
+        with pytest.raises(NonFiniteGradientError, match="owner residual overflow float32"):
+            reducer._owner_step(payloads, owner, m, "w", 1)
+    else:
+        c = container.unpack(reducer._owner_step(payloads, owner, m, "w", 1))
+        assert c.nonfinite and c.dense
+        assert np.isclose(np.frombuffer(c.value_section, dtype="<f4")[5], 1e38, rtol=1e-6)   # the ranks' sum
+    np.testing.assert_array_equal(owner.values, before)

@@ -325,7 +325,8 @@ class SparseAllreduce:
         written = []
         for positions, added in self.shard_entries(payloads, m):
             old = values[positions]
-            new = old + added
+            with np.errstate(over="ignore"):   # an overflow is handled below
+                new = old + added
             if not np.isfinite(new).all():   # finite entries whose sum with the residual overflows float32
                 for at, kept in reversed(written):
                     values[at] = kept
