@@ -27,13 +27,13 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import statistics
-import sys
 import time
 from typing import List, Optional
 
 import numpy as np
+
+from .common import leave
 
 DENSE = "allreduce"
 
@@ -189,10 +189,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without running gloo's destructors: tearing down a TCP process group while the peer
-    # closes its end can abort the process ("terminate called without an active exception")
-    # after all work is done. Both ranks have passed the final barrier at this point.
-    os._exit(code)
+    leave(main())

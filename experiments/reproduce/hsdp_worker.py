@@ -26,10 +26,9 @@ as ``"inside"``. ``"extra"``: the rank's persistent compressor bytes (``state_by
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import List, Optional
 
+from .common import leave
 from .semisync_worker import Runner, parse_args, plain_stats
 from .semisync_worker import main as run_rank
 
@@ -99,7 +98,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)   # every rank passed the last barrier: skip gloo's destructors (see fig11_worker)
+    leave(main())

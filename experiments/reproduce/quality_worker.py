@@ -28,13 +28,13 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import statistics
-import sys
 import time
 from typing import List, Optional
 
 import numpy as np
+
+from .common import leave
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -220,8 +220,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without running gloo's destructors (see fig11_worker): both ranks passed the last barrier.
-    os._exit(code)
+    leave(main())

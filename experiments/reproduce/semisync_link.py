@@ -28,9 +28,10 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from typing import List, Optional
+
+from .common import leave
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -119,7 +120,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)   # every rank passed the last barrier: skip gloo's destructors (see fig11_worker)
+    leave(main())

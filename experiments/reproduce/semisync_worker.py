@@ -29,12 +29,12 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 from typing import List, Optional
 
 import numpy as np
 
+from .common import leave
 from .quality_worker import evaluate
 
 
@@ -269,8 +269,4 @@ def main(argv: Optional[List[str]] = None, args=None, make_runner=None, on_link=
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without running gloo's destructors (see fig11_worker): every rank passed the last barrier.
-    os._exit(code)
+    leave(main())
