@@ -14,10 +14,11 @@ from typing import Optional
 class StepJournal:
     """What one step's encodes changed in a pipeline, so that a step every rank skips is undone.
 
-    Before a tensor's first encode since the last :meth:`commit`, the journal copies its
-    error-feedback residual (one copy of each residual per step: the price of ``nonfinite:
-    raise`` in the integrations) and, once per step, the sparsifier's and codecs' learned state
-    (SIDCo stage counts; small). :meth:`undo` puts all of it back.
+    Before a tensor's first encode since the last :meth:`commit`, the journal takes its
+    error-feedback residual's snapshot (``Memory.snapshot``: the residual array itself, which the
+    memory then leaves intact and writes the step into a second buffer, so no copy is made) and,
+    once per step, the sparsifier's and codecs' learned state (SIDCo stage counts; small).
+    :meth:`undo` puts all of it back; :meth:`commit` releases the snapshots.
     """
 
     _COMPONENTS = ("sparsifier", "index", "value")
@@ -37,6 +38,8 @@ class StepJournal:
 
     def commit(self) -> None:
         """The step was applied: forget what it changed."""
+        for name, saved in self._residuals.items():
+            self._memory.release(name, saved)
         self._residuals.clear()
         self._states = None
 
@@ -47,4 +50,5 @@ class StepJournal:
         if self._states is not None:
             for component, state in zip(self._components, self._states):
                 component.load_state_dict(state)
-        self.commit()
+        self._residuals.clear()
+        self._states = None

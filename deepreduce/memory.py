@@ -117,6 +117,9 @@ class Memory(Component):
     def restore(self, name: str, snapshot) -> None:
         """Put back what :meth:`snapshot` returned."""
 
+    def release(self, name: str, snapshot) -> None:
+        """The step :meth:`snapshot` was taken for was applied: the snapshot is not needed."""
+
 
 @register
 class NoMemory(Memory):
@@ -134,6 +137,11 @@ class ResidualMemory(Memory):
 
     def _init_state(self) -> None:
         self._residuals: Dict[str, Union[np.ndarray, SparseResidual]] = {}
+        # A journal's snapshot is the residual array itself (no copy): until the step is
+        # committed or undone that array is frozen, and the step writes a second buffer per
+        # tensor instead, recycled from step to step (:meth:`step_buffers`).
+        self._frozen: Dict[str, np.ndarray] = {}
+        self._spares: Dict[str, np.ndarray] = {}
 
     def _existing(self, name: str, flat) -> Optional[np.ndarray]:
         residual = self._residuals.get(name)
@@ -161,15 +169,43 @@ class ResidualMemory(Memory):
                 return Compensated(flat, False)
             residual = self._residuals[name] = _copy(flat)
             return Compensated(residual, True, selected)
-        finite, selected = kernels.scan(flat, residual, topk, threads)
-        return Compensated(residual if finite else flat, finite, selected)
+        prior, target = self.step_buffers(name)
+        finite, selected = kernels.scan(flat, target, topk, threads, None if target is prior else prior)
+        if not finite:   # the residual stays prior
+            return Compensated(flat, False)
+        self._residuals[name] = target
+        return Compensated(target, True, selected)
+
+    def step_buffers(self, name: str):
+        """``(prior, target)`` for this step's compensation of ``name`` (it has a dense residual):
+        the residual and the array to write ``prior + gradient`` into. One array (in place) unless
+        a journal holds the residual as its snapshot; then a second buffer of the same size,
+        allocated on the first such step and recycled by :meth:`release` and :meth:`restore`,
+        so undoing a step costs no copy of the residual (twice its memory instead, which a step
+        with a copied snapshot held at its peak anyway)."""
+        prior = self._residuals[name]
+        if self._frozen.get(name) is not prior:
+            return prior, prior
+        spare = self._spares.pop(name, None)
+        if not _same_buffer_kind(spare, prior):
+            spare = arrays.namespace(prior).empty_like(prior)
+        return prior, spare
+
+    def _writable(self, name: str):
+        """``name``'s dense residual, to change in place: a frozen one (a journal's snapshot) is
+        first copied into the step's second buffer."""
+        prior, target = self.step_buffers(name)
+        if target is not prior:
+            target[...] = prior
+            self._residuals[name] = target
+        return target
 
     def compensate(self, name, flat):
         residual = self._existing(name, flat)
         return _copy(flat) if residual is None else residual + flat
 
     def settle(self, name, positions, values, threads=1):
-        residual = self._residuals[name]
+        residual = self._writable(name)
         if positions is None:
             residual[...] = 0.0
         elif len(positions):
@@ -217,7 +253,7 @@ class ResidualMemory(Memory):
         if residual is None or not residual.any():
             return None
         out = residual.copy()
-        residual[...] = 0.0
+        self._writable(name)[...] = 0.0
         return out
 
     def hold(self, name: str, residual: np.ndarray) -> None:
@@ -227,18 +263,33 @@ class ResidualMemory(Memory):
 
     def reset(self):
         self._residuals.clear()
+        self._frozen.clear()
+        self._spares.clear()
 
     def snapshot(self, name):
+        """The residual itself, frozen until :meth:`release` or :meth:`restore` (a sparse one is
+        replaced, never changed in place; a dense one is written out of place meanwhile)."""
         residual = self._residuals.get(name)
-        if isinstance(residual, SparseResidual):   # replaced, never changed in place
-            return residual
-        return None if residual is None else _copy(residual)
+        if residual is not None and not isinstance(residual, SparseResidual):
+            self._frozen[name] = residual
+        return residual
 
     def restore(self, name, snapshot):
+        self._unfreeze(name, keep=snapshot)
         if snapshot is None:
             self._residuals.pop(name, None)     # the tensor had no residual before the step
         else:
             self._residuals[name] = snapshot
+
+    def release(self, name, snapshot):
+        self._unfreeze(name, keep=self._residuals.get(name), spare=snapshot)
+
+    def _unfreeze(self, name: str, keep, spare=None) -> None:
+        """End ``name``'s freeze; the one of the step's two buffers not kept becomes its spare."""
+        self._frozen.pop(name, None)
+        spare = self._residuals.get(name) if spare is None else spare
+        if spare is not keep and spare is not None and not isinstance(spare, SparseResidual):
+            self._spares[name] = spare
 
     def state_dict(self) -> dict:
         """``{"residuals": {name: residual}}`` (copies), for checkpoints; a sparse residual as
@@ -294,6 +345,13 @@ def _copy(flat):
     return xp.asarray(flat, dtype=xp.float32, copy=True)
 
 
+def _same_buffer_kind(spare, residual) -> bool:
+    """Whether ``spare`` can hold ``residual``'s values: same length, framework and device."""
+    if spare is None or spare.shape != residual.shape or arrays.is_torch(spare) != arrays.is_torch(residual):
+        return False
+    return not arrays.is_torch(spare) or spare.device == residual.device
+
+
 def _host(residual) -> np.ndarray:
     """A residual as a float32 NumPy array (a torch residual is copied to the host)."""
     return np.asarray(arrays.adapter(residual).to_numpy(residual), dtype=np.float32)
@@ -325,10 +383,10 @@ class DecayedResidualMemory(ResidualMemory):
             values = held.values * beta
             keep = values != 0
             self._residuals[name] = SparseResidual(held.positions[keep], values[keep], held.numel)
-        elif arrays.is_torch(held):
-            held.mul_(float(beta))
-        else:
-            np.multiply(held, beta, out=held)
+        else:   # in place, or into the step's second buffer while a journal holds the residual
+            prior, target = self.step_buffers(name)
+            arrays.namespace(prior).multiply(prior, float(beta) if arrays.is_torch(prior) else beta, out=target)
+            self._residuals[name] = target
 
     def accumulate(self, name, flat, topk=0, threads=1):
         if self.decay != 1.0 and self._existing(name, flat) is not None:   # size checked before any change

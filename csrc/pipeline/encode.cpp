@@ -161,12 +161,12 @@ struct Selection {
     std::vector<int64_t> positions;
 };
 
-Selection select_tensor(const EncodeConfig& c, const std::string& name, const float* g, int64_t n, float* residual,
-                        int64_t residual_numel, const ResidualAllocator& new_residual) {
+Selection select_tensor(const EncodeConfig& c, const std::string& name, const float* g, int64_t n,
+                        const Residual& residual, const ResidualAllocator& new_residual) {
     Selection s;
-    s.res = c.error_feedback && residual_numel > 0 ? residual : nullptr;
-    if (s.res && residual_numel != n)
-        fail(ErrorKind::COMMUNICATION, "residual memory: " + who(name) + " had " + std::to_string(residual_numel) +
+    s.res = c.error_feedback && residual.numel > 0 ? residual.data : nullptr;
+    if (s.res && residual.numel != n)
+        fail(ErrorKind::COMMUNICATION, "residual memory: " + who(name) + " had " + std::to_string(residual.numel) +
                                            " elements, now " + std::to_string(n) + "; a name must keep its size");
     s.sparse = n >= c.min_numel;
     const bool topk = c.sparsifier == Sparsifier::TOPK;
@@ -176,7 +176,8 @@ Selection select_tensor(const EncodeConfig& c, const std::string& name, const fl
 
     // error feedback: the residual absorbs the gradient (Memory.accumulate), fused with the
     // finiteness check and, where it can be, the Top-r selection
-    const select::Scan scan = select::scan(g, s.res, n, select_r ? r : 0, c.threads, s.positions.data());
+    const float* prior = s.res && residual.prior ? residual.prior : s.res;
+    const select::Scan scan = select::scan(g, prior, s.res, n, select_r ? r : 0, c.threads, s.positions.data());
     s.finite = scan != select::Scan::NON_FINITE;
     s.comp = s.res && s.finite ? s.res : g;
     if (!s.res && c.error_feedback && s.finite && n > 0) {  // the first residual is the gradient
@@ -329,10 +330,10 @@ int64_t numel_of(const std::vector<uint64_t>& shape) {
 }  // namespace
 
 container::Header encode(const EncodeConfig& c, const std::string& name, int64_t step, const float* g,
-                         const std::vector<uint64_t>& shape, float* residual, int64_t residual_numel,
+                         const std::vector<uint64_t>& shape, const Residual& residual,
                          const ResidualAllocator& new_residual, const PayloadAllocator& payload) {
     const int64_t n = numel_of(shape);
-    Selection s = select_tensor(c, name, g, n, residual, residual_numel, new_residual);
+    Selection s = select_tensor(c, name, g, n, residual, new_residual);
     if (!s.finite || !s.sparse) {  // dense: the gradient as it is (non-finite) or the compensated one
         const container::Header h =
             encode_dense(c, shape, s.comp, n, s.finite ? ct::FLAG_DENSE : ct::FLAG_DENSE | ct::FLAG_NONFINITE, payload);
@@ -348,14 +349,14 @@ container::Header encode(const EncodeConfig& c, const std::string& name, int64_t
 
 std::vector<container::Header> encode_shards(const EncodeConfig& c, const std::string& name, int64_t step,
                                              const float* g, int64_t n, const std::vector<int64_t>& bounds,
-                                             float* residual, int64_t residual_numel,
-                                             const ResidualAllocator& new_residual, const ShardAllocator& payload) {
+                                             const Residual& residual, const ResidualAllocator& new_residual,
+                                             const ShardAllocator& payload) {
     if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != n)
         fail(ErrorKind::ARGUMENT, "shard bounds must rise from 0 to " + std::to_string(n));
     for (size_t j = 1; j < bounds.size(); ++j)
         if (bounds[j] < bounds[j - 1])
             fail(ErrorKind::ARGUMENT, "shard bounds must rise from 0 to " + std::to_string(n));
-    Selection s = select_tensor(c, name, g, n, residual, residual_numel, new_residual);
+    Selection s = select_tensor(c, name, g, n, residual, new_residual);
     const size_t shards = bounds.size() - 1;
     std::vector<container::Header> out;
     out.reserve(shards);

@@ -58,12 +58,21 @@ struct EncodeConfig {
 using PayloadAllocator = std::function<uint8_t*(size_t bytes)>;
 using ResidualAllocator = std::function<float*(int64_t numel)>;
 
-// Pipeline.encode of one float32 tensor `grad` of `shape`, named `name`, at `step`.
-// `residual` (residual_numel values; null when the tensor has none yet) is the tensor's
-// error-feedback residual: it is updated in place, or created through new_residual on the first
-// finite step. Returns the container's header (its section lengths give the statistics).
+// A tensor's error-feedback residual: `data` (numel values; null when the tensor has none yet)
+// receives this step's compensated gradient prior + grad and is then settled; `prior` is `data`
+// itself (in place) or the residual before the step, read and left intact (Memory.step_buffers:
+// a step that may be undone keeps it instead of copying it).
+struct Residual {
+    float* data = nullptr;
+    const float* prior = nullptr;
+    int64_t numel = 0;
+};
+
+// Pipeline.encode of one float32 tensor `grad` of `shape`, named `name`, at `step`, with the
+// tensor's residual (created through new_residual on its first finite step). Returns the
+// container's header (its section lengths give the statistics).
 container::Header encode(const EncodeConfig& config, const std::string& name, int64_t step, const float* grad,
-                         const std::vector<uint64_t>& shape, float* residual, int64_t residual_numel,
+                         const std::vector<uint64_t>& shape, const Residual& residual,
                          const ResidualAllocator& new_residual, const PayloadAllocator& payload);
 
 // Storage for the container of shard j (called once per shard, in shard order).
@@ -76,8 +85,8 @@ using ShardAllocator = std::function<uint8_t*(size_t shard, size_t bytes)>;
 // ErrorKind::OVERFLOW before any residual is settled (the core's CompensationOverflow).
 std::vector<container::Header> encode_shards(const EncodeConfig& config, const std::string& name, int64_t step,
                                              const float* grad, int64_t n, const std::vector<int64_t>& bounds,
-                                             float* residual, int64_t residual_numel,
-                                             const ResidualAllocator& new_residual, const ShardAllocator& payload);
+                                             const Residual& residual, const ResidualAllocator& new_residual,
+                                             const ShardAllocator& payload);
 
 struct DecodeConfig {
     int64_t count = -1;        // containers expected (the ranks); -1: any number

@@ -40,24 +40,39 @@ pl::EncodeConfig encode_config(const py::dict& s) {
     return c;
 }
 
-// The residual argument of encode and encode_shards: (data, numel), (null, 0) for None.
-std::pair<float*, int64_t> residual_arg(const py::object& residual) {
-    if (residual.is_none()) return {nullptr, 0};
-    FloatInPlace r = deepreduce::py_args::in_place_array(residual, "residual");
-    return {r.mutable_data(), static_cast<int64_t>(r.size())};
+// The residual arguments of encode and encode_shards: the array written (None: the tensor has
+// none yet) and the residual before the step it reads (None: the same array, in place; `keep`
+// holds a converted prior alive).
+pl::Residual residual_arg(const py::object& residual, const py::object& prior, FloatArray& keep) {
+    pl::Residual r;
+    if (residual.is_none()) {
+        if (!prior.is_none()) throw py::value_error("prior needs a residual to write");
+        return r;
+    }
+    FloatInPlace data = deepreduce::py_args::in_place_array(residual, "residual");
+    r.data = data.mutable_data();
+    r.numel = static_cast<int64_t>(data.size());
+    if (!prior.is_none()) {
+        keep = FloatArray::ensure(prior);
+        if (!keep || keep.size() != data.size()) throw py::value_error("prior and residual differ in size");
+        if (keep.data() == r.data) throw py::value_error("prior and residual are one array: pass prior=None");
+        r.prior = keep.data();
+    }
+    return r;
 }
 
 // (container as a uint8 array, the residual: `residual` updated in place, a new array on the
 // tensor's first finite step with error feedback, else None).
 py::tuple encode(const py::dict& settings, const std::string& name, int64_t step, const py::array& grad,
-                 const py::object& residual) {
+                 const py::object& residual, const py::object& prior) {
     const pl::EncodeConfig c = encode_config(settings);
     FloatArray g = FloatArray::ensure(grad);
     if (!g) throw py::type_error("grad must be convertible to a float32 array");
     std::vector<uint64_t> shape;
     for (py::ssize_t d = 0; d < g.ndim(); ++d) shape.push_back(static_cast<uint64_t>(g.shape(d)));
     py::object res_out = residual;
-    const auto [res, res_numel] = residual_arg(residual);
+    FloatArray kept_prior;
+    const pl::Residual res = residual_arg(residual, prior, kept_prior);
     py::array_t<uint8_t> payload;
     // encode runs without the GIL; the allocators take it back to create their arrays
     const pl::ResidualAllocator new_residual = [&](int64_t numel) {
@@ -73,7 +88,7 @@ py::tuple encode(const py::dict& settings, const std::string& name, int64_t step
     };
     {
         py::gil_scoped_release release;
-        pl::encode(c, name, step, g.data(), shape, res, res_numel, new_residual, allocate);
+        pl::encode(c, name, step, g.data(), shape, res, new_residual, allocate);
     }
     return py::make_tuple(payload, res_out);
 }
@@ -81,13 +96,14 @@ py::tuple encode(const py::dict& settings, const std::string& name, int64_t step
 // (containers as uint8 arrays, the residual as in encode, each container's (index, value,
 // permutation) section bytes) of Pipeline.encode_shards of the flat float32 `grad`.
 py::tuple encode_shards(const py::dict& settings, const std::string& name, int64_t step, const py::array& grad,
-                        const Bounds& bounds_arg, const py::object& residual) {
+                        const Bounds& bounds_arg, const py::object& residual, const py::object& prior) {
     const std::vector<int64_t> bounds(bounds_arg.data(), bounds_arg.data() + bounds_arg.size());
     const pl::EncodeConfig c = encode_config(settings);
     FloatArray g = FloatArray::ensure(grad);
     if (!g || g.ndim() != 1) throw py::type_error("grad must be convertible to a flat float32 array");
     py::object res_out = residual;
-    const auto [res, res_numel] = residual_arg(residual);
+    FloatArray kept_prior;
+    const pl::Residual res = residual_arg(residual, prior, kept_prior);
     std::vector<py::array_t<uint8_t>> payloads(bounds.empty() ? 0 : bounds.size() - 1);
     const pl::ResidualAllocator new_residual = [&](int64_t numel) {
         py::gil_scoped_acquire acquire;
@@ -103,8 +119,8 @@ py::tuple encode_shards(const py::dict& settings, const std::string& name, int64
     std::vector<deepreduce::container::Header> headers;
     {
         py::gil_scoped_release release;
-        headers = pl::encode_shards(c, name, step, g.data(), static_cast<int64_t>(g.size()), bounds, res, res_numel,
-                                    new_residual, allocate);
+        headers = pl::encode_shards(c, name, step, g.data(), static_cast<int64_t>(g.size()), bounds, res, new_residual,
+                                    allocate);
     }
     namespace ct = deepreduce::container;
     py::list sections;
@@ -203,15 +219,16 @@ PYBIND11_MODULE(_pipeline, m) {
     deepreduce::py_args::register_errors();
     m.doc() = "The C++ pipeline subset the TensorFlow ops run: encode one tensor, decode and sum containers";
     m.def("encode", &encode, py::arg("settings"), py::arg("name"), py::arg("step"), py::arg("grad"),
-          py::arg("residual"),
-          "(container uint8 array, residual or None) of Pipeline.encode; the residual is updated in place");
+          py::arg("residual"), py::arg("prior") = py::none(),
+          "(container uint8 array, residual or None) of Pipeline.encode; the residual receives prior + grad "
+          "(prior None: in place)");
     m.def("decode_sum", &decode_sum, py::arg("payload"), py::arg("count") = -1, py::arg("single") = false,
           py::arg("shape") = py::none(), py::arg("max_numel") = ~uint64_t(0), py::arg("threads") = 1,
           "Pipeline.decode_sum (single: Pipeline.decode) of the containers in payload");
     m.def("encode_shards", &encode_shards, py::arg("settings"), py::arg("name"), py::arg("step"), py::arg("grad"),
-          py::arg("bounds"), py::arg("residual"),
+          py::arg("bounds"), py::arg("residual"), py::arg("prior") = py::none(),
           "(containers, residual or None, their (index, value, permutation) section bytes) of "
-          "Pipeline.encode_shards; the residual is updated in place");
+          "Pipeline.encode_shards; the residual receives prior + grad (prior None: in place)");
     m.def("decode_parts", &decode_parts, py::arg("payloads"), py::arg("shape") = py::none(),
           py::arg("max_numel") = ~uint64_t(0), py::arg("threads") = 1,
           "Pipeline.decode_sum of a sequence of containers, each decoded where it lies");

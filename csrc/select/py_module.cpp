@@ -21,16 +21,27 @@ namespace {
 using FloatIn = deepreduce::py_args::FloatArray;
 using IndexIn = deepreduce::py_args::I64Array;
 
-// (finite, Top-r positions or None): see sel::scan.
-py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
+// (finite, Top-r positions or None): see sel::scan. `prior` (None: the residual itself) is
+// read and left intact; the residual receives prior + g.
+py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads, py::object prior) {
     deepreduce::check_threads(threads);
     const int64_t n = g.size();
     float* r = nullptr;
+    const float* p = nullptr;
     FloatInPlace res;
+    FloatIn before;
     if (!residual.is_none()) {
         res = in_place_array(residual, "residual");
         if (res.size() != n) throw py::value_error("scan: residual and gradient differ in size");
         r = res.mutable_data();
+        p = r;
+    }
+    if (!prior.is_none()) {
+        if (!r) throw py::value_error("scan: prior needs a residual to write");
+        before = FloatIn::ensure(prior);
+        if (!before || before.size() != n) throw py::value_error("scan: prior and gradient differ in size");
+        p = before.data();
+        if (p == r) throw py::value_error("scan: prior and residual are one array: pass prior=None");
     }
     const bool select = topk_r > 0 && topk_r < n;
     py::array_t<int64_t> out(select ? topk_r : 0);
@@ -38,7 +49,7 @@ py::tuple scan(FloatIn g, py::object residual, int64_t topk_r, int threads) {
     sel::Scan result;
     {
         py::gil_scoped_release release;
-        result = sel::scan(g.data(), r, n, select ? topk_r : 0, threads, o);
+        result = sel::scan(g.data(), p, r, n, select ? topk_r : 0, threads, o);
     }
     if (result == sel::Scan::SELECTED) return py::make_tuple(true, out);
     return py::make_tuple(result == sel::Scan::FINITE, py::none());
@@ -143,7 +154,9 @@ PYBIND11_MODULE(_select, m) {
         "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
         "QSGD encode";
     m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
-          "(finite, Top-r positions or None); with a residual, residual += g in place (see select.h)");
+          py::arg("prior") = py::none(),
+          "(finite, Top-r positions or None); with a residual, residual = prior + g (prior None: in place; "
+          "see select.h)");
     m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
           "ascending positions of the r largest |x| (ties: lowest position first)");
     m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");

@@ -259,10 +259,10 @@ std::vector<uint64_t> histogram(const float* x, int64_t n, int threads) {
 
 }  // namespace
 
-Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out) {
+Scan scan(const float* g, const float* prior, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out) {
     Chunks chunks(n, threads);
     const bool fuse = topk_r > 0 && topk_r < n;
-    const uint32_t low = fuse ? sampled_bound(g, residual, n, topk_r) : 0;
+    const uint32_t low = fuse ? sampled_bound(g, prior, n, topk_r) : 0;
     const bool gathering = fuse && low > 0;
     Candidates cand(chunks.count);
     std::vector<char> finite(chunks.count, 1);
@@ -278,14 +278,17 @@ Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int thread
             const float* source = g;
             if (residual) {
                 float* r = residual + b;
-                for (int64_t i = 0; i < len; ++i) r[i] += g[b + i];
+                const float* p = prior + b;
+                for (int64_t i = 0; i < len; ++i) r[i] = p[i] + g[b + i];
                 source = residual;
             }
             if (gathering && finite[c]) cand.gather_from(c, source, b, b + len, low);
         }
     });
     if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; })) {
-        if (residual) {  // take the step out again: only the finite blocks were added
+        if (residual && prior != residual) {  // out of place: the residual is what it was
+            std::memcpy(residual, prior, sizeof(float) * static_cast<size_t>(n));
+        } else if (residual) {  // take the step out again: only the finite blocks were added
             run_chunks(chunks.count, [&](int c) {
                 for (int64_t b = chunks.begin(c), hi = chunks.end(c); b < hi; b += BLOCK) {
                     const int64_t len = std::min(BLOCK, hi - b);

@@ -21,15 +21,17 @@ constexpr int64_t FUSED_MIN_SIZE = int64_t{1} << 14;  // smaller tensors: no sam
 
 enum class Scan { NON_FINITE, FINITE, SELECTED };
 
-// One pass over the gradient g[0..n): checks that it is finite and, with `residual`, adds g into
-// it in place (residual becomes the compensated gradient). If g holds a NaN/Inf, blocks holding
-// one are left alone and the others are taken out again (residual = (residual + g) - g):
-// returns NON_FINITE. With 0 < topk_r < n, also writes the Top-r positions of the compensated
-// gradient (as topk) into out and returns SELECTED: from FUSED_MIN_SIZE entries on, a sample of
-// the compensated gradient (1/16 of it, 1,024 to 65,536 entries) gives a magnitude bound about
-// 1.3 r entries reach, the same pass gathers those entries, and the Top-r is resolved among them
-// (if fewer than r reach the bound, or the tensor is smaller, topk runs on its own).
-Scan scan(const float* g, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out);
+// One pass over the gradient g[0..n): checks that it is finite and, with `residual`, writes the
+// compensated gradient prior + g into it: `prior` is `residual` itself (in place) or the previous
+// residual, read and left intact, so a step that is undone needs no copy of it (Memory.step_buffers).
+// If g holds a NaN/Inf, returns NON_FINITE and residual ends holding prior: in place, blocks
+// holding one are left alone and the others are taken out again (residual = (residual + g) - g);
+// out of place, prior is copied (exact). With 0 < topk_r < n, also writes the Top-r positions of
+// the compensated gradient (as topk) into out and returns SELECTED: from FUSED_MIN_SIZE entries on,
+// a sample of the compensated gradient (1/16 of it, 1,024 to 65,536 entries) gives a magnitude
+// bound about 1.3 r entries reach, the same pass gathers those entries, and the Top-r is resolved
+// among them (if fewer than r reach the bound, or the tensor is smaller, topk runs on its own).
+Scan scan(const float* g, const float* prior, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out);
 
 // Ascending positions of the r entries of largest |x| (0 < r < n): every entry above the r-th
 // largest magnitude, then the entries equal to it, lowest position first. A radix select on the

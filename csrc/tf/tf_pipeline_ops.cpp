@@ -216,13 +216,14 @@ class EncodeOp : public OpKernel {
             };
             if (var) {
                 tensorflow::mutex_lock lock(*var->mu());
-                float* residual = nullptr;
-                const int64_t numel = writable_residual(ctx, var.get(), &residual);
+                pl::Residual residual;  // updated in place (prior = data)
+                residual.numel = writable_residual(ctx, var.get(), &residual.data);
+                residual.prior = residual.data;
                 const pl::ResidualAllocator create = [&](int64_t n) { return new_residual(ctx, var.get(), n); };
-                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, residual, numel, create,
-                               allocate);
+                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, residual, create, allocate);
             } else {
-                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, nullptr, 0, nullptr, allocate);
+                h = pl::encode(config_, name_, step, grad.flat<float>().data(), shape, pl::Residual{}, nullptr,
+                               allocate);
             }
             auto s = allocate_output(ctx, 1, TensorShape({STATS}))->flat<int64_t>();
             const int64_t total = payload->NumElements();

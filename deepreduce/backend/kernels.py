@@ -39,14 +39,17 @@ def native():
 
 
 def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
-         threads: int = 1) -> Tuple[bool, Optional[np.ndarray]]:
-    """One pass over a float32 gradient: is it finite; with ``residual``, compensate in place.
+         threads: int = 1, prior: Optional[np.ndarray] = None) -> Tuple[bool, Optional[np.ndarray]]:
+    """One pass over a float32 gradient: is it finite; with ``residual``, compensate.
 
-    With ``residual`` (float32, same size) the gradient is added into it block by block
-    (``residual += flat``), so afterwards the residual *is* the compensated gradient. When
-    ``flat`` holds a NaN or Inf, the step is refused: blocks holding one are never added, the
-    others are taken out again (``residual = (residual + flat) - flat``, which restores each
-    entry to within two float32 roundings of ``|residual + flat|``).
+    With ``residual`` (float32, same size) the compensated gradient ``prior + flat`` is written
+    into it block by block: ``prior=None`` adds in place (``residual += flat``), otherwise
+    ``prior`` (the residual before the step, kept intact for a step that may be undone) is read
+    and ``residual`` is a second buffer, so keeping the old residual costs no copy. Afterwards the
+    residual *is* the compensated gradient. When ``flat`` holds a NaN or Inf, the step is refused
+    and the residual holds ``prior`` again: out of place exactly (a copy); in place, blocks holding
+    one are never added, the others are taken out again (``residual = (residual + flat) - flat``,
+    which restores each entry to within two float32 roundings of ``|residual + flat|``).
 
     Returns ``(finite, positions)``: with ``0 < topk < size`` and a finite gradient, positions
     are the Top-``topk`` of the compensated gradient (:func:`topk_positions`),
@@ -55,16 +58,20 @@ def scan(flat: np.ndarray, residual: Optional[np.ndarray] = None, topk: int = 0,
     select = 0 < topk < flat.shape[0]
     module = None if arrays.is_torch(flat) else native()
     if module is not None:
-        return module.scan(flat, residual, topk if select else 0, threads)
+        return module.scan(flat, residual, topk if select else 0, threads, prior)
     # The array path: NumPy without the extension, or torch tensors on their device (the torch
     # pipeline selects on the device itself, so it never asks for ``topk`` here).
     xp = arrays.namespace(flat)
     finite = bool(xp.all(xp.isfinite(flat)))
     if not finite:
-        if residual is not None:
+        if prior is not None:
+            residual[...] = prior
+        elif residual is not None:
             _add_and_take_out_finite_blocks(flat, residual)
         return False, None
-    if residual is not None:
+    if prior is not None:
+        xp.add(prior, flat, out=residual)
+    elif residual is not None:
         residual += flat
     if not select:
         return True, None

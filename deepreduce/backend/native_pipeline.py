@@ -58,13 +58,14 @@ def settings(core) -> dict:
 
 
 def encode_shards(native, config: dict, name: str, step: int, flat: np.ndarray, bounds: Sequence[int],
-                  residual: Optional[np.ndarray]):
+                  residual: Optional[np.ndarray], prior: Optional[np.ndarray] = None):
     """``native.encode_shards`` (see :func:`deepreduce.collective.shards.encode_shards`): (containers, the residual, each
-    container's (index, value, permutation) section bytes). A codec's refusal (fp16 range,
+    container's (index, value, permutation) section bytes). ``residual`` receives ``prior + flat``
+    (``prior=None``: in place; ``Memory.step_buffers``). A codec's refusal (fp16 range,
     polyfit) is raised as DeepReduceError; a residual of another size as CommunicationError and
     an overflowing compensation as NonFiniteGradientError, as the C++ pipeline raises them."""
     try:
-        return native.encode_shards(config, name, step, flat, list(bounds), residual)
+        return native.encode_shards(config, name, step, flat, list(bounds), residual, prior)
     except ValueError as exc:   # ErrorKind::ENCODE (the settings come from a built pipeline)
         raise DeepReduceError(str(exc)) from exc
 

@@ -43,7 +43,8 @@ def encode_shards(core: Pipeline, grad, name: str, step: int, bounds: Sequence[i
     residual = core.memory.residual(name) if native is not None and core.memory.stateful else None
     if native is not None and not arrays.is_torch(flat) and not arrays.is_torch(residual):
         core.save_state(name)
-        return _encode_shards_native(core, native, flat, name, step, bounds, residual, start)
+        prior, target = core.memory.step_buffers(name) if residual is not None else (None, None)
+        return _encode_shards_native(core, native, flat, name, step, bounds, prior, target, start)
     comp = core.compensate(flat, name, selecting=sparse)
     shards = list(zip(bounds, bounds[1:]))
     if not comp.finite:
@@ -65,16 +66,17 @@ def encode_shards(core: Pipeline, grad, name: str, step: int, bounds: Sequence[i
     return core.pack(parts, start)
 
 
-def _encode_shards_native(core: Pipeline, native, flat, name: str, step: int, bounds: list, residual,
+def _encode_shards_native(core: Pipeline, native, flat, name: str, step: int, bounds: list, prior, target,
                           start: float) -> list:
-    """:func:`encode_shards` in one C++ call; the residual it creates on a tensor's first step
-    becomes the pipeline's (``Memory.hold``)."""
+    """:func:`encode_shards` in one C++ call, compensating ``prior`` into ``target`` (the memory's
+    step buffers: one array in place, or two when a journal keeps ``prior``); the residual it
+    writes, or creates on a tensor's first step, becomes the pipeline's (``Memory.hold``)."""
     try:
         payloads, held, sections = native_pipeline.encode_shards(native, core.native_settings, name, step, flat,
-                                                                  bounds, residual)
+                                                                  bounds, target, None if target is prior else prior)
     except NonFiniteGradientError as exc:
         raise CompensationOverflow(str(exc)) from exc
-    if held is not None and held is not residual:
+    if held is not None and held is not prior:
         core.memory.hold(name, held)
     seconds = (time.perf_counter() - start) / max(1, len(payloads))
     for (lo, hi), payload, (index, value, perm) in zip(zip(bounds, bounds[1:]), payloads, sections):
