@@ -172,9 +172,10 @@ def test_split_refuses_more_fragments_than_tensors():
 def test_horovod_backend():
     """horovodrun -np 2 (workers/diloco_horovod.py): H = 1 lossless equals SGD on the averaged
     gradient; Top-r, fragments and a delay over allgather and the sparse all-reduce leave every
-    rank with identical global parameters."""
+    rank with identical global parameters; ``sync_every="auto"`` probes over Horovod and both
+    ranks adopt one H."""
     out = run_ranks("horovodrun", "diloco_horovod.py", timeout=300)
-    assert out.stdout.count("OK") == 2
+    assert out.stdout.count("OK") == 2 and out.stdout.count("auto H=") == 2
 
 
 def test_arguments_are_checked_before_any_collective():

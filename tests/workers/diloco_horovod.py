@@ -3,7 +3,8 @@
 H = 1 with a lossless config and outer SGD at lr 1 equals SGD on the ranks' averaged gradient
 (computed here from every rank's batch) within float32 rounding; Top-r with streaming fragments,
 a delay and Nesterov outer steps (allgather and the sparse all-reduce) leaves every rank with
-identical global parameters after each outer step. Prints OK."""
+identical global parameters after each outer step; ``sync_every="auto"`` probes over Horovod and
+every rank adopts the same H. Prints OK."""
 import os
 import sys
 
@@ -68,5 +69,31 @@ for config in (TOPK, TOPK_SPARSE_ALLREDUCE):
     diloco.close()
     assert checked >= 6 and stats["outer_steps"] == checked and stats["received_bytes"] > 0, (checked, stats)
 
+# sync_every="auto" over Horovod: the probe's collectives go through the Horovod transport, every
+# rank adopts the same H, and after each outer step every rank holds the same global parameters
+model, inner, diloco = make(TOPK, "auto", auto_probe_steps=3, auto_candidates=(2, 4, 8))
+outer_at = []
+with diloco:
+    for step in range(3 + 2 * 8):
+        applied = diloco.outer_steps
+        inner.zero_grad()
+        loss_of(model, rank, step).backward()
+        inner.step()
+        if diloco.outer_steps > applied:
+            outer_at.append(step)
+            mine = torch.from_numpy(flat(diloco.globals))
+            every = hvd.allgather(mine.unsqueeze(0), name=f"check.auto.{step}")
+            assert all(torch.equal(every[0], every[r]) for r in range(size)), step
+stats = diloco.stats()
+diloco.close()
+h = stats["sync_every"]
+assert h in (2, 4, 8), stats
+every_h = hvd.allgather(torch.tensor([h]), name="check.auto.h")
+assert all(int(v) == h for v in every_h), every_h
+# the first outer step at the first multiple of H after the 3 probe steps
+assert [t + 1 for t in outer_at] == [t for t in range(4, 3 + 2 * 8 + 1) if t % h == 0], (h, outer_at)
+decision = stats["sync_period"]
+assert decision["link"]["bandwidth"] > 0 and len(decision["compute_s_per_rank"]) == size, decision
+
 watchdog.disarm()
-print(f"OK {rank}", flush=True)
+print(f"OK {rank} auto H={h} outer steps at {outer_at}", flush=True)
