@@ -84,6 +84,8 @@ class Memory(Component):
 
     kind = "memory"
     stateful = False
+    #: keep a journaled step's second buffer for the next step (``Pipeline.collective_steps``)
+    retain_spares = True
 
     def accumulate(self, name: str, flat: np.ndarray, topk: int = 0, threads: int = 1) -> Compensated:
         """Compensate ``flat`` (float32, flat) for ``name``; a non-finite gradient leaves the state alone.
@@ -180,9 +182,8 @@ class ResidualMemory(Memory):
         """``(prior, target)`` for this step's compensation of ``name`` (it has a dense residual):
         the residual and the array to write ``prior + gradient`` into. One array (in place) unless
         a journal holds the residual as its snapshot; then a second buffer of the same size,
-        allocated on the first such step and recycled by :meth:`release` and :meth:`restore`,
-        so undoing a step costs no copy of the residual (twice its memory instead, which a step
-        with a copied snapshot held at its peak anyway)."""
+        recycled by :meth:`release` and :meth:`restore` (:attr:`retain_spares`; else allocated
+        per step), so undoing a step costs no copy of the residual."""
         prior = self._residuals[name]
         if self._frozen.get(name) is not prior:
             return prior, prior
@@ -285,10 +286,12 @@ class ResidualMemory(Memory):
         self._unfreeze(name, keep=self._residuals.get(name), spare=snapshot)
 
     def _unfreeze(self, name: str, keep, spare=None) -> None:
-        """End ``name``'s freeze; the one of the step's two buffers not kept becomes its spare."""
+        """End ``name``'s freeze; the one of the step's two buffers not kept becomes its spare
+        (dropped unless :attr:`retain_spares`)."""
         self._frozen.pop(name, None)
         spare = self._residuals.get(name) if spare is None else spare
-        if spare is not keep and spare is not None and not isinstance(spare, SparseResidual):
+        if (self.retain_spares and spare is not keep and spare is not None
+                and not isinstance(spare, SparseResidual)):
             self._spares[name] = spare
 
     def state_dict(self) -> dict:

@@ -191,7 +191,7 @@ class Pipeline:
         return EncodeContext(self._digest, name, step)
 
     # ------------------------------------------------------------------ steps decided by every rank
-    def collective_steps(self) -> None:
+    def collective_steps(self, spare_buffers: bool = True) -> None:
         """Let the ranks decide together whether a step is applied (the distributed integrations
         turn this on; see :mod:`deepreduce.collective.agreement`).
 
@@ -202,7 +202,15 @@ class Pipeline:
         :meth:`undo_step` (every rank raised: a non-finite gradient under ``raise``, or an error
         caught on some rank under either policy), so a step that raises leaves every residual as
         it was before it: what a rank compressed away that step is not lost with the step.
+
+        Keeping a residual costs no copy: the step writes its compensation into a second buffer
+        (``Memory.step_buffers``). ``spare_buffers``: keep that buffer from step to step (no
+        allocation per step, twice the residuals' memory: right where a step holds every residual
+        at once, as the optimizer and the DDP hook do); False allocates it per step and frees the
+        old residual at commit (FSDP's per-module steps and DiLoCo's rare outer steps, where
+        persistent memory is what the user budgets).
         """
+        self.memory.retain_spares = spare_buffers
         if self._journal is None:
             self._journal = StepJournal(self)
 

@@ -140,3 +140,21 @@ def test_journaled_shard_encodes_match_in_place_ones(native, monkeypatch):
     encode_shards(journaled, grads[4], "w", 4, bounds)
     journaled.undo_step()
     np.testing.assert_array_equal(journaled.memory.residual("w"), before)
+
+
+def test_without_spare_buffers_a_committed_step_holds_one_buffer():
+    """``collective_steps(spare_buffers=False)`` (FSDP, DiLoCo): the step's second buffer is
+    allocated per step and the old residual freed at commit, so between steps a tensor holds one
+    residual, and an undone step still restores it exactly."""
+    pipe = deepreduce.build(CONFIG)
+    pipe.collective_steps(spare_buffers=False)
+    grads = _gradients(30000, 4, seed=6)
+    for step, g in enumerate(grads[:3]):
+        pipe.encode(g, "w", step)
+        pipe.commit_step()
+        assert not pipe.memory._spares
+    before = pipe.memory.residual("w").copy()
+    pipe.encode(grads[3], "w", 3)
+    pipe.undo_step()
+    np.testing.assert_array_equal(pipe.memory.residual("w"), before)
+    assert not pipe.memory._spares

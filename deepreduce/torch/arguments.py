@@ -22,11 +22,11 @@ def is_summable(compression) -> bool:
             and not isinstance(compression, (Pipeline, TorchPipeline)))
 
 
-def build_pipeline(compression, path: str) -> TorchPipeline:
+def build_pipeline(compression, path: str, spare_buffers: bool = True) -> TorchPipeline:
     """The pipeline of a config (YAML path, name, dict) or built pipeline; None: lossless. Its steps
-    are collective (every rank counts them alike)."""
+    are collective (every rank counts them alike; ``spare_buffers``: ``Pipeline.collective_steps``)."""
     pipeline = build(LOSSLESS_CONFIG if compression is None else compression, path=path)
-    pipeline.core.collective_steps()
+    pipeline.core.collective_steps(spare_buffers)
     return pipeline
 
 

@@ -75,7 +75,7 @@ class DiLoCo:
         self.named = trainable(model)
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         self.inner, self.outer = inner_optimizer, outer_optimizer
-        self.pipeline = build_pipeline(compression, path)
+        self.pipeline = build_pipeline(compression, path, spare_buffers=False)
         self.period, self.schedule = schedule_or_auto(sync_every, self.pipeline, fragments, delay, alpha,
                                                       auto_candidates, auto_slack, auto_probe_steps, auto_inputs)
         fragments = self.schedule.fragments if self.schedule is not None else self.period.fragments

@@ -103,8 +103,8 @@ class FSDPCompression:
         if key not in self._engines:
             communicator = TorchDistributedCommunicator()
             communicator.group = group
-            engine = StepEngine(build_pipeline(self.compression, self.path), communicator, TorchTensors(),
-                                self._unused_allreduce, average=average, background=False)
+            engine = StepEngine(build_pipeline(self.compression, self.path, spare_buffers=False), communicator,
+                                TorchTensors(), self._unused_allreduce, average=average, background=False)
             state = self._restore.pop(fsdp_checkpoint.engine_key(role, average), None)
             if state is not None:
                 fsdp_checkpoint.apply(engine, state)
