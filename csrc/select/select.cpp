@@ -257,6 +257,16 @@ std::vector<uint64_t> histogram(const float* x, int64_t n, int threads) {
     return hist;
 }
 
+// r += g over one block (in place).
+void add_block(float* __restrict r, const float* __restrict g, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) r[i] += g[i];
+}
+
+// out = p + g over one block, out distinct from both (the journaled step's second buffer).
+void add_block(float* __restrict out, const float* __restrict p, const float* __restrict g, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) out[i] = p[i] + g[i];
+}
+
 }  // namespace
 
 Scan scan(const float* g, const float* prior, float* residual, int64_t n, int64_t topk_r, int threads, int64_t* out) {
@@ -277,9 +287,11 @@ Scan scan(const float* g, const float* prior, float* residual, int64_t n, int64_
             }
             const float* source = g;
             if (residual) {
-                float* r = residual + b;
-                const float* p = prior + b;
-                for (int64_t i = 0; i < len; ++i) r[i] = p[i] + g[b + i];
+                if (prior == residual) {
+                    add_block(residual + b, g + b, len);
+                } else {
+                    add_block(residual + b, prior + b, g + b, len);
+                }
                 source = residual;
             }
             if (gathering && finite[c]) cand.gather_from(c, source, b, b + len, low);
