@@ -1,9 +1,9 @@
 """One rank of ``deepreduce bench-scaling --real-engine``: the Horovod optimizer's step (the step
 engine, as a training job runs it) per aggregation, in wall and CPU seconds.
 
-Launched by ``horovodrun -np N`` (oversubscribed on one machine: N ranks share its cores). A
-model of one parameter per tensor size gets, each step, a fixed Laplace gradient per rank
-(``loss = sum(p * g)``), and ``backward()`` + ``synchronize()`` is timed, once with the
+Launched by ``horovodrun -np N`` (oversubscribed on one machine: N ranks share its cores). The
+toy model of :mod:`experiments.engine_toy` (one parameter per tensor size, a fixed Laplace
+gradient per rank and step) runs, and its ``backward()`` + ``synchronize()`` is timed, once with the
 allgather of containers and once with the sparse all-reduce, same config. CPU seconds are the
 process's (every thread: the engine's worker and Horovod's background thread included), so on
 an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
@@ -22,27 +22,22 @@ import torch
 
 import deepreduce
 import deepreduce.torch as drt
-
-
-def gradients(numels, step: int, seed: int):
-    return [torch.from_numpy(np.random.default_rng([seed, hvd.rank(), step, n]).laplace(size=n).astype(np.float32))
-            for n in numels]
+from experiments.engine_toy import forward_backward, gradients, parameters
 
 
 def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dict:
-    torch.manual_seed(0)
-    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in numels])
+    params = parameters(numels)
     compression = dict(deepreduce.build(config).get_config(), aggregation={"id": aggregation})
     compression.pop("communicator", None)
     opt = drt.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0),
                                    named_parameters=params.named_parameters(), compression=compression)
     wall, cpu = [], []
     for step in range(steps + 1):
-        grads = gradients(numels, step, seed)
+        grads = gradients(numels, hvd.rank(), step, seed)
         opt.zero_grad()
         hvd.allreduce(torch.zeros(1), name=f"barrier.{aggregation}.{step}")   # every rank starts together
         w0, c0 = time.perf_counter(), time.process_time()
-        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        forward_backward(params, grads)
         opt.synchronize()
         w1, c1 = time.perf_counter(), time.process_time()
         with opt.skip_synchronize():

@@ -27,6 +27,15 @@ received container of a ``d``-element tensor holding ``n`` entries into the sum 
 ``decode_call_s + decode_element_s * d + decode_entry_s * n`` (a Bloom filter is queried at every
 position of the tensor, a raw or Elias-Fano index section is read entry by entry); a container
 holds ``header_bytes + entry_bytes * n`` bytes. Every function is a pure function of its inputs.
+
+A rank's host CPU beyond the codec (:class:`HostCosts`, measured by
+:func:`deepreduce.collective.cost_probe.measure_host_costs` and
+:func:`~deepreduce.collective.cost_probe.measure_collective_costs`), added where the inputs carry
+it: each tensor's full passes over its elements outside the codec (:data:`COPY_PASSES`: the
+residual journal's copy, the decode's first write over its output, the division by ``N``), one
+hand-over to the step engine's worker, and the collective's CPU (per call, per received byte);
+over a step, the transport's background thread (its CPU per second of the rank's work) and, with
+more ranks than cores, the polling of ranks waiting for their peers (:func:`step_cpu_s`).
 """
 from __future__ import annotations
 
@@ -235,10 +244,16 @@ class Cost:
     decode_s: float
     sent_bytes: float
     received_bytes: float
+    host_s: float = 0.0   # host CPU beyond the codec (:func:`host_seconds`); 0 without HostCosts
 
     @property
     def total_s(self) -> float:
-        return self.encode_s + self.comm_s + self.decode_s
+        return self.encode_s + self.comm_s + self.decode_s + self.host_s
+
+    @property
+    def cpu_s(self) -> float:
+        """The rank's CPU seconds of this bucket: codec and host glue (the link's seconds are not CPU)."""
+        return self.encode_s + self.decode_s + self.host_s
 
 
 def dense_cost(link: Link, ranks: int, numel: float, itemsize: int = FLOAT32_BYTES) -> Cost:
@@ -314,6 +329,108 @@ def powersgd_cost(link: Link, ranks: int, shapes: Iterable[Sequence[int]], rank:
                for floats in (p_floats, q_floats, dense_floats) if floats)
     moved = 2 * (n_ranks - 1) / n_ranks * FLOAT32_BYTES * (p_floats + q_floats + dense_floats)
     return Cost(compute, comm, 0.0, moved, moved)
+
+
+
+# ---------------------------------------------------------------------------- a rank's host CPU beyond the codec
+#: Full float32 passes over a tensor's elements that a route makes outside the codec, per step:
+#: the coded routes copy the residual once into the step's journal (so a skipped step restores
+#: it), write the decoded sum over the whole output (the first container's decode overwrites it)
+#: and divide it by ``N``; the sparse all-reduce's owner residual is journaled entry by entry
+#: (O(k), not a pass). ``fp16`` casts in and back; ``dense`` is summed in place by the collective.
+COPY_PASSES = {"dense": 0, "fp16": 2, "allgather": 3, "sparse_allreduce": 3}
+#: Collectives a route runs per bucket (the engine fuses the sparse all-reduce's of a whole step
+#: into one alltoall and one allgather: :func:`step_collectives`).
+COLLECTIVES = {"dense": 1, "fp16": 1, "allgather": 1, "sparse_allreduce": 2}
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """A rank's CPU beyond the codec on this machine and transport (measured, see the module docstring).
+
+    Attributes:
+        copy_element_s: seconds per element of one float32 pass (an ``np.copyto`` at memory speed).
+        hand_over_s: seconds of one item's hand-over to the engine's worker thread and back.
+        call_s, byte_s: a rank's CPU per collective call and per byte received from the other
+            ranks (fitted on allgathers and alltoalls with ranks <= cores).
+        background_per_s: the transport's background CPU per second (Horovod's background thread
+            polling for work while the rank idles), charged per second of the rank's own work.
+        cores: the cores the ranks share (0: not known, no polling term).
+        note: where and how the figures were measured.
+    """
+
+    copy_element_s: float
+    hand_over_s: float
+    call_s: float
+    byte_s: float
+    background_per_s: float
+    cores: int = 0
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for key in _HOST_FIELDS:
+            check_nonnegative(getattr(self, key), f"host costs {key}")
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
+            raise ConfigError(f"host costs: cores must be an integer >= 0, got {self.cores!r}")
+        if not isinstance(self.note, str):
+            raise ConfigError(f"host costs: note must be a string, got {self.note!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HostCosts":
+        return cls(**_fields(data, (*_HOST_FIELDS, "cores", "note"), "host costs", optional=("cores", "note")))
+
+
+_HOST_FIELDS = ("copy_element_s", "hand_over_s", "call_s", "byte_s", "background_per_s")
+
+
+def host_seconds(host: HostCosts, aggregation: str, numel: float, received_bytes: float, collectives: int) -> float:
+    """One tensor's host CPU beyond the codec: :data:`COPY_PASSES` passes over ``numel`` elements,
+    one hand-over to the worker, ``collectives`` collective calls and ``received_bytes`` through them."""
+    if aggregation not in COPY_PASSES:
+        raise ConfigError(f"host_seconds: unknown aggregation {aggregation!r}; known: {sorted(COPY_PASSES)}")
+    return COPY_PASSES[aggregation] * numel * host.copy_element_s + host.hand_over_s \
+        + collectives * host.call_s + received_bytes * host.byte_s
+
+
+def step_collectives(aggregation: str, tensors: int) -> int:
+    """Collective calls of one step of ``tensors`` tensors on one route: one per tensor, except
+    the sparse all-reduce's two per step (every tensor's shards in one alltoall, then one allgather)."""
+    if aggregation not in COLLECTIVES:
+        raise ConfigError(f"step_collectives: unknown aggregation {aggregation!r}; known: {sorted(COLLECTIVES)}")
+    return COLLECTIVES[aggregation] if aggregation == "sparse_allreduce" else COLLECTIVES[aggregation] * tensors
+
+
+def oversubscription(ranks: int, cores: int) -> float:
+    """How many times its own step a rank's CPU is when ``ranks`` ranks share ``cores`` cores:
+    ``max(1, N / C)`` (1 where the cores are not known).
+
+    A rank's collectives poll (MPI's progress loop in the transport's thread) instead of sleeping,
+    so a rank that waits for a peer burns the core it holds. With ``N <= C`` each rank has a core
+    and waits as long as the slowest peer's step: nothing beyond its own. With ``N > C`` only ``C``
+    ranks run at once; a rank's step ends when every peer's has, the peers' work queues ``N / C``
+    deep on the cores, and the rank polls through the ``N / C - 1`` turns of the others:
+    ``own + (N / C - 1) x others'`` with every rank's step the same. A lower bound: a collective's
+    rounds, each waiting for one given peer to be scheduled, add more (docs/benchmarks.md)."""
+    n = check_ranks(ranks)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise ConfigError(f"cores must be an integer >= 0, got {cores!r}")
+    return max(1.0, n / cores) if cores else 1.0
+
+
+def step_cpu_s(costs: Sequence[Cost], aggregation: str, ranks: int, host: HostCosts, compute_s: float = 0.0) -> float:
+    """A rank's CPU seconds of one step whose tensors cost ``costs`` on one route (each with its
+    :func:`host_seconds`, whose per-tensor collectives are replaced here by the step's
+    :func:`step_collectives`): ``compute_s`` (forward and backward) plus every tensor's codec and
+    host CPU, times ``1 + background_per_s`` (the transport's thread, while the rank works), plus
+    the step's collective calls, times :func:`oversubscription`."""
+    tensors = len(costs)
+    per_tensor_calls = COLLECTIVES.get(aggregation, 0) * tensors * host.call_s
+    own = check_nonnegative(compute_s, "step_cpu_s compute_s") + sum(c.cpu_s for c in costs) - per_tensor_calls
+    calls = step_collectives(aggregation, tensors) * host.call_s
+    return (own * (1.0 + host.background_per_s) + calls) * oversubscription(ranks, host.cores)
 
 
 def _fields(data, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict:
