@@ -8,7 +8,8 @@ allgather of containers and once with the sparse all-reduce, same config. CPU se
 process's (every thread: the engine's worker and Horovod's background thread included), so on
 an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
 Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
-slowest rank's, and the engine's ``compression_stats()`` split.
+slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, first one line of
+what Horovod's collectives alone cost a rank at this N (the cost model's collective terms).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 import deepreduce
 import deepreduce.torch as drt
+from deepreduce.collective.cost_probe import measure_collective_costs
 from experiments.engine_toy import forward_backward, gradients, parameters
 
 
@@ -55,16 +57,33 @@ def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dic
             "decode_s": worst[4]}
 
 
+def allgather(payload: np.ndarray, name: str):
+    """Horovod's allgather of a uint8 NumPy payload (the transport the engine's routes use)."""
+    return hvd.allgather(torch.from_numpy(payload), name=name)
+
+
+def alltoall(payloads, name: str):
+    """Horovod's alltoall of uint8 NumPy payloads, one per rank."""
+    sizes = torch.tensor([p.size for p in payloads], dtype=torch.int32)
+    return hvd.alltoall(torch.from_numpy(np.concatenate(payloads)), splits=sizes, name=name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="topk_raw")
     parser.add_argument("--numels", default="2359296,1048576,262144")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe", action="store_true", help="first time Horovod's collectives alone at this N "
+                        "(deepreduce.collective.cost_probe.measure_collective_costs) and print them")
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
+    if args.probe:   # the transport alone at this N, before any step: the cost model's collective terms
+        found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
+        if hvd.rank() == 0:
+            print("COLLECTIVE " + json.dumps(found), flush=True)
     for aggregation in ("allgather", "sparse_allreduce"):
         row = measure(aggregation, args.config, numels, args.steps, args.seed)
         if hvd.rank() == 0:

@@ -12,18 +12,18 @@ from deepreduce.collective.cost_model import (
     HostCosts,
     Link,
     host_seconds,
-    oversubscription,
+    sparse_allreduce_cost,
     step_collectives,
 )
 from deepreduce.collective.cost_probe import measure_collective_costs, measure_host_costs
 from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost, plan, step_cpu
 from deepreduce.errors import ConfigError
-from experiments.cli.bench_scaling import engine_model, print_engine
+from experiments.cli.bench_scaling import engine_model, engine_rows, print_engine
 from experiments.engine_toy import compute_cpu_s
 
 RAW = CodecCosts(name="topk_raw", ratio=0.01, encode_call_s=3e-5, encode_element_s=1e-9, decode_call_s=2e-5,
                  decode_element_s=1e-10, decode_entry_s=1e-8, header_bytes=34.0, entry_bytes=8.0)
-HOST = HostCosts(copy_element_s=2e-10, hand_over_s=2e-5, call_s=1e-3, byte_s=5e-11, background_per_s=0.5, cores=2)
+HOST = HostCosts(copy_element_s=2e-10, hand_over_s=2e-5, call_s=1e-3, byte_s=5e-11, background_per_s=0.5)
 NUMELS = (2_359_296, 1_048_576, 262_144)
 
 
@@ -52,9 +52,9 @@ def test_host_probe_measures_positive_constants():
     assert all(seconds > 0 for *_, seconds in found["points"])
     assert found["byte_s"] > 0                 # copying 8 MB costs more than 1 KB
     assert found["background_per_s"] >= 0     # no transport thread here: about 0
-    host = measure_host_costs(found, cores=2, repeat=3, elements=1 << 20)
+    host = measure_host_costs(found, repeat=3, elements=1 << 20)
     assert host.copy_element_s > 0 and host.hand_over_s > 0
-    assert (host.call_s, host.byte_s, host.cores) == (found["call_s"], found["byte_s"], 2)
+    assert (host.call_s, host.byte_s) == (found["call_s"], found["byte_s"])
     assert 0 < compute_cpu_s((1 << 16, 1 << 12), steps=2)
 
 
@@ -69,12 +69,24 @@ def test_host_probes_refuse_bad_arguments():
         measure_host_costs({"call_s": 0, "byte_s": 0, "background_per_s": 0}, repeat=0)
 
 
+def test_encode_has_a_per_entry_cost_and_old_figures_still_load():
+    with_entries = CodecCosts(**dict(RAW.to_dict(), encode_entry_s=1e-8))
+    assert with_entries.encode_s(1e6) == pytest.approx(RAW.encode_s(1e6) + 1e4 * 1e-8)   # k = 1% of 1M
+    # phase one selects k entries of the whole tensor, the owner k/N of its shard
+    assert sparse_allreduce_cost(Link(0.0, 1.0), 4, 1e6, with_entries).encode_s == pytest.approx(
+        sparse_allreduce_cost(Link(0.0, 1.0), 4, 1e6, RAW).encode_s + (1e4 + 1e4 / 4) * 1e-8)
+    saved = {k: v for k, v in RAW.to_dict().items() if k != "encode_entry_s"}   # a file from before the field
+    assert CodecCosts.from_dict(saved) == RAW and RAW.encode_entry_s == 0.0
+    with pytest.raises(ConfigError, match="encode_entry_s must be a finite number >= 0"):
+        CodecCosts(**dict(RAW.to_dict(), encode_entry_s=-1.0))
+
+
 def test_host_costs_validate_and_round_trip():
     assert HostCosts.from_dict(HOST.to_dict()) == HOST
     with pytest.raises(ConfigError, match="host costs call_s must be a finite number >= 0"):
         HostCosts(copy_element_s=0, hand_over_s=0, call_s=-1, byte_s=0, background_per_s=0)
-    with pytest.raises(ConfigError, match="cores must be an integer >= 0"):
-        HostCosts(copy_element_s=0, hand_over_s=0, call_s=0, byte_s=0, background_per_s=0, cores=1.5)
+    with pytest.raises(ConfigError, match="note must be a string"):
+        HostCosts(copy_element_s=0, hand_over_s=0, call_s=0, byte_s=0, background_per_s=0, note=1)
     with pytest.raises(ConfigError, match="unknown keys"):
         HostCosts.from_dict(dict(HOST.to_dict(), extra=1))
 
@@ -88,13 +100,12 @@ def test_host_seconds_hand_computed():
         host_seconds(HOST, "gossip", 1, 0, 1)
 
 
-def test_step_collectives_and_oversubscription():
+def test_step_collectives():
     assert step_collectives("allgather", 3) == 3
     assert step_collectives("sparse_allreduce", 3) == 2   # one alltoall and one allgather per step
-    assert [oversubscription(n, 2) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
-    assert oversubscription(8, 0) == 1.0                  # cores unknown: no polling term
-    with pytest.raises(ConfigError, match="cores must be an integer >= 0"):
-        oversubscription(4, -1)
+    assert step_collectives("dense", 3) == 3
+    with pytest.raises(ConfigError, match="unknown aggregation 'gossip'"):
+        step_collectives("gossip", 1)
 
 
 def test_step_cpu_hand_computed_and_growing_as_its_terms_say():
@@ -104,18 +115,21 @@ def test_step_cpu_hand_computed_and_growing_as_its_terms_say():
         host_seconds(HOST, "allgather", n, c.received_bytes, 0) for n, c in zip(NUMELS, costs))
     expected = own * 1.5 + 3 * HOST.call_s
     assert step_cpu(Choice("allgather", "topk_raw"), NUMELS, inputs(2), compute) == pytest.approx(expected)
+    # the sparse all-reduce's collectives are one alltoall and one allgather per step, whatever its tensors
+    sparse = [choice_cost(Choice("sparse_allreduce", "topk_raw"), n, inputs(2)) for n in NUMELS]
+    own = compute + sum(c.encode_s + c.decode_s for c in sparse) + sum(
+        host_seconds(HOST, "sparse_allreduce", n, c.received_bytes, 0) for n, c in zip(NUMELS, sparse))
+    assert step_cpu(Choice("sparse_allreduce", "topk_raw"), NUMELS, inputs(2), compute) == pytest.approx(
+        own * 1.5 + 2 * HOST.call_s)
+    slower = HostCosts(**dict(HOST.to_dict(), call_s=10 * HOST.call_s, background_per_s=1.0))   # probed past the cores
     for aggregation in ("allgather", "sparse_allreduce"):
         choice = Choice(aggregation, "topk_raw")
         small = step_cpu(choice, [n // 4 for n in NUMELS], inputs(2, [n // 4 for n in NUMELS]), compute)
-        big = step_cpu(choice, NUMELS, inputs(2), compute)
-        assert big > small                                     # grows with the tensors' sizes
+        assert step_cpu(choice, NUMELS, inputs(2), compute) > small      # grows with the tensors' sizes
         per_n = [step_cpu(choice, NUMELS, inputs(n), compute) for n in (2, 4, 8)]
-        assert per_n[0] < per_n[1] < per_n[2]                  # grows with N
-        # beyond the cores the polling term: at least N / C times the step of one rank with a core
-        one_core = step_cpu(choice, NUMELS, inputs(8, host=HostCosts(**dict(HOST.to_dict(), cores=8))), compute)
-        assert per_n[2] == pytest.approx(4 * one_core)
-    assert step_cpu(Choice("sparse_allreduce", "topk_raw"), NUMELS, inputs(2), compute) < sum(
-        step_cpu(Choice("sparse_allreduce", "topk_raw"), [n], inputs(2, [n]), compute / 3) for n in NUMELS)
+        if aggregation == "allgather":
+            assert per_n[0] < per_n[1] < per_n[2]                       # decodes N - 1 containers
+        assert step_cpu(choice, NUMELS, inputs(8, host=slower), compute) > per_n[2]   # the polling it measured
     with pytest.raises(ConfigError, match="needs plan inputs with host costs"):
         step_cpu(Choice("allgather", "topk_raw"), NUMELS, inputs(2, host=None))
 
@@ -141,7 +155,7 @@ def test_bench_prints_measured_against_model_per_aggregation_and_n(capsys):
     modelled = engine_model(rows, [RAW], HOST, 2e-3)
     assert [r["model_cpu_s"] for r in modelled] == pytest.approx(
         [step_cpu(Choice(r["aggregation"], "topk_raw"), NUMELS, inputs(r["ranks"]), 2e-3) for r in rows])
-    print_engine(rows, [RAW], HOST, 2e-3)
+    print_engine(rows, [RAW], HOST, 2e-3, cores=2)
     out = capsys.readouterr().out
     assert "measured/model" in out and "model inputs: compute 2.00 ms" in out
     lines = [line.split() for line in out.splitlines() if line.split()[:1] in (["allgather"], ["sparse_allreduce"])]
@@ -149,7 +163,15 @@ def test_bench_prints_measured_against_model_per_aggregation_and_n(capsys):
     for line, r in zip(lines, modelled):
         assert float(line[7]) == pytest.approx(1e3 * r["model_cpu_s"], abs=0.06)
         assert float(line[8]) == pytest.approx(r["cpu_s"] / r["model_cpu_s"], abs=0.006)
-    assert "measured / model at N <= cores" in out and "measured / model at N > cores" in out
+    assert "measured / model at N <= 2 cores" in out and "measured / model at N > 2 cores" in out
+    for r in modelled:
+        assert sum(r["model_parts"]) == pytest.approx(r["model_cpu_s"]) and min(r["model_parts"]) > 0
+    probed = [dict(r, collective={"call_s": 5e-3, "byte_s": 0.0, "background_per_s": 1.0}) for r in rows]
+    at_n = engine_model(probed, [RAW], HOST, 2e-3)   # a row probed at its N: that probe's collective figures
+    assert all(r["model_host"].call_s == 5e-3 and r["model_host"].background_per_s == 1.0 for r in at_n)
+    assert all(p["model_cpu_s"] > r["model_cpu_s"] for p, r in zip(at_n, modelled))
+    out = '[1,0]<stdout>:COLLECTIVE {"call_s": 0.001}[1,0]<stdout>:\n[1,0]<stdout>:ENGINE {"ranks": 2}\n'
+    assert engine_rows(out, "COLLECTIVE ") == [{"call_s": 0.001}] and engine_rows(out) == [{"ranks": 2}]
     print_engine(rows, [RAW])   # without host costs: the codec's CPU alone, as before
     assert "model inputs" not in capsys.readouterr().out
 

@@ -21,8 +21,9 @@ Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MP
   ``2 k (N-1)/N`` entries, Ok-Topk's lower bound, whatever ``N``.
 
 Codec costs are linear fits measured on this machine (:mod:`deepreduce.collective.cost_probe`):
-encoding a ``d``-element tensor into ``c`` containers costs ``c encode_call_s + encode_element_s * d``
-(one container per shard: the per-call cost is counted per container); decoding one
+encoding a ``d``-element tensor into ``c`` containers holding ``k`` entries in all costs
+``c encode_call_s + encode_element_s * d + encode_entry_s * k`` (one container per shard: the
+per-call cost is counted per container; packing and settling the residual are per entry); decoding one
 received container of a ``d``-element tensor holding ``n`` entries into the sum costs
 ``decode_call_s + decode_element_s * d + decode_entry_s * n`` (a Bloom filter is queried at every
 position of the tensor, a raw or Elias-Fano index section is read entry by entry); a container
@@ -35,7 +36,7 @@ it: each tensor's full passes over its elements outside the codec (:data:`COPY_P
 residual journal's copy, the decode's first write over its output, the division by ``N``), one
 hand-over to the step engine's worker, and the collective's CPU (per call, per received byte);
 over a step, the transport's background thread (its CPU per second of the rank's work) and, with
-more ranks than cores, the polling of ranks waiting for their peers (:func:`step_cpu_s`).
+more ranks than cores, the polling of ranks waiting in the collectives (:func:`step_cpu_s`).
 """
 from __future__ import annotations
 
@@ -153,6 +154,8 @@ class CodecCosts:
         name: the config's name (e.g. ``topk_raw``).
         ratio: fraction of a tensor's elements the sparsifier selects (``k = ratio * d``).
         encode_call_s, encode_element_s: seconds per container encoded and per input element.
+        encode_entry_s: seconds per entry encoded (packing it, settling its residual; 0 in
+            figures saved before it was measured).
         decode_call_s, decode_element_s, decode_entry_s: seconds to decode one received
             container into the sum: per container, per element of its tensor, per entry.
         header_bytes, entry_bytes: a container's fixed bytes and bytes per entry.
@@ -169,6 +172,7 @@ class CodecCosts:
     header_bytes: float
     entry_bytes: float
     note: str = ""
+    encode_entry_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -185,7 +189,8 @@ class CodecCosts:
         return min(float(numel), max(1.0, self.ratio * numel))
 
     def encode_s(self, numel: float) -> float:
-        return self.encode_call_s + self.encode_element_s * numel
+        """Encoding one container of a ``numel``-element tensor at the config's ratio."""
+        return self.encode_call_s + self.encode_element_s * numel + self.encode_entry_s * self.entries(numel)
 
     def decode_s(self, numel: float, entries: float) -> float:
         return self.decode_call_s + self.decode_element_s * numel + self.decode_entry_s * entries
@@ -198,11 +203,12 @@ class CodecCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CodecCosts":
-        return cls(**_fields(data, ("name", "ratio", *_COST_FIELDS, "note"), "codec costs", optional=("note",)))
+        return cls(**_fields(data, ("name", "ratio", *_COST_FIELDS, "note"), "codec costs",
+                             optional=("note", "encode_entry_s")))
 
 
-_COST_FIELDS = ("encode_call_s", "encode_element_s", "decode_call_s", "decode_element_s", "decode_entry_s",
-                "header_bytes", "entry_bytes")
+_COST_FIELDS = ("encode_call_s", "encode_element_s", "encode_entry_s", "decode_call_s", "decode_element_s",
+                "decode_entry_s", "header_bytes", "entry_bytes")
 
 
 @dataclass(frozen=True)
@@ -289,7 +295,8 @@ def sparse_allreduce_cost(link: Link, ranks: int, numel: float, codec: CodecCost
     shard_entries = k / n
     union = shard_entries if reselect else min(shard, k)
     first, second = codec.container_bytes(shard_entries), codec.container_bytes(union)
-    encode = codec.encode_element_s * numel + n * codec.encode_call_s + codec.encode_s(shard)
+    encode = codec.encode_element_s * numel + codec.encode_entry_s * k + n * codec.encode_call_s \
+        + codec.encode_s(shard)
     comm = alltoall_s(link, [first] * (n - 1), [first] * (n - 1)) + allgather_s(link, n, second)
     decode = (n - 1) * (codec.decode_s(shard, shard_entries) + codec.decode_s(shard, union))
     moved = (n - 1) * (first + second)
@@ -352,10 +359,10 @@ class HostCosts:
         copy_element_s: seconds per element of one float32 pass (an ``np.copyto`` at memory speed).
         hand_over_s: seconds of one item's hand-over to the engine's worker thread and back.
         call_s, byte_s: a rank's CPU per collective call and per byte received from the other
-            ranks (fitted on allgathers and alltoalls with ranks <= cores).
-        background_per_s: the transport's background CPU per second (Horovod's background thread
-            polling for work while the rank idles), charged per second of the rank's own work.
-        cores: the cores the ranks share (0: not known, no polling term).
+            ranks (fitted on allgathers and alltoalls at the step's N: beyond the cores they
+            include the polling of a rank whose collective waits for a peer off the cores).
+        background_per_s: CPU seconds the transport's own threads take per CPU second of the
+            rank's work (Horovod's background thread cycling and polling beside it).
         note: where and how the figures were measured.
     """
 
@@ -364,14 +371,11 @@ class HostCosts:
     call_s: float
     byte_s: float
     background_per_s: float
-    cores: int = 0
     note: str = ""
 
     def __post_init__(self) -> None:
         for key in _HOST_FIELDS:
             check_nonnegative(getattr(self, key), f"host costs {key}")
-        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
-            raise ConfigError(f"host costs: cores must be an integer >= 0, got {self.cores!r}")
         if not isinstance(self.note, str):
             raise ConfigError(f"host costs: note must be a string, got {self.note!r}")
 
@@ -380,7 +384,7 @@ class HostCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> "HostCosts":
-        return cls(**_fields(data, (*_HOST_FIELDS, "cores", "note"), "host costs", optional=("cores", "note")))
+        return cls(**_fields(data, (*_HOST_FIELDS, "note"), "host costs", optional=("note",)))
 
 
 _HOST_FIELDS = ("copy_element_s", "hand_over_s", "call_s", "byte_s", "background_per_s")
@@ -403,34 +407,24 @@ def step_collectives(aggregation: str, tensors: int) -> int:
     return COLLECTIVES[aggregation] if aggregation == "sparse_allreduce" else COLLECTIVES[aggregation] * tensors
 
 
-def oversubscription(ranks: int, cores: int) -> float:
-    """How many times its own step a rank's CPU is when ``ranks`` ranks share ``cores`` cores:
-    ``max(1, N / C)`` (1 where the cores are not known).
-
-    A rank's collectives poll (MPI's progress loop in the transport's thread) instead of sleeping,
-    so a rank that waits for a peer burns the core it holds. With ``N <= C`` each rank has a core
-    and waits as long as the slowest peer's step: nothing beyond its own. With ``N > C`` only ``C``
-    ranks run at once; a rank's step ends when every peer's has, the peers' work queues ``N / C``
-    deep on the cores, and the rank polls through the ``N / C - 1`` turns of the others:
-    ``own + (N / C - 1) x others'`` with every rank's step the same. A lower bound: a collective's
-    rounds, each waiting for one given peer to be scheduled, add more (docs/benchmarks.md)."""
-    n = check_ranks(ranks)
-    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
-        raise ConfigError(f"cores must be an integer >= 0, got {cores!r}")
-    return max(1.0, n / cores) if cores else 1.0
-
-
-def step_cpu_s(costs: Sequence[Cost], aggregation: str, ranks: int, host: HostCosts, compute_s: float = 0.0) -> float:
+def step_cpu_s(costs: Sequence[Cost], aggregation: str, host: HostCosts, compute_s: float = 0.0) -> float:
     """A rank's CPU seconds of one step whose tensors cost ``costs`` on one route (each with its
     :func:`host_seconds`, whose per-tensor collectives are replaced here by the step's
-    :func:`step_collectives`): ``compute_s`` (forward and backward) plus every tensor's codec and
-    host CPU, times ``1 + background_per_s`` (the transport's thread, while the rank works), plus
-    the step's collective calls, times :func:`oversubscription`."""
-    tensors = len(costs)
-    per_tensor_calls = COLLECTIVES.get(aggregation, 0) * tensors * host.call_s
-    own = check_nonnegative(compute_s, "step_cpu_s compute_s") + sum(c.cpu_s for c in costs) - per_tensor_calls
-    calls = step_collectives(aggregation, tensors) * host.call_s
-    return (own * (1.0 + host.background_per_s) + calls) * oversubscription(ranks, host.cores)
+    :func:`step_collectives`): the rank's own work (``compute_s`` of forward and backward, every
+    tensor's codec and host CPU) times ``1 + background_per_s`` (the transport's thread beside
+    it), plus the step's collective calls at ``call_s`` each.
+
+    Oversubscription (more ranks than cores) enters through ``host``, which must be probed at the
+    step's N on the machine that runs it (:func:`deepreduce.collective.cost_probe.measure_collective_costs`):
+    there a rank's collectives poll while the peer each of their rounds waits for is off the
+    cores, and the probe's ``call_s`` and ``background_per_s`` hold that polling. Its work is not
+    multiplied by ``N / C``: the polling ranks and the working ones share the cores, so a rank's
+    CPU over the step is ``C / N`` of its wall time, and that wall time is ``N / C`` times the
+    rank's own work plus the collectives' waits: what is added is the waits, not the peers'
+    work (docs/benchmarks.md)."""
+    calls_per_tensor = COLLECTIVES[aggregation] * len(costs) * host.call_s   # what the costs' host_s hold
+    own = check_nonnegative(compute_s, "step_cpu_s compute_s") + sum(c.cpu_s for c in costs) - calls_per_tensor
+    return own * (1.0 + host.background_per_s) + step_collectives(aggregation, len(costs)) * host.call_s
 
 
 def _fields(data, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict:

@@ -4,9 +4,9 @@
 and ``SparseAllreduce.shard_entries`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
-ratios (the config's and a quarter of it, which separates a decode's per-element cost from its
-per-entry cost), and fits the per-container, per-element and per-entry constants of
-:class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`).
+ratios (the config's and a quarter of it, which separates the per-element cost from the
+per-entry cost, of the encode as of the decode), and fits the per-container, per-element and
+per-entry constants of :class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`).
 :func:`measure_collective_costs` (run in the ranks) and :func:`measure_host_costs` measure a
 rank's CPU beyond the codec (:class:`~deepreduce.collective.cost_model.HostCosts`). As in
 ``deepreduce bench-step``, decode times another pipeline's containers (a peer encoding the negated
@@ -108,7 +108,9 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
                 rows.append((shards, numel, shards * entries, encode_s, decode_s, int(payload.shape[0]),
                              part == ratio and shards == 1))
     containers, numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))
-    encode_call, encode_element = fit_nonnegative([containers, numel], encode, f"{name} encode seconds")
+    encoded = [e / c for e, c in zip(entries, containers)]   # one encode selects the tensor's entries once
+    encode_call, encode_element, encode_entry = fit_nonnegative([containers, numel, encoded], encode,
+                                                                f"{name} encode seconds")
     # the model charges every received container its tensor's elements (a Bloom filter is queried
     # at each), so the element column counts them per container
     decoded = [c * d for c, d in zip(containers, numel)]
@@ -118,6 +120,7 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
     header, entry = fit_nonnegative([[1.0] * len(own), [entries[i] for i in own]], [nbytes[i] for i in own],
                                     f"{name} container bytes")
     return CodecCosts(name=name, ratio=float(ratio), encode_call_s=encode_call, encode_element_s=encode_element,
+                      encode_entry_s=encode_entry,
                       decode_call_s=decode_call, decode_element_s=decode_element, decode_entry_s=decode_entry,
                       header_bytes=header, entry_bytes=entry, note=note)
 
@@ -151,15 +154,14 @@ BUSY_S = 0.5
 HAND_OVERS = 100
 
 
-def measure_host_costs(collective: dict, cores: int = 0, repeat: int = 9, clock: str = "cpu",
+def measure_host_costs(collective: dict, repeat: int = 9, clock: str = "cpu",
                        elements: int = COPY_ELEMENTS, note: str = "") -> HostCosts:
     """:class:`~deepreduce.collective.cost_model.HostCosts` of this process: one float32 pass timed
     as an ``np.copyto`` of ``elements`` float32 (the residual journal's copy, the decode's write
     over its output and the division by N run at this speed), one hand-over to
     :class:`~deepreduce.collective.worker.Worker` (the submit of a no-op and the wait for its
     result: what every item of a step costs beside its codec), and the collective figures
-    ``collective`` (:func:`measure_collective_costs`' output, measured in the ranks).
-    ``cores``: the cores the ranks will share (0: unknown)."""
+    ``collective`` (:func:`measure_collective_costs`' output, measured in the ranks at their N)."""
     from .worker import Worker
 
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
@@ -179,7 +181,7 @@ def measure_host_costs(collective: dict, cores: int = 0, repeat: int = 9, clock:
         worker.close()
     return HostCosts(copy_element_s=copy_s, hand_over_s=hand_over_s, call_s=float(collective["call_s"]),
                      byte_s=float(collective["byte_s"]), background_per_s=float(collective["background_per_s"]),
-                     cores=cores, note=note)
+                     note=note)
 
 
 def _nothing() -> None:
@@ -199,8 +201,9 @@ def measure_collective_costs(allgather: Callable, alltoall: Callable, rank: int,
     polling), timed for ``busy_s`` seconds. Returns ``{"call_s", "byte_s", "background_per_s",
     "ranks", "points": [[kind, bytes per rank, received bytes, seconds]]}``.
 
-    Run with ranks <= cores: on an oversubscribed machine a waiting rank's polling is counted as
-    its CPU and the fit measures the queue, not the transport."""
+    Run it at the N and on the machine whose steps it predicts: with more ranks than cores a rank
+    whose collective round waits for a peer off the cores polls, and the figures hold that polling
+    (what oversubscription costs a rank beyond its own work)."""
     now = _timer(clock)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise ConfigError(f"measure_collective_costs needs 2 or more ranks, got {ranks!r}")

@@ -243,7 +243,7 @@ def step_cpu(choice: Choice, numels: Sequence[int], inputs: PlanInputs, compute_
     if inputs.host is None:
         raise ConfigError("step_cpu needs plan inputs with host costs (HostCosts)")
     costs = [choice_cost(choice, int(n), inputs) for n in numels]
-    return step_cpu_s(costs, choice.aggregation, inputs.ranks, inputs.host, compute_s)
+    return step_cpu_s(costs, choice.aggregation, inputs.host, compute_s)
 
 
 def ready_order(buckets: Sequence[Bucket]) -> List[int]:

@@ -43,9 +43,6 @@ DEFAULT_PROBE_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 QUICK_PROBE_SIZES = (1 << 13, 1 << 14, 1 << 15)
 POWERSGD_RANK = 4
 AUTO_SLACK = 1.05                 # the issue's bound: auto within 5% of the best fixed choice
-PROBE_RANKS = 2                   # ranks of the collective probe of --real-engine (at most the cores)
-#: Sizes at which --real-engine measures the codec of its tensors (they are millions of elements).
-ENGINE_PROBE_SIZES = (1 << 18, 1 << 20, 1 << 22)
 MODEL_TOLERANCE = 0.30            # issue 31's goal: the model's step CPU within 30% of the measured
 
 
@@ -310,8 +307,10 @@ def print_real(rows: List[dict]) -> None:
 
 
 def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
-    """``experiments/engine_scaling_worker.py`` under ``horovodrun -np N`` for each N: one row per
-    (N, aggregation) with the slowest rank's wall and CPU seconds per step."""
+    """``experiments/engine_scaling_worker.py --probe`` under ``horovodrun -np N`` for each N: one
+    row per (N, aggregation) with the slowest rank's wall and CPU seconds per step, and under
+    ``collective`` what Horovod's collectives alone cost a rank at that N, probed first in the
+    same launch (:func:`deepreduce.collective.cost_probe.measure_collective_costs`)."""
     import os
     import subprocess
     import sys
@@ -321,39 +320,20 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     rows = []
     for n in ranks:
         cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", sys.executable, "-m",
-               "experiments.engine_scaling_worker", "--config", config, "--numels", numels]
+               "experiments.engine_scaling_worker", "--config", config, "--numels", numels, "--probe"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        rows += engine_rows(proc.stdout)
+        probed = engine_rows(proc.stdout, "COLLECTIVE ")
+        rows += [dict(row, collective=probed[0]) if probed else row for row in engine_rows(proc.stdout)]
     return rows
 
 
-def engine_rows(stdout: str) -> List[dict]:
-    """The ``ENGINE {...}`` rows of a worker's output; horovodrun may run the next line's
-    ``[1,0]<stdout>:`` prefix on into a row, so only its one JSON object is read."""
-    return [json.JSONDecoder().raw_decode(line.split("ENGINE ", 1)[1])[0]
-            for line in stdout.splitlines() if "ENGINE " in line]
-
-
-def collective_probe(ranks: int = PROBE_RANKS) -> dict:
-    """``experiments/collective_probe_worker.py`` under ``horovodrun -np ranks`` (once, ranks <=
-    cores): a rank's CPU per collective call and per received byte, and Horovod's background CPU
-    per second of work (:func:`deepreduce.collective.cost_probe.measure_collective_costs`)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(ranks), "-H", f"localhost:{ranks}", sys.executable, "-m",
-           "experiments.collective_probe_worker"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    found = [json.JSONDecoder().raw_decode(line.split("COLLECTIVE ", 1)[1])[0]
-             for line in proc.stdout.splitlines() if "COLLECTIVE " in line]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return found[0]
+def engine_rows(stdout: str, tag: str = "ENGINE ") -> List[dict]:
+    """The ``ENGINE {...}`` rows (or another ``tag``'s) of a worker's output; horovodrun may run
+    the next line's ``[1,0]<stdout>:`` prefix on into a row, so only its one JSON object is read."""
+    return [json.JSONDecoder().raw_decode(line.split(tag, 1)[1])[0]
+            for line in stdout.splitlines() if tag in line]
 
 
 def cores() -> int:
@@ -365,8 +345,11 @@ def cores() -> int:
 
 def engine_model(rows: List[dict], codecs, host, compute_s: float) -> List[dict]:
     """Each real row with the model's CPU seconds per step (:func:`deepreduce.collective.planner.step_cpu`:
-    the same cost model as the planner's, with the measured host costs and ``compute_s``) and its parts."""
-    from deepreduce.collective.cost_model import Link, oversubscription
+    the same cost model as the planner's, with the measured host costs and ``compute_s``) and its
+    parts (``model_parts``: compute, codec, glue, collectives, background, in seconds). A row probed
+    at its N (``collective``: :func:`engine_runs`) uses that probe's collective figures in place of
+    ``host``'s."""
+    from deepreduce.collective.cost_model import COLLECTIVES, Link, step_collectives
     from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost, step_cpu
 
     known = {c.name: c for c in codecs}
@@ -376,43 +359,51 @@ def engine_model(rows: List[dict], codecs, host, compute_s: float) -> List[dict]
         if codec is None:
             out.append(dict(r, model_cpu_s=None))
             continue
+        probed = r.get("collective")
+        at_n = host if probed is None else replace(host, call_s=probed["call_s"], byte_s=probed["byte_s"],
+                                                   background_per_s=probed["background_per_s"])
         inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(r["numels"])), r["ranks"],
-                            Link(0.0, 1.0), (codec,), host=host)
+                            Link(0.0, 1.0), (codec,), host=at_n)
         choice = Choice(r["aggregation"], codec.name)
         costs = [choice_cost(choice, n, inputs) for n in r["numels"]]
-        out.append(dict(r, model_cpu_s=step_cpu(choice, r["numels"], inputs, compute_s),
-                        model_codec_s=sum(c.encode_s + c.decode_s for c in costs),
-                        model_host_s=sum(c.host_s for c in costs),
-                        polling=oversubscription(r["ranks"], host.cores)))
+        total = step_cpu(choice, r["numels"], inputs, compute_s)
+        codec_s = sum(c.encode_s + c.decode_s for c in costs)
+        glue = sum(c.host_s for c in costs) - COLLECTIVES[choice.aggregation] * len(costs) * at_n.call_s
+        calls = step_collectives(choice.aggregation, len(costs)) * at_n.call_s
+        out.append(dict(r, model_cpu_s=total, model_host=at_n,
+                        model_parts=(compute_s, codec_s, glue, calls, total - compute_s - codec_s - glue - calls)))
     return out
 
 
-def print_engine(rows: List[dict], codecs, host=None, compute_s: float = 0.0) -> None:
+def print_engine(rows: List[dict], codecs, host=None, compute_s: float = 0.0, cores: int = 0) -> None:
     """The step engine's real step per N: the sparse all-reduce's CPU and wall seconds against the
     allgather's (targets of issue 31: CPU ratio <= 1 at N=8, <= 1.2 at N=2), and the cost model's
-    CPU seconds per step (:func:`engine_model`) against the measured ones (goal: within 30%),
-    split at N <= cores (every rank has a core) and N > cores (oversubscribed: the model's polling
-    term is a lower bound). Without ``host`` the model column is the codec's CPU alone."""
+    CPU seconds per step (:func:`engine_model`) against the measured ones (goal: within 30%), the
+    ratios summed up at N <= ``cores`` (every rank has a core) and N > ``cores`` apart. Without
+    ``host`` the model column is the codec's CPU alone."""
     print("\nstep engine, real runs (horovodrun, oversubscribed): one rank's step (backward + synchronize), "
           "slowest rank, median of steps")
     if host is not None:
         print(f"  model inputs: compute {1e3 * compute_s:.2f} ms (the toy step alone, this process); "
               f"{1e9 * host.copy_element_s:.3f} ns per element of a float32 pass; hand-over "
-              f"{1e6 * host.hand_over_s:.1f} us; collective {1e6 * host.call_s:.0f} us/call + "
-              f"{1e12 * host.byte_s:.1f} ps/byte; background {host.background_per_s:.2f} s per s of work; "
-              f"{host.cores} cores")
+              f"{1e6 * host.hand_over_s:.1f} us; per N, probed in its launch: Horovod's CPU per collective "
+              f"call and per received byte, its background threads' CPU per CPU second of work")
         rows = engine_model(rows, codecs, host, compute_s)
     print(f"{'aggregation':<18} {'N':>3} {'wall ms':>8} {'cpu ms':>8} {'encode':>7} {'comm':>7} {'decode':>7} "
-          f"{'model cpu ms':>13} {'measured/model':>15}{'  model: codec + host ms, polling x' if host else ''}")
+          f"{'model cpu ms':>13} {'measured/model':>15}"
+          + ("  model = compute + codec + glue + collectives + background ms (call ms, ps/B, background/s)"
+             if host else ""))
     known = {c.name: c for c in codecs}
-    by, ratios = {}, {"N <= cores": [], "N > cores": []}
+    by, ratios = {}, {f"N <= {cores} cores": [], f"N > {cores} cores": []}
     for r in rows:
         model, parts = r.get("model_cpu_s"), ""
         if host is None and r["codec"] in known:
             model = _codec_cpu_s(r, known[r["codec"]])
         elif model is not None:
-            parts = f"  {1e3 * r['model_codec_s']:.1f} + {1e3 * r['model_host_s']:.1f}, x{r['polling']:g}"
-            ratios["N <= cores" if r["ranks"] <= host.cores else "N > cores"].append(r["cpu_s"] / model)
+            h = r["model_host"]
+            parts = "  " + " + ".join(f"{1e3 * x:.1f}" for x in r["model_parts"]) + \
+                f" ({1e3 * h.call_s:.2f}, {1e12 * h.byte_s:.0f}, {h.background_per_s:.2f})"
+            ratios[f"N <= {cores} cores" if r["ranks"] <= cores else f"N > {cores} cores"].append(r["cpu_s"] / model)
         by[(r["aggregation"], r["ranks"])] = r
         model_text = f"{1e3 * model:>13.1f} {r['cpu_s'] / model:>15.2f}" if model else ""
         print(f"{r['aggregation']:<18} {r['ranks']:>3} {1e3 * r['wall_s']:>8.1f} {1e3 * r['cpu_s']:>8.1f} "
@@ -542,20 +533,21 @@ def run_hsdp(args, codecs, alpha_s: float) -> int:
 
 
 def run_engine(args) -> None:
-    """``--real-engine``: probe once (the transport's CPU with ``horovodrun -np 2``, this process's
-    copies and hand-overs, the toy step's compute, the codec at millions of elements), then time
-    the engine's step on each N and print it against the model's CPU seconds."""
+    """``--real-engine``: probe this process's copies and hand-overs, the toy step's compute and the
+    codec at the tensors' own sizes, then on each N probe Horovod's collectives and time the engine's
+    step (one launch per N) and print the step's CPU against the model's."""
     from deepreduce.collective.cost_probe import measure_codec_costs, measure_host_costs
 
     from ..engine_toy import compute_cpu_s
 
     numels = _csv(args.real_numels, int, "--real-numels")
     ranks = _csv(args.real_engine, int, "--real-engine")
-    collective = collective_probe(min(PROBE_RANKS, max(2, cores())))
-    host = measure_host_costs(collective, cores=cores(), note=args.note)
-    codec = measure_codec_costs(args.real_config, sizes=ENGINE_PROBE_SIZES, repeat=3, clock="cpu", note=args.note)
+    host = measure_host_costs({"call_s": 0.0, "byte_s": 0.0, "background_per_s": 0.0},
+                              note=args.note)   # each N's collective figures: probed in its launch
+    codec = measure_codec_costs(args.real_config, sizes=tuple(sorted(set(numels))), repeat=5, clock="cpu",
+                                note=args.note)   # at the sizes of the tensors it predicts
     rows = engine_runs(ranks, args.real_config, args.real_numels)
-    print_engine(rows, [codec], host, compute_cpu_s(numels))
+    print_engine(rows, [codec], host, compute_cpu_s(numels), cores())
 
 
 def run(args) -> int:
