@@ -547,6 +547,10 @@ def run_engine(args) -> None:
     codec = measure_codec_costs(args.real_config, sizes=tuple(sorted(set(numels))), repeat=5, clock="cpu",
                                 note=args.note)   # at the sizes of the tensors it predicts
     rows = engine_runs(ranks, args.real_config, args.real_numels)
+    print(f"\n--real-engine's codec probe of {codec.name} at {', '.join(map(str, sorted(set(numels))))} elements: "
+          f"encode {1e6 * codec.encode_call_s:.1f} us + {1e9 * codec.encode_element_s:.3f} ns/elem + "
+          f"{1e9 * codec.encode_entry_s:.2f} ns/entry; decode {1e6 * codec.decode_call_s:.1f} us + "
+          f"{1e9 * codec.decode_entry_s:.2f} ns/entry")
     print_engine(rows, [codec], host, compute_cpu_s(numels), cores())
 
 
@@ -574,7 +578,8 @@ def run(args) -> int:
     print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.shard_entries"
           f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
     for c in codecs:
-        print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
+        print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem "
+              f"+ {1e9 * c.encode_entry_s:.2f} ns/entry; "
               f"decode {1e6 * c.decode_call_s:.1f} us + {1e9 * c.decode_element_s:.3f} ns/elem + "
               f"{1e9 * c.decode_entry_s:.2f} ns/entry; {c.header_bytes:.0f} B + {c.entry_bytes:.2f} B/entry"
               f"{'  [' + c.note + ']' if c.note else ''}")
