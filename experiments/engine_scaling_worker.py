@@ -8,8 +8,9 @@ allgather of containers and once with the sparse all-reduce, same config. CPU se
 process's (every thread: the engine's worker and Horovod's background thread included), so on
 an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
 Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
-slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, first one line of
-what Horovod's collectives alone cost a rank at this N (the cost model's collective terms).
+slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, before and after
+them one line each of what Horovod's collectives alone cost a rank at this N (the cost model's
+collective terms).
 """
 from __future__ import annotations
 
@@ -74,20 +75,26 @@ def main() -> None:
     parser.add_argument("--numels", default="2359296,1048576,262144")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--probe", action="store_true", help="first time Horovod's collectives alone at this N "
-                        "(deepreduce.collective.cost_probe.measure_collective_costs) and print them")
+    parser.add_argument("--probe", action="store_true", help="before and after the steps, time Horovod's collectives "
+                        "alone at this N (deepreduce.collective.cost_probe.measure_collective_costs) and print them")
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
-    if args.probe:   # the transport alone at this N, before any step: the cost model's collective terms
-        found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
-        if hvd.rank() == 0:
-            print("COLLECTIVE " + json.dumps(found), flush=True)
+    if args.probe:   # the transport alone at this N, before the steps: the cost model's collective terms
+        probe()
     for aggregation in ("allgather", "sparse_allreduce"):
         row = measure(aggregation, args.config, numels, args.steps, args.seed)
         if hvd.rank() == 0:
             print("ENGINE " + json.dumps(row), flush=True)
+    if args.probe:   # and after them, so that a load that changed meanwhile shows in the mean of the two
+        probe()
+
+
+def probe() -> None:
+    found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
+    if hvd.rank() == 0:
+        print("COLLECTIVE " + json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ from deepreduce.collective.cost_model import (
     host_seconds,
     sparse_allreduce_cost,
     step_collectives,
+    step_cpu_s,
 )
 from deepreduce.collective.cost_probe import measure_collective_costs, measure_host_costs
 from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost, plan, step_cpu
 from deepreduce.errors import ConfigError
-from experiments.cli.bench_scaling import engine_model, engine_rows, print_engine
+from experiments.cli.bench_scaling import engine_model, engine_rows, mean_probe, print_engine
 from experiments.engine_toy import compute_cpu_s
 
 RAW = CodecCosts(name="topk_raw", ratio=0.01, encode_call_s=3e-5, encode_element_s=1e-9, decode_call_s=2e-5,
@@ -106,6 +107,8 @@ def test_step_collectives():
     assert step_collectives("dense", 3) == 3
     with pytest.raises(ConfigError, match="unknown aggregation 'gossip'"):
         step_collectives("gossip", 1)
+    with pytest.raises(ConfigError, match="unknown aggregation 'gossip'"):
+        step_cpu_s([], "gossip", HOST)
 
 
 def test_step_cpu_hand_computed_and_growing_as_its_terms_say():
@@ -172,6 +175,10 @@ def test_bench_prints_measured_against_model_per_aggregation_and_n(capsys):
     assert all(p["model_cpu_s"] > r["model_cpu_s"] for p, r in zip(at_n, modelled))
     out = '[1,0]<stdout>:COLLECTIVE {"call_s": 0.001}[1,0]<stdout>:\n[1,0]<stdout>:ENGINE {"ranks": 2}\n'
     assert engine_rows(out, "COLLECTIVE ") == [{"call_s": 0.001}] and engine_rows(out) == [{"ranks": 2}]
+    before, after = {"call_s": 1e-3, "byte_s": 0.0, "background_per_s": 0.5}, {"call_s": 3e-3, "byte_s": 2e-11,
+                                                                               "background_per_s": 1.0}
+    assert mean_probe([before, after]) == pytest.approx({"call_s": 2e-3, "byte_s": 1e-11, "background_per_s": 0.75})
+    assert mean_probe([]) is None
     print_engine(rows, [RAW])   # without host costs: the codec's CPU alone, as before
     assert "model inputs" not in capsys.readouterr().out
 

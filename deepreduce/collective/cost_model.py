@@ -346,8 +346,8 @@ def powersgd_cost(link: Link, ranks: int, shapes: Iterable[Sequence[int]], rank:
 #: and divide it by ``N``; the sparse all-reduce's owner residual is journaled entry by entry
 #: (O(k), not a pass). ``fp16`` casts in and back; ``dense`` is summed in place by the collective.
 COPY_PASSES = {"dense": 0, "fp16": 2, "allgather": 3, "sparse_allreduce": 3}
-#: Collectives a route runs per bucket (the engine fuses the sparse all-reduce's of a whole step
-#: into one alltoall and one allgather: :func:`step_collectives`).
+#: Collectives a route runs per bucket (the engine fuses the sparse all-reduce's collectives of a
+#: whole step into one alltoall and one allgather: :func:`step_collectives`).
 COLLECTIVES = {"dense": 1, "fp16": 1, "allgather": 1, "sparse_allreduce": 2}
 
 
@@ -422,9 +422,10 @@ def step_cpu_s(costs: Sequence[Cost], aggregation: str, host: HostCosts, compute
     CPU over the step is ``C / N`` of its wall time, and that wall time is ``N / C`` times the
     rank's own work plus the collectives' waits: what is added is the waits, not the peers'
     work (docs/benchmarks.md)."""
+    calls = step_collectives(aggregation, len(costs)) * host.call_s
     calls_per_tensor = COLLECTIVES[aggregation] * len(costs) * host.call_s   # what the costs' host_s hold
     own = check_nonnegative(compute_s, "step_cpu_s compute_s") + sum(c.cpu_s for c in costs) - calls_per_tensor
-    return own * (1.0 + host.background_per_s) + step_collectives(aggregation, len(costs)) * host.call_s
+    return own * (1.0 + host.background_per_s) + calls
 
 
 def _fields(data, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict:

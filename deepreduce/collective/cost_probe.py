@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..wire.container import unpack
-from .cost_model import CodecCosts, HostCosts, PowerSGDCosts
+from .cost_model import CodecCosts, HostCosts, PowerSGDCosts, check_nonnegative
 from .linear_fit import fit_nonnegative
 from .shards import encode_shards
 from .sparse_allreduce import SparseAllreduce, even_bounds
@@ -211,6 +211,7 @@ def measure_collective_costs(allgather: Callable, alltoall: Callable, rank: int,
         raise ConfigError(f"measure_collective_costs: sizes must be integers >= ranks, got {list(sizes)!r}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ConfigError(f"measure_collective_costs: repeat must be an integer >= 1, got {repeat!r}")
+    check_nonnegative(busy_s, "measure_collective_costs busy_s")
     barrier = np.zeros(1, dtype=np.uint8)
     points = []
     for nbytes in sizes:

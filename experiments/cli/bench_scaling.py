@@ -30,7 +30,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 DEFAULT_RANKS = tuple(2 ** i for i in range(1, 11))
 QUICK_RANKS = (2, 8, 64)
@@ -309,8 +309,9 @@ def print_real(rows: List[dict]) -> None:
 def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     """``experiments/engine_scaling_worker.py --probe`` under ``horovodrun -np N`` for each N: one
     row per (N, aggregation) with the slowest rank's wall and CPU seconds per step, and under
-    ``collective`` what Horovod's collectives alone cost a rank at that N, probed first in the
-    same launch (:func:`deepreduce.collective.cost_probe.measure_collective_costs`)."""
+    ``collective`` what Horovod's collectives alone cost a rank at that N, probed in the same
+    launch before and after the steps (:func:`deepreduce.collective.cost_probe.measure_collective_costs`,
+    :func:`mean_probe`)."""
     import os
     import subprocess
     import sys
@@ -324,9 +325,16 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        probed = engine_rows(proc.stdout, "COLLECTIVE ")
-        rows += [dict(row, collective=probed[0]) if probed else row for row in engine_rows(proc.stdout)]
+        probed = mean_probe(engine_rows(proc.stdout, "COLLECTIVE "))
+        rows += [dict(row, collective=probed) if probed else row for row in engine_rows(proc.stdout)]
     return rows
+
+
+def mean_probe(probes: List[dict]) -> Optional[dict]:
+    """The mean of a launch's collective probes (before and after its steps), or None without one."""
+    if not probes:
+        return None
+    return {key: sum(p[key] for p in probes) / len(probes) for key in ("call_s", "byte_s", "background_per_s")}
 
 
 def engine_rows(stdout: str, tag: str = "ENGINE ") -> List[dict]:
