@@ -92,6 +92,7 @@ def main() -> None:
 
 
 def probe() -> None:
+    """Time Horovod's collectives alone at this N; rank 0 prints them as one ``COLLECTIVE {...}`` line."""
     found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
     if hvd.rank() == 0:
         print("COLLECTIVE " + json.dumps(found), flush=True)
