@@ -1,14 +1,16 @@
 """One rank of ``deepreduce bench-scaling --real-engine``: the Horovod optimizer's step (the step
 engine, as a training job runs it) per aggregation, in wall and CPU seconds.
 
-Launched by ``horovodrun -np N`` (oversubscribed on one machine: N ranks share its cores). A
-model of one parameter per tensor size gets, each step, a fixed Laplace gradient per rank
-(``loss = sum(p * g)``), and ``backward()`` + ``synchronize()`` is timed, once with the
+Launched by ``horovodrun -np N`` (oversubscribed on one machine: N ranks share its cores). The
+toy model of :mod:`experiments.engine_toy` (one parameter per tensor size, a fixed Laplace
+gradient per rank and step) runs, and its ``backward()`` + ``synchronize()`` is timed, once with the
 allgather of containers and once with the sparse all-reduce, same config. CPU seconds are the
 process's (every thread: the engine's worker and Horovod's background thread included), so on
 an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
 Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
-slowest rank's, and the engine's ``compression_stats()`` split.
+slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, before and after
+them one line each of what Horovod's collectives alone cost a rank at this N (the cost model's
+collective terms).
 """
 from __future__ import annotations
 
@@ -22,27 +24,23 @@ import torch
 
 import deepreduce
 import deepreduce.torch as drt
-
-
-def gradients(numels, step: int, seed: int):
-    return [torch.from_numpy(np.random.default_rng([seed, hvd.rank(), step, n]).laplace(size=n).astype(np.float32))
-            for n in numels]
+from deepreduce.collective.cost_probe import measure_collective_costs
+from experiments.engine_toy import forward_backward, gradients, parameters
 
 
 def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dict:
-    torch.manual_seed(0)
-    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in numels])
+    params = parameters(numels)
     compression = dict(deepreduce.build(config).get_config(), aggregation={"id": aggregation})
     compression.pop("communicator", None)
     opt = drt.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0),
                                    named_parameters=params.named_parameters(), compression=compression)
     wall, cpu = [], []
     for step in range(steps + 1):
-        grads = gradients(numels, step, seed)
+        grads = gradients(numels, hvd.rank(), step, seed)
         opt.zero_grad()
         hvd.allreduce(torch.zeros(1), name=f"barrier.{aggregation}.{step}")   # every rank starts together
         w0, c0 = time.perf_counter(), time.process_time()
-        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        forward_backward(params, grads)
         opt.synchronize()
         w1, c1 = time.perf_counter(), time.process_time()
         with opt.skip_synchronize():
@@ -60,20 +58,44 @@ def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dic
             "decode_s": worst[4]}
 
 
+def allgather(payload: np.ndarray, name: str):
+    """Horovod's allgather of a uint8 NumPy payload (the transport the engine's routes use)."""
+    return hvd.allgather(torch.from_numpy(payload), name=name)
+
+
+def alltoall(payloads, name: str):
+    """Horovod's alltoall of uint8 NumPy payloads, one per rank."""
+    sizes = torch.tensor([p.size for p in payloads], dtype=torch.int32)
+    return hvd.alltoall(torch.from_numpy(np.concatenate(payloads)), splits=sizes, name=name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="topk_raw")
     parser.add_argument("--numels", default="2359296,1048576,262144")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe", action="store_true", help="before and after the steps, time Horovod's collectives "
+                        "alone at this N (deepreduce.collective.cost_probe.measure_collective_costs) and print them")
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
+    if args.probe:   # the transport alone at this N, before the steps: the cost model's collective terms
+        probe()
     for aggregation in ("allgather", "sparse_allreduce"):
         row = measure(aggregation, args.config, numels, args.steps, args.seed)
         if hvd.rank() == 0:
             print("ENGINE " + json.dumps(row), flush=True)
+    if args.probe:   # and after them, so that a load that changed meanwhile shows in the mean of the two
+        probe()
+
+
+def probe() -> None:
+    """Time Horovod's collectives alone at this N; rank 0 prints them as one ``COLLECTIVE {...}`` line."""
+    found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
+    if hvd.rank() == 0:
+        print("COLLECTIVE " + json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

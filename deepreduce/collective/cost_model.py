@@ -21,12 +21,22 @@ Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MP
   ``2 k (N-1)/N`` entries, Ok-Topk's lower bound, whatever ``N``.
 
 Codec costs are linear fits measured on this machine (:mod:`deepreduce.collective.cost_probe`):
-encoding a ``d``-element tensor into ``c`` containers costs ``c encode_call_s + encode_element_s * d``
-(one container per shard: the per-call cost is counted per container); decoding one
+encoding a ``d``-element tensor into ``c`` containers holding ``k`` entries in all costs
+``c encode_call_s + encode_element_s * d + encode_entry_s * k`` (one container per shard: the
+per-call cost is counted per container; packing and settling the residual are per entry); decoding one
 received container of a ``d``-element tensor holding ``n`` entries into the sum costs
 ``decode_call_s + decode_element_s * d + decode_entry_s * n`` (a Bloom filter is queried at every
 position of the tensor, a raw or Elias-Fano index section is read entry by entry); a container
 holds ``header_bytes + entry_bytes * n`` bytes. Every function is a pure function of its inputs.
+
+A rank's host CPU beyond the codec (:class:`HostCosts`, measured by
+:func:`deepreduce.collective.cost_probe.measure_host_costs` and
+:func:`~deepreduce.collective.cost_probe.measure_collective_costs`), added where the inputs carry
+it: each tensor's full passes over its elements outside the codec (:data:`COPY_PASSES`: the
+residual journal's copy, the decode's first write over its output, the division by ``N``), one
+hand-over to the step engine's worker, and the collective's CPU (per call, per received byte);
+over a step, the transport's background thread (its CPU per second of the rank's work) and, with
+more ranks than cores, the polling of ranks waiting in the collectives (:func:`step_cpu_s`).
 """
 from __future__ import annotations
 
@@ -144,6 +154,8 @@ class CodecCosts:
         name: the config's name (e.g. ``topk_raw``).
         ratio: fraction of a tensor's elements the sparsifier selects (``k = ratio * d``).
         encode_call_s, encode_element_s: seconds per container encoded and per input element.
+        encode_entry_s: seconds per entry encoded (packing it, settling its residual; 0 in
+            figures saved before it was measured).
         decode_call_s, decode_element_s, decode_entry_s: seconds to decode one received
             container into the sum: per container, per element of its tensor, per entry.
         header_bytes, entry_bytes: a container's fixed bytes and bytes per entry.
@@ -160,6 +172,7 @@ class CodecCosts:
     header_bytes: float
     entry_bytes: float
     note: str = ""
+    encode_entry_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -176,7 +189,8 @@ class CodecCosts:
         return min(float(numel), max(1.0, self.ratio * numel))
 
     def encode_s(self, numel: float) -> float:
-        return self.encode_call_s + self.encode_element_s * numel
+        """Encoding one container of a ``numel``-element tensor at the config's ratio."""
+        return self.encode_call_s + self.encode_element_s * numel + self.encode_entry_s * self.entries(numel)
 
     def decode_s(self, numel: float, entries: float) -> float:
         return self.decode_call_s + self.decode_element_s * numel + self.decode_entry_s * entries
@@ -189,11 +203,12 @@ class CodecCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CodecCosts":
-        return cls(**_fields(data, ("name", "ratio", *_COST_FIELDS, "note"), "codec costs", optional=("note",)))
+        return cls(**_fields(data, ("name", "ratio", *_COST_FIELDS, "note"), "codec costs",
+                             optional=("note", "encode_entry_s")))
 
 
-_COST_FIELDS = ("encode_call_s", "encode_element_s", "decode_call_s", "decode_element_s", "decode_entry_s",
-                "header_bytes", "entry_bytes")
+_COST_FIELDS = ("encode_call_s", "encode_element_s", "encode_entry_s", "decode_call_s", "decode_element_s",
+                "decode_entry_s", "header_bytes", "entry_bytes")
 
 
 @dataclass(frozen=True)
@@ -235,10 +250,16 @@ class Cost:
     decode_s: float
     sent_bytes: float
     received_bytes: float
+    host_s: float = 0.0   # host CPU beyond the codec (:func:`host_seconds`); 0 without HostCosts
 
     @property
     def total_s(self) -> float:
-        return self.encode_s + self.comm_s + self.decode_s
+        return self.encode_s + self.comm_s + self.decode_s + self.host_s
+
+    @property
+    def cpu_s(self) -> float:
+        """The rank's CPU seconds of this bucket: codec and host glue (the link's seconds are not CPU)."""
+        return self.encode_s + self.decode_s + self.host_s
 
 
 def dense_cost(link: Link, ranks: int, numel: float, itemsize: int = FLOAT32_BYTES) -> Cost:
@@ -274,7 +295,8 @@ def sparse_allreduce_cost(link: Link, ranks: int, numel: float, codec: CodecCost
     shard_entries = k / n
     union = shard_entries if reselect else min(shard, k)
     first, second = codec.container_bytes(shard_entries), codec.container_bytes(union)
-    encode = codec.encode_element_s * numel + n * codec.encode_call_s + codec.encode_s(shard)
+    encode = codec.encode_element_s * numel + codec.encode_entry_s * k + n * codec.encode_call_s \
+        + codec.encode_s(shard)
     comm = alltoall_s(link, [first] * (n - 1), [first] * (n - 1)) + allgather_s(link, n, second)
     decode = (n - 1) * (codec.decode_s(shard, shard_entries) + codec.decode_s(shard, union))
     moved = (n - 1) * (first + second)
@@ -314,6 +336,96 @@ def powersgd_cost(link: Link, ranks: int, shapes: Iterable[Sequence[int]], rank:
                for floats in (p_floats, q_floats, dense_floats) if floats)
     moved = 2 * (n_ranks - 1) / n_ranks * FLOAT32_BYTES * (p_floats + q_floats + dense_floats)
     return Cost(compute, comm, 0.0, moved, moved)
+
+
+
+# ---------------------------------------------------------------------------- a rank's host CPU beyond the codec
+#: Full float32 passes over a tensor's elements that a route makes outside the codec, per step:
+#: the coded routes copy the residual once into the step's journal (so a skipped step restores
+#: it), write the decoded sum over the whole output (the first container's decode overwrites it)
+#: and divide it by ``N``; the sparse all-reduce's owner residual is journaled entry by entry
+#: (O(k), not a pass). ``fp16`` casts in and back; ``dense`` is summed in place by the collective.
+COPY_PASSES = {"dense": 0, "fp16": 2, "allgather": 3, "sparse_allreduce": 3}
+#: Collectives a route runs per bucket (the engine fuses the sparse all-reduce's collectives of a
+#: whole step into one alltoall and one allgather: :func:`step_collectives`).
+COLLECTIVES = {"dense": 1, "fp16": 1, "allgather": 1, "sparse_allreduce": 2}
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """A rank's CPU beyond the codec on this machine and transport (measured, see the module docstring).
+
+    Attributes:
+        copy_element_s: seconds per element of one float32 pass (an ``np.copyto`` at memory speed).
+        hand_over_s: seconds of one item's hand-over to the engine's worker thread and back.
+        call_s, byte_s: a rank's CPU per collective call and per byte received from the other
+            ranks (fitted on allgathers and alltoalls at the step's N: beyond the cores they
+            include the polling of a rank whose collective waits for a peer off the cores).
+        background_per_s: CPU seconds the transport's own threads take per CPU second of the
+            rank's work (Horovod's background thread cycling and polling beside it).
+        note: where and how the figures were measured.
+    """
+
+    copy_element_s: float
+    hand_over_s: float
+    call_s: float
+    byte_s: float
+    background_per_s: float
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for key in _HOST_FIELDS:
+            check_nonnegative(getattr(self, key), f"host costs {key}")
+        if not isinstance(self.note, str):
+            raise ConfigError(f"host costs: note must be a string, got {self.note!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HostCosts":
+        return cls(**_fields(data, (*_HOST_FIELDS, "note"), "host costs", optional=("note",)))
+
+
+_HOST_FIELDS = ("copy_element_s", "hand_over_s", "call_s", "byte_s", "background_per_s")
+
+
+def host_seconds(host: HostCosts, aggregation: str, numel: float, received_bytes: float, collectives: int) -> float:
+    """One tensor's host CPU beyond the codec: :data:`COPY_PASSES` passes over ``numel`` elements,
+    one hand-over to the worker, ``collectives`` collective calls and ``received_bytes`` through them."""
+    if aggregation not in COPY_PASSES:
+        raise ConfigError(f"host_seconds: unknown aggregation {aggregation!r}; known: {sorted(COPY_PASSES)}")
+    return COPY_PASSES[aggregation] * numel * host.copy_element_s + host.hand_over_s \
+        + collectives * host.call_s + received_bytes * host.byte_s
+
+
+def step_collectives(aggregation: str, tensors: int) -> int:
+    """Collective calls of one step of ``tensors`` tensors on one route: one per tensor, except
+    the sparse all-reduce's two per step (every tensor's shards in one alltoall, then one allgather)."""
+    if aggregation not in COLLECTIVES:
+        raise ConfigError(f"step_collectives: unknown aggregation {aggregation!r}; known: {sorted(COLLECTIVES)}")
+    return COLLECTIVES[aggregation] if aggregation == "sparse_allreduce" else COLLECTIVES[aggregation] * tensors
+
+
+def step_cpu_s(costs: Sequence[Cost], aggregation: str, host: HostCosts, compute_s: float = 0.0) -> float:
+    """A rank's CPU seconds of one step whose tensors cost ``costs`` on one route (each with its
+    :func:`host_seconds`, whose per-tensor collectives are replaced here by the step's
+    :func:`step_collectives`): the rank's own work (``compute_s`` of forward and backward, every
+    tensor's codec and host CPU) times ``1 + background_per_s`` (the transport's thread beside
+    it), plus the step's collective calls at ``call_s`` each.
+
+    Oversubscription (more ranks than cores) enters through ``host``, which must be probed at the
+    step's N on the machine that runs it (:func:`deepreduce.collective.cost_probe.measure_collective_costs`):
+    there a rank's collectives poll while the peer each of their rounds waits for is off the
+    cores, and the probe's ``call_s`` and ``background_per_s`` hold that polling. Its work is not
+    multiplied by ``N / C``: the polling ranks and the working ones share the cores, so a rank's
+    CPU over the step is ``C / N`` of its wall time, and that wall time is ``N / C`` times the
+    rank's own work plus the collectives' waits: what is added is the waits, not the peers'
+    work (docs/benchmarks.md)."""
+    calls = step_collectives(aggregation, len(costs)) * host.call_s
+    calls_per_tensor = COLLECTIVES[aggregation] * len(costs) * host.call_s   # what the costs' host_s hold
+    own = check_nonnegative(compute_s, "step_cpu_s compute_s") + sum(c.cpu_s for c in costs) - calls_per_tensor
+    return own * (1.0 + host.background_per_s) + calls
 
 
 def _fields(data, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict:

@@ -4,9 +4,11 @@
 and ``SparseAllreduce.shard_entries`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
 Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
-ratios (the config's and a quarter of it, which separates a decode's per-element cost from its
-per-entry cost), and fits the per-container, per-element and per-entry constants of
-:class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`). As in
+ratios (the config's and a quarter of it, which separates the per-element cost from the
+per-entry cost, of the encode as of the decode), and fits the per-container, per-element and
+per-entry constants of :class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`).
+:func:`measure_collective_costs` (run in the ranks) and :func:`measure_host_costs` measure a
+rank's CPU beyond the codec (:class:`~deepreduce.collective.cost_model.HostCosts`). As in
 ``deepreduce bench-step``, decode times another pipeline's containers (a peer encoding the negated
 gradient): a rank's own container is added from what its encode kept, so timing it would time
 that shortcut.
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..wire.container import unpack
-from .cost_model import CodecCosts, PowerSGDCosts
+from .cost_model import CodecCosts, HostCosts, PowerSGDCosts, check_nonnegative
 from .linear_fit import fit_nonnegative
 from .shards import encode_shards
 from .sparse_allreduce import SparseAllreduce, even_bounds
@@ -106,7 +108,9 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
                 rows.append((shards, numel, shards * entries, encode_s, decode_s, int(payload.shape[0]),
                              part == ratio and shards == 1))
     containers, numel, entries, encode, decode, nbytes, at_ratio = (list(col) for col in zip(*rows))
-    encode_call, encode_element = fit_nonnegative([containers, numel], encode, f"{name} encode seconds")
+    encoded = [e / c for e, c in zip(entries, containers)]   # one encode selects the tensor's entries once
+    encode_call, encode_element, encode_entry = fit_nonnegative([containers, numel, encoded], encode,
+                                                                f"{name} encode seconds")
     # the model charges every received container its tensor's elements (a Bloom filter is queried
     # at each), so the element column counts them per container
     decoded = [c * d for c, d in zip(containers, numel)]
@@ -116,6 +120,7 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
     header, entry = fit_nonnegative([[1.0] * len(own), [entries[i] for i in own]], [nbytes[i] for i in own],
                                     f"{name} container bytes")
     return CodecCosts(name=name, ratio=float(ratio), encode_call_s=encode_call, encode_element_s=encode_element,
+                      encode_entry_s=encode_entry,
                       decode_call_s=decode_call, decode_element_s=decode_element, decode_entry_s=decode_entry,
                       header_bytes=header, entry_bytes=entry, note=note)
 
@@ -135,3 +140,103 @@ def measure_powersgd_costs(rank: int = 4, shape=(1024, 4608), repeat: int = 3, s
     orth_s = _median_s(lambda _: np.linalg.qr(p), repeat, now) / (rows * rank * rank)
     element_s = _median_s(lambda _: np.add(matrix, matrix, out=other), repeat, now) / (rows * cols)
     return PowerSGDCosts(mac_s=mac_s, orth_s=orth_s, element_s=element_s)
+
+
+# ---------------------------------------------------------------------------- a rank's host CPU beyond the codec
+#: Elements of the array copied to time one float32 pass (:func:`measure_host_costs`): large enough
+#: that the copy runs at memory speed, as the residual journal's and the decode's passes do.
+COPY_ELEMENTS = 1 << 22
+#: Payload bytes of the collective probe (:func:`measure_collective_costs`).
+COLLECTIVE_BYTES = (1 << 10, 1 << 16, 1 << 19, 1 << 21)
+#: Wall seconds the collective probe works to time the transport's background thread beside it.
+BUSY_S = 0.5
+#: Hand-overs timed together (one is a few microseconds).
+HAND_OVERS = 100
+
+
+def measure_host_costs(collective: dict, repeat: int = 9, clock: str = "cpu",
+                       elements: int = COPY_ELEMENTS, note: str = "") -> HostCosts:
+    """:class:`~deepreduce.collective.cost_model.HostCosts` of this process: one float32 pass timed
+    as an ``np.copyto`` of ``elements`` float32 (the residual journal's copy, the decode's write
+    over its output and the division by N run at this speed), one hand-over to
+    :class:`~deepreduce.collective.worker.Worker` (the submit of a no-op and the wait for its
+    result: what every item of a step costs beside its codec), and the collective figures
+    ``collective`` (:func:`measure_collective_costs`' output, measured in the ranks at their N)."""
+    from .worker import Worker
+
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ConfigError(f"measure_host_costs: repeat must be an integer >= 1, got {repeat!r}")
+    if not isinstance(collective, dict) or any(k not in collective for k in ("call_s", "byte_s", "background_per_s")):
+        raise ConfigError("measure_host_costs: collective must be measure_collective_costs' output "
+                          "(call_s, byte_s, background_per_s)")
+    now = _timer(clock)
+    source = np.random.default_rng(0).standard_normal(elements, dtype=np.float32)
+    out = np.empty_like(source)
+    copy_s = _median_s(lambda _: np.copyto(out, source), repeat, now) / elements
+    worker = Worker("deepreduce-probe")
+    try:
+        hand_over_s = _median_s(lambda _: [worker.submit(_nothing).result() for _ in range(HAND_OVERS)], repeat,
+                                now) / HAND_OVERS
+    finally:
+        worker.close()
+    return HostCosts(copy_element_s=copy_s, hand_over_s=hand_over_s, call_s=float(collective["call_s"]),
+                     byte_s=float(collective["byte_s"]), background_per_s=float(collective["background_per_s"]),
+                     note=note)
+
+
+def _nothing() -> None:
+    return None
+
+
+def measure_collective_costs(allgather: Callable, alltoall: Callable, rank: int, ranks: int,
+                             sizes: Sequence[int] = COLLECTIVE_BYTES, repeat: int = 5, clock: str = "cpu",
+                             busy_s: float = BUSY_S) -> dict:
+    """A rank's CPU seconds in a transport's collectives (every rank calls it together):
+    ``allgather(payload, name)`` and ``alltoall(payloads, name)`` (blocking, uint8 NumPy in, as the
+    transport moves bytes: Horovod's ``hvd.allgather`` / ``hvd.alltoall``) of ``sizes`` payload
+    bytes per rank, each timed with the process clock (every thread: the transport's own
+    included) around the call; fitted as ``call_s + byte_s * bytes received from the other
+    ranks`` (one fit for both collectives); and the CPU the transport's own threads take per CPU
+    second of the caller's work between collectives (Horovod's background thread cycling and
+    polling), timed for ``busy_s`` seconds. Returns ``{"call_s", "byte_s", "background_per_s",
+    "ranks", "points": [[kind, bytes per rank, received bytes, seconds]]}``.
+
+    Run it at the N and on the machine whose steps it predicts: with more ranks than cores a rank
+    whose collective round waits for a peer off the cores polls, and the figures hold that polling
+    (what oversubscription costs a rank beyond its own work)."""
+    now = _timer(clock)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise ConfigError(f"measure_collective_costs needs 2 or more ranks, got {ranks!r}")
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < ranks for s in sizes):
+        raise ConfigError(f"measure_collective_costs: sizes must be integers >= ranks, got {list(sizes)!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ConfigError(f"measure_collective_costs: repeat must be an integer >= 1, got {repeat!r}")
+    check_nonnegative(busy_s, "measure_collective_costs busy_s")
+    barrier = np.zeros(1, dtype=np.uint8)
+    points = []
+    for nbytes in sizes:
+        payload = np.full(nbytes, rank % 251, dtype=np.uint8)
+        shards = [np.full(nbytes // ranks, 7, dtype=np.uint8)] * ranks
+        for kind, call, received in (
+                ("allgather", lambda i: allgather(payload, f"probe.ag.{nbytes}.{i}"), (ranks - 1) * nbytes),
+                ("alltoall", lambda i: alltoall(shards, f"probe.a2a.{nbytes}.{i}"), (ranks - 1) * (nbytes // ranks))):
+            allgather(barrier, f"probe.barrier.{kind}.{nbytes}")
+            points.append([kind, nbytes, received, _median_s(call, repeat, now)])
+    call_s, byte_s = fit_nonnegative([[1.0] * len(points), [p[2] for p in points]], [p[3] for p in points],
+                                     "collective CPU seconds")
+    allgather(barrier, "probe.barrier.busy")
+    background = _background_per_s(busy_s)
+    allgather(barrier, "probe.barrier.end")
+    return {"call_s": call_s, "byte_s": byte_s, "background_per_s": background, "ranks": ranks, "points": points}
+
+
+def _background_per_s(busy_s: float) -> float:
+    """CPU seconds the process's other threads (the transport's) take per CPU second of this
+    thread while it works (float32 copies for ``busy_s`` wall seconds) and issues no collective."""
+    source = np.ones(1 << 20, dtype=np.float32)
+    out = np.empty_like(source)
+    start_process, start_thread, start_wall = time.process_time(), time.thread_time(), time.perf_counter()
+    while time.perf_counter() - start_wall < busy_s:
+        np.copyto(out, source)
+    mine = time.thread_time() - start_thread
+    return max(0.0, time.process_time() - start_process - mine) / max(mine, 1e-9)

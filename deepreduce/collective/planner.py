@@ -26,20 +26,24 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from .cost_model import (
+    COLLECTIVES,
     FLOAT16_BYTES,
     CodecCosts,
     Cost,
+    HostCosts,
     Link,
     allgather_cost,
     check_nonnegative,
     check_ranks,
     dense_cost,
+    host_seconds,
     sparse_allreduce_cost,
+    step_cpu_s,
 )
 
 DENSE, FP16, ALLGATHER, SPARSE_ALLREDUCE = "dense", "fp16", "allgather", "sparse_allreduce"
@@ -98,6 +102,8 @@ class PlanInputs:
         link: the alpha-beta link model.
         codecs: measured costs of the configs the coded aggregations may use.
         aggregations: the aggregations allowed (a subset of :data:`AGGREGATIONS`).
+        host: the rank's host CPU beyond the codec (:class:`~deepreduce.collective.cost_model.HostCosts`),
+            added to every alternative's cost; None: codec and link only.
     """
 
     buckets: Tuple[Bucket, ...]
@@ -105,6 +111,7 @@ class PlanInputs:
     link: Link
     codecs: Tuple[CodecCosts, ...] = ()
     aggregations: Tuple[str, ...] = AGGREGATIONS
+    host: Optional[HostCosts] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(self.buckets))
@@ -122,12 +129,18 @@ class PlanInputs:
             raise ConfigError("plan inputs: codec names must be distinct")
         if not alternatives(self):
             raise ConfigError("plan inputs: no alternative (coded aggregations need codec costs)")
+        if self.host is not None and not isinstance(self.host, HostCosts):
+            raise ConfigError(f"plan inputs: host must be HostCosts or None, got {type(self.host).__name__}")
 
     def to_dict(self) -> dict:
-        """A plain dict of plain values (JSON-ready); :meth:`from_dict` rebuilds equal inputs."""
-        return {"version": FORMAT_VERSION, "ranks": self.ranks, "link": self.link.to_dict(),
-                "buckets": [[b.name, b.numel, b.hide_s] for b in self.buckets],
-                "codecs": [c.to_dict() for c in self.codecs], "aggregations": list(self.aggregations)}
+        """A plain dict of plain values (JSON-ready); :meth:`from_dict` rebuilds equal inputs
+        (``host`` only where the inputs carry host costs)."""
+        out = {"version": FORMAT_VERSION, "ranks": self.ranks, "link": self.link.to_dict(),
+               "buckets": [[b.name, b.numel, b.hide_s] for b in self.buckets],
+               "codecs": [c.to_dict() for c in self.codecs], "aggregations": list(self.aggregations)}
+        if self.host is not None:
+            out["host"] = self.host.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanInputs":
@@ -137,7 +150,8 @@ class PlanInputs:
             buckets = [Bucket(name, numel, hide) for name, numel, hide in data["buckets"]]
             return cls(buckets=tuple(buckets), ranks=data["ranks"], link=Link.from_dict(data["link"]),
                        codecs=tuple(CodecCosts.from_dict(c) for c in data["codecs"]),
-                       aggregations=tuple(data["aggregations"]))
+                       aggregations=tuple(data["aggregations"]),
+                       host=None if data.get("host") is None else HostCosts.from_dict(data["host"]))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
                 raise
@@ -199,7 +213,16 @@ def alternatives(inputs: PlanInputs) -> List[Choice]:
 
 
 def choice_cost(choice: Choice, numel: int, inputs: PlanInputs) -> Cost:
-    """The cost model's prediction for one bucket of ``numel`` elements reduced by ``choice``."""
+    """The cost model's prediction for one bucket of ``numel`` elements reduced by ``choice``
+    (with the inputs' host costs, :func:`~deepreduce.collective.cost_model.host_seconds`, where they carry them)."""
+    cost = _link_and_codec_cost(choice, numel, inputs)
+    if inputs.host is None:
+        return cost
+    host = host_seconds(inputs.host, choice.aggregation, numel, cost.received_bytes, COLLECTIVES[choice.aggregation])
+    return replace(cost, host_s=host)
+
+
+def _link_and_codec_cost(choice: Choice, numel: int, inputs: PlanInputs) -> Cost:
     link, ranks = inputs.link, inputs.ranks
     if choice.aggregation == DENSE:
         return dense_cost(link, ranks, numel)
@@ -211,6 +234,16 @@ def choice_cost(choice: Choice, numel: int, inputs: PlanInputs) -> Cost:
     if choice.aggregation == ALLGATHER:
         return allgather_cost(link, ranks, numel, codec)
     return sparse_allreduce_cost(link, ranks, numel, codec)
+
+
+def step_cpu(choice: Choice, numels: Sequence[int], inputs: PlanInputs, compute_s: float = 0.0) -> float:
+    """A rank's predicted CPU seconds of one engine step reducing tensors of ``numels`` elements by
+    ``choice`` after ``compute_s`` of forward and backward: :func:`choice_cost` of each tensor,
+    combined by :func:`~deepreduce.collective.cost_model.step_cpu_s` (needs the inputs' host costs)."""
+    if inputs.host is None:
+        raise ConfigError("step_cpu needs plan inputs with host costs (HostCosts)")
+    costs = [choice_cost(choice, int(n), inputs) for n in numels]
+    return step_cpu_s(costs, choice.aggregation, inputs.host, compute_s)
 
 
 def ready_order(buckets: Sequence[Bucket]) -> List[int]:

@@ -30,7 +30,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 DEFAULT_RANKS = tuple(2 ** i for i in range(1, 11))
 QUICK_RANKS = (2, 8, 64)
@@ -43,6 +43,7 @@ DEFAULT_PROBE_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 QUICK_PROBE_SIZES = (1 << 13, 1 << 14, 1 << 15)
 POWERSGD_RANK = 4
 AUTO_SLACK = 1.05                 # the issue's bound: auto within 5% of the best fixed choice
+MODEL_TOLERANCE = 0.30            # issue 31's goal: the model's step CPU within 30% of the measured
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def register(subparsers) -> None:
     parser.add_argument("--real-engine", metavar="N,N,...",
                         help="also time the Horovod optimizer's step (the step engine) on these rank counts "
                              "(horovodrun, oversubscribed): CPU and wall seconds per step of the sparse all-reduce "
-                             "against the allgather on --real-numels, and the model's CPU seconds against them")
+                             "against the allgather on --real-numels, and the model's CPU seconds per step against "
+                             "them (probed first: Horovod's CPU per collective on 2 ranks, copies, the compute)")
     parser.add_argument("--runs", metavar="JSON", help="real runs' per-rank bytes to check the model against "
                                                        "(see compare_with_runs)")
     parser.add_argument("--sync-every", metavar="H,H,...",
@@ -305,8 +307,11 @@ def print_real(rows: List[dict]) -> None:
 
 
 def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
-    """``experiments/engine_scaling_worker.py`` under ``horovodrun -np N`` for each N: one row per
-    (N, aggregation) with the slowest rank's wall and CPU seconds per step."""
+    """``experiments/engine_scaling_worker.py --probe`` under ``horovodrun -np N`` for each N: one
+    row per (N, aggregation) with the slowest rank's wall and CPU seconds per step, and under
+    ``collective`` what Horovod's collectives alone cost a rank at that N, probed in the same
+    launch before and after the steps (:func:`deepreduce.collective.cost_probe.measure_collective_costs`,
+    :func:`mean_probe`)."""
     import os
     import subprocess
     import sys
@@ -316,52 +321,123 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     rows = []
     for n in ranks:
         cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", sys.executable, "-m",
-               "experiments.engine_scaling_worker", "--config", config, "--numels", numels]
+               "experiments.engine_scaling_worker", "--config", config, "--numels", numels, "--probe"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        rows += engine_rows(proc.stdout)
+        probed = mean_probe(engine_rows(proc.stdout, "COLLECTIVE "))
+        rows += [dict(row, collective=probed) if probed else row for row in engine_rows(proc.stdout)]
     return rows
 
 
-def engine_rows(stdout: str) -> List[dict]:
-    """The ``ENGINE {...}`` rows of a worker's output; horovodrun may run the next line's
-    ``[1,0]<stdout>:`` prefix on into a row, so only its one JSON object is read."""
-    return [json.JSONDecoder().raw_decode(line.split("ENGINE ", 1)[1])[0]
-            for line in stdout.splitlines() if "ENGINE " in line]
+def mean_probe(probes: List[dict]) -> Optional[dict]:
+    """The mean of a launch's collective probes (before and after its steps), or None without one."""
+    if not probes:
+        return None
+    return {key: sum(p[key] for p in probes) / len(probes) for key in ("call_s", "byte_s", "background_per_s")}
 
 
-def print_engine(rows: List[dict], codecs) -> None:
-    """The step engine's real step per N: the sparse all-reduce's CPU and wall seconds against the
-    allgather's (targets of issue 31: CPU ratio <= 1 at N=8, <= 1.2 at N=2), and the cost model's
-    CPU seconds (encode + decode of :func:`deepreduce.collective.planner.choice_cost`) against the
-    measured CPU seconds."""
-    from deepreduce.collective.cost_model import Link
-    from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost
+def engine_rows(stdout: str, tag: str = "ENGINE ") -> List[dict]:
+    """The ``ENGINE {...}`` rows (or another ``tag``'s) of a worker's output; horovodrun may run
+    the next line's ``[1,0]<stdout>:`` prefix on into a row, so only its one JSON object is read."""
+    return [json.JSONDecoder().raw_decode(line.split(tag, 1)[1])[0]
+            for line in stdout.splitlines() if tag in line]
 
-    print("\nstep engine, real runs (horovodrun, oversubscribed): one rank's step (backward + synchronize), "
-          "slowest rank, median of steps")
-    print(f"{'aggregation':<18} {'N':>3} {'wall ms':>8} {'cpu ms':>8} {'encode':>7} {'comm':>7} {'decode':>7} "
-          f"{'model cpu ms':>13} {'measured/model':>15}")
+
+def cores() -> int:
+    """The cores this process (and the ranks it launches) may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+
+
+def engine_model(rows: List[dict], codecs, host, compute_s: float) -> List[dict]:
+    """Each real row with the model's CPU seconds per step (:func:`deepreduce.collective.planner.step_cpu`:
+    the same cost model as the planner's, with the measured host costs and ``compute_s``) and its
+    parts (``model_parts``: compute, codec, glue, collectives, background, in seconds). A row probed
+    at its N (``collective``: :func:`engine_runs`) uses that probe's collective figures in place of
+    ``host``'s."""
+    from deepreduce.collective.cost_model import COLLECTIVES, Link, step_collectives
+    from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost, step_cpu
+
     known = {c.name: c for c in codecs}
-    by = {}
+    out = []
     for r in rows:
         codec = known.get(r["codec"])
-        model = None
-        if codec is not None:
-            inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(r["numels"])), r["ranks"],
-                                Link(0.0, 1.0), (codec,))
-            costs = [choice_cost(Choice(r["aggregation"], codec.name), n, inputs) for n in r["numels"]]
-            model = sum(c.encode_s + c.decode_s for c in costs)
+        if codec is None:
+            out.append(dict(r, model_cpu_s=None))
+            continue
+        probed = r.get("collective")
+        at_n = host if probed is None else replace(host, call_s=probed["call_s"], byte_s=probed["byte_s"],
+                                                   background_per_s=probed["background_per_s"])
+        inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(r["numels"])), r["ranks"],
+                            Link(0.0, 1.0), (codec,), host=at_n)
+        choice = Choice(r["aggregation"], codec.name)
+        costs = [choice_cost(choice, n, inputs) for n in r["numels"]]
+        total = step_cpu(choice, r["numels"], inputs, compute_s)
+        codec_s = sum(c.encode_s + c.decode_s for c in costs)
+        glue = sum(c.host_s for c in costs) - COLLECTIVES[choice.aggregation] * len(costs) * at_n.call_s
+        calls = step_collectives(choice.aggregation, len(costs)) * at_n.call_s
+        out.append(dict(r, model_cpu_s=total, model_host=at_n,
+                        model_parts=(compute_s, codec_s, glue, calls, total - compute_s - codec_s - glue - calls)))
+    return out
+
+
+def print_engine(rows: List[dict], codecs, host=None, compute_s: float = 0.0, cores: int = 0) -> None:
+    """The step engine's real step per N: the sparse all-reduce's CPU and wall seconds against the
+    allgather's (targets of issue 31: CPU ratio <= 1 at N=8, <= 1.2 at N=2), and the cost model's
+    CPU seconds per step (:func:`engine_model`) against the measured ones (goal: within 30%), the
+    ratios summed up at N <= ``cores`` (every rank has a core) and N > ``cores`` apart. Without
+    ``host`` the model column is the codec's CPU alone."""
+    print("\nstep engine, real runs (horovodrun, oversubscribed): one rank's step (backward + synchronize), "
+          "slowest rank, median of steps")
+    if host is not None:
+        print(f"  model inputs: compute {1e3 * compute_s:.2f} ms (the toy step alone, this process); "
+              f"{1e9 * host.copy_element_s:.3f} ns per element of a float32 pass; hand-over "
+              f"{1e6 * host.hand_over_s:.1f} us; per N, probed in its launch: Horovod's CPU per collective "
+              f"call and per received byte, its background threads' CPU per CPU second of work")
+        rows = engine_model(rows, codecs, host, compute_s)
+    print(f"{'aggregation':<18} {'N':>3} {'wall ms':>8} {'cpu ms':>8} {'encode':>7} {'comm':>7} {'decode':>7} "
+          f"{'model cpu ms':>13} {'measured/model':>15}"
+          + ("  model = compute + codec + glue + collectives + background ms (call ms, ps/B, background/s)"
+             if host else ""))
+    known = {c.name: c for c in codecs}
+    by, ratios = {}, {f"N <= {cores} cores": [], f"N > {cores} cores": []}
+    for r in rows:
+        model, parts = r.get("model_cpu_s"), ""
+        if host is None and r["codec"] in known:
+            model = _codec_cpu_s(r, known[r["codec"]])
+        elif model is not None:
+            h = r["model_host"]
+            parts = "  " + " + ".join(f"{1e3 * x:.1f}" for x in r["model_parts"]) + \
+                f" ({1e3 * h.call_s:.2f}, {1e12 * h.byte_s:.0f}, {h.background_per_s:.2f})"
+            ratios[f"N <= {cores} cores" if r["ranks"] <= cores else f"N > {cores} cores"].append(r["cpu_s"] / model)
         by[(r["aggregation"], r["ranks"])] = r
         model_text = f"{1e3 * model:>13.1f} {r['cpu_s'] / model:>15.2f}" if model else ""
         print(f"{r['aggregation']:<18} {r['ranks']:>3} {1e3 * r['wall_s']:>8.1f} {1e3 * r['cpu_s']:>8.1f} "
-              f"{1e3 * r['encode_s']:>7.1f} {1e3 * r['communication_s']:>7.1f} {1e3 * r['decode_s']:>7.1f} {model_text}")
+              f"{1e3 * r['encode_s']:>7.1f} {1e3 * r['communication_s']:>7.1f} {1e3 * r['decode_s']:>7.1f} "
+              f"{model_text}{parts}")
     for n in sorted({r["ranks"] for r in rows}):
         a, s = by.get(("allgather", n)), by.get(("sparse_allreduce", n))
         if a and s:
             print(f"  N={n}: sparse_allreduce / allgather: CPU {s['cpu_s'] / a['cpu_s']:.2f}x, "
                   f"wall {s['wall_s'] / a['wall_s']:.2f}x")
+    for where, found in ratios.items():
+        if found:
+            inside = sum(1 for x in found if abs(x - 1) <= MODEL_TOLERANCE)
+            print(f"  measured / model at {where}: {min(found):.2f}-{max(found):.2f}; within "
+                  f"{100 * MODEL_TOLERANCE:.0f}%: {inside} of {len(found)}")
+
+
+def _codec_cpu_s(row: dict, codec) -> float:
+    """The codec's CPU seconds of a row's step (encode + decode of every tensor), without host costs."""
+    from deepreduce.collective.cost_model import Link
+    from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost
+
+    inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(row["numels"])), row["ranks"],
+                        Link(0.0, 1.0), (codec,))
+    return sum(c.cpu_s for c in (choice_cost(Choice(row["aggregation"], codec.name), n, inputs)
+                                 for n in row["numels"]))
 
 
 # ---------------------------------------------------------------------------- output
@@ -464,6 +540,28 @@ def run_hsdp(args, codecs, alpha_s: float) -> int:
     return 0
 
 
+def run_engine(args) -> None:
+    """``--real-engine``: probe this process's copies and hand-overs, the toy step's compute and the
+    codec at the tensors' own sizes, then on each N probe Horovod's collectives and time the engine's
+    step (one launch per N) and print the step's CPU against the model's."""
+    from deepreduce.collective.cost_probe import measure_codec_costs, measure_host_costs
+
+    from ..engine_toy import compute_cpu_s
+
+    numels = _csv(args.real_numels, int, "--real-numels")
+    ranks = _csv(args.real_engine, int, "--real-engine")
+    host = measure_host_costs({"call_s": 0.0, "byte_s": 0.0, "background_per_s": 0.0},
+                              note=args.note)   # each N's collective figures: probed in its launch
+    codec = measure_codec_costs(args.real_config, sizes=tuple(sorted(set(numels))), repeat=5, clock="cpu",
+                                note=args.note)   # at the sizes of the tensors it predicts
+    rows = engine_runs(ranks, args.real_config, args.real_numels)
+    print(f"\n--real-engine's codec probe of {codec.name} at {', '.join(map(str, sorted(set(numels))))} elements: "
+          f"encode {1e6 * codec.encode_call_s:.1f} us + {1e9 * codec.encode_element_s:.3f} ns/elem + "
+          f"{1e9 * codec.encode_entry_s:.2f} ns/entry; decode {1e6 * codec.decode_call_s:.1f} us + "
+          f"{1e9 * codec.decode_entry_s:.2f} ns/entry")
+    print_engine(rows, [codec], host, compute_cpu_s(numels), cores())
+
+
 def run(args) -> int:
     from deepreduce.collective.cost_model import Link, check_nonnegative
     from deepreduce.errors import ConfigError
@@ -488,7 +586,8 @@ def run(args) -> int:
     print("codec costs (per rank, per container; fits of shards.encode_shards / SparseAllreduce.shard_entries"
           f"{'' if args.costs else f', {args.clock} clock, {args.threads} thread(s)'}):")
     for c in codecs:
-        print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem; "
+        print(f"  {c.name:<12} ratio {c.ratio:g}: encode {1e6 * c.encode_call_s:.1f} us + {1e9 * c.encode_element_s:.3f} ns/elem "
+              f"+ {1e9 * c.encode_entry_s:.2f} ns/entry; "
               f"decode {1e6 * c.decode_call_s:.1f} us + {1e9 * c.decode_element_s:.3f} ns/elem + "
               f"{1e9 * c.decode_entry_s:.2f} ns/entry; {c.header_bytes:.0f} B + {c.entry_bytes:.2f} B/entry"
               f"{'  [' + c.note + ']' if c.note else ''}")
@@ -522,8 +621,7 @@ def run(args) -> int:
         runs = real_runs(_csv(args.real, int, "--real"), args.real_config, args.real_numels)
         print_real(runs)
     if args.real_engine:
-        engine_rows = engine_runs(_csv(args.real_engine, int, "--real-engine"), args.real_config, args.real_numels)
-        print_engine(engine_rows, codecs)
+        run_engine(args)
     if args.runs:
         with open(args.runs) as f:
             runs += json.load(f)
