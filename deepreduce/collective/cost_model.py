@@ -33,7 +33,7 @@ A rank's host CPU beyond the codec (:class:`HostCosts`, measured by
 :func:`deepreduce.collective.cost_probe.measure_host_costs` and
 :func:`~deepreduce.collective.cost_probe.measure_collective_costs`), added where the inputs carry
 it: each tensor's full passes over its elements outside the codec (:data:`COPY_PASSES`: the
-residual journal's copy, the decode's first write over its output, the division by ``N``), one
+residual journal's second buffer, the decode's first write over its output, the division by ``N``), one
 hand-over to the step engine's worker, and the collective's CPU (per call, per received byte);
 over a step, the transport's background thread (its CPU per second of the rank's work) and, with
 more ranks than cores, the polling of ranks waiting in the collectives (:func:`step_cpu_s`).
@@ -341,8 +341,10 @@ def powersgd_cost(link: Link, ranks: int, shapes: Iterable[Sequence[int]], rank:
 
 # ---------------------------------------------------------------------------- a rank's host CPU beyond the codec
 #: Full float32 passes over a tensor's elements that a route makes outside the codec, per step:
-#: the coded routes copy the residual once into the step's journal (so a skipped step restores
-#: it), write the decoded sum over the whole output (the first container's decode overwrites it)
+#: the coded routes write the step's compensation into a second buffer, keeping the old residual
+#: for a skipped step (``Memory.step_buffers``: about a copy's memory traffic; measured 0.6 of an
+#: ``np.copyto`` on top of the in-place pass), write the decoded sum over the whole output (the
+#: first container's decode overwrites it)
 #: and divide it by ``N``; the sparse all-reduce's owner residual is journaled entry by entry
 #: (O(k), not a pass). ``fp16`` casts in and back; ``dense`` is summed in place by the collective.
 COPY_PASSES = {"dense": 0, "fp16": 2, "allgather": 3, "sparse_allreduce": 3}
