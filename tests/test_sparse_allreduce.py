@@ -234,9 +234,10 @@ def test_chunk_bounds_of_a_tensor_smaller_than_its_ranks_chunks():
     assert chunk_bounds(4196, 4, 256).tolist() == [0, 1024, 2048, 3072, 4196]   # 17 chunks: the tail with 4 more
 
 
-def _chunked_run(size, numel, steps=3, config=CHUNKED):
+def _chunked_run(size, numel, steps=3, config=CHUNKED, loaded=None):
     """Each rank's (sum per step, residual, owner residual, bounds, shard containers it sent per
-    step, owner container per step) for a chunked config on ``size`` thread ranks."""
+    step, owner container per step) for a chunked config on ``size`` thread ranks (``loaded``:
+    shard bounds restored from a checkpoint first)."""
     ranks = ThreadRanks(size)
     pipes = [deepreduce.build(config) for _ in range(size)]
     rng = np.random.default_rng(size)
@@ -245,6 +246,8 @@ def _chunked_run(size, numel, steps=3, config=CHUNKED):
 
     def run(rank):
         sra = SparseAllreduce(pipes[rank], ranks.rank_view(rank), repartition_every=1)
+        if loaded is not None:
+            sra.load_state_dict({"owner_residuals": {}, "bounds": {"w": loaded}})
         sent, owned, outs = [], [], []
         owner_step = sra._owner_step
 
@@ -336,3 +339,18 @@ def test_a_tensor_below_min_numel_is_summed_exactly_in_both_phases(config):
         for outs, residual, owner, _ in results:
             np.testing.assert_array_equal(outs[step], exact)
             assert not residual.any() and not owner.any()
+
+
+def test_bounds_of_an_older_checkpoint_move_onto_chunks_and_nothing_is_lost():
+    """Bounds restored from a checkpoint written before chunk bounds (even, mid-chunk) are used
+    for the step they were saved for, then moved onto chunk bounds at the next repartition; the
+    owner residual moves with them, so the gradients are still conserved."""
+    from deepreduce.collective.sparse_allreduce import chunk_bounds
+
+    grads, results = _chunked_run(3, 4196, steps=3, loaded=even_bounds(4196, 3))
+    total = sum(g for per_step in grads for g in per_step)
+    for outs, _, _, held, sent, _ in results:
+        assert np.array_equal(held, chunk_bounds(4196, 3, 256))
+        assert [c.shape[0] for c in sent[0]] != [c.shape[0] for c in sent[-1]]   # the first step's shards were even
+    delivered = sum(results[0][0])
+    np.testing.assert_allclose(delivered + sum(r[1] + r[2] for r in results), total, rtol=0, atol=1e-4)

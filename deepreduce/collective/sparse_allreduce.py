@@ -30,8 +30,9 @@ re-selects the config's k in every chunk of its shard (the senders' budget), not
 the shard, so its container is the same size as each sender's and needs no ``ratio``.
 
 A tensor below the config's ``min_numel`` is dense in both phases: its shards travel dense, and
-the owner sends their sum as it is (as the allgather delivers it), keeping no owner residual. A rank's owner residual
-covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
+the owner sends their sum as it is (as the allgather delivers it), keeping no owner residual.
+
+A rank's owner residual covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
 budget needs). Owner-residual mass that a move leaves outside a rank's shard travels with that
 rank's next contribution, so nothing is lost: the sum of what was delivered and of both
 residuals over all ranks equals the sum of the gradients (tested).
@@ -167,8 +168,9 @@ class SparseAllreduce:
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
 
     def _chunked(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements is cut at chunk bounds that never move: the
-        sparsifier is chunked and the tensor is sparse (at least ``min_numel``)."""
+        """Whether a tensor of ``numel`` elements is cut at chunk bounds (:func:`chunk_bounds`)
+        rather than balanced ones: the sparsifier is chunked and the tensor is sparse (at least
+        ``min_numel``)."""
         return self.chunk is not None and numel >= self.pipeline.min_numel
 
     def exchange(self, batch: "Batch") -> None:
@@ -252,8 +254,11 @@ class SparseAllreduce:
         phase = batch.phases[index]
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
-        if flagged is None and (phase.step + 1) % self.repartition_every == 0 and not self._chunked(phase.numel):
-            moved = balanced_bounds(kernels.nonzero(target), phase.numel, self.communicator.size)
+        if flagged is None and (phase.step + 1) % self.repartition_every == 0:
+            size = self.communicator.size
+            # chunk bounds stay (bounds of a checkpoint written before they existed move onto them)
+            moved = (chunk_bounds(phase.numel, size, self.chunk) if self._chunked(phase.numel)
+                     else balanced_bounds(kernels.nonzero(target), phase.numel, size))
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
