@@ -206,16 +206,6 @@ def test_a_sweep_config_resolves_as_the_shipped_config_of_its_parameters(tmp_pat
     assert resolved["compression"] == written and sm.SWEEP.get("_probe") is None
 
 
-def test_chunk_k_is_restated_as_a_ratio_for_the_sparse_allreduce():
-    result = Result("x", "x", [])
-    config = {"sparsifier": {"id": "chunk_topk", "chunk": 4096, "k": 64}, "index": {"id": "chunk_enum"}}
-    out = semisync.for_sparse_allreduce(config, "row", result)
-    assert out["sparsifier"] == {"id": "chunk_topk", "chunk": 4096, "ratio": 64 / 4096}
-    assert config["sparsifier"]["k"] == 64 and "row" in result.notes[0]
-    plain = {"sparsifier": {"id": "topk", "ratio": 0.01}}
-    assert semisync.for_sparse_allreduce(plain, "row", result) is plain
-
-
 def test_bad_options_are_named(tmp_path):
     with pytest.raises(ValueError, match="phase"):
         semisync.run(str(tmp_path), quick=True, phase="later")

@@ -197,9 +197,160 @@ def test_entries_whose_sum_with_the_owner_residual_overflows_are_flagged_or_refu
     if policy == "raise":
         core.collective_steps()
         with pytest.raises(NonFiniteGradientError, match="owner residual overflow float32"):
-            reducer._owner_step(payloads, owner, m, "w", 1)
+            reducer._owner_step(payloads, owner, m, "w", 1, m)
     else:
-        c = container.unpack(reducer._owner_step(payloads, owner, m, "w", 1))
+        c = container.unpack(reducer._owner_step(payloads, owner, m, "w", 1, m))
         assert c.nonfinite and c.dense
         assert np.isclose(np.frombuffer(c.value_section, dtype="<f4")[5], 1e38, rtol=1e-6)   # the ranks' sum
     np.testing.assert_array_equal(owner.values, before)
+
+
+# ------------------------------------------------------------------ chunked sparsifiers
+CHUNKED = {"sparsifier": {"id": "chunk_topk", "chunk": 256, "k": 8}, "index": {"id": "chunk_enum", "chunk": 256},
+           "value": {"id": "binmean", "bits": 2}, "memory": {"id": "residual"}, "min_numel": 500}
+
+
+@pytest.mark.parametrize("numel,ranks,chunk", [(4096, 4, 256), (4196, 4, 256), (4196, 3, 256), (600, 4, 256),
+                                               (100, 4, 256), (0, 2, 8), (262144, 4, 1024), (12288, 4, 4096)])
+def test_chunk_bounds_cover_every_element_once_in_whole_chunks(numel, ranks, chunk):
+    from deepreduce.collective.sparse_allreduce import chunk_bounds
+    from deepreduce.wire import chunks
+
+    bounds = chunk_bounds(numel, ranks, chunk)
+    assert bounds.shape == (ranks + 1,) and bounds[0] == 0 and bounds[-1] == numel
+    assert np.all(np.diff(bounds) >= 0)   # every element in exactly one shard
+    inner = bounds[bounds < numel]
+    assert np.all(inner % chunk == 0)     # shards start at chunk bounds: the tail is in the last non-empty one
+    per_shard = -(-np.diff(bounds) // chunk)
+    assert per_shard.sum() == chunks.chunk_count(numel, chunk) and per_shard.max() - per_shard.min() <= 1
+    assert np.array_equal(bounds, chunk_bounds(numel, ranks, chunk))
+
+
+def test_chunk_bounds_of_a_tensor_smaller_than_its_ranks_chunks():
+    from deepreduce.collective.sparse_allreduce import chunk_bounds
+
+    assert chunk_bounds(600, 4, 256).tolist() == [0, 0, 256, 512, 600]   # 3 chunks, the tail of 88 last
+    assert chunk_bounds(100, 4, 256).tolist() == [0, 0, 0, 0, 100]       # one tail chunk, one owner
+    assert chunk_bounds(4196, 4, 256).tolist() == [0, 1024, 2048, 3072, 4196]   # 17 chunks: the tail with 4 more
+
+
+def _chunked_run(size, numel, steps=3, config=CHUNKED, loaded=None):
+    """Each rank's (sum per step, residual, owner residual, bounds, shard containers it sent per
+    step, owner container per step) for a chunked config on ``size`` thread ranks (``loaded``:
+    shard bounds restored from a checkpoint first)."""
+    ranks = ThreadRanks(size)
+    pipes = [deepreduce.build(config) for _ in range(size)]
+    rng = np.random.default_rng(size)
+    grads = [[rng.standard_normal(numel).astype(np.float32) for _ in range(size)] for _ in range(steps)]
+    results = [None] * size
+
+    def run(rank):
+        sra = SparseAllreduce(pipes[rank], ranks.rank_view(rank), repartition_every=1)
+        if loaded is not None:
+            sra.load_state_dict({"owner_residuals": {}, "bounds": {"w": loaded}})
+        sent, owned, outs = [], [], []
+        owner_step = sra._owner_step
+
+        def record(*args):
+            owned.append(owner_step(*args))
+            return owned[-1]
+        sra._owner_step = record
+        for step in range(steps):
+            phase = sra.encode(grads[step][rank], "w", step)
+            sent.append(list(phase.sent))
+            batch = sra.send([phase])
+            sra.exchange(batch)
+            outs.append(sra.complete(batch)[0])
+        results[rank] = (outs, pipes[rank].memory.residual("w"), sra.owner_residual("w"), sra._bounds["w"].copy(),
+                         sent, owned)
+
+    run_threads(run, [(r,) for r in range(size)], 120)
+    return grads, results
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_chunked_shards_carry_whole_chunks_and_the_owner_keeps_k_per_chunk(size):
+    """With chunk_topk the bounds are whole chunks on every rank and stay there (repartition_every
+    1), every shard container has the sparsifier's geometry (no per-chunk counts), the owner's
+    container is exactly as large as each sender's (k per chunk, not a ratio of the shard), and
+    the ranks' gradients are conserved in the sum delivered and both residuals."""
+    from deepreduce.collective.sparse_allreduce import chunk_bounds
+    from deepreduce.wire import chunks, container
+
+    numel = 4196   # 16 full chunks of 256 and a tail of 100
+    grads, results = _chunked_run(size, numel)
+    bounds = chunk_bounds(numel, size, 256)
+    for outs, _, _, held, sent, owned in results:
+        assert np.array_equal(held, bounds)
+        np.testing.assert_array_equal(outs[-1], results[0][0][-1])
+        for step in range(len(grads)):
+            for j in range(size):
+                c = container.unpack(sent[step][j])
+                length = int(bounds[j + 1] - bounds[j])
+                assert c.n == chunks.uniform_total(length, 256, 8)
+                assert chunks.read_params("chunk_enum", c.index_params, c.n, length)[1] == 8   # uniform: no counts
+    for rank, (outs, _, _, _, sent, owned) in enumerate(results):
+        for step in range(len(grads)):
+            length = int(bounds[rank + 1] - bounds[rank])
+            assert container.unpack(owned[step]).n == chunks.uniform_total(length, 256, 8)
+            assert owned[step].shape[0] == sent[step][rank].shape[0]   # phase two no larger than phase one
+            assert chunks.counts_of(np.flatnonzero(outs[step][bounds[rank]:bounds[rank + 1]]), length, 256).max() <= 8
+    total = sum(g for per_step in grads for g in per_step)
+    delivered = sum(results[0][0])
+    held = sum(r[1] for r in results) + sum(r[2] for r in results)
+    np.testing.assert_allclose(delivered + held, total, rtol=0, atol=1e-4)
+
+
+def test_chunked_received_bytes_are_whole_shard_containers_from_2_to_4_ranks():
+    """Each rank receives 2 (N - 1) containers per tensor, each exactly the size of one whole
+    tensor's container of the shard's chunks: on 16 chunks, (N - 1) / N of the message twice,
+    plus the containers' own fixed bytes (header, parameters, codebook)."""
+    numel = 4096
+    received = {}
+    for size in (2, 4):
+        _, results = _chunked_run(size, numel, steps=2)
+        shard = numel // size
+        whole = deepreduce.build(CHUNKED).encode(np.random.default_rng(9).standard_normal(shard).astype(np.float32),
+                                                 "x", 0)
+        per_rank = []
+        for rank, (_, _, _, _, sent, owned) in enumerate(results):
+            got = sum(results[r][4][-1][rank].shape[0] + results[r][5][-1].shape[0] for r in range(size) if r != rank)
+            assert got == 2 * (size - 1) * np.asarray(whole).shape[0]
+            per_rank.append(got)
+        received[size] = per_rank[0]
+    # a container's bytes are linear in its chunks: fixed bytes (header, parameters, codebook) + per chunk
+    size = [len(deepreduce.build(CHUNKED).encode(np.ones(n, np.float32), "x", 0)) for n in (1024, 2048)]
+    fixed = 2 * size[0] - size[1]
+    assert fixed > 0
+    assert (received[4] - 6 * fixed) * 2 == (received[2] - 2 * fixed) * 3   # the entries' bytes 1.5x, the fixed 3x
+
+
+@pytest.mark.parametrize("config", ["topk_raw", CHUNKED])
+def test_a_tensor_below_min_numel_is_summed_exactly_in_both_phases(config):
+    """Its shards travel dense and the owner sends their sum dense too (as the allgather delivers
+    it), keeping no owner residual: no re-selection of a tensor the config sends dense."""
+    rng = np.random.default_rng(11)
+    grads = [[rng.standard_normal(300).astype(np.float32) for _ in range(4)] for _ in range(3)]
+    results = _reduce_on_threads(config, grads)
+    for step, per_rank in enumerate(grads):
+        exact = np.zeros(300, np.float32)
+        for g in per_rank:   # the owner adds in rank order
+            exact += g
+        for outs, residual, owner, _ in results:
+            np.testing.assert_array_equal(outs[step], exact)
+            assert not residual.any() and not owner.any()
+
+
+def test_bounds_of_an_older_checkpoint_move_onto_chunks_and_nothing_is_lost():
+    """Bounds restored from a checkpoint written before chunk bounds (even, mid-chunk) are used
+    for the step they were saved for, then moved onto chunk bounds at the next repartition; the
+    owner residual moves with them, so the gradients are still conserved."""
+    from deepreduce.collective.sparse_allreduce import chunk_bounds
+
+    grads, results = _chunked_run(3, 4196, steps=3, loaded=even_bounds(4196, 3))
+    total = sum(g for per_step in grads for g in per_step)
+    for outs, _, _, held, sent, _ in results:
+        assert np.array_equal(held, chunk_bounds(4196, 3, 256))
+        assert [c.shape[0] for c in sent[0]] != [c.shape[0] for c in sent[-1]]   # the first step's shards were even
+    delivered = sum(results[0][0])
+    np.testing.assert_allclose(delivered + sum(r[1] + r[2] for r in results), total, rtol=0, atol=1e-4)

@@ -25,17 +25,20 @@ RANKS = 3
 def test_fuse_and_cut_round_trip_with_empty_containers():
     parts = [np.arange(10, dtype=np.uint8), np.zeros(0, np.uint8), np.full(3, 7, np.uint8)]
     fused = fuse(parts)
-    assert fused.shape[0] == 8 * 3 + 13
+    assert fused.shape[0] == 3 + 13   # a one-byte varint length per container
+    long = [np.zeros(300, np.uint8), np.zeros(20_000, np.uint8)]
+    assert fuse(long).shape[0] == 2 + 3 + 20_300 and [c.shape[0] for c in cut(fuse(long), 2, 'here')] == [300, 20_000]
     for got, sent in zip(cut(fused, 3, "here"), parts):
         np.testing.assert_array_equal(got, sent)
     one = np.arange(5, dtype=np.uint8)
     assert fuse([one]) is one and cut(one, 1, "here")[0] is one   # a batch of one: the container itself
 
 
-@pytest.mark.parametrize("damage", ["short", "long", "table"])
+@pytest.mark.parametrize("damage", ["short", "long", "table", "unended"])
 def test_cut_refuses_a_payload_its_table_does_not_describe(damage):
     fused = fuse([np.arange(10, dtype=np.uint8), np.arange(4, dtype=np.uint8)])
-    bad = {"short": fused[:-1], "long": np.concatenate([fused, fused[:1]]), "table": fused[:9]}[damage]
+    bad = {"short": fused[:-1], "long": np.concatenate([fused, fused[:1]]), "table": fused[:1],
+           "unended": np.full(30, 0x80, np.uint8)}[damage]
     with pytest.raises(CommunicationError, match="sparse_allreduce of 'w' from rank 2"):
         cut(bad, 2, "sparse_allreduce of 'w' from rank 2")
 

@@ -18,8 +18,21 @@ Each rank receives about k entries in each phase (k/N from each rank, then k/N f
 owner) whatever N is, against k(N-1) for the allgather of whole containers. The shard
 boundaries start even and are moved every ``repartition_every`` steps so that each shard holds
 about the same number of the previous aggregate's non-zeros: every rank decoded the same
-aggregate, so every rank computes the same boundaries without a message. A rank's owner residual
-covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
+aggregate, so every rank computes the same boundaries without a message.
+
+A chunked sparsifier (``chunk_topk``: a fixed k per chunk of C) changes two things, so that
+both phases cost what a whole container of the same chunks costs. The bounds of a sparse tensor
+are whole chunks, the chunks dealt out evenly (:func:`chunk_bounds`; the tail chunk in the last
+non-empty shard) and never moved: every chunk holds the same k, so they are balanced already.
+Each shard container then has the sparsifier's own geometry, and the chunk-local index codecs
+write it as ``(C, k)`` rather than a count per chunk (``deepreduce.wire.chunks``). And the owner
+re-selects the config's k in every chunk of its shard (the senders' budget), not a fraction of
+the shard, so its container is the same size as each sender's and needs no ``ratio``.
+
+A tensor below the config's ``min_numel`` is dense in both phases: its shards travel dense, and
+the owner sends their sum as it is (as the allgather delivers it), keeping no owner residual.
+
+A rank's owner residual covers its own shard only (:class:`OwnerResidual`: ``d/N`` floats, not ``d``; what FSDP's memory
 budget needs). Owner-residual mass that a move leaves outside a rank's shard travels with that
 rank's next contribution, so nothing is lost: the sum of what was delivered and of both
 residuals over all ranks equals the sum of the gradients (tested).
@@ -32,7 +45,7 @@ per container is a microsecond or two rather than a Python loop's tens (docs/sca
 Batches: the shard exchanges of several tensors share one collective per phase (:meth:`send`,
 :meth:`exchange`, :meth:`complete`; the step engine batches a step's tensors). Rank ``j``
 receives from each rank one payload holding its shard containers of every tensor of the batch
-behind a small length table (:func:`fuse`, :func:`cut`), so a step costs two collectives rather
+behind a small table of varint lengths (:func:`fuse`, :func:`cut`), so a step costs two collectives rather
 than two per tensor. A tensor's failure (its encode, or its owner step, on any rank) travels as
 that tensor's failure payload inside the batch: the other tensors and every rank stay in phase.
 """
@@ -45,9 +58,11 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..backend import kernels, native_pipeline
-from ..errors import CommunicationError, ConfigError, DeepReduceError, NonFiniteGradientError
+from ..errors import CommunicationError, ConfigError, ContainerError, DeepReduceError, NonFiniteGradientError
 from ..pipeline import Pipeline
 from ..sparsify import count_for
+from ..sparsify.chunked import chunk_topk_positions
+from ..wire import varint
 from . import agreement, failure, ports, shards
 
 RESELECT = ("topk", "none")
@@ -59,15 +74,20 @@ class SparseAllreduce:
     ``reduce(grad, name, step)`` returns the float32 sum over the ranks (the caller averages);
     ``state_dict()`` holds the owner residuals and shard boundaries (the pipeline holds the
     per-rank residuals), so a resumed run sends the same bytes. ``ratio``: the re-selection's
-    fraction of each shard (default: the sparsifier's ``ratio``).
+    fraction of each shard (default: the sparsifier's ``ratio``; with a chunked sparsifier and no
+    ``ratio`` given, its k in every chunk of the shard instead).
     """
 
     def __init__(self, pipeline: Pipeline, communicator, reselect: str = "topk",
                  ratio: Optional[float] = None, repartition_every: int = 8) -> None:
         if reselect not in RESELECT:
             raise ConfigError(f"sparse_allreduce: 'reselect' is {reselect!r}; allowed: {', '.join(RESELECT)}")
+        # a chunked sparsifier's geometry: whole-chunk shards, and k per chunk at the owner
+        per_chunk = getattr(pipeline.sparsifier, "per_chunk", None)
+        self.chunk = int(pipeline.sparsifier.chunk) if isinstance(per_chunk, int) else None
+        self.per_chunk = per_chunk if ratio is None and self.chunk is not None else None
         ratio = getattr(pipeline.sparsifier, "ratio", None) if ratio is None else ratio
-        if reselect == "topk" and not (isinstance(ratio, float) and 0.0 < ratio <= 1.0):
+        if reselect == "topk" and self.per_chunk is None and not (isinstance(ratio, float) and 0.0 < ratio <= 1.0):
             raise ConfigError("sparse_allreduce: reselect 'topk' needs a 'ratio' in (0, 1] (the sparsifier "
                               f"{pipeline.sparsifier.id!r} has none)")
         if isinstance(repartition_every, bool) or not isinstance(repartition_every, int) or repartition_every < 1:
@@ -139,10 +159,19 @@ class SparseAllreduce:
 
     def _phase(self, name: str, step: int, numel: int) -> "Phase":
         rank, size = self.communicator.rank, self.communicator.size
-        bounds = self._bounds.setdefault(name, even_bounds(numel, size))
+        bounds = self._bounds.get(name)
+        if bounds is None:
+            bounds = self._bounds[name] = (chunk_bounds(numel, size, self.chunk) if self._chunked(numel)
+                                           else even_bounds(numel, size))
         if self.pipeline.journaling and name not in self._journal:   # the residual held now, its edits to come
             self._journal[name] = (self._owner_residuals.get(name), bounds.copy(), [])
         return Phase(name, step, numel, bounds, int(bounds[rank]), int(bounds[rank + 1]))
+
+    def _chunked(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements is cut at chunk bounds (:func:`chunk_bounds`)
+        rather than balanced ones: the sparsifier is chunked and the tensor is sparse (at least
+        ``min_numel``)."""
+        return self.chunk is not None and numel >= self.pipeline.min_numel
 
     def exchange(self, batch: "Batch") -> None:
         """Phase two, in one order on every rank: wait for this rank's shard containers of every
@@ -181,7 +210,7 @@ class SparseAllreduce:
             if phase.error is not None:
                 raise phase.error
             owner = self._owner_residual(phase.name, phase.lo, phase.hi, phase.numel)
-            return self._owner_step(mine, owner, phase.hi - phase.lo, phase.name, phase.step)
+            return self._owner_step(mine, owner, phase.hi - phase.lo, phase.name, phase.step, phase.numel)
         except Exception as exc:   # noqa: BLE001 (raised by complete; the peers hear of it)
             phase.error = exc
             kind = NonFiniteGradientError if isinstance(exc, NonFiniteGradientError) else CommunicationError
@@ -226,7 +255,10 @@ class SparseAllreduce:
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
         self._decode_shards(shards, phase.bounds, target)
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
-            moved = balanced_bounds(kernels.nonzero(target), phase.numel, self.communicator.size)
+            size = self.communicator.size
+            # chunk bounds stay (bounds of a checkpoint written before they existed move onto them)
+            moved = (chunk_bounds(phase.numel, size, self.chunk) if self._chunked(phase.numel)
+                     else balanced_bounds(kernels.nonzero(target), phase.numel, size))
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
@@ -314,11 +346,12 @@ class SparseAllreduce:
         return moved
 
     def _owner_step(self, payloads: List[np.ndarray], owner: "OwnerResidual", m: int,
-                    name: str, step: int) -> np.ndarray:
-        """Add each rank's entries of this rank's shard (``m`` elements), in rank order, into its
-        owner residual, re-select there, encode the selection and keep the rest: the residual is
-        the owner's only dense array of the shard (no decoded copy of the sum), and each change
-        to it is journaled as the old values at the positions it touches (:meth:`undo`)."""
+                    name: str, step: int, numel: int) -> np.ndarray:
+        """Add each rank's entries of this rank's shard (``m`` elements of a tensor of ``numel``),
+        in rank order, into its owner residual, re-select there, encode the selection and keep the
+        rest: the residual is the owner's only dense array of the shard (no decoded copy of the
+        sum), and each change to it is journaled as the old values at the positions it touches
+        (:meth:`undo`). A warm-up step or a tensor below ``min_numel`` sends the sum dense."""
         if agreement.first_nonfinite(payloads) is not None:   # a rank sent NaN/Inf: the sum goes on flagged
             return self._flagged_sum(payloads, m)
         values = owner.values
@@ -340,13 +373,15 @@ class SparseAllreduce:
             written.append((positions, old))
         for positions, old in written:
             self._edit(name, owner, positions, old)
-        if self.pipeline.warming_up(step):   # the shards came dense: the sum goes on dense too
+        if self.pipeline.warming_up(step) or numel < self.pipeline.min_numel:   # the shards came dense: so goes the sum
             self._edit(name, owner, None, values.copy())
             total = values.copy()
             values[:] = 0.0
             return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
             chosen = kernels.nonzero(values)
+        elif self.per_chunk is not None:   # the senders' k in every chunk of the shard
+            chosen = chunk_topk_positions(values, self.chunk, self.per_chunk)
         else:
             chosen = kernels.topk_positions(values, count_for(self.ratio, m))
         payload, sent, received = shards.encode_owned(self.pipeline, values, chosen, f"{name}#owner", step)
@@ -458,13 +493,15 @@ class Batch:
 
 
 def fuse(containers: List[np.ndarray]) -> np.ndarray:
-    """One payload for several containers bound to the same rank: a little-endian uint64 length
-    per container, then the containers end to end (any of them may be empty). One container is
-    sent as it is (the payload of a batch of one is the container, as before batches)."""
+    """One payload for several containers bound to the same rank: the length of each container as
+    an unsigned LEB128 varint (:mod:`deepreduce.wire.varint`: one byte below 128, two below 16,384;
+    every peer receives this table once per tensor and phase, so its size grows with the ranks),
+    then the containers end to end (any of them may be empty). One container is sent as it is (the
+    payload of a batch of one is the container, as before batches)."""
     if len(containers) == 1:
         return containers[0]
     parts = [np.ascontiguousarray(c, dtype=np.uint8).reshape(-1) for c in containers]
-    table = np.array([p.shape[0] for p in parts], dtype="<u8").view(np.uint8)
+    table = np.frombuffer(b"".join(varint.encode(p.shape[0]) for p in parts), dtype=np.uint8)
     return np.concatenate([table, *parts])
 
 
@@ -474,20 +511,37 @@ def cut(payload, count: int, where: str) -> List[np.ndarray]:
     if count == 1:
         return [payload]
     data = np.asarray(failure.on_host(payload), dtype=np.uint8).reshape(-1)
-    head = 8 * count
-    if data.shape[0] < head:
-        raise CommunicationError(f"{where}: {data.shape[0]} bytes cannot hold the lengths of {count} containers")
-    lengths = np.frombuffer(data[:head].tobytes(), dtype="<u8")
-    if int(lengths.sum(dtype=np.float64)) != data.shape[0] - head or np.any(lengths > data.shape[0]):
-        raise CommunicationError(f"{where}: the lengths of {count} containers add up to {int(lengths.sum(dtype=np.float64))} "
-                                 f"bytes, {data.shape[0] - head} arrived")
-    ends = head + np.cumsum(lengths.astype(np.int64))
-    return [data[int(end - length):int(end)] for end, length in zip(ends, lengths)]
+    head = bytes(data[:varint.MAX_BYTES * count])
+    lengths, at = [], 0
+    try:
+        for _ in range(count):
+            length, at = varint.decode(head, at, "container length")
+            lengths.append(length)
+    except ContainerError as exc:
+        raise CommunicationError(f"{where}: {data.shape[0]} bytes do not hold the lengths of {count} containers "
+                                 f"({exc})") from exc
+    if sum(lengths) != data.shape[0] - at:
+        raise CommunicationError(f"{where}: the lengths of {count} containers add up to {sum(lengths)} "
+                                 f"bytes, {data.shape[0] - at} arrived")
+    out = []
+    for length in lengths:
+        out.append(data[at:at + length])
+        at += length
+    return out
 
 
 def even_bounds(numel: int, ranks: int) -> np.ndarray:
     """``ranks + 1`` boundaries cutting ``[0, numel)`` into shards of (nearly) equal length."""
     return (np.arange(ranks + 1, dtype=np.int64) * numel) // ranks
+
+
+def chunk_bounds(numel: int, ranks: int, chunk: int) -> np.ndarray:
+    """``ranks + 1`` boundaries at multiples of ``chunk`` (and ``numel``): the ``ceil(numel /
+    chunk)`` chunks, the tail one included, dealt out so that shard ``j`` holds chunks
+    ``[j c // ranks, (j + 1) c // ranks)``. With fewer chunks than ranks some shards are empty.
+    A function of its arguments alone, so every rank computes the same."""
+    count = -(-numel // chunk)
+    return np.minimum((np.arange(ranks + 1, dtype=np.int64) * count) // ranks * chunk, numel).astype(np.int64)
 
 
 def balanced_bounds(positions: np.ndarray, numel: int, ranks: int) -> np.ndarray:

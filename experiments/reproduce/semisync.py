@@ -76,27 +76,8 @@ def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) ->
             if config is None:
                 continue
             method[key] = config
-        if method.get("aggregation") == "sparse_allreduce":
-            method[key] = for_sparse_allreduce(method[key], name, result)
         out[name] = method
     return out
-
-
-def for_sparse_allreduce(config: dict, name: str, result: Result) -> dict:
-    """``config`` with a ``chunk_topk`` k restated as its ratio ``k / chunk`` (the same k per chunk).
-
-    The sparse all-reduce's owner re-selects the top ``ratio`` of its shard and takes that ratio
-    from the sparsifier; ``chunk_topk`` given ``k`` has none, so the row states it as a ratio.
-    """
-    sparsifier = dict(config.get("sparsifier", {}))
-    if sparsifier.get("id") != "chunk_topk" or not sparsifier.get("k"):
-        return config
-    k = sparsifier.pop("k")
-    sparsifier["ratio"] = k / sparsifier.get("chunk", 4096)
-    result.notes.append(f"{name}: chunk_topk k {k} of {sparsifier.get('chunk', 4096)} given as ratio "
-                        f"{sparsifier['ratio']:g} (the same k per chunk), the owner re-selection's ratio in the "
-                        "sparse all-reduce")
-    return dict(config, sparsifier=sparsifier)
 
 
 WORKER = "experiments.reproduce.semisync_worker"

@@ -66,6 +66,7 @@ METHODS: Dict[str, dict] = {
     "semisync_dense_h30": _diloco(30, "semisync_dense", outer="average"),
     # the sweep's best (docs/semisync.md): finer chunks, synchronised every 10 steps
     "semisync_chunked_h10": _diloco(10, "semisync_chunked", outer="average"),
+    "semisync_chunked_h10_sra": _diloco(10, "semisync_chunked", outer="average", aggregation="sparse_allreduce"),
 }
 
 
@@ -107,10 +108,12 @@ SWEEP: Dict[str, dict] = {
 }
 BASELINE = "ddp_fp32"
 # deepreduce's shipped semi-synchronous configs: the rows the targets are checked on
-SHIPPED_SEMISYNC = ("semisync_h30", "semisync_h30_sra", "semisync_dense_h30", "semisync_chunked_h10")
+SHIPPED_SEMISYNC = ("semisync_h30", "semisync_h30_sra", "semisync_dense_h30", "semisync_chunked_h10",
+                    "semisync_chunked_h10_sra")
 PER_STEP_BEST = "lm_topk"
 # The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
-GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra")
+GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra", "semisync_chunked_h10",
+               "semisync_chunked_h10_sra")
 OUTER_LR = {"nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True}, "average": {"lr": 1.0}}
 
 
