@@ -115,22 +115,26 @@ SWEEP: Dict[str, dict] = {
     "sweep_h10_c1k_k48_b2_stream": _diloco(10, chunked(1024, 48, 2), outer="average", fragments=2, delay=1),
     # ... and of the H = 30 row, where the step a fragment trains during its delay is 1 of 30
     "sweep_h30_c1k_k256_b2_stream": _diloco(30, chunked(1024, 256, 2), outer="average", fragments=2, delay=1),
-    # a smaller H at the same bits (0.048-0.050): fewer entries per chunk; suffix m0: min_numel 0,
-    # the 1,792 LayerNorm and bias elements chunked too instead of sent dense (0.09 bits per
-    # parameter per message, 0.018 per inner step at H = 5), their bits spent on more entries
+    # the second sweep: a smaller H at the same bits (0.048-0.050), fewer entries per chunk. Suffix
+    # m0: min_numel 0, the 1,792 LayerNorm and bias elements chunked too (a 64-element tensor is
+    # one tail chunk of ceil(k 64 / 1024) entries) instead of sent dense (0.09 bits per parameter
+    # per message, 0.018 per inner step at H = 5), their bits spent on more entries of every chunk
     "sweep_h5_c1k_k16_b2": _diloco(5, chunked(1024, 16, 2), outer="average"),
     "sweep_h5_c1k_k26_b2_m0": _diloco(5, chunked(1024, 26, 2, min_numel=0), outer="average"),
-    "sweep_h5_c1k_k32_b1_m0": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer="average"),
-    "sweep_h7_c1k_k28_b2": _diloco(7, chunked(1024, 28, 2), outer="average"),
     "sweep_h6_c1k_k34_b2_m0": _diloco(6, chunked(1024, 34, 2, min_numel=0), outer="average"),
-    # 1-bit bin-mean values (two means per message: the bits go to more entries)
+    # 900 is no multiple of 7: the last evaluation (step 900) reads each worker's local model, 4
+    # inner steps after the last outer step, not the global parameters
+    "sweep_h7_c1k_k28_b2": _diloco(7, chunked(1024, 28, 2), outer="average"),
+    "sweep_h10_c1k_k66_b2_m0": _diloco(10, chunked(1024, 66, 2, min_numel=0), outer="average"),
+    # 1-bit bin-mean values: two means per message, the bits go to more entries
+    "sweep_h5_c1k_k18_b1": _diloco(5, chunked(1024, 18, 1), outer="average"),
+    "sweep_h5_c1k_k32_b1_m0": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer="average"),
     "sweep_h5_c1k_k32_b1_m0_d0975": _diloco(5, chunked(1024, 32, 1, decay=0.975, min_numel=0), outer="average"),
     "sweep_h6_c1k_k40_b1_m0": _diloco(6, chunked(1024, 40, 1, min_numel=0), outer="average"),
-    "sweep_h10_c1k_k82_b1_m0": _diloco(10, chunked(1024, 82, 1, min_numel=0), outer="average"),
-    "sweep_h10_c1k_k66_b2_m0": _diloco(10, chunked(1024, 66, 2, min_numel=0), outer="average"),
     "sweep_h10_c1k_k64_b1": _diloco(10, chunked(1024, 64, 1), outer="average"),
-    # an outer lr a little above 1 at a small H (each worker's AdamW steps on half DDP's batch are
-    # shorter in noisy directions; the average of two such steps is shorter still)
+    "sweep_h10_c1k_k82_b1_m0": _diloco(10, chunked(1024, 82, 1, min_numel=0), outer="average"),
+    # an outer lr a little above 1 at a small H: each worker's AdamW steps on half DDP's batch are
+    # shorter in noisy directions, and the average of two such steps shorter still
     "sweep_h5_c1k_k26_b2_m0_lr12": _diloco(5, chunked(1024, 26, 2, min_numel=0), outer={"lr": 1.2}),
     "sweep_h10_c1k_k48_b2_lr12": _diloco(10, chunked(1024, 48, 2), outer={"lr": 1.2}),
     "sweep_h5_c1k_k32_b1_m0_lr12": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.2}),
