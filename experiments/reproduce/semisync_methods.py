@@ -140,6 +140,8 @@ SWEEP: Dict[str, dict] = {
     "sweep_h5_c1k_k32_b1_m0_lr12": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.2}),
     "sweep_h5_c1k_k32_b1_m0_d0975_lr12": _diloco(5, chunked(1024, 32, 1, decay=0.975, min_numel=0),
                                                  outer={"lr": 1.2}),
+    "sweep_h5_c1k_k32_b1_m0_lr14": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.4}),
+    "sweep_h6_c1k_k40_b1_m0_lr12": _diloco(6, chunked(1024, 40, 1, min_numel=0), outer={"lr": 1.2}),
 }
 BASELINE = "ddp_fp32"
 # deepreduce's shipped semi-synchronous configs: the rows the targets are checked on
