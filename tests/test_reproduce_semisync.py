@@ -206,6 +206,20 @@ def test_a_sweep_config_resolves_as_the_shipped_config_of_its_parameters(tmp_pat
     assert resolved["compression"] == written and sm.SWEEP.get("_probe") is None
 
 
+def test_shipped_1bit_row_is_the_sweep_row_it_came_from():
+    """``semisync_1bit_h5`` (configs/semisync_1bit.yaml at H = 5, outer lr 1.2) is the sweep's
+    ``sweep_h5_c1k_k32_b1_m0_lr12`` method for method, min_numel 0 included; a sweep row states
+    min_numel only when it is given, so the earlier rows' specs (and cached runs) stay as they were."""
+    shipped, swept = "semisync_1bit_h5", "sweep_h5_c1k_k32_b1_m0_lr12"
+    resolved = semisync.resolve([shipped, swept], Result("x", "x", []), None)
+    assert resolved[shipped] == resolved[swept] and shipped in sm.SHIPPED_SEMISYNC
+    assert resolved[shipped]["compression"]["min_numel"] == 0 and resolved[shipped]["compression"]["value"]["bits"] == 1
+    assert sm.outer_sgd(resolved[shipped]["outer"]) == {"lr": 1.2}
+    assert "min_numel" not in sm.chunked(1024, 48, 2) and sm.chunked(1024, 32, 1, min_numel=0)["min_numel"] == 0
+    # the table's DiLoCo rows end on an outer step, where every worker holds the global parameters
+    assert all(sm.FULL.steps % m["sync_every"] == 0 for m in sm.METHODS.values() if m["kind"] == "diloco")
+
+
 def test_bad_options_are_named(tmp_path):
     with pytest.raises(ValueError, match="phase"):
         semisync.run(str(tmp_path), quick=True, phase="later")

@@ -251,7 +251,8 @@ def notes(result: Result, records, timing, plan: sm.Budget, seeds: Sequence[int]
         "bf16_compress_hook refuses a CPU model (it requires CUDA 11+ and NCCL 2.10+), fp16_compress_hook sends "
         "the same 16 bits per value; "
         "DiLoCo outer optimizer Nesterov SGD lr 0.7 momentum 0.9; the DeMo-style, SparseLoCo-style and semisync "
-        "rows average (SGD lr 1): their error-feedback accumulators replace outer momentum")
+        "rows average (SGD lr 1; semisync_1bit_h5 at lr 1.2): their error-feedback accumulators replace outer "
+        "momentum")
     for world, entry in sorted(timing.items()):
         result.notes.append(f"{world} workers timed on {entry['cpus']} CPUs; qdisc {entry['qdisc'].get('10mbit', '')}")
     if not timing:

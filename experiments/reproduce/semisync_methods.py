@@ -67,15 +67,25 @@ METHODS: Dict[str, dict] = {
     # the sweep's best (docs/semisync.md): finer chunks, synchronised every 10 steps
     "semisync_chunked_h10": _diloco(10, "semisync_chunked", outer="average"),
     "semisync_chunked_h10_sra": _diloco(10, "semisync_chunked", outer="average", aggregation="sparse_allreduce"),
+    # the second sweep's best: 1-bit values, every tensor chunked, synchronised every 5 steps,
+    # the averaged pseudo-gradient applied at outer lr 1.2
+    "semisync_1bit_h5": _diloco(5, "semisync_1bit", outer={"lr": 1.2}),
 }
 
 
-def chunked(chunk: int, k: int, bits: int, decay: float = 0.95) -> dict:
+def chunked(chunk: int, k: int, bits: int, decay: float = 0.95, min_numel: Optional[int] = None) -> dict:
     """A semi-synchronous config written here: chunked Top-``k`` of ``chunk`` with decayed error
     feedback, ``chunk_enum`` indices and ``bits``-bit bin-mean values (the sweep's rows; a shipped
-    config of the same parameters resolves to the same dict, so its cached runs carry over)."""
-    return {"sparsifier": {"id": "chunk_topk", "chunk": chunk, "k": k}, "index": {"id": "chunk_enum", "chunk": chunk},
-            "value": {"id": "binmean", "bits": bits}, "memory": {"id": "decayed_residual", "decay": decay}}
+    config of the same parameters resolves to the same dict, so its cached runs carry over).
+    ``min_numel``: the config's own (None: the default, 1,000 elements: smaller tensors, the
+    LayerNorm weights and biases, travel dense; 0: every tensor is chunked, a tensor smaller than
+    the chunk being one tail chunk of ``ceil(k d / C)`` entries)."""
+    config = {"sparsifier": {"id": "chunk_topk", "chunk": chunk, "k": k},
+              "index": {"id": "chunk_enum", "chunk": chunk},
+              "value": {"id": "binmean", "bits": bits}, "memory": {"id": "decayed_residual", "decay": decay}}
+    if min_numel is not None:
+        config["min_numel"] = min_numel
+    return config
 
 
 # Nesterov outer SGD at a mild momentum: its lookahead extrapolates the averaged step (DiLoCo's
@@ -89,6 +99,7 @@ SWEEP: Dict[str, dict] = {
     # the loss of semi-synchrony itself: the uncompressed pseudo-gradient, plainly averaged
     "diloco_h30_fp32_avg": _diloco(30, FP32, outer="average"),
     "diloco_h10_fp32_avg": _diloco(10, FP32, outer="average"),
+    "diloco_h5_fp32_avg": _diloco(5, FP32, outer="average"),
     "sweep_h30_c4k_k256_b2_d1": _diloco(30, chunked(4096, 256, 2, decay=1.0), outer="average"),
     "sweep_h30_c1k_k128_b2": _diloco(30, chunked(1024, 128, 2), outer="average"),
     "sweep_h30_c1k_k128_b2_d09": _diloco(30, chunked(1024, 128, 2, decay=0.9), outer="average"),
@@ -105,11 +116,38 @@ SWEEP: Dict[str, dict] = {
     "sweep_h10_c1k_k48_b2_stream": _diloco(10, chunked(1024, 48, 2), outer="average", fragments=2, delay=1),
     # ... and of the H = 30 row, where the step a fragment trains during its delay is 1 of 30
     "sweep_h30_c1k_k256_b2_stream": _diloco(30, chunked(1024, 256, 2), outer="average", fragments=2, delay=1),
+    # the second sweep: a smaller H at the same bits (0.048-0.050), fewer entries per chunk. Suffix
+    # m0: min_numel 0, the 1,792 LayerNorm and bias elements chunked too (a 64-element tensor is
+    # one tail chunk of ceil(k 64 / 1024) entries) instead of sent dense (0.09 bits per parameter
+    # per message, 0.018 per inner step at H = 5), their bits spent on more entries of every chunk
+    "sweep_h5_c1k_k16_b2": _diloco(5, chunked(1024, 16, 2), outer="average"),
+    "sweep_h5_c1k_k26_b2_m0": _diloco(5, chunked(1024, 26, 2, min_numel=0), outer="average"),
+    "sweep_h6_c1k_k34_b2_m0": _diloco(6, chunked(1024, 34, 2, min_numel=0), outer="average"),
+    # 900 is no multiple of 7: the last evaluation (step 900) reads each worker's local model, 4
+    # inner steps after the last outer step, not the global parameters
+    "sweep_h7_c1k_k28_b2": _diloco(7, chunked(1024, 28, 2), outer="average"),
+    "sweep_h10_c1k_k66_b2_m0": _diloco(10, chunked(1024, 66, 2, min_numel=0), outer="average"),
+    # 1-bit bin-mean values: two means per message, the bits go to more entries
+    "sweep_h5_c1k_k18_b1": _diloco(5, chunked(1024, 18, 1), outer="average"),
+    "sweep_h5_c1k_k32_b1_m0": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer="average"),
+    "sweep_h5_c1k_k32_b1_m0_d0975": _diloco(5, chunked(1024, 32, 1, decay=0.975, min_numel=0), outer="average"),
+    "sweep_h6_c1k_k40_b1_m0": _diloco(6, chunked(1024, 40, 1, min_numel=0), outer="average"),
+    "sweep_h10_c1k_k64_b1": _diloco(10, chunked(1024, 64, 1), outer="average"),
+    "sweep_h10_c1k_k82_b1_m0": _diloco(10, chunked(1024, 82, 1, min_numel=0), outer="average"),
+    # an outer lr a little above 1 at a small H: each worker's AdamW steps on half DDP's batch are
+    # shorter in noisy directions, and the average of two such steps shorter still
+    "sweep_h5_c1k_k26_b2_m0_lr12": _diloco(5, chunked(1024, 26, 2, min_numel=0), outer={"lr": 1.2}),
+    "sweep_h10_c1k_k48_b2_lr12": _diloco(10, chunked(1024, 48, 2), outer={"lr": 1.2}),
+    "sweep_h5_c1k_k32_b1_m0_lr12": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.2}),
+    "sweep_h5_c1k_k32_b1_m0_d0975_lr12": _diloco(5, chunked(1024, 32, 1, decay=0.975, min_numel=0),
+                                                 outer={"lr": 1.2}),
+    "sweep_h5_c1k_k32_b1_m0_lr14": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.4}),
+    "sweep_h6_c1k_k40_b1_m0_lr12": _diloco(6, chunked(1024, 40, 1, min_numel=0), outer={"lr": 1.2}),
 }
 BASELINE = "ddp_fp32"
 # deepreduce's shipped semi-synchronous configs: the rows the issue's targets are checked on
 SHIPPED_SEMISYNC = ("semisync_h30", "semisync_h30_sra", "semisync_dense_h30", "semisync_chunked_h10",
-                    "semisync_chunked_h10_sra")
+                    "semisync_chunked_h10_sra", "semisync_1bit_h5")
 PER_STEP_BEST = "lm_topk"
 # The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
 GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra", "semisync_chunked_h10",
