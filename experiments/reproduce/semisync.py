@@ -286,7 +286,7 @@ def targets(result: Result, records) -> None:
         good = [r for r in semi if r["vs_ddp_pct"] <= 100 * TOLERANCE and r["sent_bppis"] <= BITS_TARGET]
         text = ", ".join(f"{r['method']} {r['vs_ddp_pct']:+.1f}% at {r['sent_bppis']:.4f} bppis" for r in semi)
         result.notes.append(f"{world} workers, target within 2% of DDP at <= {BITS_TARGET} bppis: "
-                            f"{'met' if good else 'MISSED'} ({text})")
+                            f"{'met by ' + ', '.join(r['method'] for r in good) if good else 'MISSED'} ({text})")
         fast = [r for r in semi if (r["x_ddp_10mbit"] or 0) >= 20 and (r["x_topk_10mbit"] or 0) >= 3]
         if any(r["t_10mbit"] is not None for r in semi):
             text = ", ".join(f"{r['method']} x{r['x_ddp_10mbit'] or 0:.1f} DDP, x{r['x_topk_10mbit'] or 0:.1f} lm_topk"
