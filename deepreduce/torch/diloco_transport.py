@@ -135,7 +135,7 @@ def _torch(group, owner: str):
 
 
 def _horovod(group, owner: str):
-    from ..collective.comm.horovod import HorovodCommunicator
+    from ..collective.comm.horovod import HorovodCommunicator, settled
 
     inner = HorovodCommunicator(framework="torch")
     hvd = inner.hvd
@@ -148,7 +148,7 @@ def _horovod(group, owner: str):
     def allreduce(tensor, item, average):
         counted.count_allreduce(tensor)
         handle = hvd.allreduce_async_(tensor, op=hvd.Sum, name=f"deepreduce.diloco.{item.name}", **kwargs)
-        return ports.Pending(lambda: hvd.synchronize(handle))
+        return ports.Pending(lambda: settled(hvd, handle))
 
     def broadcast(tensor, name):
         hvd.broadcast_(tensor, root_rank=0, name=f"deepreduce.diloco.broadcast.{name}", **kwargs)

@@ -25,7 +25,7 @@ import torch
 
 from ..collective import agreement, buckets
 from ..collective.comm import Communicator
-from ..collective.comm.horovod import HorovodCommunicator
+from ..collective.comm.horovod import HorovodCommunicator, settled
 from ..collective.ports import Pending
 from ..collective.routes.dense import summed_dense
 from ..collective.step import Item, StepEngine
@@ -96,7 +96,7 @@ class EngineReduction:
     def _engine_allreduce(self, tensor: torch.Tensor, item: Item, average: bool) -> Pending:
         """The engine's all-reduce port: Horovod's, in place, on the process set."""
         handle = self._allreduce(item.name, tensor, average)
-        return Pending(lambda: self._hvd.synchronize(handle))
+        return Pending(lambda: settled(self._hvd, handle))
 
     def sparse_refusal(self, p: torch.Tensor) -> Optional[str]:
         self._agree()

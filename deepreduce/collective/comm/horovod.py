@@ -1,6 +1,8 @@
 """Horovod allgather: the containers of all ranks arrive concatenated and are split by header."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ...errors import BackendUnavailableError
@@ -21,6 +23,26 @@ def _import_horovod(framework: str):
             f"the horovod communicator needs horovod.{framework}: {exc}. Run `make setup` to build Horovod."
         ) from exc
     return hvd
+
+
+#: The polite wait's first and longest sleep between polls (seconds): :func:`settled`.
+FIRST_SLEEP_S, LONGEST_SLEEP_S = 20e-6, 500e-6
+
+
+def settled(hvd, handle):
+    """``hvd.synchronize(handle)`` once the collective is done, without spinning meanwhile.
+
+    Horovod's own wait loops on ``sched_yield``: every millisecond a rank waits for its peers
+    (the sparse all-reduce's second round waits for the slowest owner) is a millisecond of its
+    CPU, taken from the engine's worker, the data loader and, with more ranks than cores, the peers
+    being waited for. Polling with sleeps that double from 20 us to 0.5 ms gives the core back at
+    the price of at most one sleep of latency (under 0.5 ms, and under 5% of any wait longer
+    than 10 ms)."""
+    delay = FIRST_SLEEP_S
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, LONGEST_SLEEP_S)
+    return hvd.synchronize(handle)
 
 
 @register
@@ -61,7 +83,7 @@ class HorovodCommunicator(Communicator):
             if local.device.type != "cpu" and not (hvd.cuda_built() or hvd.rocm_built()):
                 local = local.cpu()   # a Horovod without GPU support gathers host tensors
             handle = hvd.allgather_async(local, name=name, **kwargs)   # a device tensor stays on its device
-            return Handle(lambda: self._check_count(container.split(hvd.synchronize(handle)), name))
+            return Handle(lambda: self._check_count(container.split(settled(hvd, handle)), name))
         import tensorflow as tf
 
         gathered = hvd.allgather(tf.constant(payload), name=name, **kwargs).numpy()
@@ -82,7 +104,7 @@ class HorovodCommunicator(Communicator):
         handle = self.hvd.alltoall_async(torch.from_numpy(send), splits=counts, name=name, **kwargs)
 
         def wait():
-            received, incoming = self.hvd.synchronize(handle)
+            received, incoming = settled(self.hvd, handle)
             return _split(received.numpy(), incoming.numpy().astype(np.int64))
         return Handle(wait)
 
