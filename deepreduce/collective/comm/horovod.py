@@ -26,7 +26,7 @@ def _import_horovod(framework: str):
 
 
 #: The polite wait's first and longest sleep between polls (seconds): :func:`settled`.
-FIRST_SLEEP_S, LONGEST_SLEEP_S = 20e-6, 500e-6
+FIRST_SLEEP_S, LONGEST_SLEEP_S = 20e-6, 200e-6
 
 
 def settled(hvd, handle):
@@ -35,9 +35,10 @@ def settled(hvd, handle):
     Horovod's own wait loops on ``sched_yield``: every millisecond a rank waits for its peers
     (the sparse all-reduce's second round waits for the slowest owner) is a millisecond of its
     CPU, taken from the engine's worker, the data loader and, with more ranks than cores, the peers
-    being waited for. Polling with sleeps that double from 20 us to 0.5 ms gives the core back at
-    the price of at most one sleep of latency (under 0.5 ms, and under 5% of any wait longer
-    than 10 ms)."""
+    being waited for. Polling with sleeps that double from 20 us to 0.2 ms gives the core back at
+    the price of at most one sleep of latency (about 0.2 ms, and under 2% of any wait longer than
+    10 ms). With more ranks than cores it halves a step's wall time (docs/benchmarks.md, "Waiting
+    for Horovod without spinning"); with a core per rank it changes little."""
     delay = FIRST_SLEEP_S
     while not hvd.poll(handle):
         time.sleep(delay)
