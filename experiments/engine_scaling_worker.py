@@ -24,6 +24,7 @@ import torch
 
 import deepreduce
 import deepreduce.torch as drt
+from deepreduce.collective.comm.horovod import settled
 from deepreduce.collective.cost_probe import measure_collective_costs
 from experiments.engine_toy import forward_backward, gradients, parameters
 
@@ -59,14 +60,15 @@ def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dic
 
 
 def allgather(payload: np.ndarray, name: str):
-    """Horovod's allgather of a uint8 NumPy payload (the transport the engine's routes use)."""
-    return hvd.allgather(torch.from_numpy(payload), name=name)
+    """Horovod's allgather of a uint8 NumPy payload, waited for as the engine's transport waits
+    (``settled``: polling, not Horovod's spinning ``synchronize``)."""
+    return settled(hvd, hvd.allgather_async(torch.from_numpy(payload), name=name))
 
 
 def alltoall(payloads, name: str):
-    """Horovod's alltoall of uint8 NumPy payloads, one per rank."""
+    """Horovod's alltoall of uint8 NumPy payloads, one per rank, waited for as ``allgather``."""
     sizes = torch.tensor([p.size for p in payloads], dtype=torch.int32)
-    return hvd.alltoall(torch.from_numpy(np.concatenate(payloads)), splits=sizes, name=name)
+    return settled(hvd, hvd.alltoall_async(torch.from_numpy(np.concatenate(payloads)), splits=sizes, name=name))
 
 
 def main() -> None:
