@@ -173,7 +173,9 @@ class ResidualMemory(Memory):
             return Compensated(residual, True, selected)
         prior, target = self.step_buffers(name)
         finite, selected = kernels.scan(flat, target, topk, threads, None if target is prior else prior)
-        if not finite:   # the residual stays prior
+        if not finite:   # the residual stays prior; the unused second buffer waits for the next step
+            if target is not prior and self.retain_spares:
+                self._spares[name] = target
             return Compensated(flat, False)
         self._residuals[name] = target
         return Compensated(target, True, selected)

@@ -97,9 +97,12 @@ def test_journaled_steps_encode_what_unjournaled_ones_do_and_undo_exactly(memory
 
 
 def test_steady_journaled_steps_alternate_between_two_buffers():
+    """Also across a refused (NaN) step: its unused second buffer is kept for the next one."""
     pipe = _journaled()
     seen = set()
     for step, g in enumerate(_gradients(30000, 8, seed=5)):
+        if step == 4:
+            g[10] = np.nan
         pipe.encode(g, "w", step)
         pipe.commit_step()
         seen.add(id(pipe.memory.residual("w")))
