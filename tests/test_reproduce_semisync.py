@@ -278,6 +278,34 @@ def test_semisync_train_phase_quick(tmp_path):
     assert again.rows == result.rows
 
 
+def test_reach_steps_continue_the_time_target_rows(tmp_path):
+    """``reach_steps`` trains DDP and the shipped rows on past the budget; their first steps are the
+    equal-token runs' exactly, the loss and bits columns stay at equal tokens, and the step to DDP's
+    final loss is read from the longer runs."""
+    out = str(tmp_path)
+    with pytest.raises(ValueError, match="reach_steps"):
+        semisync.run(out, quick=True, methods=["semisync_h30"], phase="train", reach_steps=sm.QUICK.steps)
+    equal = semisync.run(out, quick=True, methods=["semisync_h30", "diloco_h30_fp32"], phase="train",
+                         show_progress=False)
+    result = semisync.run(out, quick=True, methods=["semisync_h30", "diloco_h30_fp32"], phase="train",
+                          show_progress=False, reach_steps=2 * sm.QUICK.steps)
+    longer = sm.budget(True, 2 * sm.QUICK.steps)
+    assert [r["final_loss"] for r in result.rows] == [r["final_loss"] for r in equal.rows]
+    ddp = _record(out, "ddp_fp32", longer)
+    assert ddp["curve"][-1]["step"] == 2 * sm.QUICK.steps
+    base = {p["step"]: p["val_loss"] for p in _record(out, "ddp_fp32", sm.QUICK)["curve"]}
+    assert all(p["val_loss"] == base[p["step"]] for p in ddp["curve"] if p["step"] in base)
+    assert not os.path.exists(semisync.train_path(os.path.join(out, "cache"), "diloco_h30_fp32",
+                                                  sm.METHODS["diloco_h30_fp32"], 0, 2, longer))   # not a target row
+    rows = {r["method"]: r for r in result.rows}
+    assert rows["ddp_fp32"]["step_to_ddp"] == sm.QUICK.steps    # DDP first reaches its own final loss at its end
+    note = next(n for n in result.notes if "continued to" in n)
+    assert "ddp_fp32, semisync_h30" in note and "at most 0 in validation loss" in note
+    with pytest.raises(SystemExit, match="--reach-steps does not apply"):
+        from deepreduce.cli import main as cli_main
+        cli_main(["reproduce", "hsdp", "--out", out, "--reach-steps", "20"])
+
+
 @pytest.mark.slow
 def test_semisync_time_phase_quick(tmp_path):
     """Where namespaces exist: profile, link timing at 2 workers and combine; else the note says why."""

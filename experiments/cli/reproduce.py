@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--methods", default=None,
                         help="fig7, quality, semisync, hsdp: comma-separated methods to run (default: all)")
     parser.add_argument("--steps", type=int, default=None, help="quality, semisync, hsdp: training steps per method")
+    parser.add_argument("--reach-steps", type=int, default=None,
+                        help="semisync: also continue DDP, lm_topk and the shipped semi-synchronous rows to this many "
+                             "inner steps and read their time to DDP's final loss from those runs")
     parser.add_argument("--seeds", default=None, help="semisync, hsdp: comma-separated seeds (default 0,1; quick: 0)")
     parser.add_argument("--workers", default=None, help="semisync: comma-separated worker counts (default 2,4)")
     parser.add_argument("--nodes", type=int, default=None,
@@ -60,10 +63,15 @@ def run(args) -> int:
         raise SystemExit(f"deepreduce reproduce: --nodes takes a whole number of nodes >= 2, got {args.nodes}")
     options = {"quick": args.quick, "show_progress": not args.no_progress}
     wanted = {"epochs": args.epochs, "configs_dir": args.configs, "iterations": args.iterations,
-              "accumulate": args.accumulate, "steps": args.steps, "phase": args.phase, "cache": args.cache,
+              "accumulate": args.accumulate, "steps": args.steps, "reach_steps": args.reach_steps,
+              "phase": args.phase, "cache": args.cache,
               "seeds": _ints(args.seeds, "--seeds"), "workers": _ints(args.workers, "--workers"), "nodes": args.nodes,
               "methods": [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None}
     accepted = inspect.signature(module.run).parameters
+    ignored = [k for k, v in wanted.items() if v is not None and k not in accepted]
+    if ignored:
+        flags = ", ".join("--" + ("configs" if k == "configs_dir" else k.replace("_", "-")) for k in ignored)
+        raise SystemExit(f"deepreduce reproduce {args.experiment}: {flags} does not apply to this experiment")
     options.update({k: v for k, v in wanted.items() if v is not None and k in accepted})
     start = time.perf_counter()
     result = module.run(args.out, **options)

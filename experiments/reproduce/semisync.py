@@ -32,7 +32,9 @@ link. Three phases:
 
 The table has one row per (workers, method): final validation loss (mean and half-range over the
 seeds) and its difference to DDP fp32, time to DDP's final loss at 10 and 100 Mbit/s with the
-speed-up against DDP and against ``lm_topk``, bits per parameter per inner step sent and received
+speed-up against DDP and against ``lm_topk`` (``reach_steps``: from runs of DDP, ``lm_topk`` and
+the shipped semi-synchronous rows continued past the equal-token budget, so a row that ends just
+above DDP's loss still gets a time to it), bits per parameter per inner step sent and received
 per rank, outer steps. The notes compare the received bytes at 2 and 4 workers of the gathering
 and the sparse all-reduce rows and check the issue's targets. The plot shows loss against wall
 time, one panel per bandwidth and worker count.
@@ -60,7 +62,7 @@ REPEATS = 3             # timed repeats per measured message (median)
 TOLERANCE = 0.02        # the issue's target: within 2% of DDP's final loss
 BITS_TARGET = 0.05      # ... sending at most 0.05 bits per parameter per inner step
 COLUMNS = ["workers", "method", "final_loss", "spread", "vs_ddp_pct", "sent_bppis", "recv_bppis", "outer_steps",
-           "t_10mbit", "x_ddp_10mbit", "x_topk_10mbit", "t_100mbit", "x_ddp_100mbit", "x_topk_100mbit"]
+           "step_to_ddp", "t_10mbit", "x_ddp_10mbit", "x_topk_10mbit", "t_100mbit", "x_ddp_100mbit", "x_topk_100mbit"]
 
 
 def resolve(names: Sequence[str], result: Result, configs_dir: Optional[str]) -> Dict[str, dict]:
@@ -98,6 +100,13 @@ def train_phase(methods: Dict[str, dict], seeds: Sequence[int], workers: Sequenc
     replay_runs.train_phase(WORKER, methods, seeds, workers, plan, data_path, cache, timeout, show_progress)
 
 
+def reaching(methods: Dict[str, dict]) -> Dict[str, dict]:
+    """The rows ``reach_steps`` continues: DDP, ``lm_topk`` and the shipped semi-synchronous configs
+    (the rows of the time target)."""
+    wanted = (sm.BASELINE, sm.PER_STEP_BEST, *sm.SHIPPED_SEMISYNC)
+    return {name: method for name, method in methods.items() if name in wanted}
+
+
 def time_path(cache: str, world: int, plan: sm.Budget) -> str:
     return os.path.join(cache, f"time_w{world}_{plan.key()}.json")
 
@@ -132,7 +141,11 @@ def _covers(cache: str, world: int, plan: sm.Budget, runs: Dict[str, List[dict]]
 def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = None, steps: Optional[int] = None,
         seeds: Optional[Sequence[int]] = None, workers: Optional[Sequence[int]] = None, phase: str = "all",
         cache: Optional[str] = None, show_progress: bool = True, timeout: Optional[float] = None,
-        configs_dir: Optional[str] = None) -> Result:
+        configs_dir: Optional[str] = None, reach_steps: Optional[int] = None) -> Result:
+    """``reach_steps``: also train :func:`reaching`'s rows to that many inner steps (more than the
+    budget's) and read the time to DDP's final loss from those runs. The learning rate is constant
+    after the warm-up and the batches are drawn step by step, so their first ``steps`` steps are the
+    equal-token runs' (the notes check it); the loss and bytes columns stay at equal tokens."""
     from ..lm import data as lm_data
 
     if phase not in PHASES:
@@ -145,6 +158,9 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     if not seeds:
         raise ValueError("semisync: at least one seed")
     plan = sm.budget(quick, steps)
+    if reach_steps is not None and reach_steps <= plan.steps:
+        raise ValueError(f"semisync: reach_steps ({reach_steps}) must exceed the budget's {plan.steps} inner steps")
+    longer = None if reach_steps is None else sm.budget(quick, reach_steps)
     names = sm.select(methods)
     cache = cache or os.path.join(out_dir, "cache")
     os.makedirs(cache, exist_ok=True)
@@ -155,7 +171,10 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     _, data_path = lm_data.load(plan.vocab)
     if phase in ("train", "all"):
         train_phase(resolved, seeds, workers, plan, data_path, cache, timeout, show_progress)
+        if longer is not None:
+            train_phase(reaching(resolved), seeds, workers, longer, data_path, cache, timeout, show_progress)
     records = load_records(resolved, seeds, workers, plan, cache)
+    extended = {} if longer is None else load_records(reaching(resolved), seeds, workers, longer, cache)
     missing = [f"{n} seed {s} workers {w}" for w in workers for n in resolved for s in seeds
                if len(records.get(w, {}).get(n, [])) <= seeds.index(s)]
     if missing:
@@ -172,8 +191,10 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
         if os.path.exists(time_path(cache, world, plan)):
             with open(time_path(cache, world, plan), encoding="utf-8") as handle:
                 timing[world] = json.load(handle)
-    curves = combine(result, records, timing, resolved)
+    curves = combine(result, records, timing, resolved, extended)
     notes(result, records, timing, plan, seeds)
+    if longer is not None:
+        _reach_note(result, records, extended, plan, longer)
     targets(result, records)
     result.extra.update(budget=asdict(plan), seeds=seeds, workers=workers, curves=curves,
                         methods={n: m for n, m in resolved.items()})
@@ -182,17 +203,22 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
 
 
 def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: Dict[int, dict],
-            methods: Dict[str, dict]) -> Dict[str, dict]:
-    """The table's rows (into ``result``) and the mean loss curves against wall time, per workers."""
+            methods: Dict[str, dict], extended: Optional[Dict[int, Dict[str, List[dict]]]] = None) -> Dict[str, dict]:
+    """The table's rows (into ``result``) and the mean loss curves against wall time, per workers;
+    times to DDP's final loss (and the curves) from the ``extended`` runs of a row where it has
+    them for every seed of its equal-token runs."""
     curves: Dict[str, dict] = {}
     for world, runs in records.items():
         if sm.BASELINE not in runs:
             result.notes.append(f"{world} workers: no {sm.BASELINE} run, the baseline of every comparison")
             continue
-        clocks = _clocks(runs, timing.get(world), methods)
+        longer = (extended or {}).get(world, {})
+        timed_runs = {name: longer[name] if len(longer.get(name, ())) == len(seeds) else seeds
+                      for name, seeds in runs.items()}
+        clocks = _clocks(timed_runs, timing.get(world), methods)
         ddp_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[sm.BASELINE]])
         reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), ddp_loss) for net, _ in BANDWIDTHS}
-                 for name, seeds in runs.items()}
+                 for name, seeds in timed_runs.items()}
         for name, seeds in runs.items():
             loss, spread = rp.mean_spread([r["curve"][-1]["val_loss"] for r in seeds])
             params, steps = seeds[0]["parameters"], seeds[0]["steps"]
@@ -200,7 +226,8 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
                    "vs_ddp_pct": 100 * (loss / ddp_loss - 1),
                    "sent_bppis": _bits(seeds, "sent_bytes", params, steps),
                    "recv_bppis": _bits(seeds, "received_bytes", params, steps),
-                   "outer_steps": seeds[0]["outer_steps"]}
+                   "outer_steps": seeds[0]["outer_steps"],
+                   "step_to_ddp": step_to(timed_runs[name], ddp_loss)}
             for net, _ in BANDWIDTHS:
                 t = reach[name][net]
                 row[f"t_{net}"] = t
@@ -208,8 +235,30 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
                     base = reach.get(ref, {}).get(net)
                     row[f"x_{col}_{net}"] = base / t if (t and base) else None
             result.rows.append(row)
-            curves[f"{world}/{name}"] = replay_runs.mean_curve(seeds, clocks.get(name, {}))
+            curves[f"{world}/{name}"] = replay_runs.mean_curve(timed_runs[name], clocks.get(name, {}))
     return curves
+
+
+def step_to(seeds: List[dict], target: float) -> Optional[float]:
+    """Mean over seeds of the first evaluated inner step at or below ``target`` (None: a seed never gets there)."""
+    steps = [next((p["step"] for p in r["curve"] if p["step"] > 0 and p["val_loss"] <= target), None) for r in seeds]
+    return None if any(s is None for s in steps) else sum(steps) / len(steps)
+
+
+def _reach_note(result: Result, records, extended, plan: sm.Budget, longer: sm.Budget) -> None:
+    """Which rows were continued, and whether their first ``plan.steps`` steps are the equal-token
+    runs' (the largest difference of validation loss at the steps both evaluated)."""
+    for world, runs in sorted(extended.items()):
+        gaps = []
+        for name, seeds in runs.items():
+            for base, run in zip(records.get(world, {}).get(name, []), seeds):
+                old = {p["step"]: p["val_loss"] for p in base["curve"]}
+                gaps += [abs(p["val_loss"] - old[p["step"]]) for p in run["curve"] if p["step"] in old]
+        result.notes.append(
+            f"{world} workers: t_<net>, x_* and step_to_ddp of {', '.join(sorted(runs))} from runs continued to "
+            f"{longer.steps} inner steps (the final_loss and bits columns stay at {plan.steps}); over their first "
+            f"{plan.steps} steps these runs differ from the equal-token runs by at most {max(gaps, default=0.0):.2g} "
+            "in validation loss")
 
 
 def _bits(seeds: List[dict], key: str, params: int, steps: int) -> float:
