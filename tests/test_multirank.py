@@ -54,12 +54,12 @@ def test_one_ranks_caught_encode_error_keeps_every_rank_in_phase():
 
 
 def test_nonfinite_policy_and_caught_encode_error_give_one_outcome_on_every_route():
-    """Horovod optimizer, 2 ranks, every route of the step engine (allgather, sparse_allreduce,
+    """Horovod optimizer, 2 ranks, every route of the step engine (allgather, sparse_allreduce after backward and started during it,
     dense, fp16, entries, summable) under ``propagate`` and ``raise``: one rank's NaN gradient and
     one rank's encode error end the same way on every route and every rank, and the ranks stay
     in phase (workers/torch_engine_policies.py)."""
     out = run_ranks("horovodrun", "torch_engine_policies.py", timeout=400).stdout
-    for route in ("allgather", "sparse_allreduce", "dense", "fp16", "entries", "summable"):
+    for route in ("allgather", "sparse_allreduce", "sparse_allreduce_early", "dense", "fp16", "entries", "summable"):
         for policy in (("propagate",) if route == "summable" else ("propagate", "raise")):
             for scenario in ("nan", "encode_error"):
                 assert out.count(f"OK {scenario} {route} {policy} ") == 2, (route, policy, scenario, out[-2000:])

@@ -64,12 +64,15 @@ def reference(grads, steps):
     return out
 
 
-def engine_steps(grads, background, fail=None, nonfinite="propagate"):
+def engine_steps(grads, background, fail=None, nonfinite="propagate", early_numel=2**62, sends=None):
     """Every rank's results per step through the step engine: the averaged sums, or the error
     the step raised (``fail``: (rank, step, name) whose encode raises). Each rank submits its
-    tensors in its own order; ``calls``: rank 0's collectives."""
+    tensors in its own order (in one order where some go early: their exchanges start at submit,
+    in submission order, as the allgather route's collectives do); ``calls``: rank 0's collectives;
+    ``sends``: a list that gets rank 0's phase-one batches, (tensor names, sent while finishing)."""
     ranks = ThreadRanks(RANKS)
-    pipes = [deepreduce.build(dict(CONFIG, aggregation=AGGREGATION, nonfinite=nonfinite)) for _ in range(RANKS)]
+    aggregation = dict(AGGREGATION, early_numel=early_numel)
+    pipes = [deepreduce.build(dict(CONFIG, aggregation=aggregation, nonfinite=nonfinite)) for _ in range(RANKS)]
     out = [[] for _ in range(RANKS)]
 
     def run(rank):
@@ -83,12 +86,18 @@ def engine_steps(grads, background, fail=None, nonfinite="propagate"):
                 raise RuntimeError(f"injected encode failure of {name}")
             return encode(grad, name, step)
         reducer.encode = flaky
-        order = list(SIZES)[::-1] if rank % 2 else list(SIZES)
+        finishing = [False]
+        if sends is not None and rank == 0:
+            send = reducer.send
+            reducer.send = lambda phases: (sends.append((tuple(p.name for p in phases), finishing[0])), send(phases))[1]
+        order = list(SIZES)[::-1] if rank % 2 and early_numel > max(SIZES.values()) else list(SIZES)
         for step, per_rank in enumerate(grads):
             tensors = {n: per_rank[rank][n].copy() for n in order}
+            finishing[0] = False
             for name in order:
                 engine.submit(Item(name, step, tensors[name]))
             try:
+                finishing[0] = True
                 engine.finish(step, list(SIZES))
                 out[rank].append(tensors)
             except Exception as exc:   # noqa: BLE001 (which one is the point)
@@ -129,3 +138,39 @@ def test_one_ranks_encode_failure_inside_a_batch_fails_the_step_on_every_rank():
         for name in SIZES:
             np.testing.assert_array_equal(got[rank][0][name], want[rank][0][name])
             np.testing.assert_array_equal(got[rank][2][name], want[rank][1][name], err_msg=f"{rank} {name}")
+
+
+def test_large_tensors_start_their_exchange_at_submit_and_the_rest_share_a_batch():
+    """``early_numel``: "a" (20,000) and "d" (3,001) send phase one as each is encoded (before the
+    step's finish), "b" and "c" share one batch after backward; the sums are one reduce per
+    tensor's, bit for bit."""
+    grads, sends = gradients(3), []
+    got, calls = engine_steps(grads, False, early_numel=3000, sends=sends)
+    want = reference(grads, range(3))
+    for rank in range(RANKS):
+        for step in range(3):
+            for name in SIZES:
+                np.testing.assert_array_equal(got[rank][step][name], want[rank][step][name], err_msg=f"{rank} {step} {name}")
+    # phase one of "a" and "d" is sent at submit, "b" and "c" go in one batch while finishing
+    assert sends == [(("a",), False), (("d",), False), (("b", "c"), True)] * 3
+    # a blocking communicator makes each collective when it is waited for: the early items' phase
+    # one at their owner steps (in name order), the batch's, then each phase two as finish reads it
+    assert calls == ["deepreduce.sra1.a", "deepreduce.sra1.d", "deepreduce.sra1.b",
+                     "deepreduce.sra2.a", "deepreduce.sra2.b", "deepreduce.sra2.d"] * 3
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_an_encode_failure_early_or_batched_fails_the_step_on_every_rank(name):
+    """Rank 1 cannot encode ``name`` at step 1 ("a" goes early, "b" in the batch): every rank raises
+    and undoes the step; step 2 equals a run without step 1."""
+    grads = gradients(3)
+    got, calls = engine_steps(grads, True, fail=(1, 1, name), nonfinite="raise", early_numel=3000)
+    assert isinstance(got[1][1], RuntimeError) and f"injected encode failure of {name}" in str(got[1][1])
+    for rank in (0, 2):
+        assert isinstance(got[rank][1], CommunicationError) and f"'{name}'" in str(got[rank][1]), repr(got[rank][1])
+    assert len(calls) == 6 * 3
+    want = reference([grads[0], grads[2]], [0, 2])
+    for rank in range(RANKS):
+        for n in SIZES:
+            np.testing.assert_array_equal(got[rank][0][n], want[rank][0][n])
+            np.testing.assert_array_equal(got[rank][2][n], want[rank][1][n], err_msg=f"{rank} {n}")

@@ -34,7 +34,8 @@ def test_four_ranks_sparse_allreduce_without_reselection_equals_the_allgather():
 def test_tape_routes_follow_the_nonfinite_policy_and_survive_a_caught_error():
     """TF tape, 2 ranks, eagerly and in tf.function: one rank's NaN gradient under ``propagate``
     and ``raise``, and one rank's error in the step engine's host routes, end the same way on
-    the allgather, entries (IndexedSlices), sparse_allreduce, dense and fp16 routes; a summable
+    the allgather, entries (IndexedSlices), sparse_allreduce (after backward and started during it),
+    dense and fp16 routes; a summable
     compressor (Horovod's fp16, GradiVeQ) on the engine's summable route equals Horovod's own tape
     bit for bit, propagates a NaN, and one rank's compress error makes every rank raise with the
     weights unchanged and the next step in phase (workers/tf_engine_policies.py)."""
@@ -42,7 +43,7 @@ def test_tape_routes_follow_the_nonfinite_policy_and_survive_a_caught_error():
     for route in ("summable_fp16", "summable_gradiveq"):
         for mode in ("eager", "function"):
             assert out.count(f"OK tf {route} {mode} ") == 2, (route, mode, out[-2000:])
-    for route in ("allgather", "entries", "sparse_allreduce", "dense", "fp16"):
+    for route in ("allgather", "entries", "sparse_allreduce", "sparse_allreduce_early", "dense", "fp16"):
         for policy in ("propagate", "raise"):
             for mode in ("eager", "function"):
                 assert out.count(f"OK tf {route} {policy} {mode} ") == 2, (route, policy, mode, out[-2000:])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..params import Component, Param
 from ..registry import register
-from .sparse_allreduce import RESELECT, SparseAllreduce
+from .sparse_allreduce import EARLY_NUMEL, RESELECT, SparseAllreduce
 
 
 class Aggregation(Component):
@@ -48,11 +48,15 @@ class SparseAllreduceAggregation(Aggregation):
                           doc="owner's re-selection: the shard's top 'ratio' (topk) or every non-zero (none)"),
         "repartition_every": Param(int, default=8, low=1, high=2**31,
                                    doc="steps between moves of the shard boundaries"),
+        "early_numel": Param(int, default=EARLY_NUMEL, low=0, high=2**62,
+                             doc="a tensor or bucket of at least this many elements starts its shard exchange "
+                                 "as soon as it is encoded, during backward; smaller ones share one exchange "
+                                 "after backward (0: every one early; 2**62: none)"),
     }
 
     def reducer(self, pipeline, communicator) -> SparseAllreduce:
         return SparseAllreduce(pipeline, communicator, reselect=self.reselect,
-                               repartition_every=self.repartition_every)
+                               repartition_every=self.repartition_every, early_numel=self.early_numel)
 
 
 @register

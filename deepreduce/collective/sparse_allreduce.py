@@ -66,6 +66,11 @@ from ..wire import varint
 from . import agreement, failure, ports, shards
 
 RESELECT = ("topk", "none")
+# The step engine's route starts a tensor's (or bucket's) shard exchange during backward from this
+# size: 4 MB of float32, where one collective's fixed cost (Horovod's negotiation cycle, a message's
+# latency) is small beside its compressed bytes on the slow links this route is for; smaller
+# tensors share one exchange after backward (:mod:`deepreduce.collective.routes.sparse_allreduce`).
+EARLY_NUMEL = 1 << 20
 
 
 class SparseAllreduce:
@@ -79,7 +84,7 @@ class SparseAllreduce:
     """
 
     def __init__(self, pipeline: Pipeline, communicator, reselect: str = "topk",
-                 ratio: Optional[float] = None, repartition_every: int = 8) -> None:
+                 ratio: Optional[float] = None, repartition_every: int = 8, early_numel: int = EARLY_NUMEL) -> None:
         if reselect not in RESELECT:
             raise ConfigError(f"sparse_allreduce: 'reselect' is {reselect!r}; allowed: {', '.join(RESELECT)}")
         # a chunked sparsifier's geometry: whole-chunk shards, and k per chunk at the owner
@@ -95,6 +100,7 @@ class SparseAllreduce:
                               f"{repartition_every!r}")
         self.pipeline, self.communicator = pipeline, communicator
         self.reselect, self.ratio, self.repartition_every = reselect, ratio, repartition_every
+        self.early_numel = int(early_numel)   # the step engine's route: a batch of its own from this size
         self._bounds: Dict[str, np.ndarray] = {}
         self._owner_residuals: Dict[str, OwnerResidual] = {}
         # both phases decode what they received in one C++ call when the config runs there

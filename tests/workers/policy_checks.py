@@ -1,9 +1,26 @@
-"""What the engine policy workers (torch_engine_policies.py, torch_ddp_engine_policies.py) check
-alike: the parameters as one vector, every residual a step may touch, and equality of nested state."""
+"""What the engine policy workers (torch_engine_policies.py, torch_ddp_engine_policies.py and, for
+the aggregations, tf_engine_policies.py) check alike: the scenarios' aggregations, the parameters
+as one vector, every residual a step may touch, and equality of nested state."""
 import copy
 
 import numpy as np
 import torch
+
+
+def aggregation(route):
+    """The config's aggregation section of a scenario's route: the sparse all-reduce with every
+    exchange after backward, or with its large tensors' started during backward (``early_numel``:
+    the weights go early, the biases share the batch after backward)."""
+    if route == "sparse_allreduce":
+        return {"aggregation": {"id": "sparse_allreduce", "early_numel": 2**62}}
+    if route == "sparse_allreduce_early":
+        return {"aggregation": {"id": "sparse_allreduce", "early_numel": 100}}
+    return {}
+
+
+def route_id(route):
+    """The engine's route a scenario runs on."""
+    return "sparse_allreduce" if route == "sparse_allreduce_early" else route
 
 
 def flat(model):

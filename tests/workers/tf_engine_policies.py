@@ -31,6 +31,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import watchdog  # noqa: E402
+from policy_checks import aggregation, route_id  # noqa: E402
 
 import deepreduce.tensorflow as drtf  # noqa: E402
 
@@ -70,7 +71,7 @@ def run(route: str, policy: str, mode: str):
         pipe = Faulty(summable(route, warmup=2))   # the NaN step is a warm-up step: no model learns from it
     else:
         if not graph:
-            config["aggregation"] = {"id": "sparse_allreduce"}
+            config.update(aggregation(route) or {"aggregation": {"id": "sparse_allreduce"}})
         pipe = drtf.build(config)
     rng = np.random.default_rng(0)
     variables = [tf.Variable(rng.standard_normal((8, 40)).astype(np.float32)),
@@ -123,16 +124,16 @@ def run(route: str, policy: str, mode: str):
             v.assign(np.random.default_rng(1).standard_normal(v.shape).astype(np.float32))
     if not graph:
         engine = next(iter(pipe.protocols.values()))
-        real = engine.routes[route].start
+        real = engine.routes[route_id(route)].start
 
         def start(eng, item):
             if hvd.rank() == 1:
                 raise RuntimeError("injected start failure")
             return real(eng, item)
-        engine.routes[route].start = start
+        engine.routes[route_id(route)].start = start
         before, kept = weights(), residuals(pipe, engine)
         raised = take(2)
-        engine.routes[route].start = real
+        engine.routes[route_id(route)].start = real
         assert raised is not None, (route, mode)
         assert np.array_equal(weights(), before), (route, mode)
         after = residuals(pipe, engine)   # under either policy nothing a rank compressed away is lost
@@ -217,7 +218,7 @@ def main():
             same_as_horovod(route, mode)
             run(route, "propagate", mode)
             print(f"OK tf {route} {mode} {hvd.rank()}", flush=True)
-    for route in ("allgather", "entries", "sparse_allreduce", "dense", "fp16"):
+    for route in ("allgather", "entries", "sparse_allreduce", "sparse_allreduce_early", "dense", "fp16"):
         for policy in ("propagate", "raise"):
             for mode in ("eager", "function"):
                 run(route, policy, mode)

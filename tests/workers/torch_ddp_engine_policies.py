@@ -17,7 +17,7 @@ compressor has no ``nonfinite`` option: it runs once, and a NaN propagates.
 
 import torch
 import torch.distributed as dist
-from policy_checks import equal, flat, residuals
+from policy_checks import aggregation, equal, flat, residuals, route_id
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch_ddp_hook import run_scenarios
 
@@ -25,7 +25,7 @@ from deepreduce.torch import ddp
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0}
-ROUTES = ("allgather", "sparse_allreduce", "dense", "fp16", "entries", "summable")
+ROUTES = ("allgather", "sparse_allreduce", "sparse_allreduce_early", "dense", "fp16", "entries", "summable")
 
 
 def make(route, policy):
@@ -40,8 +40,7 @@ def make(route, policy):
         compression = ddp.FP16Compressor()
     else:
         compression = dict(TOPK, nonfinite=policy)
-        if route == "sparse_allreduce":
-            compression["aggregation"] = {"id": "sparse_allreduce"}
+        compression.update(aggregation(route))
     state = ddp.register(model, compression)
     if route in ("dense", "fp16"):   # what the auto plan chooses for a bucket that hides behind backward
         state._engine.protocol.route = lambda name: route
@@ -96,14 +95,14 @@ def nan_scenario(route, policy):
 
 def encode_error_scenario(route, policy):
     model, opt, state = make(route, policy)
-    real = state._engine.routes[route].start
+    real = state._engine.routes[route_id(route)].start
     armed = {"on": False}
 
     def start(engine, item):
         if armed["on"] and dist.get_rank() == 1 and "0.weight" in [part[0] for part in item.parts]:
             raise ValueError("injected encode failure")
         return real(engine, item)
-    state._engine.routes[route].start = start
+    state._engine.routes[route_id(route)].start = start
     for i in range(3):
         step(model, opt, route, i)
     before, kept = flat(model).clone(), residuals(state.pipeline, state._protocol)

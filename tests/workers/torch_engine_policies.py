@@ -20,7 +20,7 @@ import sys
 import horovod.torch as hvd
 import torch
 import watchdog
-from policy_checks import equal, flat, residuals
+from policy_checks import aggregation, equal, flat, residuals, route_id
 
 import deepreduce.torch as drt
 from deepreduce.errors import CommunicationError, NonFiniteGradientError
@@ -28,7 +28,7 @@ from deepreduce.torch.summable import FP16Compressor
 
 TOPK = {"sparsifier": {"id": "topk", "ratio": 0.5}, "index": "raw", "value": "raw", "memory": "residual",
         "min_numel": 0}
-ROUTES = ("allgather", "sparse_allreduce", "dense", "fp16", "entries", "summable")
+ROUTES = ("allgather", "sparse_allreduce", "sparse_allreduce_early", "dense", "fp16", "entries", "summable")
 
 
 def model(route):
@@ -50,8 +50,7 @@ def optimizer(route, policy, net):
         compression = FP16Compressor()
     else:
         compression = dict(TOPK, nonfinite=policy)
-        if route == "sparse_allreduce":
-            compression["aggregation"] = {"id": "sparse_allreduce"}
+        compression.update(aggregation(route))
     opt = drt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05),
                                    named_parameters=net.named_parameters(), compression=compression)
     if route in ("dense", "fp16"):   # what the auto plan chooses for a tensor that hides behind backward
@@ -104,14 +103,14 @@ def nan_scenario(route, policy):
 def encode_error_scenario(route, policy):
     net = model(route)
     opt = optimizer(route, policy, net)
-    real = opt._reduction.engine.routes[route].start
+    real = opt._reduction.engine.routes[route_id(route)].start
     armed = {"on": False}
 
     def start(engine, item):
         if armed["on"] and hvd.rank() == 1 and item.name == "0.weight":
             raise RuntimeError("injected encode failure")
         return real(engine, item)
-    opt._reduction.engine.routes[route].start = start
+    opt._reduction.engine.routes[route_id(route)].start = start
     for i in range(3):
         step(net, opt, route, i)
     before, kept = flat(net).clone(), residuals(opt._reduction.pipeline, opt._reduction.protocol)

@@ -3,11 +3,16 @@
 residuals and shard bounds).
 
 Phase one's select and encode (a container per shard) run on the engine's worker as each
-gradient arrives, while backward goes on. After backward, the shard exchanges of every item
-of the step on this route share one collective per phase (:meth:`SparseAllreduceRoute.settle_all`,
-in the canonical order, the same on every rank): one alltoall carries every tensor's shard
-containers to their owners, each owner's steps run tensor by tensor, one more collective returns
-every shard to every rank, then each item's tensors are decoded. A rank that failed to encode a
+gradient arrives, while backward goes on. An item of at least ``early_numel`` elements (the
+aggregation's setting: a large tensor, or a DDP bucket) then starts its own alltoall there and
+then, so its shard exchange travels during the rest of backward. After backward
+(:meth:`SparseAllreduceRoute.settle_all`, in the canonical order, the same on every rank) each
+early item's owner step runs and starts its collective returning the shards; the smaller items
+share one collective per phase: one alltoall carries every tensor's shard containers to their
+owners, each owner's steps run tensor by tensor, one more collective returns every shard to every
+rank. Then each item's tensors are decoded. Which items go early depends on their sizes only, so
+every rank sends the same batches; they start in submission order, as the allgather route's
+collectives do. A rank that failed to encode a
 tensor sends that tensor's failure payload inside the batch, so every rank raises (or skips)
 together and stays in phase.
 """
@@ -30,6 +35,11 @@ class Share:
     batch: object = None
     indexes: Optional[List[int]] = None
     error: Optional[BaseException] = None
+
+    @property
+    def early(self) -> bool:
+        """Its exchange started while backward went on (a batch of its own)."""
+        return self.batch is not None and self.indexes is None
 
 
 class SparseAllreduceRoute(Route):
@@ -58,19 +68,36 @@ class SparseAllreduceRoute(Route):
             except Exception as exc:   # noqa: BLE001 (raised at finish; the peers hear of it)
                 engine.caught(item, exc)
                 phases.append(self.reducer.encode_failed(name, item.step, engine.tensors.numel(tensor), exc))
-        return Share(phases)
+        return self._share(engine, item, phases)
 
     def fail(self, engine, item, error):
         if item.header is not None:   # start raised before its header went: the peers wait for it
             engine.gather(item, None).wait()
-        return Share([self.reducer.encode_failed(name, item.step, engine.tensors.numel(tensor), error)
-                      for name, tensor, _ in sorted(item.parts, key=lambda part: part[0])])
+        return self._share(engine, item, [self.reducer.encode_failed(name, item.step, engine.tensors.numel(tensor), error)
+                                          for name, tensor, _ in sorted(item.parts, key=lambda part: part[0])])
+
+    def _share(self, engine, item, phases) -> Share:
+        """The item's share of the step; an item of ``early_numel`` elements or more sends its
+        phase one now, as a batch of its own (its size alone decides: the same on every rank)."""
+        share = Share(phases)
+        if engine.tensors.numel(item.grad) >= self.reducer.early_numel:
+            share.batch = self.reducer.send(phases)
+        return share
 
     def settle_all(self, engine, items) -> None:
-        """The step's shard exchanges (``items`` in the canonical order): one alltoall for every
-        part of every item, the owner steps, and the start of one collective returning the shards.
-        An error of the batch as a whole is kept for each item's :meth:`finish`."""
+        """The step's shard exchanges (``items`` in the canonical order): the early items' owner
+        steps, each starting its collective returning the shards; then one alltoall for every part
+        of every other item, their owner steps, and the start of one collective returning their
+        shards. An error of a batch as a whole is kept for each of its items' :meth:`finish`."""
         shares = [item.started for item in items]
+        for share in shares:   # the early items' owner steps, in the canonical order
+            if share.early:
+                try:
+                    self.reducer.exchange(share.batch)
+                except Exception as exc:   # noqa: BLE001 (its finish reports it)
+                    share.error = exc
+                share.indexes = list(range(len(share.phases)))
+        shares = [share for share in shares if share.indexes is None]
         phases = [phase for share in shares for phase in share.phases]
         if not phases:
             return
