@@ -19,6 +19,9 @@ class TwinRanks:
     def allgather(self, payload, name):
         return [payload, payload]
 
+    def alltoall(self, payloads, name):   # the peer sends this rank what this rank sends it
+        return [payloads[0], payloads[0]]
+
 
 def test_the_engine_takes_each_route_counts_it_and_sends_the_residual_with_a_dense_one(monkeypatch):
     seen = []
@@ -45,3 +48,20 @@ def test_the_engine_takes_each_route_counts_it_and_sends_the_residual_with_a_den
     assert not engine.core.memory.residual("w").any()   # the residual went with it
     assert engine.routes_by_name == {"w": {"allgather": 1, "fp16": 1}}
     assert engine.stats()["routes_taken"] == {"allgather": 1, "fp16": 1} and engine.stats()["steps"] == 2
+
+
+def test_auto_plans_with_host_costs_probed_at_run_time():
+    """The first plan's inputs carry the rank's host CPU (a float32 pass, the hand-over to the
+    worker, each collective call and received byte, timed through the communicator at this N),
+    so a route's extra collectives and passes count in its predicted time."""
+    from deepreduce.collective.cost_model import HostCosts
+
+    engine = StepEngine(deepreduce.build(AUTO), TwinRanks(), NumpyTensors(), None, background=False)
+    flat = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+    engine.submit(Item("w", 0, flat.copy()))
+    engine.finish(0, ["w"])
+    host = engine.auto.inputs.host
+    assert isinstance(host, HostCosts) and host.note == "measured by the auto aggregation at run time"
+    assert host.copy_element_s > 0 and host.hand_over_s > 0
+    (bucket,) = engine.auto.plan.buckets
+    assert all(cost.host_s > 0 for _, cost in bucket.costs)   # every alternative's predicted time holds them

@@ -8,7 +8,12 @@ gathers those inputs during training and makes every rank use the same ones:
 * the **codec costs** of the config, measured on this machine by
   :func:`deepreduce.collective.cost_probe.measure_codec_costs` (small sizes: a fraction of a second);
 * the **link**: the config's ``bandwidth_gbit`` and ``latency_us``, or, with ``bandwidth_gbit: 0``,
-  a short probe that times allgathers of a few sizes through the communicator.
+  a short probe that times allgathers of a few sizes through the communicator;
+* the **host costs**: a rank's CPU beyond the codec (a float32 pass, the hand-over to the
+  engine's worker, each collective call and received byte, the transport's own threads), timed
+  through the communicator at this N by every rank together
+  (:func:`deepreduce.collective.cost_probe.measure_collective_costs`, :func:`~deepreduce.collective.cost_probe.measure_host_costs`),
+  so that a route's extra collectives and passes count in its predicted time.
 
 Rank 0's measurements are the plan's inputs on every rank (one allgather of their bytes), so
 every rank computes the same plan. Until the first plan (after the first step) every tensor
@@ -23,10 +28,12 @@ from typing import Dict, Optional
 from ..errors import ConfigError
 from . import planner
 from .agreement import unwrap_bytes, wrap_bytes
-from .cost_model import Link
+from .cost_model import HostCosts, Link
 
 PROBE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)   # allgather sizes of the link probe
 PROBE_SIZES = (1 << 14, 1 << 16, 1 << 18)          # tensor sizes of the codec-cost probe
+HOST_BYTES = (1 << 10, 1 << 16, 1 << 19)           # payload bytes of the host-cost probe's collectives
+HOST_BUSY_S = 0.2                                   # seconds it times the transport's threads beside work
 
 
 class AutoPlanner:
@@ -87,9 +94,10 @@ class AutoPlanner:
         """Rank 0's inputs on every rank (the link probe, if any, runs on every rank together;
         rank 0's fit is the one its inputs carry)."""
         link = self._link()
+        host = self._host_costs()
         mine = b""
         if self.communicator.rank == 0:
-            mine = self._measured_inputs(link).to_bytes()
+            mine = self._measured_inputs(link, host).to_bytes()
         payloads = self.communicator.allgather(wrap_bytes(mine), "deepreduce.auto.plan")
         return planner.PlanInputs.from_bytes(unwrap_bytes(payloads[0]))
 
@@ -99,7 +107,24 @@ class AutoPlanner:
             return Link.from_gbit(s.bandwidth_gbit, s.latency_us * 1e-6)
         return probe_link(self.communicator)
 
-    def _measured_inputs(self, link: Link) -> planner.PlanInputs:
+    def _host_costs(self) -> Optional[HostCosts]:
+        """Collective: every rank times the communicator's collectives together; rank 0 adds its
+        float32 pass and hand-over (its figures are the plan's). None on one rank."""
+        from .cost_probe import measure_collective_costs, measure_host_costs
+
+        rank, size = self.communicator.rank, self.communicator.size
+        if size < 2:
+            return None
+        comm = self.communicator   # it carries containers: each probe payload travels wrapped in one
+        collective = measure_collective_costs(
+            lambda payload, name: comm.allgather(wrap_bytes(payload.tobytes()), name),
+            lambda payloads, name: comm.alltoall([wrap_bytes(p.tobytes()) for p in payloads], name),
+            rank, size, sizes=sorted({max(b, size) for b in HOST_BYTES}), repeat=3, busy_s=HOST_BUSY_S)
+        if rank != 0:
+            return None
+        return measure_host_costs(collective, repeat=3, note="measured by the auto aggregation at run time")
+
+    def _measured_inputs(self, link: Link, host: Optional[HostCosts] = None) -> planner.PlanInputs:
         from .cost_probe import measure_codec_costs
 
         end = self._backward_end if self._backward_end is not None else max(self._ready.values())
@@ -109,7 +134,7 @@ class AutoPlanner:
         config = {k: v for k, v in self.pipeline.get_config().items() if k not in ("communicator", "aggregation")}
         costs = measure_codec_costs(config, name="config", sizes=PROBE_SIZES, repeat=3, threads=self.pipeline.threads,
                                     clock="wall", note="measured by the auto aggregation at run time")
-        return planner.PlanInputs(buckets, self.communicator.size, link, (costs,))
+        return planner.PlanInputs(buckets, self.communicator.size, link, (costs,), host=host)
 
     def stats(self) -> dict:
         """What ``compression_stats()`` reports: each tensor's choice and how often it planned."""

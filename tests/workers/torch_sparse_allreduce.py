@@ -132,7 +132,8 @@ def disagree():
 
 
 def auto():
-    """``aggregation: auto``: a very fast link plans every tensor dense, a very slow one compressed;
+    """``aggregation: auto``: a very fast link plans every tensor uncompressed (dense, or fp16 where
+    the probed host CPU per received byte makes half the bytes cheaper), a very slow one compressed;
     a probed link plans too; every rank holds the same plan; training goes on under each. The fast
     link has no latency: with one, an allgather (N-1 messages) of a small tensor can rightly beat
     the ring's 2(N-1)."""
@@ -146,7 +147,7 @@ def auto():
         assert losses[-2] < losses[0] and losses[-1] < losses[1], losses   # each of the two batches
         everyone = hvd.allgather_object(sorted(stats["plan"].items()))
         assert all(p == everyone[0] for p in everyone), everyone
-    assert set(plans["fast"].values()) == {"dense"}, plans["fast"]
+    assert set(plans["fast"].values()) <= {"dense", "fp16"}, plans["fast"]
     assert set(plans["slow"].values()) <= {"allgather", "sparse_allreduce"}, plans["slow"]
 
 
