@@ -12,9 +12,10 @@ With ``fragments=P`` the parameters are cut into P contiguous fragments that syn
 steps (:mod:`deepreduce.collective.fragments`); with ``delay=τ`` a fragment's reduction is
 submitted at its sync step (encoded and started on the engine's worker), finished and applied τ
 inner steps later, mixed as ``θ ← α·θ_local + (1 − α)·θ_global``. One fragment is in flight at a
-time, so each reduction is one engine step: ``begin`` (agreement), ``submit`` (over
-torch.distributed one item whose parts are the fragment's parameters; over Horovod one item per
-parameter), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
+time, so each reduction is one engine step: ``begin`` (agreement), ``submit`` (the fragment's
+items, :mod:`deepreduce.torch.diloco_items`: over torch.distributed one item whose parts are the
+fragment's parameters, over Horovod one item per parameter, with ``flat=True`` the fragment as one
+tensor), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
 With ``sync_every="auto"`` the first inner steps are timed without syncing, then the workers
 measure the link and the config's codec and adopt rank 0's choice of H
@@ -34,12 +35,12 @@ import torch
 
 from ..collective import agreement, sync_period
 from ..collective.fragments import split
-from ..collective.routes.dense import summed_dense
-from ..collective.step import Item, StepEngine
+from ..collective.step import StepEngine
 from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
 from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
+from .diloco_items import fragment_items
 from .diloco_outer import outer_step, pseudo_gradient
 from .diloco_period import PROBE_STEPS, schedule_or_auto
 from .diloco_state import InFlight
@@ -56,7 +57,8 @@ class DiLoCo:
     pipeline; None: lossless. ``group``: the workers' process group (``backend="torch"``, None: the
     default group) or Horovod process set (``backend="horovod"``). ``alpha``: the local parameters'
     weight when a fragment is applied. ``background``: encode and start the collectives on the
-    engine's worker thread (False: inline; same bytes).
+    engine's worker thread (False: inline; same bytes). ``flat``: send each fragment as one flat
+    tensor (one container per shard and phase; :mod:`deepreduce.torch.diloco_items`).
 
     ``sync_every="auto"``: the workers time ``auto_probe_steps`` inner steps, probe the link and
     the config's codec, and rank 0 chooses H among ``auto_candidates`` within ``auto_slack`` of the
@@ -71,7 +73,7 @@ class DiLoCo:
                  compression=None, group=None, fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  backend: str = "torch", background: bool = True, path: str = "auto",
                  auto_candidates=sync_period.CANDIDATES, auto_slack: float = sync_period.DEFAULT_SLACK,
-                 auto_probe_steps: int = PROBE_STEPS, auto_inputs: Optional[dict] = None) -> None:
+                 auto_probe_steps: int = PROBE_STEPS, auto_inputs: Optional[dict] = None, flat: bool = False) -> None:
         self.named = trainable(model)
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         self.inner, self.outer = inner_optimizer, outer_optimizer
@@ -80,10 +82,10 @@ class DiLoCo:
                                                       auto_candidates, auto_slack, auto_probe_steps, auto_inputs)
         fragments = self.schedule.fragments if self.schedule is not None else self.period.fragments
         self.groups = split([p.numel() for _, p in self.named], fragments, OWNER)
+        if not isinstance(flat, bool):
+            raise ConfigError(f"{OWNER}: flat must be True or False, got {flat!r}")
         self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
-        # over torch.distributed a fragment is one item (its containers end to end, one collective);
-        # Horovod splits a gathered buffer by container headers, so there each parameter is an item
-        self._bundled = backend == "torch"
+        self.layout = "flat" if flat else "bundled" if backend == "torch" else "per_parameter"
         self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
                                  background=background, allreduce_averages=False, worker="deepreduce-diloco")
         device = self.named[0][1].device
@@ -115,7 +117,7 @@ class DiLoCo:
         label, digest = agreement.compressor_identity(self.pipeline)
         outer = f"outer {type(self.outer).__name__} {hyperparameters(self.outer)}"
         schedule = self.period.describe() if self.schedule is None else self.schedule.describe()
-        extra = f"; {schedule}; {outer}; inner step {self.step_count}"
+        extra = f"; {schedule}; {outer}; inner step {self.step_count}; {self.layout} items"
         digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
         tensors = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
         self.engine.begin(agreement.Layout((label + extra, digest), tensors, "parameter"), OWNER)
@@ -176,16 +178,8 @@ class DiLoCo:
         pseudo_gradient(parts)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
-        if self._bundled:
-            # Every tensor below the config's min_numel (nonfinite: propagate) travels dense anyway:
-            # the fragment is then one float32 all-reduce, DiLoCo's uncompressed pseudo-gradient.
-            dense = all(summed_dense(self.pipeline.core, delta.numel()) for _, _, _, delta in parts)
-            self.engine.submit(Item(f"fragment.{fragment}", round_, self.deltas[fragment],
-                                    label=f"fragment {fragment} (outer round {round_})", summed_dense=dense,
-                                    parts=[(name, delta) for name, _, _, delta in parts]))
-        else:
-            for name, _, _, delta in parts:
-                self.engine.submit(Item(name, round_, delta, label=f"parameter {name!r} (outer round {round_})"))
+        for item in fragment_items(self.layout, fragment, round_, self.deltas[fragment], parts, self.pipeline.core):
+            self.engine.submit(item)
         self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
 
     def wait(self) -> None:

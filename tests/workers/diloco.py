@@ -106,12 +106,13 @@ def train_recording(compression, sync_every, steps, worker, **kwargs):
 def scenario_identical_globals(rank):
     return {"allgather": train_recording(TOPK, 3, 15, rank),
             "streaming": train_recording(TOPK, 4, 20, rank, fragments=2, delay=2),
-            "sparse_allreduce": train_recording(TOPK_SPARSE_ALLREDUCE, 3, 12, rank)}
+            "sparse_allreduce": train_recording(TOPK_SPARSE_ALLREDUCE, 3, 12, rank),
+            "flat_sparse_allreduce": train_recording(TOPK_SPARSE_ALLREDUCE, 3, 12, rank, flat=True)}
 
 
-def scenario_conservation(rank):
+def scenario_conservation(rank, **kwargs):
     """Error feedback: the pseudo-gradients handed to the pipeline sum to what was sent plus the residual."""
-    model, opt, diloco = build(TOPK, 2, outer_lr=1.0)
+    model, opt, diloco = build(TOPK, 2, outer_lr=1.0, **kwargs)
     handed, sent = {}, {}
     encode, core = diloco.pipeline.encode, diloco.pipeline.core
 
@@ -134,6 +135,21 @@ def scenario_conservation(rank):
         out[name] = (float(np.abs(handed[name] - sent[name] - residual).max()), float(np.abs(handed[name]).max()),
                      float(np.abs(residual).max()))
     return out
+
+
+def scenario_flat(rank):
+    """``flat=True``: a lossless run equals the per-parameter one bit for bit (the same sums, one
+    container per fragment), and error feedback is conserved per fragment."""
+    runs = {}
+    for flat_ in (False, True):
+        model, opt, diloco = build(LOSSLESS, 2, flat=flat_)
+        with diloco:
+            for step in range(6):
+                inner_step(model, opt, rank, step)
+        diloco.close()
+        runs[flat_] = (flat(diloco.globals), diloco.stats()["sent_bytes"])
+    return {"equal": bool(np.array_equal(runs[False][0], runs[True][0])), "sent": [runs[False][1], runs[True][1]],
+            "conservation": scenario_conservation(rank, flat=True)}
 
 
 def run_with_checkpoint(rank, steps, stop=None):
@@ -211,7 +227,8 @@ def scenario_disagree(rank):
     cases = {"sync_every": dict(sync_every=4 + rank),
              "fragments": dict(fragments=1 + rank % 2),
              "delay": dict(fragments=2, delay=rank % 2),
-             "config": dict(compression=LOSSLESS if rank % 2 else TOPK)}
+             "config": dict(compression=LOSSLESS if rank % 2 else TOPK),
+             "flat": dict(flat=rank % 2 == 1)}
     for case, kwargs in cases.items():
         args = dict(compression=TOPK, sync_every=4)
         args.update(kwargs)
@@ -269,7 +286,7 @@ def scenario_nonfinite(rank):
     return out
 
 
-SCENARIOS = [scenario_equals_ddp, scenario_identical_globals, scenario_conservation, scenario_resume,
+SCENARIOS = [scenario_equals_ddp, scenario_identical_globals, scenario_conservation, scenario_flat, scenario_resume,
              scenario_checkpoint_refused, scenario_nonfinite, scenario_disagree]
 
 
