@@ -41,9 +41,14 @@ INT8 = {"sparsifier": {"id": "topk", "ratio": 1.0}, "index": {"id": "rle"},
 
 
 def _diloco(h: int, compression, outer="nesterov", aggregation: Optional[str] = None,
-            fragments: int = 1, delay: int = 0) -> dict:
-    return {"kind": "diloco", "sync_every": h, "compression": compression, "outer": outer,
-            "aggregation": aggregation, "fragments": fragments, "delay": delay}
+            fragments: int = 1, delay: int = 0, flat: bool = False) -> dict:
+    """A DiLoCo row; ``flat``: each fragment travels as one tensor (``DiLoCo(flat=True)``; the key
+    is written only then, so the other rows' cached runs keep their names)."""
+    method = {"kind": "diloco", "sync_every": h, "compression": compression, "outer": outer,
+              "aggregation": aggregation, "fragments": fragments, "delay": delay}
+    if flat:
+        method["flat"] = True
+    return method
 
 
 METHODS: Dict[str, dict] = {
@@ -70,6 +75,13 @@ METHODS: Dict[str, dict] = {
     # the second sweep's best: 1-bit values, every tensor chunked, synchronised every 5 steps,
     # the averaged pseudo-gradient applied at outer lr 1.2
     "semisync_1bit_h5": _diloco(5, "semisync_1bit", outer={"lr": 1.2}),
+    # through the sparse all-reduce, per parameter and with each fragment as one flat tensor (one
+    # container per shard and phase: the received bytes' fixed part no longer grows with the workers)
+    "semisync_chunked_h10_flat_sra": _diloco(10, "semisync_chunked", outer="average", aggregation="sparse_allreduce",
+                                             flat=True),
+    "semisync_1bit_h5_sra": _diloco(5, "semisync_1bit", outer={"lr": 1.2}, aggregation="sparse_allreduce"),
+    "semisync_1bit_h5_flat_sra": _diloco(5, "semisync_1bit", outer={"lr": 1.2}, aggregation="sparse_allreduce",
+                                         flat=True),
 }
 
 
@@ -151,7 +163,8 @@ SHIPPED_SEMISYNC = ("semisync_h30", "semisync_h30_sra", "semisync_dense_h30", "s
 PER_STEP_BEST = "lm_topk"
 # The rows whose received bytes are compared at 2 and 4 workers (gathers against the sparse all-reduce).
 GATHER_ROWS = ("demo_style_h30", "sparseloco_h30", "semisync_h30", "semisync_h30_sra", "semisync_chunked_h10",
-               "semisync_chunked_h10_sra")
+               "semisync_chunked_h10_sra", "semisync_chunked_h10_flat_sra", "semisync_1bit_h5_sra",
+               "semisync_1bit_h5_flat_sra")
 OUTER_LR = {"nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True}, "average": {"lr": 1.0}}
 
 

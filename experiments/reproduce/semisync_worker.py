@@ -94,7 +94,8 @@ class Runner:
             outer = torch.optim.SGD(self.model.parameters(), **outer_sgd(method["outer"]))
             h = min(sync_every(method, plan), plan.profile_sync) if profile else sync_every(method, plan)
             self.diloco = DiLoCo(self.model, self.opt, outer, sync_every=h, compression=compression,
-                                 fragments=method.get("fragments", 1), delay=method.get("delay", 0))
+                                 fragments=method.get("fragments", 1), delay=method.get("delay", 0),
+                                 flat=method.get("flat", False))
 
     def optimizers(self) -> None:
         """AdamW (betas 0.9, 0.95, no weight decay) with a linear warm-up, the same for every method."""
