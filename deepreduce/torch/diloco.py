@@ -21,6 +21,10 @@ With ``sync_every="auto"`` the first inner steps are timed without syncing, then
 measure the link and the config's codec and adopt rank 0's choice of H
 (:mod:`deepreduce.torch.diloco_period`, the model of :mod:`deepreduce.collective.sync_period`).
 
+A model sharded by FSDP2 (DTensor parameters) is synchronised shard by shard: each rank snapshots,
+reduces and steps its local shard over ``group``, the ranks holding the same shard on other nodes
+(:mod:`deepreduce.torch.diloco_shards`).
+
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
 parameters are reset to the global ones. Under ``nonfinite: propagate`` the NaN reaches the outer
