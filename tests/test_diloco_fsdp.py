@@ -21,9 +21,10 @@ def ranks():
     return [out[r] for r in range(4)]
 
 
-def test_h1_lossless_equals_native_hsdp_step_for_step(ranks):
+@pytest.mark.parametrize("layout", ["bundled", "flat"])
+def test_h1_lossless_equals_native_hsdp_step_for_step(ranks, layout):
     for r in ranks:
-        r = r["scenario_equals_native_hsdp"]
+        r = r["scenario_equals_native_hsdp"][layout]
         assert r["outer_steps"] == 6
         # within float32 rounding, not bit for bit: the outer step applies θ - (θ - fl(θ - lr·g)),
         # not lr·g (a few ulps per step), as DiLoCo against DDP (tests/test_diloco.py)

@@ -62,11 +62,16 @@ def sharded(mesh, compression, sync_every, inner="sgd", outer_lr=1.0, **kwargs):
 
 
 def scenario_equals_native_hsdp(rank):
-    """H = 1, lossless, outer SGD lr 1 against native HSDP (2-D mesh), both with inner SGD."""
+    """H = 1, lossless, outer SGD lr 1 against native HSDP (2-D mesh), both with inner SGD; each
+    fragment bundled (a container per parameter) and flat (the shards end to end, ``flat=True``)."""
+    return {layout: equals_native_hsdp(rank, flat=layout == "flat") for layout in ("bundled", "flat")}
+
+
+def equals_native_hsdp(rank, flat):
     mesh = hsdp_mesh()
     reference = make(mesh)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    model, opt, diloco = sharded(mesh, LOSSLESS, 1)
+    model, opt, diloco = sharded(mesh, LOSSLESS, 1, flat=flat)
     diffs, equal = [], []
     with diloco:
         for step in range(6):
