@@ -195,3 +195,34 @@ def test_hsdp_time_phase_quick(tmp_path):
     assert big[0] == "all_reduce" and slow[big] >= 0.8 * big[1] * 8 / 100e6
     assert rows["hsdp_fp32"]["t_100mbit"] > 0 and rows["hsdp_fp32"]["x_fp32_100mbit"] == 1.0
     assert any("at 100 Mbit/s" in n for n in result.notes)
+
+
+def test_hsdp_semisync_row_quick(tmp_path):
+    """The semi-synchronous row: FSDP inside the nodes, DiLoCo (semisync_1bit) over the replicate
+    groups; the quick budget scales H = 5 to 1, so 4 steps are 4 outer steps on each rank's shard.
+    Only DiLoCo's reductions cross the link; inside a node FSDP's traffic is native HSDP's; the
+    state is what DiLoCo keeps per rank, part by part."""
+    name = hsdp.DILOCO
+    assert hsdp.reduces(hsdp.METHODS[name]) == "replicate every 5 steps (DiLoCo)"
+    resolved = hsdp.resolve([name], Result("x", "x", []), None)[name]
+    assert resolved["compression"]["sparsifier"]["id"] == "chunk_topk" and resolved["outer"] == {"lr": 1.2}
+    result = hsdp.run(str(tmp_path), quick=True, methods=[name], steps=4, phase="train", show_progress=False)
+    rows = {r["method"]: r for r in result.rows}
+    assert list(rows) == ["hsdp_fp32", "hsdp_bf16", name]
+    row, fp32 = rows[name], rows["hsdp_fp32"]
+    assert 0 < row["link_vs_bf16"] < hsdp.BYTES_TARGET
+    assert row["node_B_step"] == fp32["node_B_step"]
+    plan = hsdp.budget(True, 4)
+    path = replay_runs.train_path(os.path.join(str(tmp_path), "cache"), name, resolved, 0, hsdp.WORLD, plan,
+                                  hsdp.PREFIX)
+    with open(path, encoding="utf-8") as handle:
+        record = json.load(handle)
+    for stats, extra in zip(record["stats"], record["extra"]):
+        assert stats["outer_steps"] == stats["inner_steps"] == 4
+        parts = extra["state_parts"]
+        assert extra["state_bytes"] == sum(parts.values()) and parts["outer"] == 0   # plain SGD: no state
+        # the float32 θ_global and Δ of the shard, and a float32 accumulator per tensor (min_numel 0)
+        assert parts["globals"] == parts["deltas"] == extra["shard_bytes"]
+        assert extra["shard_bytes"] <= parts["compressor"] <= extra["shard_bytes"] + 4096
+    assert [p["step"] for p in record["curve"]][-1] == 4
+    assert any(f"target {name} within 2%" in n for n in result.notes)

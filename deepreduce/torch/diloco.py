@@ -21,6 +21,10 @@ With ``sync_every="auto"`` the first inner steps are timed without syncing, then
 measure the link and the config's codec and adopt rank 0's choice of H
 (:mod:`deepreduce.torch.diloco_period`, the model of :mod:`deepreduce.collective.sync_period`).
 
+A model sharded by FSDP2 (DTensor parameters) is synchronised shard by shard: each rank snapshots,
+reduces and steps its local shard over ``group``, the ranks holding the same shard on other nodes
+(:mod:`deepreduce.torch.diloco_shards`).
+
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
 parameters are reset to the global ones. Under ``nonfinite: propagate`` the NaN reaches the outer
@@ -43,6 +47,7 @@ from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainabl
 from .diloco_items import fragment_items
 from .diloco_outer import outer_step, pseudo_gradient
 from .diloco_period import PROBE_STEPS, schedule_or_auto
+from .diloco_shards import check_sharded, local, local_numel
 from .diloco_state import InFlight
 from .diloco_transport import open_transport
 from .tensors import TorchTensors
@@ -76,12 +81,13 @@ class DiLoCo:
                  auto_probe_steps: int = PROBE_STEPS, auto_inputs: Optional[dict] = None, flat: bool = False) -> None:
         self.named = trainable(model)
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
+        check_sharded(self.named, backend, group)
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.pipeline = build_pipeline(compression, path, spare_buffers=False)
         self.period, self.schedule = schedule_or_auto(sync_every, self.pipeline, fragments, delay, alpha,
                                                       auto_candidates, auto_slack, auto_probe_steps, auto_inputs)
         fragments = self.schedule.fragments if self.schedule is not None else self.period.fragments
-        self.groups = split([p.numel() for _, p in self.named], fragments, OWNER)
+        self.groups = split([local(p).numel() for _, p in self.named], fragments, OWNER)
         if not isinstance(flat, bool):
             raise ConfigError(f"{OWNER}: flat must be True or False, got {flat!r}")
         self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
@@ -89,7 +95,7 @@ class DiLoCo:
         self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
                                  background=background, allreduce_averages=False, worker="deepreduce-diloco")
         device = self.named[0][1].device
-        self.deltas = [torch.zeros(sum(self.named[i][1].numel() for i in g), dtype=torch.float32, device=device)
+        self.deltas = [torch.zeros(local_numel(self.named, g), dtype=torch.float32, device=device)
                        for g in self.groups]
         self.step_count = 0                      # inner steps counted
         self.rounds = [0] * len(self.groups)     # reductions submitted per fragment
@@ -103,11 +109,11 @@ class DiLoCo:
                 self.period.check_priceable()
             with torch.no_grad():
                 for name, p in self.named:
-                    self._broadcast(p.data, name)
+                    self._broadcast(local(p).data, name)
         except Exception:
             self._release()
             raise
-        self.globals = [p.detach().to(torch.float32, copy=True) for _, p in self.named]
+        self.globals = [local(p).detach().to(torch.float32, copy=True) for _, p in self.named]
         if self.period is not None:
             self.period.restart(self.step_count)
 
@@ -119,7 +125,7 @@ class DiLoCo:
         schedule = self.period.describe() if self.schedule is None else self.schedule.describe()
         extra = f"; {schedule}; {outer}; inner step {self.step_count}; {self.layout} items"
         digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
-        tensors = [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
+        tensors = [(n, tuple(local(p).shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
         self.engine.begin(agreement.Layout((label + extra, digest), tensors, "parameter"), OWNER)
         self._agreed = True
 
@@ -160,7 +166,7 @@ class DiLoCo:
 
     def _choose_period(self) -> None:
         """Collective: measure, let rank 0 choose H, adopt it on every worker and agree again."""
-        self.period.decide(self.communicator.inner, sum(p.numel() for _, p in self.named))
+        self.period.decide(self.communicator.inner, local_numel(self.named))
         self.schedule = self.period.schedule()
         self._agree()
 
@@ -169,8 +175,9 @@ class DiLoCo:
         at, out = 0, []
         for i in self.groups[fragment]:
             name, p = self.named[i]
-            out.append((name, p, self.globals[i], self.deltas[fragment][at:at + p.numel()]))
-            at += p.numel()
+            numel = local(p).numel()
+            out.append((name, p, self.globals[i], self.deltas[fragment][at:at + numel]))
+            at += numel
         return out
 
     def _submit(self, fragment: int) -> None:
@@ -195,7 +202,7 @@ class DiLoCo:
             self.in_flight = None
             with torch.no_grad():
                 for _, p, g, _ in parts:
-                    p.copy_(g.view_as(p))
+                    local(p).copy_(g.view_as(local(p)))
             raise
         flight.finished = True
 

@@ -21,6 +21,7 @@ import torch
 from .. import checkpoint
 from ..errors import ConfigError, quote
 from .checkpoint import compression_state_dict, load_compression_state_dict
+from .diloco_shards import local, local_numel
 
 FORMAT = 2   # 2: sync_period (the sync_every="auto" decision)
 KEYS = ("format", "step", "schedule", "sync_period", "rounds", "outer_steps", "globals", "outer_optimizer", "compression",
@@ -113,11 +114,11 @@ def _checked_globals(diloco, held) -> list:
         raise ConfigError(f"{OWNER}: 'globals' must hold the model's trainable parameters {names[:8]}, got {quote(got)}")
     out = []
     for name, p in diloco.named:
-        value = held[name]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape) \
+        value, shape = held[name], tuple(local(p).shape)   # a sharded parameter: this rank's shard
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape \
                 or value.dtype != torch.float32:
             raise ConfigError(f"{OWNER}: global parameter {name!r} must be a float32 tensor of shape "
-                              f"{tuple(p.shape)}, got {quote(value)}")
+                              f"{shape}, got {quote(value)}")
         out.append(value)
     return out
 
@@ -169,7 +170,7 @@ def stats(loop) -> dict:
     per inner step, and the measured inputs: compute seconds per rank, link, codec costs)."""
     out = loop.engine.stats()
     sent, received, steps = loop.communicator.sent, loop.communicator.received, loop.outer_steps
-    numel = sum(p.numel() for _, p in loop.named)
+    numel = local_numel(loop.named)
     per = 8.0 / (numel * max(loop.step_count, 1))
     out.update(outer_steps=steps, inner_steps=loop.step_count, parameters=numel, fragments=len(loop.groups),
                sent_bytes=sent, received_bytes=received,

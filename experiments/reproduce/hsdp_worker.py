@@ -14,14 +14,19 @@ reduced:
 * ``{"kind": "deepreduce", "config": dict, "reduce_scatter": bool}``: the recipe of docs/fsdp.md
   (``fully_shard`` on the ``shard`` mesh) and ``deepreduce.torch.fsdp.register(model, config,
   replicate_group=mesh["replicate"].get_group(), reduce_scatter=...)``: deepreduce on the
-  replicate dimension, and with ``reduce_scatter`` on FSDP's reduce-scatter in the node too.
+  replicate dimension, and with ``reduce_scatter`` on FSDP's reduce-scatter in the node too;
+* ``{"kind": "diloco", "sync_every": H, "compression": dict, "outer": {...}}``: semi-synchronous
+  across the nodes (docs/fsdp.md, "Semi-synchronous across nodes"): ``fully_shard`` on the
+  ``shard`` mesh, no per-step reduction between nodes, and :class:`deepreduce.torch.DiLoCo` over
+  the replicate group stepping each rank's shard every H inner steps (the profile cuts H to
+  ``profile_sync``, as :mod:`~experiments.reproduce.semisync_worker` does).
 
 The training loop, the evaluation and the recording are :mod:`~experiments.reproduce.semisync_worker`'s
 (same seeds, batches of ``(seed, step, global rank)``, AdamW with warm-up); only the calls whose
 process group spans both nodes are the step's messages (the link's traffic), the rest is summed
 as ``"inside"``. ``"extra"``: the rank's persistent compressor bytes (``state_bytes``, from
-:meth:`deepreduce.torch.fsdp.FSDPCompression.state_bytes`) and its fp32 gradient shard
-(``shard_bytes``).
+:meth:`deepreduce.torch.fsdp.FSDPCompression.state_bytes`; a DiLoCo row's: :func:`diloco_state`)
+and its fp32 gradient shard (``shard_bytes``).
 """
 from __future__ import annotations
 
@@ -73,20 +78,54 @@ class HSDPRunner(Runner):
             fully_shard(block, mesh=target, mp_policy=policy)
         fully_shard(self.model, mesh=target, mp_policy=policy)
         self.shard_bytes = sum(p.to_local().numel() for p in self.model.parameters()) * 4   # while sharded
-        if not native:
+        if method["kind"] == "deepreduce":
             from deepreduce.torch.fsdp import register
 
             self.handle = register(self.model, method["config"], replicate_group=mesh["replicate"].get_group(),
                                    reduce_scatter=method["reduce_scatter"])
         self.forward = self.model
         self.optimizers()
+        if method["kind"] == "diloco":
+            from deepreduce.torch import DiLoCo
+
+            from .semisync_methods import outer_sgd, sync_every
+
+            outer = torch.optim.SGD(self.model.parameters(), **outer_sgd(method["outer"]))
+            h = min(sync_every(method, plan), plan.profile_sync) if profile else sync_every(method, plan)
+            self.diloco = DiLoCo(self.model, self.opt, outer, sync_every=h, compression=method["compression"],
+                                 group=mesh["replicate"].get_group())
 
     def stats(self) -> dict:
+        if self.diloco is not None:
+            return plain_stats(self.diloco.stats())
         return plain_stats(self.handle.stats()) if self.handle is not None else {}
 
     def extra(self) -> dict:
+        if self.diloco is not None:
+            parts = diloco_state(self.diloco)
+            return {"state_bytes": sum(parts.values()), "state_parts": parts, "shard_bytes": self.shard_bytes}
         return {"state_bytes": self.handle.state_bytes() if self.handle is not None else 0,
                 "shard_bytes": self.shard_bytes}
+
+
+def diloco_state(diloco) -> dict:
+    """The bytes a DiLoCo keeps on this rank between outer steps, by part: ``globals`` (the float32
+    θ_global of its shard), ``deltas`` (the float32 Δ buffer, allocated once and kept),
+    ``compressor`` (the pipeline's state: the error-feedback accumulator), ``outer`` (the outer
+    optimizer's state: none for plain SGD)."""
+    from deepreduce.torch.fsdp_checkpoint import nbytes
+
+    def tensors(state) -> int:
+        if isinstance(state, dict):
+            return sum(tensors(v) for v in state.values())
+        if hasattr(state, "to_local"):
+            state = state.to_local()
+        return int(state.numel() * state.element_size()) if hasattr(state, "numel") else 0
+
+    return {"globals": sum(g.numel() * g.element_size() for g in diloco.globals),
+            "deltas": sum(d.numel() * d.element_size() for d in diloco.deltas),
+            "compressor": nbytes(diloco.pipeline.core.state_dict()),
+            "outer": tensors(diloco.outer.state_dict()["state"])}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
