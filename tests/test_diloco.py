@@ -103,6 +103,8 @@ def test_a_checkpoint_of_another_schedule_or_model_is_refused(ranks):
         assert r["schedule"][0] == "ConfigError" and "schedule" in r["schedule"][1]
         assert r["globals"][0] == "ConfigError" and "'fc1.weight'" in r["globals"][1]
         assert r["pending"][0] == "ConfigError" and "pending" in r["pending"][1]
+        assert r["shards"][0] == "ConfigError" and "holds the shards" in r["shards"][1]
+        assert r["format2"][0] is None, r["format2"]
         assert r["loaded"] == 4
 
 

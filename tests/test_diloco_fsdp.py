@@ -59,6 +59,9 @@ def test_per_rank_checkpoint_resumes_byte_identically(ranks):
         np.testing.assert_array_equal(resumed["shards"], whole["shards"])
         for a, b in zip(resumed["globals"], whole["globals"]):
             np.testing.assert_array_equal(a, b)
+        # the node's other rank's state (another shard of every parameter) is refused, naming it
+        kind, message, _ = r["scenario_resume"]["resumed"]["peer"]
+        assert kind == "ConfigError" and "holds the shards" in message and "each rank loads the state it saved" in message
 
 
 def test_unsupported_layouts_are_refused_naming_them(ranks):

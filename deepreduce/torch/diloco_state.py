@@ -21,11 +21,11 @@ import torch
 from .. import checkpoint
 from ..errors import ConfigError, quote
 from .checkpoint import compression_state_dict, load_compression_state_dict
-from .diloco_shards import local, local_numel
+from .diloco_shards import is_sharded, local, local_numel
 
-FORMAT = 2   # 2: sync_period (the sync_every="auto" decision)
+FORMAT = 3   # 2: sync_period (the sync_every="auto" decision); 3: shards (which shard of each sharded parameter)
 KEYS = ("format", "step", "schedule", "sync_period", "rounds", "outer_steps", "globals", "outer_optimizer", "compression",
-        "pending", "bytes")
+        "pending", "bytes", "shards")
 OWNER = "DiLoCo.load_state_dict"
 
 
@@ -59,13 +59,22 @@ def save(diloco) -> dict:
                                               None if sparse is None else sparse.state_dict()),
         "pending": pending,
         "bytes": {"sent": diloco.communicator.sent, "received": diloco.communicator.received},
+        "shards": shard_ids(diloco.named),
     }
 
 
 def load(diloco, state) -> None:
+    if isinstance(state, dict) and "format" in state and checkpoint.scalar(state["format"]) == 2:
+        state = dict(state, shards={})   # written before shards were recorded: a model without any
     state = checkpoint.checked_keys(OWNER, state, KEYS)
-    if checkpoint.scalar(state["format"]) != FORMAT:
-        raise ConfigError(f"{OWNER}: checkpoint format {quote(state['format'])}, this version reads {FORMAT}")
+    if checkpoint.scalar(state["format"]) not in (2, FORMAT):
+        raise ConfigError(f"{OWNER}: checkpoint format {quote(state['format'])}, this version reads 2 and {FORMAT}")
+    mine = shard_ids(diloco.named)
+    if state["shards"] != mine:
+        raise ConfigError(f"{OWNER}: the checkpoint holds the shards {quote(state['shards'])} (parameter: its "
+                          f"coordinate on its mesh, the mesh's shape) and this rank holds {mine}; each rank loads "
+                          "the state it saved (torch.save per rank: torch.distributed.checkpoint keeps one copy of a "
+                          "plain tensor saved under the same key on every rank)")
     decision, schedule = _checked_period(diloco, state["sync_period"])
     expected = None if schedule is None else schedule.as_dict()
     if state["schedule"] != expected:
@@ -105,6 +114,13 @@ def load(diloco, state) -> None:
         diloco.period.restart(step)   # without a decision the probe starts again from here
     diloco.schedule = schedule
     diloco.communicator.sent, diloco.communicator.received = sent, received
+
+
+def shard_ids(named) -> dict:
+    """Which shard of each sharded parameter this rank holds: name -> [its coordinate on the
+    parameter's device mesh, the mesh's shape] (empty for a model without DTensor parameters)."""
+    return {name: [list(p.device_mesh.get_coordinate() or []), list(p.device_mesh.shape)]
+            for name, p in named if is_sharded(p)}
 
 
 def _checked_globals(diloco, held) -> list:

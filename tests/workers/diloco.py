@@ -215,6 +215,10 @@ def scenario_checkpoint_refused(rank):
     bad = dict(state, globals=dict(state["globals"], **{"fc1.weight": torch.zeros(2, 2)}))
     out["globals"] = error_of(lambda: target.load_state_dict(bad))
     out["pending"] = error_of(lambda: target.load_state_dict(dict(state, pending={"fragment": 5})))
+    out["shards"] = error_of(lambda: target.load_state_dict(dict(state, shards={"fc1.weight": [[1], [2]]})))
+    # a checkpoint written before shards were recorded (format 2) loads into an unsharded model
+    out["format2"] = error_of(lambda: target.load_state_dict(dict({k: v for k, v in state.items() if k != "shards"},
+                                                                  format=2)))
     target.load_state_dict(state)   # the good one still loads
     out["loaded"] = target.step_count
     target.close()

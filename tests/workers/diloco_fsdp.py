@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +124,7 @@ def run_with_checkpoint(rank, steps, stop=None):
             return payload
         d.pipeline.encode = recording
 
-    start = 0
+    start, peer = 0, None
     if stop is not None:
         with diloco:
             for step in range(stop):
@@ -137,6 +138,9 @@ def run_with_checkpoint(rank, steps, stop=None):
         model, opt, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["inner"])
+        node = [None] * mesh["shard"].size()   # the state of the node's other rank: another shard
+        dist.all_gather_object(node, saved["diloco"], group=mesh["shard"].get_group())
+        peer = error_of(lambda: diloco.load_state_dict(node[1 - mesh["shard"].get_local_rank()]))
         diloco.load_state_dict(saved["diloco"])
         start = stop
     record(diloco)
@@ -144,7 +148,8 @@ def run_with_checkpoint(rank, steps, stop=None):
         for step in range(start, steps):
             inner_step(model, opt, rank, step)
     diloco.close()
-    return {"sent": sent, "shards": shards(model), "globals": [g.numpy().copy() for g in diloco.globals]}
+    return {"sent": sent, "shards": shards(model), "globals": [g.numpy().copy() for g in diloco.globals],
+            "peer": peer}
 
 
 def scenario_resume(rank):
