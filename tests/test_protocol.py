@@ -65,3 +65,10 @@ def test_auto_plans_with_host_costs_probed_at_run_time():
     assert host.copy_element_s > 0 and host.hand_over_s > 0
     (bucket,) = engine.auto.plan.buckets
     assert all(cost.host_s > 0 for _, cost in bucket.costs)   # every alternative's predicted time holds them
+    # host_costs: false plans from the codec and the link alone (a stated link decides)
+    config = dict(AUTO, aggregation=dict(AUTO["aggregation"], host_costs=False))
+    engine = StepEngine(deepreduce.build(config), TwinRanks(), NumpyTensors(), None, background=False)
+    engine.submit(Item("w", 0, flat.copy()))
+    engine.finish(0, ["w"])
+    assert engine.auto.inputs.host is None
+    assert all(cost.host_s == 0 for _, cost in engine.auto.plan.buckets[0].costs)

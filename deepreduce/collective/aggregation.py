@@ -75,6 +75,9 @@ class AutoAggregation(SparseAllreduceAggregation):
                               doc="steps between re-measurements (0: plan once, after the first step)"),
         "drift": Param(float, default=0.25, low=0.0, high=1e6, low_open=True,
                        doc="relative change of a predicted time that triggers a new plan"),
+        "host_costs": Param(bool, default=True,
+                            doc="count the rank's host CPU (passes, hand-over, each collective call and "
+                                "received byte), probed at each plan; false: codec and link only"),
     }
 
     def planner(self, pipeline, communicator):

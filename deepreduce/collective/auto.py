@@ -94,7 +94,7 @@ class AutoPlanner:
         """Rank 0's inputs on every rank (the link probe, if any, runs on every rank together;
         rank 0's fit is the one its inputs carry)."""
         link = self._link()
-        host = self._host_costs()
+        host = self._host_costs() if self.settings.host_costs else None
         mine = b""
         if self.communicator.rank == 0:
             mine = self._measured_inputs(link, host).to_bytes()

@@ -227,11 +227,13 @@ def scenario_summable_collectives(rank):
 def scenario_auto(rank):
     """``aggregation: auto`` in the hook on a very fast and a very slow link: a plan per bucket
     after the second step (DDP's buckets are rebuilt after the first), printed once by rank 0,
-    reported by compression_stats(); training goes on under it. The fast link has no latency: with
+    reported by compression_stats(); training goes on under it. The links are stated and the host
+    costs off (``host_costs: false``), so the link decides. The fast link has no latency: with
     one, an allgather (N-1 messages) of a small bucket can rightly beat the ring's 2(N-1)."""
     results = {}
     for link, gbit, latency in (("fast", 1e5, 0.0), ("slow", 1e-3, 25.0)):
-        model, opt, state = make(dict(TOPK, aggregation={"id": "auto", "bandwidth_gbit": gbit, "latency_us": latency}))
+        model, opt, state = make(dict(TOPK, aggregation={"id": "auto", "bandwidth_gbit": gbit, "latency_us": latency,
+                                                         "host_costs": False}))
         printed, losses = io.StringIO(), []
         with contextlib.redirect_stdout(printed):
             for step in range(8):
