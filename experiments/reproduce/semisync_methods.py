@@ -155,6 +155,15 @@ SWEEP: Dict[str, dict] = {
                                                  outer={"lr": 1.2}),
     "sweep_h5_c1k_k32_b1_m0_lr14": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.4}),
     "sweep_h6_c1k_k40_b1_m0_lr12": _diloco(6, chunked(1024, 40, 1, min_numel=0), outer={"lr": 1.2}),
+    # 4 workers: a coordinate only one worker selected arrives divided by N in the average, so
+    # the outer step on sparse pseudo-gradients shrinks as N grows; a larger outer lr makes up for it
+    "sweep_h5_c1k_k32_b1_m0_lr18": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 1.8}),
+    "sweep_h5_c1k_k32_b1_m0_lr24": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 2.4}),
+    "sweep_h5_c1k_k32_b1_m0_lr30": _diloco(5, chunked(1024, 32, 1, min_numel=0), outer={"lr": 3.0}),
+    "sweep_h3_c1k_k19_b1_m0_lr18": _diloco(3, chunked(1024, 19, 1, min_numel=0), outer={"lr": 1.8}),
+    "sweep_h5_c1k_k32_b1_m0_d0975_lr18": _diloco(5, chunked(1024, 32, 1, decay=0.975, min_numel=0),
+                                                 outer={"lr": 1.8}),
+    "sweep_h10_c1k_k64_b1_m0_lr18": _diloco(10, chunked(1024, 64, 1, min_numel=0), outer={"lr": 1.8}),
 }
 BASELINE = "ddp_fp32"
 # deepreduce's shipped semi-synchronous configs: the rows the targets are checked on
