@@ -68,9 +68,10 @@ from . import agreement, failure, ports, shards
 RESELECT = ("topk", "none")
 # The step engine's route starts a tensor's (or bucket's) shard exchange during backward from this
 # size: 16 MB of float32 (a DDP bucket of the default 25 MB), whose compressed bytes at Top-1% (about
-# 160 kB a rank) take a slow link long enough to be worth hiding; below it one collective's fixed cost
-# (Horovod's negotiation cycle, the owner step's wait) is about what it would hide, and the smaller
-# tensors share one exchange after backward (:mod:`deepreduce.collective.routes.sparse_allreduce`).
+# 340 kB a rank with raw indices and values) take a slow link long enough to be worth hiding; below it
+# one collective's fixed cost (Horovod's negotiation cycle, the owner step's wait) is about what it
+# would hide, and the smaller tensors share one exchange after backward
+# (:mod:`deepreduce.collective.routes.sparse_allreduce`).
 # Measured on the 2-core machine, where backward leaves no core idle to overlap with: starting the
 # exchanges of 2.4M- and 1.0M-element tensors early cost a rank CPU at 4 and 8 ranks
 # (docs/benchmarks.md, "Shard exchanges during backward").
