@@ -152,21 +152,23 @@ def scenario_flat(rank):
             "conservation": scenario_conservation(rank, flat=True)}
 
 
+def record_sent(diloco, sent):
+    """From now on append (name, step, container bytes) of every container ``diloco`` encodes to ``sent``."""
+    encode = diloco.pipeline.encode
+
+    def recording(tensor, name="", step=0):
+        payload = encode(tensor, name=name, step=step)
+        sent.append((name, step, payload.numpy().tobytes()))
+        return payload
+    diloco.pipeline.encode = recording
+
+
 def run_with_checkpoint(rank, steps, stop=None):
     """Train ``steps`` inner steps (fragments and a delay), recording every container sent after
     step ``stop``; with ``stop``, checkpoint there and continue in fresh objects."""
     kwargs = dict(fragments=2, delay=1)
     model, opt, diloco = build(TOPK, 3, inner="adamw", outer_lr=0.7, momentum=0.9, **kwargs)
     sent = []
-
-    def record(d):
-        encode = d.pipeline.encode
-
-        def recording(tensor, name="", step=0):
-            payload = encode(tensor, name=name, step=step)
-            sent.append((name, step, payload.numpy().tobytes()))
-            return payload
-        d.pipeline.encode = recording
 
     start = 0
     if stop is not None:
@@ -183,7 +185,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         opt.load_state_dict(saved["inner"])
         diloco.load_state_dict(saved["diloco"])
         start = stop
-    record(diloco)
+    record_sent(diloco, sent)
     with diloco:
         for step in range(start, steps):
             inner_step(model, opt, rank, step)

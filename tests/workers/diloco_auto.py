@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from diloco import TOPK, build, flat, inner_step, loss_of  # noqa: E402
+from diloco import TOPK, build, flat, inner_step, loss_of, record_sent  # noqa: E402
 from torch_ddp_hook import error_of, run_scenarios  # noqa: E402
 
 from deepreduce.collective.cost_model import CodecCosts, Link  # noqa: E402
@@ -95,13 +95,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         opt.load_state_dict(saved["inner"])
         diloco.load_state_dict(saved["diloco"])
         start = stop
-    encode = diloco.pipeline.encode
-
-    def recording(tensor, name="", step=0):
-        payload = encode(tensor, name=name, step=step)
-        sent.append((name, step, payload.numpy().tobytes()))
-        return payload
-    diloco.pipeline.encode = recording
+    record_sent(diloco, sent)
     after = train(model, opt, diloco, rank, steps, start)
     stats = diloco.stats()
     diloco.close()

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from diloco import record_sent  # noqa: E402
 from torch_ddp_hook import error_of, run_scenarios  # noqa: E402
 from torch_fsdp import LOSSLESS, make  # noqa: E402
 
@@ -115,15 +116,6 @@ def run_with_checkpoint(rank, steps, stop=None):
     model, opt, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
     sent = []
 
-    def record(d):
-        encode = d.pipeline.encode
-
-        def recording(tensor, name="", step=0):
-            payload = encode(tensor, name=name, step=step)
-            sent.append((name, step, payload.numpy().tobytes()))
-            return payload
-        d.pipeline.encode = recording
-
     start, peer = 0, None
     if stop is not None:
         with diloco:
@@ -143,7 +135,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         peer = error_of(lambda: diloco.load_state_dict(node[1 - mesh["shard"].get_local_rank()]))
         diloco.load_state_dict(saved["diloco"])
         start = stop
-    record(diloco)
+    record_sent(diloco, sent)
     with diloco:
         for step in range(start, steps):
             inner_step(model, opt, rank, step)
