@@ -163,6 +163,16 @@ def record_sent(diloco, sent):
     diloco.pipeline.encode = recording
 
 
+def saved_and_read_back(model, opt, diloco) -> dict:
+    """Model, inner optimizer and DiLoCo state as ``torch.save`` writes them and
+    ``torch.load(weights_only=True)`` reads them back (DiLoCo closed after its state is taken)."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "diloco": diloco.state_dict()}, buffer)
+    diloco.close()
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def run_with_checkpoint(rank, steps, stop=None):
     """Train ``steps`` inner steps (fragments and a delay), recording every container sent after
     step ``stop``; with ``stop``, checkpoint there and continue in fresh objects."""
@@ -175,11 +185,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         with diloco:
             for step in range(stop):
                 inner_step(model, opt, rank, step)
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "diloco": diloco.state_dict()}, buffer)
-        diloco.close()
-        buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
+        saved = saved_and_read_back(model, opt, diloco)
         model, opt, diloco = build(TOPK, 3, seed=123, inner="adamw", outer_lr=0.7, momentum=0.9, **kwargs)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["inner"])

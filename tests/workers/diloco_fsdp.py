@@ -7,7 +7,6 @@ test with the ranks' stacks.
 The model is workers/torch_fsdp.py's: four FSDP units, one used on even steps only, and one whose
 1 x 32 weight and 1-element bias have fewer rows than ranks (rank 1 of a node holds none of them).
 """
-import io
 import os
 import sys
 import warnings
@@ -19,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from diloco import record_sent  # noqa: E402
+from diloco import record_sent, saved_and_read_back  # noqa: E402
 from torch_ddp_hook import error_of, run_scenarios  # noqa: E402
 from torch_fsdp import LOSSLESS, make  # noqa: E402
 
@@ -121,11 +120,7 @@ def run_with_checkpoint(rank, steps, stop=None):
         with diloco:
             for step in range(stop):
                 inner_step(model, opt, rank, step)
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "diloco": diloco.state_dict()}, buffer)
-        diloco.close()
-        buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
+        saved = saved_and_read_back(model, opt, diloco)
         torch.manual_seed(123)
         model, opt, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
         model.load_state_dict(saved["model"])
