@@ -82,8 +82,9 @@ def build_model(torch):
 
 
 def measure(config: str, rank: int, steps: int) -> dict:
-    """One config on this rank (the process group is up): persistent and peak bytes, or the
-    reason ``register`` refused it."""
+    """One config on this rank (the process group is up and ``tracemalloc`` tracing, see
+    :func:`_rank`): persistent and peak bytes, or the reason ``register`` refused it."""
+    import gc
     import tracemalloc
 
     import torch
@@ -100,9 +101,9 @@ def measure(config: str, rank: int, steps: int) -> dict:
     fully_shard(model, mesh=mesh["shard"])
     shard_bytes = 4 * sum(p.to_local().numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    tracemalloc.start()
+    gc.collect()   # what an earlier config left in cycles is freed now, not during this one
+    before = tracemalloc.get_traced_memory()[0]
     try:
-        before = tracemalloc.get_traced_memory()[0]
         try:
             handle = fsdp.register(model, str(CONFIG_DIR / f"{config}.yaml"),
                                    replicate_group=mesh["replicate"].get_group())
@@ -124,7 +125,7 @@ def measure(config: str, rank: int, steps: int) -> dict:
         handle.close()
         return out
     finally:
-        tracemalloc.stop()
+        del model, opt
 
 
 def _state_by_role(handle) -> Dict[str, int]:
@@ -149,6 +150,7 @@ def _bounds_bytes(handle) -> int:
 
 
 def _rank(rank: int, world: int, port: int, queue, configs: Sequence[str], steps: int) -> None:
+    import tracemalloc
     import warnings
 
     import torch
@@ -157,6 +159,11 @@ def _rank(rank: int, world: int, port: int, queue, configs: Sequence[str], steps
     warnings.filterwarnings("ignore")   # dense-gradient warnings of sparsifier-free configs
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # Trace from before gloo's threads exist until after they are gone: starting or stopping
+    # tracemalloc swaps the raw allocator's hooks, and a gloo thread allocating meanwhile crashed
+    # a rank with SIGSEGV in libpython now and then (1 run in 2-4 when each config started and
+    # stopped it; none in 6 runs without tracing).
+    tracemalloc.start()
     rows = []
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
