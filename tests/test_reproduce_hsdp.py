@@ -226,3 +226,24 @@ def test_hsdp_semisync_row_quick(tmp_path):
         assert extra["shard_bytes"] <= parts["compressor"] <= extra["shard_bytes"] + 4096
     assert [p["step"] for p in record["curve"]][-1] == 4
     assert any(f"target {name} within 2%" in n for n in result.notes)
+
+
+def test_diloco_variants_resolve_to_validated_configs(monkeypatch):
+    """Every DiLoCo variant resolves: a named compression from configs/, an inline one validated
+    (a misspelt codec parameter is refused here, not on the ranks); each syncs every H >= 1 steps."""
+    from deepreduce.errors import ConfigError
+    names = list(hsdp.DILOCO_VARIANTS)
+    resolved = hsdp.resolve(names, Result("x", "x", []), None)
+    assert list(resolved) == names
+    for name, method in resolved.items():
+        assert method["kind"] == "diloco" and method["sync_every"] >= 1, name
+        assert {"sparsifier", "index", "value", "memory"} <= set(method["compression"]), name
+    assert resolved["hsdp_diloco_fp32_h5"]["compression"]["value"]["id"] == "raw"
+    memory = resolved["hsdp_diloco_b2_h2"]["compression"]["memory"]   # validated: its defaults filled in
+    assert memory["id"] == "compact_residual" and memory["block"] == 64
+    broken = dict(hsdp.DILOCO_VARIANTS["hsdp_diloco_b2_h2"],
+                  compression=dict(hsdp.DILOCO_VARIANTS["hsdp_diloco_b2_h2"]["compression"],
+                                   value={"id": "binmean", "bitz": 2}))
+    monkeypatch.setitem(hsdp.DILOCO_VARIANTS, "broken", broken)
+    with pytest.raises(ConfigError, match="bitz"):
+        hsdp.resolve(["broken"], Result("x", "x", []), None)
