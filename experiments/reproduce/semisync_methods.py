@@ -112,6 +112,8 @@ SWEEP: Dict[str, dict] = {
     "diloco_h30_fp32_avg": _diloco(30, FP32, outer="average"),
     "diloco_h10_fp32_avg": _diloco(10, FP32, outer="average"),
     "diloco_h5_fp32_avg": _diloco(5, FP32, outer="average"),
+    "diloco_h5_fp32_lr18": _diloco(5, FP32, outer={"lr": 1.8}),   # the outer lr the 4-worker 1-bit rows liked
+    "diloco_h2_fp32_avg": _diloco(2, FP32, outer="average"),
     "sweep_h30_c4k_k256_b2_d1": _diloco(30, chunked(4096, 256, 2, decay=1.0), outer="average"),
     "sweep_h30_c1k_k128_b2": _diloco(30, chunked(1024, 128, 2), outer="average"),
     "sweep_h30_c1k_k128_b2_d09": _diloco(30, chunked(1024, 128, 2, decay=0.9), outer="average"),
