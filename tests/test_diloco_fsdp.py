@@ -64,6 +64,41 @@ def test_per_rank_checkpoint_resumes_byte_identically(ranks):
         assert kind == "ConfigError" and "holds the shards" in message and "each rank loads the state it saved" in message
 
 
+def test_dcp_checkpoint_beside_the_sharded_model_resumes_byte_identically(ranks):
+    """Model, inner optimizer and DiLoCo saved together with torch.distributed.checkpoint
+    (``DiLoCo.distributed_checkpoint()``: each rank's state under its own key) and loaded into
+    fresh objects: the same containers and parameters as the run that never stopped."""
+    for r in ranks:
+        whole, resumed = r["scenario_resume"]["whole"], r["scenario_resume"]["dcp"]
+        assert resumed["sent"] and resumed["sent"] == whole["sent"][-len(resumed["sent"]):]
+        np.testing.assert_array_equal(resumed["shards"], whole["shards"])
+        for a, b in zip(resumed["globals"], whole["globals"]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_dcp_checkpoint_of_the_whole_world_is_refused_before_the_next_step(ranks):
+    """Saved over the whole world between outer steps, DCP keeps one node's copy of each shard and
+    of the inner optimizer's moments: the next inner step raises on every rank, naming the recipe."""
+    for r in ranks:
+        world = r["scenario_resume"]["dcp_world"]
+        kind, message, _ = world["error"]
+        assert world["trained"] == 0 and kind == "ConfigError"
+        assert "not those saved with the DiLoCo state" in message and "save each node apart" in message
+        # DCP spreads the one copy it keeps of each shard over the ranks that hold it: either node may differ
+        assert "on worker(s) [1]" in message or "on worker(s) [0, 1]" in message or "on worker(s) [0]" in message
+
+
+def test_dcp_checkpoint_refuses_another_world_rank_or_corrupt_bytes(ranks):
+    for rank, r in enumerate(ranks):
+        refused = r["scenario_resume"]["dcp_refused"]
+        kind, message, _ = refused["world"]
+        assert kind == "ConfigError" and "saved by 8 ranks, this run has 4" in message
+        kind, message, _ = refused["key"]
+        assert kind == "ConfigError" and f"'rank{rank}'" in message
+        kind, message, _ = refused["corrupt"]
+        assert kind == "ConfigError" and f"the state of rank {rank} does not read back" in message
+
+
 def test_unsupported_layouts_are_refused_naming_them(ranks):
     for rank, r in enumerate(ranks):
         r = r["scenario_refusals"]

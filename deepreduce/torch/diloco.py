@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
 from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
+from .diloco_dcp import DiLoCoCheckpoint
 from .diloco_items import fragment_items
 from .diloco_outer import outer_step, pseudo_gradient
 from .diloco_period import PROBE_STEPS, schedule_or_auto
@@ -227,6 +228,11 @@ class DiLoCo:
         byte counters. Save the model's and inner optimizer's state beside it."""
         self.wait()
         return diloco_state.save(self)
+
+    def distributed_checkpoint(self) -> DiLoCoCheckpoint:
+        """This rank's state as a ``torch.distributed.checkpoint`` Stateful, to save and load beside
+        a sharded model and optimizer (:mod:`deepreduce.torch.diloco_dcp`)."""
+        return DiLoCoCheckpoint(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (a DiLoCo built alike; an ``"auto"`` checkpoint

@@ -73,8 +73,8 @@ def load(diloco, state) -> None:
     if state["shards"] != mine:
         raise ConfigError(f"{OWNER}: the checkpoint holds the shards {quote(state['shards'])} (parameter: its "
                           f"coordinate on its mesh, the mesh's shape) and this rank holds {mine}; each rank loads "
-                          "the state it saved (torch.save per rank: torch.distributed.checkpoint keeps one copy of a "
-                          "plain tensor saved under the same key on every rank)")
+                          "the state it saved (torch.save per rank, or DiLoCo.distributed_checkpoint() in a "
+                          "torch.distributed.checkpoint, which keys each rank's state by its rank)")
     decision, schedule = _checked_period(diloco, state["sync_period"])
     expected = None if schedule is None else schedule.as_dict()
     if state["schedule"] != expected:

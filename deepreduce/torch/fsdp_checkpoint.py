@@ -23,26 +23,20 @@ fresh process) receives its state when the first backward creates it.
 """
 from __future__ import annotations
 
-import io
 from typing import Dict, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .. import checkpoint
 from ..errors import ConfigError, quote
 from .arguments import build_pipeline
 from .checkpoint import compression_state_dict, load_compression_state_dict, to_numpy
+from .rank_state import mine, packed, rank_key, unpacked
 
 FORMAT = 1
 OWNER = "deepreduce.torch.fsdp checkpoint"
 ENGINE_KEYS = ("format", "step", "compression", "aggregation", "group_size")
 BLOB_KEYS = ("format", "world", "rank", "config", "engines", "steps")
-
-
-def rank_key(rank: int) -> str:
-    """The key of ``rank``'s state in the handle's ``state_dict()``."""
-    return f"rank{rank}"
 
 
 def engine_key(role: str, average: bool) -> str:
@@ -66,9 +60,7 @@ def save(engines: Dict[str, object], pending: Dict[str, dict], steps: Dict[Tuple
         saved[key] = dict(state, group_size=engine.communicator.size)
     blob = {"format": FORMAT, "world": world, "rank": rank, "config": digest, "engines": saved,
             "steps": {f"{role}|{module}": n for (role, module), n in steps.items()}}
-    buffer = io.BytesIO()
-    torch.save(blob, buffer)
-    return {"meta": {"format": FORMAT, "world": world, "config": digest}, rank_key(rank): buffer.getvalue()}
+    return {"meta": {"format": FORMAT, "world": world, "config": digest}, rank_key(rank): packed(blob)}
 
 
 def load(state, digest: str, compression, path: str) -> Tuple[Dict[str, dict], Dict[Tuple[str, str], int]]:
@@ -76,18 +68,13 @@ def load(state, digest: str, compression, path: str) -> Tuple[Dict[str, dict], D
     (engine key -> engine state, (role, module) -> steps). A ConfigError names what does not
     match (another config, world size or rank, a malformed field); nothing is applied here."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = rank_key(rank)
-    if not isinstance(state, dict) or set(state) != {"meta", mine}:
-        got = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"{OWNER}: expected the keys ['meta', {mine!r}] (what the handle's state_dict() "
-                          f"returns on rank {rank}), got {quote(got)}")
+    value = mine(OWNER, state, rank)
     meta = checkpoint.checked_keys(f"{OWNER} meta", state["meta"], ("format", "world", "config"))
     _check_header(meta, world, digest)
-    blob = _unpickled(state[mine], rank)
-    blob = checkpoint.checked_keys(f"{OWNER} of rank {rank}", blob, BLOB_KEYS)
+    blob = checkpoint.checked_keys(f"{OWNER} of rank {rank}", unpacked(OWNER, value, rank), BLOB_KEYS)
     _check_header(blob, world, digest)
     if checkpoint.scalar(blob["rank"]) != rank:
-        raise ConfigError(f"{OWNER}: the state under {mine!r} was saved by rank {quote(blob['rank'])}")
+        raise ConfigError(f"{OWNER}: the state under {rank_key(rank)!r} was saved by rank {quote(blob['rank'])}")
     engines = blob["engines"]
     if not isinstance(engines, dict):
         raise ConfigError(f"{OWNER}: 'engines' must map engine keys to states, got {type(engines).__name__}")
@@ -122,16 +109,6 @@ def _check_header(header: dict, world: int, digest: str) -> None:
     if header["config"] != digest:
         raise ConfigError(f"{OWNER}: saved with another compression config (digest {quote(header['config'])}, "
                           f"this handle's {digest})")
-
-
-def _unpickled(value, rank: int) -> dict:
-    if not isinstance(value, (bytes, bytearray)):
-        raise ConfigError(f"{OWNER}: the state of rank {rank} must be bytes, got {type(value).__name__}")
-    try:
-        return torch.load(io.BytesIO(bytes(value)), weights_only=True)
-    except Exception as exc:   # noqa: BLE001 (whatever the unpickler raised: the bytes are not a state)
-        raise ConfigError(f"{OWNER}: the state of rank {rank} does not read back ({type(exc).__name__}: "
-                          f"{exc})") from None
 
 
 def _checked_engine(key, state, compression, path: str) -> dict:

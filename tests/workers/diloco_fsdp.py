@@ -8,12 +8,16 @@ The model is workers/torch_fsdp.py's: four FSDP units, one used on even steps on
 1 x 32 weight and 1-element bias have fewer rows than ranks (rank 1 of a node holds none of them).
 """
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -107,10 +111,12 @@ def scenario_semisync_1bit(rank):
             "local_numel": sum(p.to_local().numel() for p in model.parameters())}
 
 
-def run_with_checkpoint(rank, steps, stop=None):
+def run_with_checkpoint(rank, steps, stop=None, directory=None, per_node=True):
     """Train ``steps`` inner steps at H = 3 (semisync_1bit: decayed error feedback), recording the
-    containers sent; with ``stop``, save every rank's state there (torch.save) and continue in
-    freshly built objects that load it."""
+    containers sent; with ``stop``, save every rank's state there and continue in freshly built
+    objects that load it: with ``torch.save`` per rank, or with ``directory``, model, inner
+    optimizer and DiLoCo together in a torch.distributed.checkpoint (DCP) there, one per node over
+    its ranks (the documented recipe), or with ``per_node=False`` one over the whole world."""
     mesh = hsdp_mesh()
     model, opt, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
     sent = []
@@ -120,27 +126,82 @@ def run_with_checkpoint(rank, steps, stop=None):
         with diloco:
             for step in range(stop):
                 inner_step(model, opt, rank, step)
-        saved = saved_and_read_back(model, opt, diloco)
+        if directory is None:
+            saved = saved_and_read_back(model, opt, diloco)
+        else:
+            where = dcp_place(mesh, directory, per_node)
+            dcp.save(dcp_state(model, opt, diloco), **where)
+            diloco.close()
         torch.manual_seed(123)
         model, opt, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["inner"])
-        node = [None] * mesh["shard"].size()   # the state of the node's other rank: another shard
-        dist.all_gather_object(node, saved["diloco"], group=mesh["shard"].get_group())
-        peer = error_of(lambda: diloco.load_state_dict(node[1 - mesh["shard"].get_local_rank()]))
-        diloco.load_state_dict(saved["diloco"])
+        if directory is None:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["inner"])
+            node = [None] * mesh["shard"].size()   # the state of the node's other rank: another shard
+            dist.all_gather_object(node, saved["diloco"], group=mesh["shard"].get_group())
+            peer = error_of(lambda: diloco.load_state_dict(node[1 - mesh["shard"].get_local_rank()]))
+            diloco.load_state_dict(saved["diloco"])
+        else:
+            state = dcp_state(model, opt, diloco)
+            dcp.load(state, **where)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = stop
     record_sent(diloco, sent)
-    with diloco:
+    trained = []
+
+    def train():
         for step in range(start, steps):
             inner_step(model, opt, rank, step)
+            trained.append(step)
+    with diloco:
+        failed = error_of(train)   # the whole-world DCP resume: every rank raises at its first step
     diloco.close()
+    if failed[0] is not None:
+        return {"error": failed, "trained": len(trained)}
     return {"sent": sent, "shards": shards(model), "globals": [g.numpy().copy() for g in diloco.globals],
             "peer": peer}
 
 
+def dcp_place(mesh, directory, per_node):
+    """Where DCP saves: each node over its own ranks into a checkpoint of its own, or the world."""
+    if not per_node:
+        return {"checkpoint_id": os.path.join(directory, "world")}
+    node = mesh["replicate"].get_local_rank()
+    return {"checkpoint_id": os.path.join(directory, f"node{node}"), "process_group": mesh["shard"].get_group()}
+
+
+def dcp_state(model, opt, diloco):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "diloco": diloco.distributed_checkpoint()}
+
+
+def dcp_refusals(rank, directory):
+    """A DCP DiLoCo state loaded into another world size's meta, another rank's key, and bytes that
+    are not a state: each a ConfigError naming it, before anything changes."""
+    mesh = hsdp_mesh()
+    _, _, diloco = sharded(mesh, "semisync_1bit", 3, inner="adamw")
+    handle = diloco.distributed_checkpoint()
+    good = handle.state_dict()
+    key = f"rank{rank}"
+    out = {
+        "world": error_of(lambda: handle.load_state_dict({"meta": {"format": 1, "world": 8}, key: good[key]})),
+        "key": error_of(lambda: handle.load_state_dict({"meta": good["meta"], f"rank{(rank + 1) % 4}": good[key]})),
+        "corrupt": error_of(lambda: handle.load_state_dict({"meta": good["meta"], key: b"not a state"})),
+    }
+    diloco.close()
+    return out
+
+
 def scenario_resume(rank):
-    return {"whole": run_with_checkpoint(rank, 10), "resumed": run_with_checkpoint(rank, 10, stop=4)}
+    directory = os.path.join(tempfile.gettempdir(), f"diloco-dcp-{os.environ['MASTER_PORT']}")
+    out = {"whole": run_with_checkpoint(rank, 10), "resumed": run_with_checkpoint(rank, 10, stop=4),
+           "dcp": run_with_checkpoint(rank, 10, stop=4, directory=directory),
+           "dcp_world": run_with_checkpoint(rank, 10, stop=4, directory=directory, per_node=False),
+           "dcp_refused": dcp_refusals(rank, directory)}
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
 
 
 def scenario_refusals(rank):
