@@ -108,6 +108,10 @@ class HorovodWorld:
     def broadcast(self, model) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
+    def close(self) -> None:
+        """Shut Horovod down once every rank is done."""
+        self.hvd.shutdown()
+
     def mean(self, value: float, name: str) -> float:
         import torch
 
@@ -144,6 +148,13 @@ class TorchWorld:
     def broadcast(self, model) -> None:
         for tensor in model.state_dict().values():
             self.dist.broadcast(tensor, src=0)
+
+    def close(self) -> None:
+        """Leave the gloo group together: a barrier, then its explicit teardown. Left to the
+        interpreter's exit, a rank's teardown can meet the peer's closed sockets and abort it
+        ("terminate called without an active exception") after all the work is done."""
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
     def mean(self, value: float, name: str) -> float:
         import torch
@@ -339,6 +350,7 @@ def train(args: argparse.Namespace) -> List[dict]:
             json.dump({"config": None if args.baseline or args.hook else args.config, "hook": args.hook,
                        "ranks": world.size,
                        "ab": args.ab, "epochs": history}, handle, indent=2)
+    world.close()
     return history
 
 
