@@ -52,28 +52,24 @@ def test_semisync_1bit_replicas_hold_identical_shards_after_each_outer_step(rank
         assert run["sent_bytes"] > 0 and 0 < run["bits"] < 4
 
 
-def test_per_rank_checkpoint_resumes_byte_identically(ranks):
+@pytest.mark.parametrize("how", ["resumed", "dcp"])
+def test_checkpoint_resumes_byte_identically(ranks, how):
+    """Saved at inner step 4 and loaded into fresh objects, per rank with torch.save ("resumed") or
+    model, inner optimizer and DiLoCo together with torch.distributed.checkpoint, one checkpoint per
+    node ("dcp": ``DiLoCo.distributed_checkpoint()``, each rank's state under its own key): the
+    same containers and parameters as the run that never stopped."""
     for r in ranks:
-        whole, resumed = r["scenario_resume"]["whole"], r["scenario_resume"]["resumed"]
+        whole, resumed = r["scenario_resume"]["whole"], r["scenario_resume"][how]
         assert resumed["sent"] and resumed["sent"] == whole["sent"][-len(resumed["sent"]):]
         np.testing.assert_array_equal(resumed["shards"], whole["shards"])
         for a, b in zip(resumed["globals"], whole["globals"]):
             np.testing.assert_array_equal(a, b)
-        # the node's other rank's state (another shard of every parameter) is refused, naming it
+
+
+def test_per_rank_checkpoint_of_another_shard_is_refused(ranks):
+    for r in ranks:   # the node's other rank's state (another shard of every parameter), naming it
         kind, message, _ = r["scenario_resume"]["resumed"]["peer"]
         assert kind == "ConfigError" and "holds the shards" in message and "each rank loads the state it saved" in message
-
-
-def test_dcp_checkpoint_beside_the_sharded_model_resumes_byte_identically(ranks):
-    """Model, inner optimizer and DiLoCo saved together with torch.distributed.checkpoint
-    (``DiLoCo.distributed_checkpoint()``: each rank's state under its own key) and loaded into
-    fresh objects: the same containers and parameters as the run that never stopped."""
-    for r in ranks:
-        whole, resumed = r["scenario_resume"]["whole"], r["scenario_resume"]["dcp"]
-        assert resumed["sent"] and resumed["sent"] == whole["sent"][-len(resumed["sent"]):]
-        np.testing.assert_array_equal(resumed["shards"], whole["shards"])
-        for a, b in zip(resumed["globals"], whole["globals"]):
-            np.testing.assert_array_equal(a, b)
 
 
 def test_dcp_checkpoint_of_the_whole_world_is_refused_before_the_next_step(ranks):
