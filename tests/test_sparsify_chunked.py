@@ -118,3 +118,23 @@ def test_torch_tensors_select_the_same_positions_on_their_device():
     sparsifier = create("sparsifier", {"id": "chunk_topk", "k": 16})
     flat = rng.standard_normal(9000).astype(np.float32)
     np.testing.assert_array_equal(sparsifier.select(torch.from_numpy(flat), CTX).numpy(), sparsifier.select(flat, CTX))
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 6), chunk=st.sampled_from([256, 1000, 1024, 4096]), k=st.integers(1, 200),
+       tail=st.integers(0, 900), seed=st.integers(0, 2**16), kind=st.sampled_from(["normal", "ties", "sparse", "spiked"]))
+def test_the_cpp_kernel_selects_what_the_array_version_selects(rows, chunk, k, tail, seed, kind):
+    """The C++ chunked Top-k (the NumPy path when built: a bound from every 8th key, the cut among
+    the keys reaching it, else among all) against the array definition, with ties, zeros and
+    -0.0, and rows whose sampled keys are the only large ones (the bound lets too few through)."""
+    from deepreduce.backend import kernels
+    from deepreduce.sparsify.chunked import array_chunk_topk_positions
+    assert kernels.native() is not None   # built by make setup: the NumPy path below is the C++ kernel
+    rng = np.random.default_rng(seed)
+    n = rows * chunk + tail
+    flat = {"normal": lambda: rng.standard_normal(n), "ties": lambda: rng.integers(-3, 4, n),
+            "sparse": lambda: rng.laplace(size=n) * (rng.random(n) < 0.05),
+            "spiked": lambda: np.where(np.arange(n) % 8 == 0, 100.0, rng.random(n))}[kind]().astype(np.float32)
+    flat[rng.random(n) < 0.05] = -0.0
+    k = min(k, chunk)
+    np.testing.assert_array_equal(chunk_topk_positions(flat, chunk, k), array_chunk_topk_positions(flat, chunk, k))

