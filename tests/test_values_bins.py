@@ -103,3 +103,19 @@ def test_decode_equals_reconstructed(n, bits, seed, codec_id, scale):
     out = create("value", codec_id).decode(enc.params, enc.payload, n)
     np.testing.assert_array_equal(out, enc.reconstructed)
     assert np.all(np.isfinite(out))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 3000), cuts=st.integers(0, 20), seed=st.integers(0, 2**16), dups=st.booleans())
+def test_binmean_bin_lookup_counts_as_searchsorted(n, cuts, seed, dups):
+    """binmean's Lloyd step finds each value's bin by one comparison pass per cut (up to 15 cuts)
+    instead of a binary search: the same counts, with repeated cuts and values equal to a cut."""
+    from deepreduce.values.binmean import _bins_at
+    rng = np.random.default_rng(seed)
+    edges = np.sort(rng.standard_normal(cuts))
+    if dups and cuts > 1:
+        edges[1] = edges[0]
+    wide = rng.standard_normal(n)
+    if n and cuts:
+        wide[: n // 3] = rng.choice(edges, n // 3)   # values on the cuts
+    np.testing.assert_array_equal(_bins_at(edges, wide), np.searchsorted(edges, wide, side="right"))
