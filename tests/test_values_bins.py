@@ -119,3 +119,23 @@ def test_binmean_bin_lookup_counts_as_searchsorted(n, cuts, seed, dups):
     if n and cuts:
         wide[: n // 3] = rng.choice(edges, n // 3)   # values on the cuts
     np.testing.assert_array_equal(_bins_at(edges, wide), np.searchsorted(edges, wide, side="right"))
+
+
+@settings(max_examples=120, deadline=None)
+@given(n=st.integers(0, 700), bits=st.integers(1, 8), seed=st.integers(0, 2**16),
+       kind=st.sampled_from(["normal", "ties", "zeros", "nan"]))
+def test_binmean_quantile_start_is_the_stable_sort_one(n, bits, seed, kind):
+    """The equal-count start without a sort (up to 16 bins, finite values) gives the codes the
+    stable sort gives: ties, -0.0 beside 0.0, more bins than values; NaN takes the sort."""
+    from deepreduce.values.binmean import _quantile_start
+    rng = np.random.default_rng(seed)
+    v = {"normal": lambda: rng.standard_normal(n), "ties": lambda: rng.integers(-2, 3, n),
+         "zeros": lambda: np.where(rng.random(n) < 0.5, -0.0, 0.0), "nan": lambda: rng.standard_normal(n)}[kind]()
+    v = v.astype(np.float32)
+    if kind == "nan" and n:
+        v[rng.integers(0, n)] = np.nan
+    bins = 1 << bits
+    order = np.argsort(v, kind="stable")
+    expected = np.empty(n, dtype=np.int64)
+    expected[order] = (np.arange(n, dtype=np.int64) * bins) // max(n, 1)
+    np.testing.assert_array_equal(_quantile_start(v, bins), expected)

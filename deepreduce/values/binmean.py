@@ -25,6 +25,31 @@ from ._base import ValueCodec, ValueEncoding
 from ._bins import BITS, pack_codes, read_bits, unpack_codes
 
 
+def _quantile_start(v: np.ndarray, bins: int) -> np.ndarray:
+    """The equal-count start: the value of rank ``r`` in a stable sort gets code ``floor(r bins /
+    n)``. With up to 16 bins and finite values, without the sort: code = how many bin starts
+    ``s_b = ceil(b n / bins)`` the value's rank reaches, and the rank reaches ``s_b`` where the
+    value is above the ``s_b``-th smallest ``t`` (``np.partition``), or equal to it and not among
+    the first ``s_b - #(v < t)`` of its ties in input order (the stable order); about 10x faster
+    than the sort at 1-2 bits, the same codes (tests/test_values_bins.py)."""
+    n = v.shape[0]
+    if bins > 16 or not np.isfinite(v).all():
+        order = np.argsort(v, kind="stable")
+        codes = np.empty(n, dtype=np.int64)
+        codes[order] = (np.arange(n, dtype=np.int64) * bins) // max(n, 1)
+        return codes
+    starts = [s for s in (-(-b * n // bins) for b in range(1, bins)) if s < n]
+    counts = np.zeros(n, dtype=np.uint8)
+    if starts:
+        smallest = np.partition(v, starts)
+        for s in starts:
+            t = smallest[s]
+            counts += v > t
+            ties = np.flatnonzero(v == t)
+            counts[ties[s - int(np.count_nonzero(v < t)):]] += 1
+    return counts.astype(np.int64)
+
+
 def _bins_at(cuts: np.ndarray, wide: np.ndarray) -> np.ndarray:
     """``searchsorted(cuts, wide, side="right")``: how many of the ascending ``cuts`` each value
     is at or above. Up to 15 cuts (4-bit codes) as one comparison pass per cut into uint8 counts,
@@ -48,10 +73,8 @@ class BinMeanValues(ValueCodec):
 
     def encode(self, values, ctx):
         v = np.asarray(values, dtype=np.float32)
-        n, bins = v.shape[0], 1 << self.bits
-        order = np.argsort(v, kind="stable")
-        codes = np.empty(n, dtype=np.int64)
-        codes[order] = (np.arange(n, dtype=np.int64) * bins) // max(n, 1)
+        bins = 1 << self.bits
+        codes = _quantile_start(v, bins)
         wide = v.astype(np.float64)
         for step in range(self.iterations + 1):
             sizes = np.bincount(codes, minlength=bins)
