@@ -363,47 +363,63 @@ void topk(const float* x, int64_t n, int64_t r, int threads, int64_t* out) {
 void chunk_topk(const float* x, int64_t n, int64_t chunk, int64_t k, int64_t tail_k, int threads, int64_t* out) {
     const int64_t rows = n / chunk, tail = n - rows * chunk;
     const int64_t keep = std::min(k, chunk), tail_keep = std::min(tail_k, tail);
-    // One row: its kc-th largest magnitude key, then one ascending pass that keeps the keys above it
-    // and the first (room) keys equal to it: the tie rule, in order. The cut is found among the
-    // keys at or above a bound that every 8th key's order statistic gives (about 1.5 kc of them),
-    // or, where fewer than kc reach it, among all keys (nth_element on a copy either way).
-    auto row = [&](int64_t start, int64_t len, int64_t kc, int64_t* o, std::vector<uint32_t>& keys) {
+    // One row: the keys at or above a bound that every 8th key's order statistic gives (about
+    // 1.5 kc of them; all of the row where fewer than kc reach it) are gathered with their columns,
+    // in ascending column order; the kc-th largest among them is the cut (nth_element on a copy),
+    // and the gathered entries above it and the first (room) equal to it are kept: the tie rule,
+    // in order.
+    struct Scratch {
+        std::vector<uint32_t> keys, order;
+        std::vector<int64_t> columns;
+    };
+    auto row = [&](int64_t start, int64_t len, int64_t kc, int64_t* o, Scratch& t) {
         if (kc >= len) {
             for (int64_t j = 0; j < len; ++j) o[j] = start + j;
             return;
         }
         if (kc <= 0) return;
         const float* v = x + start;
-        keys.clear();
+        t.keys.clear();
+        t.columns.clear();
+        uint32_t bound = 0;
         const int64_t want = kc + kc / 2 + 1;  // keys the bound should let through
         if (len >= 256 && 8 * want < len) {
-            for (int64_t j = 0; j < len; j += 8) keys.push_back(magnitude_key(v[j]));
+            t.order.clear();
+            for (int64_t j = 0; j < len; j += 8) t.order.push_back(magnitude_key(v[j]));
             const int64_t pick = std::max<int64_t>(1, want / 8);
-            std::nth_element(keys.begin(), keys.end() - pick, keys.end());
-            const uint32_t bound = *(keys.end() - pick);
-            keys.clear();
+            std::nth_element(t.order.begin(), t.order.end() - pick, t.order.end());
+            bound = *(t.order.end() - pick);
             for (int64_t j = 0; j < len; ++j) {
                 const uint32_t key = magnitude_key(v[j]);
-                if (key >= bound) keys.push_back(key);
+                if (key >= bound) {
+                    t.keys.push_back(key);
+                    t.columns.push_back(j);
+                }
             }
-            if (static_cast<int64_t>(keys.size()) < kc) keys.clear();
         }
-        if (keys.empty())
-            for (int64_t j = 0; j < len; ++j) keys.push_back(magnitude_key(v[j]));
-        const int64_t m = static_cast<int64_t>(keys.size());
-        std::nth_element(keys.begin(), keys.begin() + (m - kc), keys.end());
-        const uint32_t cut = keys[m - kc];
+        if (static_cast<int64_t>(t.keys.size()) < kc) {  // no bound, or too few reached it: the whole row
+            t.keys.clear();
+            t.columns.clear();
+            for (int64_t j = 0; j < len; ++j) {
+                t.keys.push_back(magnitude_key(v[j]));
+                t.columns.push_back(j);
+            }
+        }
+        const int64_t m = static_cast<int64_t>(t.keys.size());
+        t.order.assign(t.keys.begin(), t.keys.end());
+        std::nth_element(t.order.begin(), t.order.begin() + (m - kc), t.order.end());
+        const uint32_t cut = t.order[m - kc];
         int64_t above = 0;
-        for (int64_t j = m - kc; j < m; ++j) above += keys[j] > cut;
+        for (int64_t j = m - kc; j < m; ++j) above += t.order[j] > cut;
         int64_t room = kc - above, w = 0;
-        for (int64_t j = 0; j < len; ++j) {
-            const uint32_t key = magnitude_key(v[j]);
-            if (key > cut || (key == cut && room-- > 0)) o[w++] = start + j;
+        for (int64_t j = 0; j < m; ++j) {
+            const uint32_t key = t.keys[j];
+            if (key > cut || (key == cut && room-- > 0)) o[w++] = start + t.columns[j];
         }
     };
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows / 64)));
     run_chunks(count, [&](int c) {
-        std::vector<uint32_t> keys;
+        Scratch keys;
         const int64_t lo = rows * c / count, hi = rows * (c + 1) / count;
         for (int64_t r = lo; r < hi; ++r) row(r * chunk, chunk, keep, out + r * keep, keys);
         if (c == count - 1 && tail > 0) row(rows * chunk, tail, tail_keep, out + rows * keep, keys);
