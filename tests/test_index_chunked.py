@@ -230,3 +230,20 @@ def test_config_refuses_different_chunks_for_sparsifier_and_index():
         assert deepreduce.build(dict(base, index={"id": index, "chunk": 2048})).index.chunk == 2048
     assert deepreduce.build({"sparsifier": {"id": "topk"}, "index": "chunk_enum", "value": "raw",
                              "memory": "none"}).index.chunk == 4096        # any other sparsifier: counts travel
+
+
+@pytest.mark.parametrize("length,count", [(1024, 32), (64, 40), (1100, 550)])
+def test_unrank_inverts_rank_for_every_chunk_at_once(length, count):
+    """The vectorised greedy unranking against the ranks, many chunks at once: a float64 first
+    guess (1024 choose 32), the complement's ranks (40 of 64), and ranks past a float's range
+    (1100 choose 550, over 1,000 bits: exact integers only)."""
+    rng = np.random.default_rng(length + count)
+    offsets = np.sort(np.stack([rng.choice(length, count, replace=False) for _ in range(200)]), axis=1)
+    offsets[0], offsets[1] = np.arange(count), np.arange(length - count, length)   # the first and last rank
+    ranked = chunk_enum.layout(length, count)[2]
+    try:
+        ranks = chunk_enum._ranks(offsets, length, ranked)
+        assert ranks[0] == 0 or ranked != count
+        np.testing.assert_array_equal(chunk_enum._unrank(ranks, length, count, ranked), offsets)
+    finally:
+        chunk_enum._TABLES.clear()   # the 1,100-element table is large: not kept for later tests
