@@ -95,8 +95,13 @@ def _ranks(offsets: np.ndarray, length: int, ranked: int) -> List[int]:
     row), of its complement when ``ranked`` is the complement's size."""
     if ranked != offsets.shape[1]:
         offsets = _complement(offsets, length)
-    rows = _tables(length, ranked)[0][1:ranked + 1]
-    return [sum(map(list.__getitem__, rows, row)) for row in offsets.tolist()]
+    table = _tables(length, ranked)[0]
+    total = np.zeros(offsets.shape[0], dtype=object)   # Python integers: a column of terms per bit position
+    for i in range(1, ranked + 1):
+        row = np.empty(len(table[i]), dtype=object)
+        row[:] = table[i]
+        total = total + row[offsets[:, i - 1]]
+    return [int(r) for r in total]
 
 
 def _unrank(ranks: List[int], length: int, count: int, ranked: int) -> np.ndarray:
