@@ -120,10 +120,11 @@ def _unrank(ranks: List[int], length: int, count: int, ranked: int) -> np.ndarra
     left = np.empty(g, dtype=object)   # Python integers, compared and subtracted a chunk per element
     left[:] = list(ranks)
     hi = np.full(g, length, dtype=np.int64)
+    above_any = math.comb(length, ranked)
     for i in range(ranked, 0, -1):
         row = np.empty(len(table[i]) + 1, dtype=object)   # C(c, i) for c < length, then a sentinel above any rank
         row[:-1] = table[i]
-        row[-1] = math.comb(length, ranked)
+        row[-1] = above_any
         if floats is not None:
             guess = np.searchsorted(floats[i], left.astype(np.float64), side="right") - 1
         else:
