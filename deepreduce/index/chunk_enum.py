@@ -24,7 +24,7 @@ import math
 from bisect import bisect_right
 from functools import lru_cache
 from itertools import accumulate
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -56,16 +56,17 @@ def enum_bits(length: int, count: int) -> int:
     return layout(length, count)[1]
 
 
-#: Cached binomial tables, ``(length, rows) -> (exact rows, float64 rows)``; a table serves every
+#: Cached binomial tables, ``(length, rows) -> (exact rows, float64 rows)`` (exact: object arrays of
+#: Python integers, indexed by a whole column of chunks at once); a table serves every
 #: request it covers (``C(c, i)`` does not depend on the chunk length), so the tails of many
 #: tensors reuse the full chunks' table.
-_TABLES: Dict[Tuple[int, int], Tuple[Tuple[List[int], ...], Tuple[np.ndarray, ...]]] = {}
+_TABLES: Dict[Tuple[int, int], Tuple[Tuple[np.ndarray, ...], Optional[Tuple[np.ndarray, ...]]]] = {}
 _TABLES_KEPT = 3
 
 
 def _tables(length: int, rows: int):
     """``(table, floats)``: ``table[i][c] = C(c, i)`` for ``i <= rows``, ``c < length`` at least
-    (Python integers), and the same as float64 arrays (a first guess for the greedy decode; only
+    (object arrays of Python integers), and the same as float64 arrays (a first guess for the greedy decode; only
     used when the ranks fit a float)."""
     for (have_length, have_rows), tables in _TABLES.items():
         if have_length >= length and have_rows >= rows:
@@ -79,7 +80,7 @@ def _tables(length: int, rows: int):
     floats = tuple(np.asarray([float(v) for v in r], dtype=np.float64) for r in table) if fits else None
     while len(_TABLES) >= _TABLES_KEPT:
         del _TABLES[next(iter(_TABLES))]
-    _TABLES[(length, rows)] = (tuple(table), floats)
+    _TABLES[(length, rows)] = (tuple(np.array(r, dtype=object) for r in table), floats)
     return _TABLES[(length, rows)]
 
 
@@ -98,9 +99,7 @@ def _ranks(offsets: np.ndarray, length: int, ranked: int) -> List[int]:
     table = _tables(length, ranked)[0]
     total = np.zeros(offsets.shape[0], dtype=object)   # Python integers: a column of terms per bit position
     for i in range(1, ranked + 1):
-        row = np.empty(len(table[i]), dtype=object)
-        row[:] = table[i]
-        total = total + row[offsets[:, i - 1]]
+        total = total + table[i][offsets[:, i - 1]]
     return [int(r) for r in total]
 
 
@@ -120,15 +119,12 @@ def _unrank(ranks: List[int], length: int, count: int, ranked: int) -> np.ndarra
     left = np.empty(g, dtype=object)   # Python integers, compared and subtracted a chunk per element
     left[:] = list(ranks)
     hi = np.full(g, length, dtype=np.int64)
-    above_any = math.comb(length, ranked)
     for i in range(ranked, 0, -1):
-        row = np.empty(len(table[i]) + 1, dtype=object)   # C(c, i) for c < length, then a sentinel above any rank
-        row[:-1] = table[i]
-        row[-1] = above_any
+        row = table[i]   # C(c, i) for c < length at least
         if floats is not None:
             guess = np.searchsorted(floats[i], left.astype(np.float64), side="right") - 1
         else:
-            guess = np.asarray([bisect_right(table[i], r, 0, int(h)) - 1 for r, h in zip(left, hi)], dtype=np.int64)
+            guess = np.asarray([bisect_right(row, r, 0, int(h)) - 1 for r, h in zip(left, hi)], dtype=np.int64)
         c = np.clip(np.minimum(guess, hi - 1), 0, None)
         while True:   # up: the largest c below hi with C(c, i) <= rank (the float guess may be low)
             up = (c + 1 < hi) & (row[np.minimum(c + 1, len(row) - 1)] <= left)
