@@ -56,8 +56,9 @@ def test_semisync_1bit_replicas_hold_identical_shards_after_each_outer_step(rank
 def test_checkpoint_resumes_byte_identically(ranks, how):
     """Saved at inner step 4 and loaded into fresh objects, per rank with torch.save ("resumed") or
     model, inner optimizer and DiLoCo together with torch.distributed.checkpoint, one checkpoint per
-    node ("dcp": ``DiLoCo.distributed_checkpoint()``, each rank's state under its own key): the
-    same containers and parameters as the run that never stopped."""
+    node ("dcp": ``DiLoCo.distributed_checkpoint()``, each rank's state under its own key; an
+    earlier checkpoint loaded first, so only the last load's check may run): the same containers
+    and parameters as the run that never stopped."""
     for r in ranks:
         whole, resumed = r["scenario_resume"]["whole"], r["scenario_resume"][how]
         assert resumed["sent"] and resumed["sent"] == whole["sent"][-len(resumed["sent"]):]

@@ -33,6 +33,7 @@ training on from what the other node saved.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import numpy as np
 import torch
@@ -45,6 +46,8 @@ from .rank_state import mine, packed, rank_key, unpacked
 
 FORMAT = 1
 OWNER = "DiLoCo distributed checkpoint"
+#: DiLoCo -> the hook of its pending post-load check (at most one: the last load's)
+_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class DiLoCoCheckpoint:
@@ -77,11 +80,16 @@ class DiLoCoCheckpoint:
 
     def _check_before_next_step(self, expected: str) -> None:
         """Before the next inner step, every worker compares its local parameters and inner
-        optimizer state with what was saved; all raise if any differs (one allgather)."""
+        optimizer state with what was saved; all raise if any differs (one allgather). A later
+        load into the same DiLoCo replaces a check still pending (the last load is checked)."""
         diloco, hook = self.diloco, None
+        previous = _PENDING.pop(diloco, None)
+        if previous is not None:
+            previous.remove()
 
         def check(*_):
             hook.remove()
+            _PENDING.pop(diloco, None)
             same = local_digest(diloco) == expected
             found = diloco.communicator.inner.allgather(np.array([same], np.uint8), "deepreduce.diloco.restored")
             differ = [worker for worker, flag in enumerate(found) if not int(np.asarray(flag).reshape(-1)[0])]
@@ -91,7 +99,7 @@ class DiLoCoCheckpoint:
                                   "torch.distributed.checkpoint of the whole world keeps one node's copy of each "
                                   "shard: save each node apart (process_group=mesh['shard'].get_group(), a "
                                   "checkpoint_id per node)")
-        hook = diloco.inner.register_step_pre_hook(check)
+        hook = _PENDING[diloco] = diloco.inner.register_step_pre_hook(check)
 
 
 def local_digest(diloco) -> str:

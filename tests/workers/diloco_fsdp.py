@@ -126,6 +126,8 @@ def run_with_checkpoint(rank, steps, stop=None, directory=None, per_node=True):
         with diloco:
             for step in range(stop):
                 inner_step(model, opt, rank, step)
+                if directory is not None and step == 1:   # an earlier checkpoint, loaded first on resume
+                    dcp.save(dcp_state(model, opt, diloco), **dcp_place(mesh, directory + "-early", per_node))
         if directory is None:
             saved = saved_and_read_back(model, opt, diloco)
         else:
@@ -141,10 +143,11 @@ def run_with_checkpoint(rank, steps, stop=None, directory=None, per_node=True):
             dist.all_gather_object(node, saved["diloco"], group=mesh["shard"].get_group())
             peer = error_of(lambda: diloco.load_state_dict(node[1 - mesh["shard"].get_local_rank()]))
             diloco.load_state_dict(saved["diloco"])
-        else:
-            state = dcp_state(model, opt, diloco)
-            dcp.load(state, **where)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:   # the earlier checkpoint, then the one to resume from: the last load is the one checked
+            for place in (dcp_place(mesh, directory + "-early", per_node), where):
+                state = dcp_state(model, opt, diloco)
+                dcp.load(state, **place)
+                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = stop
     record_sent(diloco, sent)
     trained = []
@@ -201,6 +204,7 @@ def scenario_resume(rank):
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory + "-early", ignore_errors=True)
     return out
 
 
