@@ -138,3 +138,15 @@ def test_the_cpp_kernel_selects_what_the_array_version_selects(rows, chunk, k, t
     flat[rng.random(n) < 0.05] = -0.0
     k = min(k, chunk)
     np.testing.assert_array_equal(chunk_topk_positions(flat, chunk, k), array_chunk_topk_positions(flat, chunk, k))
+
+
+def test_the_cpp_kernel_selects_the_same_rows_on_any_number_of_threads():
+    """The kernel splits whole rows among its threads: 1, 2 and 3 threads, the same positions."""
+    from deepreduce.backend import kernels
+    module = kernels.native()
+    flat = np.random.default_rng(3).integers(-4, 5, 1024 * 300 + 77).astype(np.float32)   # ties everywhere
+    tail = chunks.tail_count(32, 77, 1024)
+    one = module.chunk_topk(flat, 1024, 32, tail, 1)
+    np.testing.assert_array_equal(one, chunk_topk_positions(flat, 1024, 32))
+    for threads in (2, 3):
+        np.testing.assert_array_equal(module.chunk_topk(flat, 1024, 32, tail, threads), one)

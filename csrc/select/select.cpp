@@ -381,14 +381,13 @@ void chunk_topk(const float* x, int64_t n, int64_t chunk, int64_t k, int64_t tai
         const float* v = x + start;
         t.keys.clear();
         t.columns.clear();
-        uint32_t bound = 0;
         const int64_t want = kc + kc / 2 + 1;  // keys the bound should let through
         if (len >= 256 && 8 * want < len) {
             t.order.clear();
             for (int64_t j = 0; j < len; j += 8) t.order.push_back(magnitude_key(v[j]));
             const int64_t pick = std::max<int64_t>(1, want / 8);
             std::nth_element(t.order.begin(), t.order.end() - pick, t.order.end());
-            bound = *(t.order.end() - pick);
+            const uint32_t bound = *(t.order.end() - pick);
             for (int64_t j = 0; j < len; ++j) {
                 const uint32_t key = magnitude_key(v[j]);
                 if (key >= bound) {

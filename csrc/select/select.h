@@ -1,9 +1,9 @@
 // Passes over whole float32 tensors for the pipeline's hot path (deepreduce._select):
 // compensation fused with the finiteness scan and the gathering of Top-r candidates, Top-r
-// radix selection with the project's tie rule, threshold and non-zero selection, and scatter-add
-// decode.
+// radix selection with the project's tie rule, chunked Top-k (rows of `chunk` elements, split
+// among the threads by whole rows), threshold and non-zero selection, and scatter-add decode.
 //
-// Every kernel splits its input into `threads` chunks of whole blocks and combines the chunks'
+// Every other kernel splits its input into `threads` chunks of whole blocks and combines the chunks'
 // results in chunk order, so the thread count never changes a result (callers bound threads by
 // deepreduce::check_threads, common/checks.h).
 #pragma once
