@@ -276,7 +276,10 @@ class HookRunner:
         self.method = torch_hooks.label(method)
         self.extra_warmup = torch_hooks.warmup_iterations(method)
         self.timer = torch_hooks.HookTimer(emulated_ranks=ranks)
-        self.model = DistributedDataParallel(gradient_module([t.shape for t in targets]))
+        # the module's parameters on the gradients' device: DDP checks them with a collective of
+        # the group's backend (nccl takes CUDA tensors only)
+        device = targets[0].device if targets else None
+        self.model = DistributedDataParallel(gradient_module([t.shape for t in targets]).to(device))
         self.state = torch_hooks.register(self.model, method, self.timer)
         self.targets = targets
 
