@@ -2,8 +2,9 @@
 # The GPU checks in one call, for a machine with a CUDA GPU and PyTorch but no Horovod (the lent
 # GPU machine of docs/benchmarks.md, "The torch device path"): build the C++ extensions in place,
 # run the tests that take a `cuda` device (the torch device path's byte identity with the core,
-# the DDP hook on CUDA parameters), then `deepreduce bench-step --device cuda` on ResNet-20's real
-# gradients and ResNet-50's shapes. Every step has its own time limit, so a slow or failing step
+# the DDP hook and DiLoCo on CUDA parameters, over gloo and one NCCL rank), then `deepreduce
+# bench-step --device cuda` on ResNet-50's shapes (per layer, as one tensor, in 25 MiB buckets) and
+# on ResNet-20's real gradients (every shipped config). Every step has its own time limit, so a slow or failing step
 # still leaves the others' logs in $OUT (default build/gpu_check); the tables print last.
 #
 #   ONLY="build bench" bash scripts/gpu_check.sh   # a subset of: build tests bench
@@ -46,9 +47,10 @@ sys.exit(args.func(args))')
 CONFIGS=(configs/topk_raw.yaml configs/bf_p0.yaml configs/bf_p2.yaml configs/bfp0_qsgd.yaml)
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet50 120 "${BENCH_STEP[@]}" --sets resnet50 --steps 5 --warmup 2 --device cuda "${CONFIGS[@]}"
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet50_flat 90 "${BENCH_STEP[@]}" --sets resnet50_flat --steps 5 --warmup 2 --device cuda "${CONFIGS[@]}"
+[[ " $ONLY " == *" bench "* ]] && step bench_resnet50_buckets 120 "${BENCH_STEP[@]}" --sets resnet50 --steps 5 --warmup 2 --device cuda --bucket-mb 25 configs/topk_raw.yaml configs/bf_p0.yaml
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet20 90 "${BENCH_STEP[@]}" --sets resnet20 --steps 5 --warmup 2 --device cuda
 
-for name in tests bench_resnet50 bench_resnet50_flat bench_resnet20; do
+for name in tests bench_resnet50 bench_resnet50_flat bench_resnet50_buckets bench_resnet20; do
     [[ -f "$OUT/$name.log" ]] && { echo "=== $name"; tail -n 25 "$OUT/$name.log"; }
 done
 cat "$OUT/summary.txt"

@@ -34,6 +34,10 @@ def test_sparse_hook_on_the_device_trains_alike_on_both_ranks(ranks):
         assert result["param_devices"] == [device] and result["pipeline_path"] == "device"
         np.testing.assert_array_equal(result["sparse_params"], results[0]["sparse_params"])
         assert np.isfinite(result["sparse_losses"]).all()
+        # per_parameter=False: one container per DDP bucket (the fast layout on a GPU)
+        np.testing.assert_array_equal(result["bucketed_params"], results[0]["bucketed_params"])
+        assert np.isfinite(result["bucketed_losses"]).all()
+        assert not np.array_equal(result["bucketed_params"], result["sparse_params"])   # another selection
         # Top-5% with a P0 Bloom index and raw values has a device implementation end to end
         assert result["host_fallback_warnings"] == []
 

@@ -23,15 +23,16 @@ from torch_ddp_hook import LOSSLESS, Net, batch  # noqa: E402
 from deepreduce.torch import DiLoCo, ddp  # noqa: E402
 
 TOPK_BLOOM = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "bloom", "policy": "p0"},
-              "value": "raw", "memory": "residual"}
+              "value": "raw", "memory": "residual", "min_numel": 0}   # every parameter compressed
 
 
-def make(device, compression=None, seed=0):
+def make(device, compression=None, seed=0, per_parameter=True, bucket_cap_mb=0.02):
     """(DDP model on ``device``, SGD, hook state or None): the same seed gives the same start."""
     torch.manual_seed(seed)
     net = Net().to(device)
-    model = DDP(net, bucket_cap_mb=0.02, device_ids=[device.index] if device.type == "cuda" else None)
-    state = None if compression is None else ddp.register(model, compression, path="device")
+    model = DDP(net, bucket_cap_mb=bucket_cap_mb, device_ids=[device.index] if device.type == "cuda" else None)
+    state = None if compression is None else ddp.register(model, compression, path="device",
+                                                           per_parameter=per_parameter)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
 
@@ -100,12 +101,16 @@ def run(rank, world, port, queue, device_name, backend="gloo"):
             warnings.simplefilter("always")
             sparse, sparse_opt, state = make(device, TOPK_BLOOM)
             losses = train(sparse, sparse_opt, rank, device, steps=6)
+            # a container per bucket, DDP's default 25 MB buckets: the whole model in one
+            bucketed, bucketed_opt, _ = make(device, TOPK_BLOOM, per_parameter=False, bucket_cap_mb=25)
+            bucketed_losses = train(bucketed, bucketed_opt, rank, device, steps=6)
         diloco_globals, diloco_devices, diloco_losses, outer_steps = diloco_on(device, rank)
         results = {"diloco_globals": diloco_globals, "diloco_devices": diloco_devices, "diloco_losses": diloco_losses,
                    "diloco_outer_steps": outer_steps,
                    "lossless_max_diff": float(np.abs(flat(lossless) - flat(reference)).max()),
                    "sparse_allreduce_max_diff": float(np.abs(flat(exact) - flat(reference)).max()),
                    "sparse_params": flat(sparse), "sparse_losses": losses,
+                   "bucketed_params": flat(bucketed), "bucketed_losses": bucketed_losses,
                    "param_devices": sorted({p.device.type for p in sparse.parameters()}),
                    "pipeline_path": state.pipeline.path,
                    "host_fallback_warnings": [str(w.message) for w in caught if "host" in str(w.message)]}
