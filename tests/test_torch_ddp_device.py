@@ -28,7 +28,7 @@ def test_lossless_hook_on_the_device_matches_ddp_allreduce(ranks):
         assert result["lossless_max_diff"] < 1e-5 and result["sparse_allreduce_max_diff"] < 1e-5
 
 
-def test_sparse_hook_on_the_device_trains_alike_on_both_ranks(ranks):
+def test_sparse_hook_on_the_device_trains_alike_on_every_rank(ranks):
     device, results = ranks
     for result in results.values():
         assert result["param_devices"] == [device] and result["pipeline_path"] == "device"
