@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import registry
-from .backend import arrays, kernels, native_pipeline, parallel
+from .backend import arrays, deferred_checks, kernels, native_pipeline, parallel
+from .backend.deferred_checks import DeferredChecks
 from .errors import (
     CommunicationError,
     ConfigError,
@@ -448,9 +449,12 @@ class Pipeline:
         (overwritten); otherwise a fresh array is returned.
         """
         start = time.perf_counter()
-        c = self._unpack(payload, expected_shape)
+        c = self._unpack(payload, expected_shape, like=out)
         target = _output(out, c.numel)
-        self._decode_into(c, target, accumulate=out is None)  # a fresh buffer is all zeros
+        checks = DeferredChecks() if arrays.is_torch(target) else None
+        self._decode_into(c, target, accumulate=out is None, checks=checks)  # a fresh buffer is all zeros
+        if checks is not None:
+            checks.settle()
         self.stats.tensors_decoded += 1
         self.stats.decode_seconds += time.perf_counter() - start
         return target.reshape(c.shape)
@@ -461,12 +465,15 @@ class Pipeline:
 
         Every container is decoded straight into one float32 buffer (``out``, overwritten, or a
         fresh array): sparse containers are scatter-added, dense ones added in place, so no
-        per-rank dense tensor is ever allocated.
+        per-rank dense tensor is ever allocated. Into a torch ``out`` the containers' checks
+        are read back together at the end (:mod:`deepreduce.backend.deferred_checks`), and a
+        container that is a tensor on ``out``'s device is decoded from its own sections there.
         """
         if len(payloads) == 0:
             raise CommunicationError("no containers to decode")
         target = None
         host = not arrays.is_torch(out)   # this rank's own containers are kept for the host path
+        checks = None if host else DeferredChecks()
         for rank, payload in enumerate(payloads):
             start = time.perf_counter()
             try:
@@ -479,19 +486,28 @@ class Pipeline:
                     self._add_own(own, target, accumulate=rank > 0 or out is None,
                                   check_sum=rank > 0 and self.nonfinite == "raise")
                 else:
-                    c = self._unpack(payload, expected_shape)
+                    c = self._unpack(payload, expected_shape, like=out)
                     if target is None:
                         target, expected_shape = _output(out, c.numel), c.shape
+                    if checks is not None:
+                        checks.context = f"rank {rank}: "
                     self._decode_into(c, target, accumulate=rank > 0 or out is None,
-                                      check_sum=rank > 0 and self.nonfinite == "raise")
+                                      check_sum=rank > 0 and self.nonfinite == "raise", checks=checks)
             except DeepReduceError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
             self.stats.decode_seconds += time.perf_counter() - start
+        if checks is not None:
+            start = time.perf_counter()
+            checks.settle()
+            self.stats.decode_seconds += time.perf_counter() - start
         return target.reshape(expected_shape)
 
-    def _unpack(self, payload, expected_shape) -> container.Container:
-        return container.unpack(payload, expected_shape, self.max_numel)
+    def _unpack(self, payload, expected_shape, like=None) -> container.Container:
+        """The parsed container; its sections stay on ``like``'s device when the payload is a
+        tensor there (:func:`deepreduce.wire.container.unpack`)."""
+        return container.unpack(payload, expected_shape, self.max_numel,
+                                sections_like=like if arrays.is_torch(like) else None)
 
     def _codec(self, kind: str, wire_id: int):
         key = (kind, wire_id)
@@ -502,7 +518,7 @@ class Pipeline:
         return codec
 
     def _decode_into(self, c: container.Container, out: np.ndarray, accumulate: bool,
-                     check_sum: bool = False) -> None:
+                     check_sum: bool = False, checks: Optional[DeferredChecks] = None) -> None:
         """Add (``accumulate``) or write the container's tensor into the flat float32 ``out``
         (adding into a fresh all-zero buffer spares a pass that would zero it again).
 
@@ -512,26 +528,28 @@ class Pipeline:
 
         Validity checks cost O(n): index bounds, and distinct indices (strictly ascending where
         the index codec decodes to the ascending set, else on a sorted copy of the n indices).
+        ``checks`` (torch ``out``): they are recorded there, read by the caller.
         """
         a = arrays.adapter(out)
         if c.dense:
             dense = a.from_section(c.value_section, "<f4", out)
-            _check_finite(c, dense, "dense section")
+            _check_finite(c, dense, "dense section", checks)
             if accumulate:
                 out += dense
             else:
                 out[...] = dense
-            if check_sum and not all_finite(out):
-                raise _sum_overflow()
+            if check_sum:
+                _expect_finite(out, _sum_overflow, checks)
             return
-        indices, values, keeps_order = self._entries(c, out)
+        indices, values, keeps_order = self._entries(c, out, checks)
         if not accumulate:
             out[...] = 0.0
-        kernels.scatter_add(out, indices, values, not keeps_order, self.threads)
-        if check_sum and not all_finite(out[indices]):
-            raise _sum_overflow()
+        kernels.scatter_add(out, indices, values, not keeps_order, self.threads, checks)
+        if check_sum:
+            _expect_finite(out[indices if checks is None else deferred_checks.in_range(indices, out.shape[0])],
+                           _sum_overflow, checks)
 
-    def _entries(self, c: container.Container, out):
+    def _entries(self, c: container.Container, out, checks: Optional[DeferredChecks] = None):
         """(positions, values in index order, whether the index codec kept the sender's order) of
         a sparse container, decoded like ``out`` (NumPy, or torch on its device) and checked:
         counts, finiteness, the permutation. ``out.shape[0]`` is the tensor's element count."""
@@ -556,7 +574,7 @@ class Pipeline:
             raise ContainerError(
                 f"container decoded to {len(indices)} indices and {len(values)} values, header says {c.n}"
             )
-        _check_finite(c, values, "values")
+        _check_finite(c, values, "values", checks)
         if c.permuted:  # value j belongs to indices[perm[j]]: put the values in index order
             perm = bitpack.unpack(c.perm_section, c.perm_width, c.n).astype(np.int64)
             if c.n and (perm.max() >= c.n or np.bincount(perm, minlength=c.n).max() != 1):
@@ -658,12 +676,23 @@ def check_warmup(owner: str, value) -> int:
     return value
 
 
-def _check_finite(c: container.Container, values: np.ndarray, what: str) -> None:
+def _check_finite(c: container.Container, values: np.ndarray, what: str,
+                  checks: Optional[DeferredChecks] = None) -> None:
     """Finite in, finite out: a container without the NONFINITE flag must decode to finite values
-    (one pass over the ``n`` values, :func:`_all_finite`)."""
-    if c.nonfinite or not len(values) or all_finite(values):
+    (one pass over the ``n`` values, :func:`all_finite`; recorded in ``checks`` when given)."""
+    if not c.nonfinite and len(values):
+        _expect_finite(values, lambda: ContainerError(
+            f"container {what} hold NaN/Inf but its header does not carry the non-finite flag"), checks)
+
+
+def _expect_finite(values, error, checks: Optional[DeferredChecks]) -> None:
+    """Raise ``error()`` unless every entry of ``values`` is finite; with ``checks`` (torch
+    values) the check is recorded there instead of read now."""
+    if checks is None:
+        if not all_finite(values):
+            raise error()
         return
-    raise ContainerError(f"container {what} hold NaN/Inf but its header does not carry the non-finite flag")
+    checks.expect(arrays.adapter(values).finite_flag(values), error)
 
 
 def _sum_overflow() -> NonFiniteGradientError:
@@ -777,7 +806,7 @@ def _decoded(codec, out, section, decode):
     if codec.array_api:
         return decode(a.from_section(section, "<u1", out))
     arrays.host_fallback(f"{codec.kind} codec {codec.id!r} (decode)")
-    return a.from_numpy(np.asarray(decode(bytes(section))), out)
+    return a.from_numpy(np.asarray(decode(arrays.head_bytes(section, len(section)))), out)
 
 
 def as_flat_float32(grad, name: str):

@@ -184,6 +184,70 @@ def test_decode_sum_accumulates_into_a_device_buffer(device):
     np.testing.assert_array_equal(out.cpu().numpy(), expected)
 
 
+def _raw_container(indices, values, numel=100):
+    """A raw-index, raw-value container of ``numel`` elements as written (no checks at pack)."""
+    from deepreduce.wire import container
+
+    return container.pack(container.Container(
+        shape=(numel,), n=len(indices), index_id=0, value_id=0,
+        index_section=np.asarray(indices).astype("<u4").tobytes(),
+        value_section=np.asarray(values, dtype="<f4").tobytes()))
+
+
+RAW = {"sparsifier": {"id": "topk", "ratio": 0.05}, "index": {"id": "raw"}, "value": {"id": "raw"},
+       "memory": {"id": "none"}}
+
+
+@pytest.mark.parametrize("indices,values,message", [
+    ([3, 9, 3], [1, 1, 1], "repeats an index"), ([5, 100], [1, 1], "out of range"),
+    ([5, 4000000], [1, 1], "out of range"), ([1, 2], [np.nan, 1], "hold NaN/Inf")])
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-payloads", "device-payloads"])
+def test_device_decode_rejects_what_the_host_rejects(device, indices, values, message, on_device):
+    """The device decode's checks are read back once, after the scatter (deferred_checks): the
+    error is the host path's, names the rank, an out-of-range index never reaches the device's
+    scatter, and the device decodes correctly afterwards."""
+    pipe = torch_build(deepreduce.build(RAW), path="device")
+    good, bad = _raw_container([1, 2], [1.0, 2.0]), _raw_container(indices, values)
+    wrap = (lambda p: torch.from_numpy(p).to(device)) if on_device else (lambda p: p)
+    with pytest.raises(deepreduce.ContainerError, match=message):
+        pipe.core.decode(np.asarray(bad))
+    out = torch.zeros(100, device=device)
+    with pytest.raises(deepreduce.ContainerError, match=message):
+        pipe.decode(wrap(bad), out=out)
+    with pytest.raises(deepreduce.ContainerError, match="rank 1: .*" + message):
+        pipe.decode_sum([wrap(good), wrap(bad), wrap(good)], out=out)
+    pipe.decode_sum([wrap(good), wrap(good)], out=out)
+    expected = np.zeros(100, np.float32)
+    expected[[1, 2]] = [2.0, 4.0]
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+
+
+def test_device_decode_sum_overflow_and_first_failure_named(device):
+    """nonfinite='raise': finite values whose sum overflows raise on the device as on the host;
+    of two bad containers the first (in rank order) is reported."""
+    pipe = torch_build(deepreduce.build(dict(RAW, nonfinite="raise")), path="device")
+    big = _raw_container([7], [3e38])
+    out = torch.zeros(100, device=device)
+    with pytest.raises(deepreduce.NonFiniteGradientError, match="rank 1: the sum of the ranks"):
+        pipe.decode_sum([big, big], out=out)
+    with pytest.raises(deepreduce.ContainerError, match="rank 1: .*repeats an index"):
+        pipe.decode_sum([big, _raw_container([3, 3], [1, 1]), _raw_container([1], [np.inf])], out=out)
+
+
+def test_device_payload_sections_stay_on_the_device(device):
+    """A container that is a tensor on the output's device is decoded from slices of itself."""
+    from deepreduce.wire import container
+
+    payload = torch.from_numpy(_raw_container([4, 8], [0.5, -1.5])).to(device)
+    like = torch.zeros(1, device=device)
+    c = container.unpack(payload, sections_like=like)
+    if device.type == "cpu":   # a host payload's sections are bytes
+        assert isinstance(c.index_section, bytes)
+    else:
+        assert c.index_section.device == device and c.value_section.data_ptr() == payload[-12:-4].data_ptr()
+    assert bytes(arrays.head_bytes(c.value_section, 8)) == np.array([0.5, -1.5], "<f4").tobytes()
+
+
 def test_host_fallback_warns_once_naming_the_component():
     arrays._fallbacks.discard("value codec 'dexp'")
     dev = torch_build("configs/dexp.yaml", path="device")

@@ -239,7 +239,11 @@ class TorchAdapter(Adapter):
     def all_finite(self, x) -> bool:
         """One float64 sum, NaN/Inf exactly when an entry is (float32 magnitudes cannot overflow
         it), without a boolean tensor."""
-        return bool(self.torch.isfinite(x.sum(dtype=self.torch.float64)))
+        return bool(self.finite_flag(x))
+
+    def finite_flag(self, x):
+        """:meth:`all_finite` as a 0-d boolean tensor on ``x``'s device (nothing read back)."""
+        return self.torch.isfinite(x.sum(dtype=self.torch.float64))
 
     def from_numpy(self, x: np.ndarray, like=None):
         x = np.ascontiguousarray(x)

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..errors import ContainerError
-from . import _native, arrays
+from . import _native, arrays, deferred_checks
 
 BLOCK = 4096  # compensation blocks: a non-finite block is never added into the residual
 
@@ -89,28 +89,39 @@ def _add_and_take_out_finite_blocks(flat: np.ndarray, residual: np.ndarray) -> N
             part -= block
 
 
-def check_indices(indices: np.ndarray, numel: int, ascending: bool) -> None:
+def check_indices(indices: np.ndarray, numel: int, ascending: bool, checks=None) -> None:
     """ContainerError unless ``indices`` are distinct positions in ``[0, numel)``, in O(n).
 
     ``ascending``: the codec promises strictly ascending indices, so one comparison of
     neighbours checks both the promise and uniqueness; otherwise uniqueness is checked on a
-    sorted copy of the ``n`` indices.
+    sorted copy of the ``n`` indices. ``checks`` (a :class:`~deepreduce.backend.deferred_checks.
+    DeferredChecks`, torch only): the checks are recorded there instead of read now.
     """
     xp, n = arrays.namespace(indices), indices.shape[0]
     if n == 0:
         return
-    if ascending:
-        if n > 1 and not bool(xp.all(indices[1:] > indices[:-1])):
-            raise ContainerError("container indices are not strictly ascending although the index codec "
-                                 "promises ascending order (an index is repeated or out of order)")
-        low, high = int(indices[0]), int(indices[-1])
-    else:
-        ordered = xp.sort(indices)
-        if n > 1 and not bool(xp.all(ordered[1:] != ordered[:-1])):
-            raise ContainerError("container repeats an index")
-        low, high = int(ordered[0]), int(ordered[-1])
-    if low < 0 or high >= numel:
-        raise ContainerError(f"container index out of range for a tensor of {numel} elements")
+    ordered = indices if ascending else xp.sort(indices)
+    if checks is not None:
+        if n > 1:
+            distinct = ordered[1:] > ordered[:-1] if ascending else ordered[1:] != ordered[:-1]
+            checks.expect(distinct.all(), lambda: ContainerError(_REPEATED[ascending]))
+        checks.expect((ordered[0] >= 0) & (ordered[-1] < numel), lambda: _out_of_range(numel))
+        return
+    if n > 1:
+        distinct = ordered[1:] > ordered[:-1] if ascending else ordered[1:] != ordered[:-1]
+        if not bool(xp.all(distinct)):
+            raise ContainerError(_REPEATED[ascending])
+    if int(ordered[0]) < 0 or int(ordered[-1]) >= numel:
+        raise _out_of_range(numel)
+
+
+_REPEATED = {True: "container indices are not strictly ascending although the index codec promises "
+                   "ascending order (an index is repeated or out of order)",
+             False: "container repeats an index"}
+
+
+def _out_of_range(numel: int) -> ContainerError:
+    return ContainerError(f"container index out of range for a tensor of {numel} elements")
 
 
 def _host_kernel(values, dtype=np.float32):
@@ -171,12 +182,14 @@ def _range_like(values, n: int):
 
 
 def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascending: bool,
-                threads: int = 1) -> None:
+                threads: int = 1, checks=None) -> None:
     """``out[indices] += values`` after :func:`check_indices` (``out`` flat float32, written in place;
-    a torch ``out`` is accumulated on its device)."""
+    a torch ``out`` is accumulated on its device; with ``checks`` the index checks are deferred
+    there and the positions clamped into range meanwhile)."""
     if arrays.is_torch(out):
-        check_indices(indices, out.shape[0], ascending)
-        arrays.adapter(out).scatter_add(out, indices, values)
+        check_indices(indices, out.shape[0], ascending, checks)
+        safe = indices if checks is None else deferred_checks.in_range(indices, out.shape[0])
+        arrays.adapter(out).scatter_add(out, safe, values)
         return
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.float32)

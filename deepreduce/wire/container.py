@@ -186,8 +186,12 @@ def _as_bytes(payload) -> bytes:
 
 def _in_place(payload):
     """A host payload (a 1-D contiguous uint8 array: every host receive and its :func:`split`
-    segments) as a memoryview of itself, so that :func:`unpack` reads the header and checksum
-    where the bytes lie and copies each section once; any other payload as bytes."""
+    segments, or a CPU uint8 tensor as the torch bindings hold it) as a memoryview of itself, so
+    that :func:`unpack` reads the header and checksum where the bytes lie and copies each section
+    once; any other payload (a device tensor: one copy to the host) as bytes."""
+    if arrays.is_torch(payload) and payload.is_cpu and payload.dtype == arrays.namespace(payload).uint8 \
+            and payload.ndim == 1 and payload.is_contiguous():
+        payload = payload.numpy()
     if type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1 \
             and payload.flags.c_contiguous:
         return memoryview(payload)
@@ -325,11 +329,15 @@ def check_size(shape: Tuple[int, ...], n: int, expected_shape=None, max_numel: i
         raise ContainerError(f"container claims {n} values for a tensor of {numel} elements")
 
 
-def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Container:
+def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL, sections_like=None) -> Container:
     """Parse and check one container (v1 or v2); raise ContainerError on any inconsistency.
 
     ``expected_shape``: the shape the receiver expects (CommunicationError if the header names
     another); without one, a header claiming more than ``max_numel`` elements is refused.
+    ``sections_like`` (a torch tensor): when the payload is a tensor on that tensor's device
+    (a collective's result on the device path), the header and checksum are read on one host
+    copy and the index and value sections are returned as slices of the payload there, so a
+    decode on the device never uploads them again.
     """
     buf = _in_place(payload)
     native = _native.load("container")
@@ -343,8 +351,17 @@ def unpack(payload, expected_shape=None, max_numel: int = MAX_NUMEL) -> Containe
     c = b + pv
     d = c + li
     e = d + lv
+    on_device = sections_like is not None and arrays.is_torch(payload) and not payload.is_cpu \
+        and payload.device == sections_like.device
+    sections = payload if on_device else buf
     return Container(h.shape, h.n, h.index_id, h.value_id, h.flags, h.perm_width, bytes(buf[a:b]), bytes(buf[b:c]),
-                     bytes(buf[c:d]), bytes(buf[d:e]), bytes(buf[e:e + lp]), h.digest, h.version, len(buf))
+                     _section(sections, c, d), _section(sections, d, e), bytes(buf[e:e + lp]), h.digest, h.version,
+                     len(buf))
+
+
+def _section(buf, start: int, end: int):
+    """Bytes ``start:end`` of a host buffer as ``bytes``, of a device tensor as a slice of it."""
+    return buf[start:end] if arrays.is_torch(buf) else bytes(buf[start:end])
 
 
 def _checked_header(buf: bytes, expected_shape, max_numel: int) -> _Header:
