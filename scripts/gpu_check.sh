@@ -7,7 +7,7 @@
 # on ResNet-20's real gradients (every shipped config). Every step has its own time limit, so a slow or failing step
 # still leaves the others' logs in $OUT (default build/gpu_check); the tables print last.
 #
-#   ONLY="build bench" bash scripts/gpu_check.sh   # a subset of: build tests bench
+#   ONLY="build bench" bash scripts/gpu_check.sh   # a subset of: build tests bench profile
 #   bash scripts/gpu_check.sh            # wheels of missing packages, if any, in .whl/ are installed first
 set -uo pipefail
 OUT=${OUT:-build/gpu_check}
@@ -49,8 +49,11 @@ CONFIGS=(configs/topk_raw.yaml configs/bf_p0.yaml configs/bf_p2.yaml configs/bfp
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet50_flat 90 "${BENCH_STEP[@]}" --sets resnet50_flat --steps 5 --warmup 2 --device cuda "${CONFIGS[@]}"
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet50_buckets 120 "${BENCH_STEP[@]}" --sets resnet50 --steps 5 --warmup 2 --device cuda --bucket-mb 25 configs/topk_raw.yaml configs/bf_p0.yaml
 [[ " $ONLY " == *" bench "* ]] && step bench_resnet20 90 "${BENCH_STEP[@]}" --sets resnet20 --steps 5 --warmup 2 --device cuda
+# where a step's time goes (torch.profiler and cProfile tables; not in the default set)
+[[ " $ONLY " == *" profile "* ]] && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} step profile 120 "$PY" scripts/gpu_profile.py \
+    --device cuda --sets resnet50_flat configs/topk_raw.yaml configs/bf_p0.yaml
 
-for name in tests bench_resnet50 bench_resnet50_flat bench_resnet50_buckets bench_resnet20; do
+for name in tests bench_resnet50 bench_resnet50_flat bench_resnet50_buckets bench_resnet20 profile; do
     [[ -f "$OUT/$name.log" ]] && { echo "=== $name"; tail -n 25 "$OUT/$name.log"; }
 done
 cat "$OUT/summary.txt"

@@ -13,7 +13,6 @@ import cProfile
 import io
 import pstats
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from experiments.cli import bench_step
