@@ -70,6 +70,19 @@ def test_streaming_applies_fragments_in_turn(ranks):
     assert any(not np.array_equal(a[1], b[1]) for a, b in zip(r["after"], others["after"]))
 
 
+def test_delta_buffers_are_held_only_while_a_reduction_is_in_flight(ranks):
+    """No Δ buffer persists between outer steps: with fragments synced every 2 inner steps
+    (H = 4, two fragments) and a delay of 2, a fragment's buffer exists from its sync step until
+    it is applied 2 steps later, then is freed (nothing else keeps a reference): of all the
+    buffers allocated, only the one of the reduction in flight at the end is alive."""
+    for r in every(ranks, "scenario_delta_buffers"):
+        assert r["outer_steps"] >= 6
+        assert all(sum(held) <= 1 for held in r["held"])          # one fragment in flight at a time
+        assert r["held"][1] == [False, True] and r["held"][3] == [True, False]   # steps 2 and 4 sync
+        assert r["allocated"] == r["outer_steps"] + 1 >= 7   # one per reduction; the last still in flight
+        assert r["alive"] == 1
+
+
 def test_error_feedback_conserves_the_pseudo_gradients(ranks):
     for r in every(ranks, "scenario_conservation"):
         assert r

@@ -221,8 +221,9 @@ def test_hsdp_semisync_row_quick(tmp_path):
         assert stats["outer_steps"] == stats["inner_steps"] == 4
         parts = extra["state_parts"]
         assert extra["state_bytes"] == sum(parts.values()) and parts["outer"] == 0   # plain SGD: no state
-        # the float32 θ_global and Δ of the shard, and a float32 accumulator per tensor (min_numel 0)
-        assert parts["globals"] == parts["deltas"] == extra["shard_bytes"]
+        # the float32 θ_global of the shard (no Δ is kept once applied), and a float32 accumulator
+        # per tensor (min_numel 0)
+        assert parts["globals"] == extra["shard_bytes"] and parts["deltas"] == 0
         assert extra["shard_bytes"] <= parts["compressor"] <= extra["shard_bytes"] + 4096
     assert [p["step"] for p in record["curve"]][-1] == 4
     assert any(f"target {name} within 2%" in n for n in result.notes)

@@ -17,13 +17,8 @@ items, :mod:`deepreduce.torch.diloco_items`: over torch.distributed one item who
 fragment's parameters, over Horovod one item per parameter, with ``flat=True`` the fragment as one
 tensor), ``finish`` (decide, average, commit or undo the residuals, raise on every rank).
 
-With ``sync_every="auto"`` the first inner steps are timed without syncing, then the workers
-measure the link and the config's codec and adopt rank 0's choice of H
-(:mod:`deepreduce.torch.diloco_period`, the model of :mod:`deepreduce.collective.sync_period`).
-
-A model sharded by FSDP2 (DTensor parameters) is synchronised shard by shard: each rank snapshots,
-reduces and steps its local shard over ``group``, the ranks holding the same shard on other nodes
-(:mod:`deepreduce.torch.diloco_shards`).
+A model sharded by FSDP2 is synchronised shard by shard over ``group``, the ranks holding the
+same shard on other nodes (:mod:`deepreduce.torch.diloco_shards`).
 
 A reduction that fails (a peer's error, ``nonfinite: raise``) raises on every worker; the
 fragment's global parameters, outer optimizer state and residuals stay as before, and its local
@@ -32,24 +27,23 @@ optimizer and ``stats()["nonfinite_propagated"]`` counts it.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from ..collective import agreement, sync_period
+from ..collective import sync_period
 from ..collective.fragments import split
 from ..collective.step import StepEngine
 from ..errors import ConfigError
 from . import diloco_state
 from .arguments import build_pipeline
-from .diloco_arguments import OWNER, check_optimizers, hyperparameters, trainable
+from .diloco_arguments import OWNER, check_flat, check_optimizers, trainable
 from .diloco_dcp import DiLoCoCheckpoint
 from .diloco_items import fragment_items
 from .diloco_outer import outer_step, pseudo_gradient
 from .diloco_period import PROBE_STEPS, schedule_or_auto
 from .diloco_shards import check_sharded, local, local_numel
-from .diloco_state import InFlight
+from .diloco_state import InFlight, agreed_layout
 from .diloco_transport import open_transport
 from .tensors import TorchTensors
 
@@ -83,21 +77,19 @@ class DiLoCo:
         self.named = trainable(model)
         check_optimizers(inner_optimizer, outer_optimizer, [p for _, p in self.named])
         check_sharded(self.named, backend, group)
+        check_flat(flat)
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.pipeline = build_pipeline(compression, path, spare_buffers=False)
         self.period, self.schedule = schedule_or_auto(sync_every, self.pipeline, fragments, delay, alpha,
                                                       auto_candidates, auto_slack, auto_probe_steps, auto_inputs)
         fragments = self.schedule.fragments if self.schedule is not None else self.period.fragments
         self.groups = split([local(p).numel() for _, p in self.named], fragments, OWNER)
-        if not isinstance(flat, bool):
-            raise ConfigError(f"{OWNER}: flat must be True or False, got {flat!r}")
         self.communicator, allreduce, self._broadcast, self._release = open_transport(backend, group, OWNER)
         self.layout = "flat" if flat else "bundled" if backend == "torch" else "per_parameter"
         self.engine = StepEngine(self.pipeline, self.communicator, TorchTensors(), allreduce, average=True,
                                  background=background, allreduce_averages=False, worker="deepreduce-diloco")
-        device = self.named[0][1].device
-        self.deltas = [torch.zeros(local_numel(self.named, g), dtype=torch.float32, device=device)
-                       for g in self.groups]
+        self.device = self.named[0][1].device
+        self.deltas: List[Optional[torch.Tensor]] = [None] * len(self.groups)   # see delta_buffer
         self.step_count = 0                      # inner steps counted
         self.rounds = [0] * len(self.groups)     # reductions submitted per fragment
         self.outer_steps = 0                     # reductions applied
@@ -121,13 +113,7 @@ class DiLoCo:
     def _agree(self) -> None:
         """The engine's agreement: parameters, config, schedule, outer optimizer and inner step
         equal on every worker, or the same CommunicationError on each."""
-        label, digest = agreement.compressor_identity(self.pipeline)
-        outer = f"outer {type(self.outer).__name__} {hyperparameters(self.outer)}"
-        schedule = self.period.describe() if self.schedule is None else self.schedule.describe()
-        extra = f"; {schedule}; {outer}; inner step {self.step_count}; {self.layout} items"
-        digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
-        tensors = [(n, tuple(local(p).shape), str(p.dtype).replace("torch.", "")) for n, p in self.named]
-        self.engine.begin(agreement.Layout((label + extra, digest), tensors, "parameter"), OWNER)
+        self.engine.begin(agreed_layout(self), OWNER)
         self._agreed = True
 
     # ------------------------------------------------------------------ the loop
@@ -139,8 +125,7 @@ class DiLoCo:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
-        """Remove the hook; on a normal exit, wait for a reduction in flight (it is applied at its
-        due step if training goes on)."""
+        """Remove the hook; on a normal exit, wait for a reduction in flight (applied when due)."""
         hook, self._hook = self._hook, None
         if hook is not None:
             hook.remove()
@@ -171,13 +156,22 @@ class DiLoCo:
         self.schedule = self.period.schedule()
         self._agree()
 
+    def delta_buffer(self, fragment: int) -> torch.Tensor:
+        """The fragment's float32 Δ buffer: allocated when its reduction is submitted and dropped
+        once it is applied, so between outer steps a worker keeps no Δ (its persistent state is
+        θ_global, the compressor's and the outer optimizer's)."""
+        if self.deltas[fragment] is None:
+            self.deltas[fragment] = torch.empty(local_numel(self.named, self.groups[fragment]),
+                                                dtype=torch.float32, device=self.device)
+        return self.deltas[fragment]
+
     def _parts(self, fragment: int):
         """(name, parameter, global copy, Δ view) of each parameter of ``fragment``."""
-        at, out = 0, []
+        at, out, delta = 0, [], self.delta_buffer(fragment)
         for i in self.groups[fragment]:
             name, p = self.named[i]
             numel = local(p).numel()
-            out.append((name, p, self.globals[i], self.deltas[fragment][at:at + numel]))
+            out.append((name, p, self.globals[i], delta[at:at + numel]))
             at += numel
         return out
 
@@ -186,7 +180,7 @@ class DiLoCo:
         pseudo_gradient(parts)
         round_ = self.rounds[fragment]
         self.rounds[fragment] += 1
-        for item in fragment_items(self.layout, fragment, round_, self.deltas[fragment], parts, self.pipeline.core):
+        for item in fragment_items(self.layout, fragment, round_, self.delta_buffer(fragment), parts, self.pipeline.core):
             self.engine.submit(item)
         self.in_flight = InFlight(fragment, self.step_count + self.schedule.delay, round_)
 
@@ -200,7 +194,7 @@ class DiLoCo:
         try:
             self.engine.finish(flight.round, [name for name, _, _, _ in parts])
         except Exception:
-            self.in_flight = None
+            self.in_flight, self.deltas[flight.fragment] = None, None
             with torch.no_grad():
                 for _, p, g, _ in parts:
                     local(p).copy_(g.view_as(local(p)))
@@ -212,13 +206,13 @@ class DiLoCo:
         self.wait()
         fragment, self.in_flight = self.in_flight.fragment, None
         outer_step(self.outer, [p for _, p in self.named], self._parts(fragment), self.schedule.alpha)
+        self.deltas[fragment] = None
         self.outer_steps += 1
         self.last_applied = fragment
 
     # ------------------------------------------------------------------ statistics, checkpoints, life
     def stats(self) -> dict:
-        """The engine's figures and the outer loop's (:func:`deepreduce.torch.diloco_state.stats`
-        lists them: outer steps, bytes, bits per parameter per inner step, the auto choice of H)."""
+        """The engine's figures and the outer loop's (:func:`deepreduce.torch.diloco_state.stats`)."""
         return diloco_state.stats(self)
 
     def state_dict(self) -> dict:
@@ -230,8 +224,7 @@ class DiLoCo:
         return diloco_state.save(self)
 
     def distributed_checkpoint(self) -> DiLoCoCheckpoint:
-        """This rank's state as a ``torch.distributed.checkpoint`` Stateful, to save and load beside
-        a sharded model and optimizer (:mod:`deepreduce.torch.diloco_dcp`)."""
+        """This rank's state as a DCP Stateful (:mod:`deepreduce.torch.diloco_dcp`)."""
         return DiLoCoCheckpoint(self)
 
     def load_state_dict(self, state: dict) -> None:

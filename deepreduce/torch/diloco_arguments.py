@@ -38,6 +38,11 @@ def check_optimizers(inner, outer, params) -> None:
                           "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
 
 
+def check_flat(flat) -> None:
+    if not isinstance(flat, bool):
+        raise ConfigError(f"{OWNER}: flat must be True or False, got {flat!r}")
+
+
 def hyperparameters(optimizer) -> str:
     """The outer optimizer's settings (every group's, without its parameters), for the agreement."""
     return repr([{k: v for k, v in sorted(group.items()) if k != "params"} for group in optimizer.param_groups])

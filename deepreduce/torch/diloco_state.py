@@ -15,12 +15,15 @@ schedule, model or config is a ConfigError naming the field.
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import torch
 
 from .. import checkpoint
+from ..collective import agreement
 from ..errors import ConfigError, quote
 from .checkpoint import compression_state_dict, load_compression_state_dict
+from .diloco_arguments import hyperparameters
 from .diloco_shards import is_sharded, local, local_numel
 
 FORMAT = 3   # 2: sync_period (the sync_every="auto" decision); 3: shards (which shard of each sharded parameter)
@@ -105,8 +108,9 @@ def load(diloco, state) -> None:
     with torch.no_grad():
         for g, value in zip(diloco.globals, globals_):
             g.copy_(value)
+        diloco.deltas = [None] * len(diloco.groups)
         if pending is not None:
-            diloco.deltas[pending[0]].copy_(pending[3])
+            diloco.delta_buffer(pending[0]).copy_(pending[3])
     diloco.in_flight = None if pending is None else InFlight(pending[0], pending[1], pending[2], finished=True)
     diloco.step_count, diloco.rounds, diloco.outer_steps = step, rounds, outer_steps
     if diloco.period is not None:
@@ -170,7 +174,7 @@ def _checked_pending(diloco, schedule, pending, step: int, rounds):
     if not isinstance(round_, int) or not 0 <= round_ < rounds[fragment]:
         raise ConfigError(f"{OWNER}: pending round {quote(round_)} of fragment {fragment} was never submitted")
     delta = pending["delta"]
-    numel = diloco.deltas[fragment].numel()
+    numel = local_numel(diloco.named, diloco.groups[fragment])
     if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (numel,):
         raise ConfigError(f"{OWNER}: pending delta must be a float32 tensor of {numel} elements, got {quote(delta)}")
     return fragment, due, round_, delta
@@ -198,3 +202,15 @@ def stats(loop) -> dict:
     if loop.period is not None:
         out["sync_period"] = None if loop.period.decision is None else dict(loop.period.decision)
     return out
+
+
+def agreed_layout(diloco) -> agreement.Layout:
+    """What the workers of ``diloco`` must agree on before an outer step: the parameters' local
+    shapes and dtypes, the config, schedule, outer optimizer, inner step and item layout."""
+    label, digest = agreement.compressor_identity(diloco.pipeline)
+    outer = f"outer {type(diloco.outer).__name__} {hyperparameters(diloco.outer)}"
+    schedule = diloco.period.describe() if diloco.schedule is None else diloco.schedule.describe()
+    extra = f"; {schedule}; {outer}; inner step {diloco.step_count}; {diloco.layout} items"
+    digest = hashlib.blake2b((digest + extra).encode(), digest_size=8).hexdigest()
+    tensors = [(n, tuple(local(p).shape), str(p.dtype).replace("torch.", "")) for n, p in diloco.named]
+    return agreement.Layout((label + extra, digest), tensors, "parameter")

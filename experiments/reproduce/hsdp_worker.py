@@ -110,7 +110,8 @@ class HSDPRunner(Runner):
 
 def diloco_state(diloco) -> dict:
     """The bytes a DiLoCo keeps on this rank between outer steps, by part: ``globals`` (the float32
-    θ_global of its shard), ``deltas`` (the float32 Δ buffer, allocated once and kept),
+    θ_global of its shard), ``deltas`` (a Δ buffer still held: none once every reduction is
+    applied, as at the end of a run; one lives from a fragment's submission to its application),
     ``compressor`` (the pipeline's state: the error-feedback accumulator), ``outer`` (the outer
     optimizer's state: none for plain SGD)."""
     from deepreduce.torch.fsdp_checkpoint import nbytes
@@ -123,7 +124,7 @@ def diloco_state(diloco) -> dict:
         return int(state.numel() * state.element_size()) if hasattr(state, "numel") else 0
 
     return {"globals": sum(g.numel() * g.element_size() for g in diloco.globals),
-            "deltas": sum(d.numel() * d.element_size() for d in diloco.deltas),
+            "deltas": sum(d.numel() * d.element_size() for d in diloco.deltas if d is not None),
             "compressor": nbytes(diloco.pipeline.core.state_dict()),
             "outer": tensors(diloco.outer.state_dict()["state"])}
 

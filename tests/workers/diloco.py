@@ -152,6 +152,26 @@ def scenario_flat(rank):
             "conservation": scenario_conservation(rank, flat=True)}
 
 
+def scenario_delta_buffers(rank):
+    """The Δ buffers live from a fragment's submission to its application only: after every inner
+    step, which fragments hold one; at the end, how many of the buffers ever allocated are still
+    alive (weak references, after a collection)."""
+    import gc
+    import weakref
+
+    model, opt, diloco = build(TOPK, 4, fragments=2, delay=2)
+    held, refs = [], []
+    with diloco:
+        for step in range(16):
+            inner_step(model, opt, rank, step)
+            held.append([d is not None for d in diloco.deltas])
+            refs += [weakref.ref(d) for d in diloco.deltas if d is not None and all(r() is not d for r in refs)]
+    diloco.close()
+    gc.collect()
+    return {"held": held, "allocated": len(refs), "alive": sum(r() is not None for r in refs),
+            "outer_steps": diloco.outer_steps}
+
+
 def record_sent(diloco, sent):
     """From now on append (name, step, container bytes) of every container ``diloco`` encodes to ``sent``."""
     encode = diloco.pipeline.encode
@@ -299,7 +319,7 @@ def scenario_nonfinite(rank):
 
 
 SCENARIOS = [scenario_equals_ddp, scenario_identical_globals, scenario_conservation, scenario_flat, scenario_resume,
-             scenario_checkpoint_refused, scenario_nonfinite, scenario_disagree]
+             scenario_checkpoint_refused, scenario_nonfinite, scenario_disagree, scenario_delta_buffers]
 
 
 def run(rank, world, port, queue):
