@@ -248,6 +248,15 @@ def test_device_payload_sections_stay_on_the_device(device):
     assert bytes(arrays.head_bytes(c.value_section, 8)) == np.array([0.5, -1.5], "<f4").tobytes()
 
 
+def test_u4_sections_widen_without_sign(device):
+    """Unsigned 32-bit words read from a section on the device equal NumPy's, the top bit included."""
+    words = np.array([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 123456789], dtype="<u4")
+    like = torch.zeros(1, device=device)
+    got = arrays.adapter(like).from_section(words.tobytes(), "<u4", like)
+    assert got.dtype == torch.int64 and got.device.type == device.type
+    np.testing.assert_array_equal(got.cpu().numpy(), words.astype(np.int64))
+
+
 def test_host_fallback_warns_once_naming_the_component():
     arrays._fallbacks.discard("value codec 'dexp'")
     dev = torch_build("configs/dexp.yaml", path="device")
