@@ -403,8 +403,8 @@ def notes(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict], p
             f"{DILOCO}: a different training algorithm at equal tokens: FSDP inside each node, no per-step "
             "reduction between nodes, DiLoCo over the replicate group every 5 steps (semisync_1bit, outer SGD "
             "lr 1.2) on each rank's shard, evaluated at outer steps; its state_B is what DiLoCo keeps per rank "
-            "(the float32 global parameters of the shard, the Δ buffer, the error-feedback accumulator, the "
-            "outer optimizer's state)")
+            "between outer steps (the float32 global parameters of the shard, the error-feedback accumulator, the "
+            "outer optimizer's state; a Δ buffer lives only while a reduction is in flight)")
     if timing is not None:
         result.notes.append(f"timed on {timing['cpus']} CPUs; qdisc {timing['qdisc'].get('100mbit', '')}")
     else:
