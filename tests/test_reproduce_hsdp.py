@@ -114,8 +114,8 @@ def test_link_groups_must_partition_the_ranks():
 QUICK_METHODS = ["lm_topk", "fsdp_topk", "rs_fsdp_topk"]
 
 
-def _record(out: str, name: str) -> dict:
-    plan = hsdp.budget(True)
+def _record(out: str, name: str, steps=None) -> dict:
+    plan = hsdp.budget(True, steps)
     method = hsdp.resolve([name], Result("x", "x", []), None)[name]
     path = replay_runs.train_path(os.path.join(out, "cache"), name, method, 0, hsdp.WORLD, plan, hsdp.PREFIX)
     with open(path, encoding="utf-8") as handle:
@@ -170,6 +170,31 @@ def test_hsdp_train_phase_quick(tmp_path):
     assert curves["fsdp_topk"]["step"][-1] == hsdp.QUICK.steps
     again = hsdp.run(out, quick=True, methods=QUICK_METHODS, phase="train", show_progress=False)
     assert again.rows == result.rows                                # cached: nothing retrained
+
+
+def test_reach_steps_continue_the_baselines_and_recommended_rows(tmp_path):
+    """``reach_steps`` trains the baselines and the recommended rows on past the budget; their first
+    steps are the equal-token runs' exactly, the table's loss stays at equal tokens, the step to
+    HSDP fp32's final loss is read from the longer runs, and other rows are not continued."""
+    out = str(tmp_path)
+    with pytest.raises(ValueError, match="reach_steps"):
+        hsdp.run(out, quick=True, methods=["fsdp_topk"], steps=4, phase="train", reach_steps=4)
+    methods = ["lm_topk", "fsdp_topk"]
+    equal = hsdp.run(out, quick=True, methods=methods, steps=4, phase="train", show_progress=False)
+    result = hsdp.run(out, quick=True, methods=methods, steps=4, phase="train", show_progress=False, reach_steps=8)
+    assert [r["final_loss"] for r in result.rows] == [r["final_loss"] for r in equal.rows]
+    longer, base = _record(out, "hsdp_fp32", 8), _record(out, "hsdp_fp32", 4)
+    assert longer["curve"][-1]["step"] == 8
+    first = {p["step"]: p["val_loss"] for p in base["curve"]}
+    assert all(p["val_loss"] == first[p["step"]] for p in longer["curve"] if p["step"] in first)
+    plan = hsdp.budget(True, 8)
+    lm_topk = hsdp.resolve(["lm_topk"], Result("x", "x", []), None)["lm_topk"]
+    assert not os.path.exists(replay_runs.train_path(os.path.join(out, "cache"), "lm_topk", lm_topk, 0, hsdp.WORLD,
+                                                     plan, hsdp.PREFIX))       # not a row of the time target
+    rows = {r["method"]: r for r in result.rows}
+    assert rows["hsdp_fp32"]["step_to_fp32"] == 4       # HSDP fp32 first reaches its own final loss at its end
+    note = next(n for n in result.notes if "continued to 8 steps" in n)
+    assert "fsdp_topk, hsdp_bf16, hsdp_fp32" in note and "at most 0 in validation loss" in note
 
 
 @pytest.mark.slow

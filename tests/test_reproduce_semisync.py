@@ -303,7 +303,7 @@ def test_reach_steps_continue_the_time_target_rows(tmp_path):
     assert "ddp_fp32, semisync_h30" in note and "at most 0 in validation loss" in note
     with pytest.raises(SystemExit, match="--reach-steps does not apply"):
         from deepreduce.cli import main as cli_main
-        cli_main(["reproduce", "hsdp", "--out", out, "--reach-steps", "20"])
+        cli_main(["reproduce", "quality", "--out", out, "--reach-steps", "20"])
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=None, help="quality, semisync, hsdp: training steps per method")
     parser.add_argument("--reach-steps", type=int, default=None,
                         help="semisync: also continue DDP (fp32, fp16), lm_topk and the shipped semi-synchronous rows to this many "
-                             "inner steps and read their time to DDP's final loss from those runs")
+                             "inner steps and read their time to DDP's final loss from those runs; hsdp: the same for "
+                             "HSDP fp32 and bf16, lm_qsgd and the recommended rows, to HSDP fp32's final loss")
     parser.add_argument("--seeds", default=None, help="semisync, hsdp: comma-separated seeds (default 0,1; quick: 0)")
     parser.add_argument("--workers", default=None, help="semisync: comma-separated worker counts (default 2,4)")
     parser.add_argument("--nodes", type=int, default=None,

@@ -174,7 +174,7 @@ QUICK = Budget(steps=8, eval_every=4, eval_windows=8, batch=2, lr=2e-3, warmup=4
                layers=2, heads=4, context=32, profile_steps=4, h_scale=5)   # H = 5 -> 1: outer steps at evaluations
 
 COLUMNS = ["method", "reduces", "final_loss", "spread", "vs_fp32_pct", "link_B_step", "link_vs_bf16",
-           "node_B_step", "state_B", "shard_B", "t_100mbit", "x_fp32_100mbit", "x_bf16_100mbit", "t_1gbit",
+           "node_B_step", "state_B", "shard_B", "step_to_fp32", "t_100mbit", "x_fp32_100mbit", "x_bf16_100mbit", "t_1gbit",
            "x_fp32_1gbit", "x_bf16_1gbit"]
 
 
@@ -256,11 +256,20 @@ def _timing(cache: str, plan: Budget) -> Optional[dict]:
         return json.load(handle)
 
 
+def reaching(methods: Dict[str, dict]) -> Dict[str, dict]:
+    """The rows ``reach_steps`` continues: the two baselines and the :data:`RECOMMENDED` rows (those
+    the time target is about), with ``lm_qsgd`` (the every-entry 8-bit row without the sparse all-reduce)."""
+    wanted = (BASELINE, HALF, "lm_qsgd", *RECOMMENDED)
+    return {name: method for name, method in methods.items() if name in wanted}
+
+
 def time_phase(methods: Dict[str, dict], runs: Dict[str, List[dict]], plan: Budget, data_path: str, cache: str,
-               timeout: float) -> None:
-    """Profile each row over loopback, then time its inter-node messages over the shaped link."""
+               timeout: float, extended: Optional[Dict[str, List[dict]]] = None) -> None:
+    """Profile each row over loopback, then time its inter-node messages (those of the ``extended``
+    runs too) over the shaped link."""
     profiles = replay_runs.profiles(WORKER, methods, list(runs), WORLD, plan, data_path, cache, timeout)
-    messages = replay_runs.messages_to_time((r for seeds in runs.values() for r in seeds), SIZES_PER_OP)
+    every = [r for group in (runs, extended or {}) for seeds in group.values() for r in seeds]
+    messages = replay_runs.messages_to_time(every, SIZES_PER_OP)
     links, qdiscs = replay_runs.time_links(messages, WORLD, BANDWIDTHS, cache, timeout, REPEATS, GROUPS, PREFIX)
     entry = {"world": WORLD, "profile": profiles, "links": links, "qdisc": qdiscs, "cpus": os.cpu_count()}
     with open(time_path(cache, plan), "w", encoding="utf-8") as handle:
@@ -270,7 +279,11 @@ def time_phase(methods: Dict[str, dict], runs: Dict[str, List[dict]], plan: Budg
 def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = None, steps: Optional[int] = None,
         seeds: Optional[Sequence[int]] = None, phase: str = "all", cache: Optional[str] = None,
         show_progress: bool = True, timeout: Optional[float] = None, configs_dir: Optional[str] = None,
-        nodes: int = NODES) -> Result:
+        nodes: int = NODES, reach_steps: Optional[int] = None) -> Result:
+    """``reach_steps``: also train :func:`reaching`'s rows to that many steps (more than the
+    budget's) and read the time to ``hsdp_fp32``'s final loss (at the budget) from those runs; as in
+    ``reproduce semisync`` their first steps are the equal-token runs' (the notes check it), and
+    the loss, bytes and memory columns stay at equal tokens."""
     from ..lm import data as lm_data
 
     if phase not in PHASES:
@@ -279,6 +292,9 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     if not seeds:
         raise ValueError("hsdp: at least one seed")
     plan = budget(quick, steps)
+    if reach_steps is not None and reach_steps <= plan.steps:
+        raise ValueError(f"hsdp: reach_steps ({reach_steps}) must exceed the budget's {plan.steps} steps")
+    longer = None if reach_steps is None else budget(quick, reach_steps)
     world, groups = layout(nodes)
     if nodes != NODES and phase != "train":
         raise ValueError(f"hsdp: --nodes {nodes} records bytes only (--phase train); the link replay "
@@ -296,7 +312,12 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     if phase in ("train", "all"):
         replay_runs.train_phase(WORKER, resolved, seeds, [world], plan, data_path, cache, timeout, show_progress,
                                 PREFIX)
+        if longer is not None:
+            replay_runs.train_phase(WORKER, reaching(resolved), seeds, [world], longer, data_path, cache, timeout,
+                                    show_progress, PREFIX)
     runs = replay_runs.load_records(resolved, seeds, [world], plan, cache, PREFIX).get(world, {})
+    extended = {} if longer is None else \
+        replay_runs.load_records(reaching(resolved), seeds, [world], longer, cache, PREFIX).get(world, {})
     missing = [f"{n} seed {s}" for n in resolved for s in seeds if len(runs.get(n, [])) <= seeds.index(s)]
     if missing:
         result.notes.append(f"not trained yet (run --phase train): {', '.join(missing)}")
@@ -306,10 +327,13 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
             result.notes.append(f"time phase SKIPPED: network namespaces are unavailable ({why}); it needs "
                                 "root with iproute2")
         elif phase == "time" or not set(runs) <= set((_timing(cache, plan) or {}).get("profile", {})):
-            time_phase(resolved, runs, plan, data_path, cache, timeout)   # again when a row has no profile
+            time_phase(resolved, runs, plan, data_path, cache, timeout, extended)   # again when a row has no profile
     timing = _timing(cache, plan) if nodes == NODES else None
-    curves = combine(result, runs, timing, resolved)
+    curves = combine(result, runs, timing, resolved, extended)
     notes(result, runs, timing, plan, seeds, nodes)
+    if longer is not None:
+        replay_runs.reach_note(result, {world: runs}, {world: extended}, plan.steps, longer.steps, "steps",
+                               "step_to_fp32", lambda _: "")
     targets(result)
     result.extra.update(budget=asdict(plan), seeds=seeds, world=world, groups=groups, curves=curves,
                         methods=resolved)
@@ -324,15 +348,18 @@ def _per_step(seeds: List[dict], values) -> float:
 
 
 def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
-            methods: Dict[str, dict]) -> Dict[str, dict]:
-    """The table's rows (into ``result``) and the mean loss curves against wall time."""
+            methods: Dict[str, dict], extended: Optional[Dict[str, List[dict]]] = None) -> Dict[str, dict]:
+    """The table's rows (into ``result``) and the mean loss curves against wall time; times (and
+    curves) from the ``extended`` runs of a row that has them for every seed of its equal-token runs."""
     if BASELINE not in runs:
         result.notes.append(f"no {BASELINE} run: the baseline of every comparison")
         return {}
-    clocks = replay_runs.clocks(runs, timing, BANDWIDTHS)
+    timed_runs = {name: (extended or {})[name] if len((extended or {}).get(name, ())) == len(seeds) else seeds
+                  for name, seeds in runs.items()}
+    clocks = replay_runs.clocks(timed_runs, timing, BANDWIDTHS)
     base_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[BASELINE]])
     reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), base_loss) for net, _ in BANDWIDTHS}
-             for name, seeds in runs.items()}
+             for name, seeds in timed_runs.items()}
     bounds = []
     for ref in (BASELINE, HALF):        # a baseline that ends above the target: its whole run, a lower bound
         for net, _ in BANDWIDTHS:
@@ -354,7 +381,8 @@ def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
                "link_vs_bf16": link / half if half else None,
                "node_B_step": _per_step(seeds, lambda r: [sent for sent, _ in r["inside"]]),
                "state_B": max((e["state_bytes"] for e in extra), default=None),
-               "shard_B": max((e["shard_bytes"] for e in extra), default=None)}
+               "shard_B": max((e["shard_bytes"] for e in extra), default=None),
+               "step_to_fp32": replay_runs.step_to(timed_runs[name], base_loss)}
         for net, _ in BANDWIDTHS:
             t = reach[name][net]
             row[f"t_{net}"] = t
@@ -362,7 +390,7 @@ def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
                 base = reach.get(ref, {}).get(net)
                 row[f"x_{col}_{net}"] = base / t if (t and base) else None
         result.rows.append(row)
-        curves[name] = replay_runs.mean_curve(seeds, clocks.get(name, {}))
+        curves[name] = replay_runs.mean_curve(timed_runs[name], clocks.get(name, {}))
     return curves
 
 

@@ -110,6 +110,30 @@ def reach(seeds: List[dict], clocks: Optional[List[List[float]]], target: float)
     return None if any(t is None for t in times) else sum(times) / len(times)
 
 
+def step_to(seeds: List[dict], target: float) -> Optional[float]:
+    """Mean over seeds of the first evaluated step at or below ``target`` (None: a seed never gets there)."""
+    steps = [next((p["step"] for p in r["curve"] if p["step"] > 0 and p["val_loss"] <= target), None) for r in seeds]
+    return None if any(s is None for s in steps) else sum(steps) / len(steps)
+
+
+def reach_note(result, records: Dict[int, Dict[str, List[dict]]], extended: Dict[int, Dict[str, List[dict]]],
+               steps: int, longer: int, unit: str, step_column: str, prefix: Callable[[int], str]) -> None:
+    """A note per world size: which rows were continued to ``longer`` steps for their times, and
+    whether their first ``steps`` steps are the equal-token runs' (the largest difference of
+    validation loss at the steps both evaluated)."""
+    for world, runs in sorted(extended.items()):
+        gaps = []
+        for name, seeds in runs.items():
+            for base, run in zip(records.get(world, {}).get(name, []), seeds):
+                old = {p["step"]: p["val_loss"] for p in base["curve"]}
+                gaps += [abs(p["val_loss"] - old[p["step"]]) for p in run["curve"] if p["step"] in old]
+        result.notes.append(
+            f"{prefix(world)}t_<net>, x_* and {step_column} of {', '.join(sorted(runs))} from runs continued to "
+            f"{longer} {unit} (the final_loss, bytes and state columns stay at {steps}); over their first "
+            f"{steps} {unit} these runs differ from the equal-token runs by at most {max(gaps, default=0.0):.2g} "
+            "in validation loss")
+
+
 def mean_curve(seeds: List[dict], clocks: Dict[str, List[List[float]]]) -> dict:
     """Mean validation loss at each evaluation step, and the mean wall time there per bandwidth."""
     steps = [p["step"] for p in seeds[0]["curve"]]

@@ -194,7 +194,8 @@ def run(out_dir: str, quick: bool = False, methods: Optional[Sequence[str]] = No
     curves = combine(result, records, timing, resolved, extended)
     notes(result, records, timing, plan, seeds)
     if longer is not None:
-        _reach_note(result, records, extended, plan, longer)
+        replay_runs.reach_note(result, records, extended, plan.steps, longer.steps, "inner steps", "step_to_ddp",
+                               lambda world: f"{world} workers: ")
     targets(result, records)
     result.extra.update(budget=asdict(plan), seeds=seeds, workers=workers, curves=curves,
                         methods={n: m for n, m in resolved.items()})
@@ -227,7 +228,7 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
                    "sent_bppis": _bits(seeds, "sent_bytes", params, steps),
                    "recv_bppis": _bits(seeds, "received_bytes", params, steps),
                    "outer_steps": seeds[0]["outer_steps"],
-                   "step_to_ddp": step_to(timed_runs[name], ddp_loss)}
+                   "step_to_ddp": replay_runs.step_to(timed_runs[name], ddp_loss)}
             for net, _ in BANDWIDTHS:
                 t = reach[name][net]
                 row[f"t_{net}"] = t
@@ -237,28 +238,6 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
             result.rows.append(row)
             curves[f"{world}/{name}"] = replay_runs.mean_curve(timed_runs[name], clocks.get(name, {}))
     return curves
-
-
-def step_to(seeds: List[dict], target: float) -> Optional[float]:
-    """Mean over seeds of the first evaluated inner step at or below ``target`` (None: a seed never gets there)."""
-    steps = [next((p["step"] for p in r["curve"] if p["step"] > 0 and p["val_loss"] <= target), None) for r in seeds]
-    return None if any(s is None for s in steps) else sum(steps) / len(steps)
-
-
-def _reach_note(result: Result, records, extended, plan: sm.Budget, longer: sm.Budget) -> None:
-    """Which rows were continued, and whether their first ``plan.steps`` steps are the equal-token
-    runs' (the largest difference of validation loss at the steps both evaluated)."""
-    for world, runs in sorted(extended.items()):
-        gaps = []
-        for name, seeds in runs.items():
-            for base, run in zip(records.get(world, {}).get(name, []), seeds):
-                old = {p["step"]: p["val_loss"] for p in base["curve"]}
-                gaps += [abs(p["val_loss"] - old[p["step"]]) for p in run["curve"] if p["step"] in old]
-        result.notes.append(
-            f"{world} workers: t_<net>, x_* and step_to_ddp of {', '.join(sorted(runs))} from runs continued to "
-            f"{longer.steps} inner steps (the final_loss and bits columns stay at {plan.steps}); over their first "
-            f"{plan.steps} steps these runs differ from the equal-token runs by at most {max(gaps, default=0.0):.2g} "
-            "in validation loss")
 
 
 def _bits(seeds: List[dict], key: str, params: int, steps: int) -> float:
