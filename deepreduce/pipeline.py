@@ -494,6 +494,8 @@ class Pipeline:
                     self._decode_into(c, target, accumulate=rank > 0 or out is None,
                                       check_sum=rank > 0 and self.nonfinite == "raise", checks=checks)
             except DeepReduceError as exc:
+                if checks is not None:   # an earlier container's deferred failure is the first error
+                    checks.settle()
                 raise type(exc)(f"rank {rank}: {exc}") from exc
             self.stats.tensors_decoded += 1
             self.stats.decode_seconds += time.perf_counter() - start

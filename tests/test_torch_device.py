@@ -232,6 +232,12 @@ def test_device_decode_sum_overflow_and_first_failure_named(device):
         pipe.decode_sum([big, big], out=out)
     with pytest.raises(deepreduce.ContainerError, match="rank 1: .*repeats an index"):
         pipe.decode_sum([big, _raw_container([3, 3], [1, 1]), _raw_container([1], [np.inf])], out=out)
+    # a deferred failure of rank 1 comes before an immediate one of rank 2 (another shape), as on the host
+    other_shape = _raw_container([1], [1.0], numel=50)
+    for decode in (pipe.core.decode_sum, pipe.decode_sum):
+        target = np.zeros(100, np.float32) if decode is pipe.core.decode_sum else out
+        with pytest.raises(deepreduce.ContainerError, match="rank 1: .*repeats an index"):
+            decode([big, _raw_container([3, 3], [1, 1]), other_shape], expected_shape=(100,), out=target)
 
 
 def test_device_payload_sections_stay_on_the_device(device):
