@@ -39,6 +39,7 @@ def check_optimizers(inner, outer, params) -> None:
 
 
 def check_flat(flat) -> None:
+    """``flat`` is a bool (one flat tensor per fragment, or its parameters' own)."""
     if not isinstance(flat, bool):
         raise ConfigError(f"{OWNER}: flat must be True or False, got {flat!r}")
 

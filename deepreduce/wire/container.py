@@ -76,7 +76,8 @@ def overhead(shape, n: int, index_bytes: int = 0, value_bytes: int = 0, perm_byt
 
 @dataclass
 class Container:
-    """The parsed fields of one container (sections as bytes).
+    """The parsed fields of one container (sections as bytes; the index and value sections as
+    slices of the payload when :func:`unpack` is given ``sections_like`` on its device).
 
     ``digest``: the first 8 bytes of the sender's config digest (``Pipeline`` sets it; it names the
     config a container came from in ``deepreduce inspect`` and errors; ranks with different configs
