@@ -26,6 +26,8 @@ inside a node, the replicate groups ``[0, 2]`` and ``[1, 3]`` reduce across the 
   multiple of H), where both nodes hold the same parameters.
 
 ``--nodes N`` (train phase only) lays the ranks out as N nodes of 2 for the bytes of more nodes.
+``--reach-steps N`` continues the baselines and the recommended rows to N steps for their time to
+``hsdp_fp32``'s final loss (:func:`reaching`; docs/fsdp.md, "Time to HSDP fp32's loss").
 
 As :mod:`~experiments.reproduce.semisync`, it **replays** rather than trains on the link, with the
 same harness (:mod:`~experiments.reproduce.replay_runs`) and arithmetic
