@@ -240,6 +240,10 @@ class TorchAdapter(Adapter):
         it), without a boolean tensor."""
         return bool(self.finite_flag(x))
 
+    def read_flags(self, flags) -> list:
+        """The values of 0-d (or one-element) boolean tensors, read back in one copy."""
+        return self.torch.stack([flag.reshape(()) for flag in flags]).cpu().tolist()
+
     def finite_flag(self, x):
         """:meth:`all_finite` as a 0-d boolean tensor on ``x``'s device (nothing read back)."""
         return self.torch.isfinite(x.sum(dtype=self.torch.float64))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, List, Tuple
 
 from ..errors import DeepReduceError
+from . import arrays
 
 
 class DeferredChecks:
@@ -40,9 +41,8 @@ class DeferredChecks:
         """Read every recorded check (one device-to-host copy) and raise the first failure's error."""
         if not self._checks:
             return
-        import torch
-
-        passed = torch.stack([ok.reshape(()) for ok, _, _ in self._checks]).cpu().tolist()
+        flags = [ok for ok, _, _ in self._checks]
+        passed = arrays.adapter(flags[0]).read_flags(flags)
         checks, self._checks = self._checks, []
         for ok, (_, error, context) in zip(passed, checks):
             if not ok:
