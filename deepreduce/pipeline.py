@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import registry
-from .backend import arrays, deferred_checks, kernels, native_pipeline, parallel
+from .backend import arrays, kernels, native_pipeline, parallel
 from .backend.deferred_checks import DeferredChecks
 from .errors import (
     CommunicationError,
@@ -546,10 +546,9 @@ class Pipeline:
         indices, values, keeps_order = self._entries(c, out, checks)
         if not accumulate:
             out[...] = 0.0
-        kernels.scatter_add(out, indices, values, not keeps_order, self.threads, checks)
+        written = kernels.scatter_add(out, indices, values, not keeps_order, self.threads, checks)
         if check_sum:
-            _expect_finite(out[indices if checks is None else deferred_checks.in_range(indices, out.shape[0])],
-                           _sum_overflow, checks)
+            _expect_finite(out[written], _sum_overflow, checks)
 
     def _entries(self, c: container.Container, out, checks: Optional[DeferredChecks] = None):
         """(positions, values in index order, whether the index codec kept the sender's order) of

@@ -182,31 +182,32 @@ def _range_like(values, n: int):
 
 
 def scatter_add(out: np.ndarray, indices: np.ndarray, values: np.ndarray, ascending: bool,
-                threads: int = 1, checks=None) -> None:
+                threads: int = 1, checks=None):
     """``out[indices] += values`` after :func:`check_indices` (``out`` flat float32, written in place;
     a torch ``out`` is accumulated on its device; with ``checks`` the index checks are deferred
-    there and the positions clamped into range meanwhile)."""
+    there and the positions clamped into range meanwhile). Returns the positions written."""
     if arrays.is_torch(out):
         check_indices(indices, out.shape[0], ascending, checks)
         safe = indices if checks is None else deferred_checks.in_range(indices, out.shape[0])
         arrays.adapter(out).scatter_add(out, safe, values)
-        return
+        return safe
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.float32)
     module = native()
     if module is None:
         check_indices(indices, out.size, ascending)
         out[indices] += values
-        return
+        return indices
     try:   # the checked O(n) kernel: strictly ascending in-range indices, else it writes nothing
         module.scatter_add(out, indices, values, threads)
-        return
+        return indices
     except ValueError as exc:
         if ascending:
             raise ContainerError(str(exc)) from exc
     # no ascending order was promised (an order-keeping index codec): checked on a sorted copy
     check_indices(indices, out.size, ascending)
     module.scatter_add_unchecked(out, indices, values, threads)
+    return indices
 
 
 def subtract_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, threads: int = 1) -> None:

@@ -356,8 +356,7 @@ def combine(result: Result, runs: Dict[str, List[dict]], timing: Optional[dict],
     if BASELINE not in runs:
         result.notes.append(f"no {BASELINE} run: the baseline of every comparison")
         return {}
-    timed_runs = {name: (extended or {})[name] if len((extended or {}).get(name, ())) == len(seeds) else seeds
-                  for name, seeds in runs.items()}
+    timed_runs = replay_runs.timed(runs, extended)
     clocks = replay_runs.clocks(timed_runs, timing, BANDWIDTHS)
     base_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[BASELINE]])
     reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), base_loss) for net, _ in BANDWIDTHS}

@@ -110,6 +110,14 @@ def reach(seeds: List[dict], clocks: Optional[List[List[float]]], target: float)
     return None if any(t is None for t in times) else sum(times) / len(times)
 
 
+def timed(runs: Dict[str, List[dict]], extended: Optional[Dict[str, List[dict]]]) -> Dict[str, List[dict]]:
+    """Each row's runs to read times from: its ``extended`` (continued) runs where it has them for
+    every seed of its equal-token ``runs``, else those."""
+    extended = extended or {}
+    return {name: extended[name] if len(extended.get(name, ())) == len(seeds) else seeds
+            for name, seeds in runs.items()}
+
+
 def step_to(seeds: List[dict], target: float) -> Optional[float]:
     """Mean over seeds of the first evaluated step at or below ``target`` (None: a seed never gets there)."""
     steps = [next((p["step"] for p in r["curve"] if p["step"] > 0 and p["val_loss"] <= target), None) for r in seeds]

@@ -213,9 +213,7 @@ def combine(result: Result, records: Dict[int, Dict[str, List[dict]]], timing: D
         if sm.BASELINE not in runs:
             result.notes.append(f"{world} workers: no {sm.BASELINE} run, the baseline of every comparison")
             continue
-        longer = (extended or {}).get(world, {})
-        timed_runs = {name: longer[name] if len(longer.get(name, ())) == len(seeds) else seeds
-                      for name, seeds in runs.items()}
+        timed_runs = replay_runs.timed(runs, (extended or {}).get(world))
         clocks = _clocks(timed_runs, timing.get(world), methods)
         ddp_loss, _ = rp.mean_spread([r["curve"][-1]["val_loss"] for r in runs[sm.BASELINE]])
         reach = {name: {net: replay_runs.reach(seeds, clocks.get(name, {}).get(net), ddp_loss) for net, _ in BANDWIDTHS}
