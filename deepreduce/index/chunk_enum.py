@@ -17,6 +17,12 @@ Parameters and counts as for every chunk-local codec (``deepreduce.index._chunke
 ``chunk_topk`` selection the section is exactly ``ceil(sum_j B(L_j, h_j) / 8)`` bytes.
 A rank ``>= C(L, h)`` in a received section is refused (ContainerError), as are non-zero padding
 bits and a section of the wrong length, so every accepted section decodes to one valid set.
+
+This module is the definition (:func:`pack_chunks_python`, :func:`unpack_chunks_python`). When the
+C++ extension ``deepreduce._chunk_enum`` (csrc/chunk_enum) is built, the codec runs it instead: the
+same bits and the same refusals with the same texts (tests/test_chunk_enum_native.py), ranks as
+fixed-width integers of 64-bit limbs, decode split over the codec's ``threads``, at about a fifth of
+this module's time per index (docs/chunked.md).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..backend import _native
 from ..errors import ContainerError
 from ..registry import register
 from ..wire import bitpack
@@ -154,6 +161,69 @@ def _runs(counts: np.ndarray, lengths: np.ndarray):
         yield int(counts[a]), int(lengths[a]), b - a
 
 
+def pack_chunks_python(local: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> bytes:
+    """The section of the chunk-local ``local`` offsets (the definition; see the module docstring)."""
+    pieces, start = [], 0
+    for count, length, chunks in _runs(counts, lengths):
+        offsets = local[start:start + count * chunks].reshape(chunks, count)
+        start += count * chunks
+        mode, bits, ranked = layout(length, count)
+        if bits == 0:
+            continue
+        if mode == ENUM:
+            size = (bits + 7) // 8
+            blob = b"".join(r.to_bytes(size, "little") for r in _ranks(offsets, length, ranked))
+            raw = np.frombuffer(blob, dtype=np.uint8).reshape(chunks, size)
+            pieces.append(np.unpackbits(raw, axis=1, bitorder="little")[:, :bits].ravel())
+        elif mode == BITMAP:
+            bitmap = np.zeros((chunks, length), dtype=np.uint8)
+            bitmap[np.arange(chunks)[:, None], offsets] = 1
+            pieces.append(bitmap.ravel())
+        else:
+            width = bitpack.width_for(length - 1)
+            pieces.append(((offsets.reshape(-1, 1) >> np.arange(width)) & 1).astype(np.uint8).ravel())
+    if not pieces:
+        return b""
+    return np.packbits(np.concatenate(pieces), bitorder="little").tobytes()
+
+
+def unpack_chunks_python(section: bytes, counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The int64 chunk-local offsets of a section, or ContainerError (the definition)."""
+    runs = list(_runs(counts, lengths))
+    total = sum(layout(length, count)[1] * chunks for count, length, chunks in runs)
+    if len(section) != (total + 7) // 8:
+        raise ContainerError(f"chunk_enum section has {len(section)} bytes, expected {(total + 7) // 8} "
+                             f"for {int(counts.sum())} indices in {counts.shape[0]} chunks")
+    stream = np.unpackbits(np.frombuffer(section, dtype=np.uint8), bitorder="little")
+    if bool(stream[total:].any()):
+        raise ContainerError("chunk_enum section has non-zero padding")
+    out, pos = [], 0
+    for count, length, chunks in runs:
+        mode, bits, ranked = layout(length, count)
+        piece = stream[pos:pos + bits * chunks].reshape(chunks, bits)
+        pos += bits * chunks
+        if mode == ENUM:
+            size = (bits + 7) // 8
+            padded = np.zeros((chunks, 8 * size), dtype=np.uint8)
+            padded[:, :bits] = piece
+            blob = np.packbits(padded, axis=1, bitorder="little").tobytes()
+            ranks = [int.from_bytes(blob[j * size:(j + 1) * size], "little") for j in range(chunks)]
+            if max(ranks) >= math.comb(length, count):
+                raise ContainerError(f"chunk_enum rank of a chunk exceeds C({length}, {count})")
+            out.append(_unrank(ranks, length, count, ranked).ravel())
+        elif mode == BITMAP:
+            held = piece.sum(axis=1)
+            if bool(np.any(held != count)):
+                raise ContainerError(f"chunk_enum bitmap holds {int(held[held != count][0])} indices, "
+                                     f"expected {count}")
+            out.append(np.nonzero(piece)[1])
+        else:
+            width = bitpack.width_for(length - 1)
+            weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
+            out.append(piece.reshape(chunks * count, width).astype(np.int64) @ weights)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
 @register
 class ChunkEnumIndex(ChunkIndexCodec):
     """Chunk-local subsets coded by their rank: the entropy bound to within a bit per chunk."""
@@ -162,60 +232,16 @@ class ChunkEnumIndex(ChunkIndexCodec):
     wire_id = 8
 
     def pack_chunks(self, local, counts, lengths):
-        pieces, start = [], 0
-        for count, length, chunks in _runs(counts, lengths):
-            offsets = local[start:start + count * chunks].reshape(chunks, count)
-            start += count * chunks
-            mode, bits, ranked = layout(length, count)
-            if bits == 0:
-                continue
-            if mode == ENUM:
-                size = (bits + 7) // 8
-                blob = b"".join(r.to_bytes(size, "little") for r in _ranks(offsets, length, ranked))
-                raw = np.frombuffer(blob, dtype=np.uint8).reshape(chunks, size)
-                pieces.append(np.unpackbits(raw, axis=1, bitorder="little")[:, :bits].ravel())
-            elif mode == BITMAP:
-                bitmap = np.zeros((chunks, length), dtype=np.uint8)
-                bitmap[np.arange(chunks)[:, None], offsets] = 1
-                pieces.append(bitmap.ravel())
-            else:
-                width = bitpack.width_for(length - 1)
-                pieces.append(((offsets.reshape(-1, 1) >> np.arange(width)) & 1).astype(np.uint8).ravel())
-        if not pieces:
-            return b""
-        return np.packbits(np.concatenate(pieces), bitorder="little").tobytes()
+        native = _native.load("chunk_enum")
+        if native is None:
+            return pack_chunks_python(local, counts, lengths)
+        return native.pack(local, counts, lengths, TABLE_ENTRIES)
 
     def unpack_chunks(self, section, counts, lengths):
-        runs = list(_runs(counts, lengths))
-        total = sum(layout(length, count)[1] * chunks for count, length, chunks in runs)
-        if len(section) != (total + 7) // 8:
-            raise ContainerError(f"chunk_enum section has {len(section)} bytes, expected {(total + 7) // 8} "
-                                 f"for {int(counts.sum())} indices in {counts.shape[0]} chunks")
-        stream = np.unpackbits(np.frombuffer(section, dtype=np.uint8), bitorder="little")
-        if bool(stream[total:].any()):
-            raise ContainerError("chunk_enum section has non-zero padding")
-        out, pos = [], 0
-        for count, length, chunks in runs:
-            mode, bits, ranked = layout(length, count)
-            piece = stream[pos:pos + bits * chunks].reshape(chunks, bits)
-            pos += bits * chunks
-            if mode == ENUM:
-                size = (bits + 7) // 8
-                padded = np.zeros((chunks, 8 * size), dtype=np.uint8)
-                padded[:, :bits] = piece
-                blob = np.packbits(padded, axis=1, bitorder="little").tobytes()
-                ranks = [int.from_bytes(blob[j * size:(j + 1) * size], "little") for j in range(chunks)]
-                if max(ranks) >= math.comb(length, count):
-                    raise ContainerError(f"chunk_enum rank of a chunk exceeds C({length}, {count})")
-                out.append(_unrank(ranks, length, count, ranked).ravel())
-            elif mode == BITMAP:
-                held = piece.sum(axis=1)
-                if bool(np.any(held != count)):
-                    raise ContainerError(f"chunk_enum bitmap holds {int(held[held != count][0])} indices, "
-                                         f"expected {count}")
-                out.append(np.nonzero(piece)[1])
-            else:
-                width = bitpack.width_for(length - 1)
-                weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
-                out.append(piece.reshape(chunks * count, width).astype(np.int64) @ weights)
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        native = _native.load("chunk_enum")
+        if native is None:
+            return unpack_chunks_python(section, counts, lengths)
+        try:
+            return native.unpack(section, counts, lengths, TABLE_ENTRIES, self.threads)
+        except ValueError as exc:   # ErrorKind::CONTAINER, with the texts of unpack_chunks_python
+            raise ContainerError(str(exc)) from None
