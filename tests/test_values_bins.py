@@ -139,3 +139,44 @@ def test_binmean_quantile_start_is_the_stable_sort_one(n, bits, seed, kind):
     expected = np.empty(n, dtype=np.int64)
     expected[order] = (np.arange(n, dtype=np.int64) * bins) // max(n, 1)
     np.testing.assert_array_equal(_quantile_start(v, bins), expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 2000), bits=st.integers(1, 4), iterations=st.sampled_from([0, 1, 2, 8, 20]),
+       seed=st.integers(0, 2**16), kind=st.sampled_from(["laplace", "ties", "zeros", "huge", "nan", "inf"]))
+def test_binmean_kernel_fits_the_same_bins_as_the_numpy_code(n, bits, iterations, seed, kind):
+    """The C++ bin fit (1-4 bits) gives fit_bins' means bit for bit and its codes, so the same
+    containers: heavy tails, ties, -0.0 beside 0.0, magnitudes near float32's top, fewer values
+    than bins; a NaN or Inf makes the kernel decline (None), and the codec then uses fit_bins."""
+    from deepreduce.backend import kernels
+    from deepreduce.values.binmean import fit_bins
+    module = kernels.native()
+    if module is None:
+        pytest.skip("needs the C++ extensions (make setup)")
+    rng = np.random.default_rng(seed)
+    v = {"laplace": lambda: rng.laplace(size=n), "ties": lambda: rng.integers(-3, 4, n),
+         "zeros": lambda: np.where(rng.random(n) < 0.5, -0.0, 0.0) + rng.integers(0, 2, n),
+         "huge": lambda: rng.laplace(size=n) * 1e37, "nan": lambda: rng.standard_normal(n),
+         "inf": lambda: rng.standard_normal(n)}[kind]().astype(np.float32)
+    if kind in ("nan", "inf") and n:
+        v[rng.integers(0, n)] = np.nan if kind == "nan" else -np.inf
+        assert module.binmean_codes(v, bits, iterations) is None
+        return
+    means, codes = fit_bins(v, bits, iterations)
+    got_means, got_codes = module.binmean_codes(v, bits, iterations)
+    np.testing.assert_array_equal(got_means.view(np.uint32), means.view(np.uint32))
+    np.testing.assert_array_equal(got_codes, codes)
+    codec = create("value", {"id": "binmean", "bits": bits, "iterations": iterations})
+    assert codec.encode(v, CTX).payload == means.astype("<f4").tobytes() + (
+        bytes(bitpack.pack(codes.astype(np.uint64), bits)) if n else b"")
+
+
+def test_binmean_kernel_refuses_bits_it_does_not_fit():
+    from deepreduce.backend import kernels
+    module = kernels.native()
+    if module is None:
+        pytest.skip("needs the C++ extensions (make setup)")
+    with pytest.raises(ValueError, match="bits must be in"):
+        module.binmean_codes(np.zeros(4, np.float32), 5, 8)
+    with pytest.raises(ValueError, match="iterations must be"):
+        module.binmean_codes(np.zeros(4, np.float32), 2, -1)

@@ -159,6 +159,24 @@ py::object qsgd_encode(FloatIn values, int levels, int64_t bucket_size, uint64_t
     return py::make_tuple(norms, q, recon);
 }
 
+// (float32 means, uint8 codes) of binmean_codes, or None if a value is not finite.
+py::object binmean_codes(FloatIn values, int bits, int iterations) {
+    if (bits < 1 || bits > 4) throw py::value_error("binmean_codes: bits must be in [1, 4]");
+    if (iterations < 0) throw py::value_error("binmean_codes: iterations must be >= 0");
+    const int64_t n = values.size();
+    py::array_t<float> means(int64_t{1} << bits);
+    py::array_t<uint8_t> codes(n);
+    float* m = means.mutable_data();
+    uint8_t* c = codes.mutable_data();
+    bool finite;
+    {
+        py::gil_scoped_release release;
+        finite = sel::binmean_codes(values.data(), n, 1 << bits, iterations, m, c);
+    }
+    if (!finite) return py::none();
+    return py::make_tuple(means, codes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_select, m) {
@@ -166,7 +184,7 @@ PYBIND11_MODULE(_select, m) {
     m.attr("MAX_THREADS") = deepreduce::MAX_THREADS;  // the one C++ thread limit (common/checks.h)
     m.doc() =
         "Hot-path kernels of deepreduce: compensation scan, Top-r / threshold / non-zero selection, scatter-add, "
-        "QSGD encode";
+        "QSGD encode, bin-mean codes";
     m.def("scan", &scan, py::arg("g"), py::arg("residual"), py::arg("topk_r"), py::arg("threads"),
           py::arg("prior") = py::none(),
           "(finite, Top-r positions or None); with a residual, residual = prior + g (prior None: in place; "
@@ -186,6 +204,9 @@ PYBIND11_MODULE(_select, m) {
           py::arg("threads"),
           "out[indices] += values for distinct indices in any order (the range is checked: "
           "ValueError, nothing written; distinctness is the caller's)");
+    m.def("binmean_codes", &binmean_codes, py::arg("values"), py::arg("bits"), py::arg("iterations"),
+          "(float32 means, uint8 codes) of the bin-mean codec at 1-4 bits, or None if a value is not finite "
+          "(deepreduce/values/binmean.py, the same codes and means)");
     m.def("qsgd_encode", &qsgd_encode, py::arg("values"), py::arg("levels"), py::arg("bucket_size"), py::arg("seed"),
           py::arg("threads"),
           "(float32 bucket norms, int8/int16 levels, float32 receiver's values) of QSGD, "

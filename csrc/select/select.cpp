@@ -589,5 +589,65 @@ bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t
     return finite;
 }
 
+bool binmean_codes(const float* v, int64_t n, int bins, int iterations, float* means_out, uint8_t* codes) {
+    if (bins < 1 || bins > 16) fail(ErrorKind::ARGUMENT, "binmean_codes: bins must be in [1, 16]");
+    for (int64_t i = 0; i < n; ++i)
+        if (!std::isfinite(v[i])) return false;
+    std::fill(codes, codes + n, uint8_t{0});
+    std::vector<int64_t> starts;  // the bin starts ceil(b n / bins) below n (repeats kept, as numpy's)
+    for (int64_t b = 1; b < bins; ++b) {
+        const int64_t s = (b * n + bins - 1) / bins;
+        if (s < n) starts.push_back(s);
+    }
+    if (!starts.empty()) {
+        std::vector<float> order(v, v + n);
+        int64_t done = 0;
+        for (const int64_t s : starts) {
+            std::nth_element(order.begin() + done, order.begin() + s, order.end());
+            done = s;
+            const float t = order[s];  // the value of stable rank s
+            int64_t below = 0;
+            for (int64_t i = 0; i < n; ++i) {
+                below += v[i] < t;
+                codes[i] = static_cast<uint8_t>(codes[i] + (v[i] > t));
+            }
+            // ties of t: the first s - below in input order rank below s, the rest reach it
+            for (int64_t i = 0, tie = 0; i < n; ++i) {
+                if (v[i] != t) continue;
+                if (tie++ >= s - below) codes[i] = static_cast<uint8_t>(codes[i] + 1);
+            }
+        }
+    }
+    double sums[16] = {}, means[16], cuts[16];
+    int64_t sizes[16] = {};
+    int held[16];
+    for (int64_t i = 0; i < n; ++i) {  // np.bincount: one float64 sum per bin, in input order
+        sums[codes[i]] += static_cast<double>(v[i]);
+        ++sizes[codes[i]];
+    }
+    for (int step = 0;; ++step) {
+        int count = 0;
+        for (int b = 0; b < bins; ++b) {
+            means[b] = sums[b] / static_cast<double>(std::max<int64_t>(sizes[b], 1));
+            if (sizes[b]) held[count++] = b;
+        }
+        if (step == iterations) break;
+        for (int j = 0; j + 1 < count; ++j) cuts[j] = (means[held[j + 1]] + means[held[j]]) / 2;
+        std::fill(sums, sums + bins, 0.0);
+        std::fill(sizes, sizes + bins, int64_t{0});
+        for (int64_t i = 0; i < n; ++i) {  // the bin whose cut interval the value is at or above,
+            const double wide = static_cast<double>(v[i]);  // summed for the next step as above
+            int at = 0;
+            for (int j = 0; j + 1 < count; ++j) at += wide >= cuts[j];
+            const int code = held[at];
+            codes[i] = static_cast<uint8_t>(code);
+            sums[code] += wide;
+            ++sizes[code];
+        }
+    }
+    for (int b = 0; b < bins; ++b) means_out[b] = static_cast<float>(means[b]);
+    return true;
+}
+
 }  // namespace select
 }  // namespace deepreduce

@@ -75,5 +75,13 @@ void scatter_add_in_range(float* out, int64_t numel, const int64_t* idx, const f
 bool qsgd_encode(const float* v, int64_t n, int levels, int64_t bucket, uint64_t seed, int threads, float* norms,
                  int8_t* q8, int16_t* q16, float* recon);
 
+// Bin-mean codes (deepreduce/values/binmean.py) for up to 16 bins: the equal-count start (the value
+// of stable rank r gets floor(r bins / n), found with nth_element and the ties' input order),
+// then `iterations` Lloyd steps, each bin's float64 mean summed in input order as numpy's
+// bincount sums it and each value moved to the cut interval it is at or above, so the same codes
+// and means as the NumPy code. Writes n codes and `bins` float32 means (0 for an empty bin).
+// Returns false, writing nothing defined, if a value is not finite (the caller's sort path).
+bool binmean_codes(const float* v, int64_t n, int bins, int iterations, float* means, uint8_t* codes);
+
 }  // namespace select
 }  // namespace deepreduce

@@ -269,7 +269,7 @@ class SparseAllreduce:
             size = self.communicator.size
             # chunk bounds stay (bounds of a checkpoint written before they existed move onto them)
             moved = (chunk_bounds(phase.numel, size, self.chunk) if self._chunked(phase.numel)
-                     else balanced_bounds(kernels.nonzero(target), phase.numel, size))
+                     else balanced_bounds(kernels.nonzero(target, self.pipeline.threads), phase.numel, size))
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
@@ -390,11 +390,11 @@ class SparseAllreduce:
             values[:] = 0.0
             return shards.encode_dense(self.pipeline, total)
         if self.reselect == "none":
-            chosen = kernels.nonzero(values)
+            chosen = kernels.nonzero(values, self.pipeline.threads)
         elif self.per_chunk is not None:   # the senders' k in every chunk of the shard
-            chosen = chunk_topk_positions(values, self.chunk, self.per_chunk)
+            chosen = chunk_topk_positions(values, self.chunk, self.per_chunk, self.pipeline.threads)
         else:
-            chosen = kernels.topk_positions(values, count_for(self.ratio, m))
+            chosen = kernels.topk_positions(values, count_for(self.ratio, m), self.pipeline.threads)
         payload, sent, received = shards.encode_owned(self.pipeline, values, chosen, f"{name}#owner", step)
         self._edit(name, owner, sent, values[sent])
         kernels.subtract_at(values, sent, received)

@@ -65,7 +65,7 @@ class ChunkTopK(Sparsifier):
         return chunks.uniform_total(numel, self.chunk, self.per_chunk)
 
     def select(self, flat, ctx):
-        return chunk_topk_positions(flat, self.chunk, self.per_chunk)
+        return chunk_topk_positions(flat, self.chunk, self.per_chunk, self.threads)
 
 
 def _rows_topk(mag, k: int):
@@ -85,18 +85,19 @@ def _rows_topk(mag, k: int):
     return above | (tied & (xp.cumulative_sum(xp.astype(tied, xp.int64), axis=1) <= room))
 
 
-def chunk_topk_positions(flat, chunk: int, k: int):
+def chunk_topk_positions(flat, chunk: int, k: int, threads: int = 1):
     """Ascending int64 positions of the chunked Top-k of the finite 1-D ``flat`` (NumPy, or a torch
     tensor: the positions then are a tensor on its device). A NumPy array goes to the C++ kernel
     when it is built (a sampled bound, then ``nth_element`` among the entries reaching it, per chunk:
     about 2x faster than the array version below, which stays the definition for tensors and the
-    NumPy backend; tests compare the two)."""
+    NumPy backend; tests compare the two), its chunks split over ``threads`` (the same positions)."""
     _, t = chunks.lengths(flat.shape[0], chunk)
     if type(flat) is np.ndarray:
         module = kernels.native()
         if module is not None:
             tail = chunks.tail_count(min(k, chunk), t, chunk) if t else 0
-            return module.chunk_topk(np.ascontiguousarray(flat, dtype=np.float32), chunk, min(k, chunk), tail, 1)
+            return module.chunk_topk(np.ascontiguousarray(flat, dtype=np.float32), chunk, min(k, chunk), tail,
+                                     threads)
     return array_chunk_topk_positions(flat, chunk, k)
 
 
