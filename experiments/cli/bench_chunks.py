@@ -6,7 +6,9 @@ per index of the index section, encode and decode CPU time of the process (media
 information limit ``log2 C(C, k) / k`` and the sizes two simpler per-chunk codes would have on
 the same set, computed exactly from it (not implemented as codecs): Elias-Fano per chunk
 (``k L + k + ((C - 1) >> L)`` bits, ``L = floor(log2(C / k))``) and Rice coding of the gaps with
-the best single parameter per message.
+the best single parameter per message. Each codec is timed on its C++ path (when the extensions
+are built) and on its Python definition (``DEEPREDUCE_BACKEND=numpy`` for that row), the same
+bytes, one row each (``backend``).
 
 Value table (``--values``): relative L2 error and bits per value of the value codecs at 2-8 bits
 on the chunked Top-k values of the saved ResNet-20 gradients and of Laplace and Gaussian ones.
@@ -21,7 +23,9 @@ Figures in docs/values.md and docs/chunked.md ("Semi-synchronous recipes")::
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
 import time
 
@@ -64,8 +68,25 @@ def _median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def _backend(name: str):
+    """Run the codecs on ``name``: "c++" (the extensions, as installed) or "python" (every codec's
+    NumPy definition: ``DEEPREDUCE_BACKEND=numpy``, read at each call)."""
+    saved = os.environ.get("DEEPREDUCE_BACKEND")
+    if name == "python":
+        os.environ["DEEPREDUCE_BACKEND"] = "numpy"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DEEPREDUCE_BACKEND", None)
+        else:
+            os.environ["DEEPREDUCE_BACKEND"] = saved
+
+
 def index_rows(sizes, chunk: int, ks, repeat: int, seed: int):
-    """One dict per (size, k, codec)."""
+    """One dict per (size, k, codec, backend)."""
+    from deepreduce.backend import _native
     from deepreduce.registry import create
     from deepreduce.sparsify.chunked import chunk_topk_positions
     from deepreduce.wire.seeding import EncodeContext
@@ -84,14 +105,20 @@ def index_rows(sizes, chunk: int, ks, repeat: int, seed: int):
             common = dict(size=size, k=k, n=n, limit=limit, elias_fano=elias_fano_bits(chunk, k) / k,
                           rice=rice_bits(local, k) / (full * k))
             values = flat[positions]
+            backends = ("c++", "python") if _native.load("chunk_enum") is not None else ("python",)
             for codec_id in ("chunk_fixed", "chunk_enum"):
                 codec = create("index", {"id": codec_id, "chunk": chunk})
-                enc = codec.encode(positions, values, flat, ctx)
-                encode_s = _median_seconds(lambda: codec.encode(positions, values, flat, ctx), repeat)
-                decode_s = _median_seconds(lambda: codec.decode(enc.params, enc.payload, n, size), repeat)
-                assert np.array_equal(codec.decode(enc.params, enc.payload, n, size), positions)
-                rows.append(dict(common, codec=codec_id, bits=8 * len(enc.payload) / n,
-                                 encode_ms=1e3 * encode_s, decode_ms=1e3 * decode_s))
+                sections = set()
+                for backend in backends:
+                    with _backend(backend):
+                        enc = codec.encode(positions, values, flat, ctx)
+                        encode_s = _median_seconds(lambda: codec.encode(positions, values, flat, ctx), repeat)
+                        decode_s = _median_seconds(lambda: codec.decode(enc.params, enc.payload, n, size), repeat)
+                        assert np.array_equal(codec.decode(enc.params, enc.payload, n, size), positions)
+                    sections.add(bytes(enc.payload))
+                    rows.append(dict(common, codec=codec_id, backend=backend, bits=8 * len(enc.payload) / n,
+                                     encode_ms=1e3 * encode_s, decode_ms=1e3 * decode_s))
+                assert len(sections) == 1, f"{codec_id}: the backends wrote different sections"
     return rows
 
 
@@ -149,10 +176,11 @@ def dct_rows():
 def run(args) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"| elements | k of {args.chunk} | codec | bits/index | limit | EF/chunk | Rice | encode CPU ms | decode CPU ms |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| elements | k of {args.chunk} | codec | backend | bits/index | limit | EF/chunk | Rice | encode CPU ms "
+          "| decode CPU ms |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for r in index_rows(sizes, args.chunk, ks, args.repeat, args.seed):
-        print(f"| {r['size']:,} | {r['k']} | {r['codec']} | {r['bits']:.3f} | {r['limit']:.3f} | "
+        print(f"| {r['size']:,} | {r['k']} | {r['codec']} | {r['backend']} | {r['bits']:.3f} | {r['limit']:.3f} | "
               f"{r['elias_fano']:.3f} | {r['rice']:.3f} | {r['encode_ms']:.1f} | {r['decode_ms']:.1f} |")
     if args.values:
         print()
