@@ -35,6 +35,7 @@ from .errors import (
     quote,
 )
 from .index import IndexCodec
+from .index import bloom as bloom_codec
 from .journal import StepJournal
 from .memory import Compensated, Memory
 from .sparsify import Sparsifier
@@ -433,7 +434,7 @@ class Pipeline:
         """This config's settings as the C++ pipeline takes them (computed once; only asked
         when :meth:`native_reason` is None)."""
         if self._native_settings is None:
-            self._native_settings = native_pipeline.settings(self)
+            self._native_settings = _native_settings(self)
         return self._native_settings
 
     # ------------------------------------------------------------------ decode
@@ -649,7 +650,7 @@ def _native_reason(core: Pipeline) -> str:
     policy runs there: a non-finite gradient travels flagged under both, an overflowing
     compensation raises under both, and the residual the C++ code updates in place is the
     pipeline's own, saved by its journal first."""
-    if type(core.sparsifier) not in native_pipeline.SPARSIFIERS:
+    if core.sparsifier.id not in native_pipeline.SPARSIFIERS:
         return f"sparsifier {core.sparsifier.id!r} (the C++ pipeline selects Top-r or by threshold)"
     for kind, ids in (("index codec", native_pipeline.INDEX_CODECS), ("value codec", native_pipeline.VALUE_CODECS),
                       ("memory", native_pipeline.MEMORIES)):
@@ -659,6 +660,28 @@ def _native_reason(core: Pipeline) -> str:
     if core.warmup:
         return f"warmup: {core.warmup} (the C++ pipeline has no dense warm-up steps)"
     return ""
+
+
+def _native_settings(core: Pipeline) -> dict:
+    """:attr:`Pipeline.native_settings`: the encode settings of ``core`` (csrc/pipeline/pipeline.h
+    EncodeConfig) as plain values, every key, with the defaults of the stages the config does not
+    use (only asked when :func:`_native_reason` is "")."""
+    out = dict(digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id,
+               ratio=0.0, threshold=0.0, error_feedback=core.memory.id == "residual",
+               index=core.index.id, policy="p0", keys_per_block=0.0, k=1, hash_seed=0,
+               value=core.value.id, degree=5, segments=0, min_points=6, coef_bytes=4, threads=core.threads)
+    if core.sparsifier.id == "topk":
+        out["ratio"] = float(core.sparsifier.ratio)
+    else:   # compared in float32, as threshold_positions does
+        out["threshold"] = float(np.float32(core.sparsifier.threshold))
+    if core.index.id == "bloom":
+        lam, k = bloom_codec.filter_shape(core.index.fpr)
+        out.update(policy=core.index.policy, keys_per_block=float(lam), k=k, hash_seed=core.index.hash_seed)
+    if core.value.id == "polyfit":
+        value = core.value
+        out.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
+                   coef_bytes=value.coef_bytes)
+    return out
 
 
 def check_numel_option(owner: str, key: str, value, low: int) -> int:

@@ -226,3 +226,15 @@ def test_the_distributed_layer_imports_no_binding(graph):
     wrong = {m: sorted(t for t in ts if within(t, BINDINGS))
              for m, ts in graph.items() if within(m, ("deepreduce.collective",))}
     assert not {m: ts for m, ts in wrong.items() if ts}
+
+
+def test_the_backend_imports_no_component_and_no_pipeline(graph):
+    """``deepreduce.backend`` (arrays, kernels, the C++ loader and pipeline subset) is the layer the
+    components stand on: it names the C++ pipeline's stages by their ids, and the core reads its
+    components into the C++ settings (``Pipeline.native_settings``), so no arrow points up."""
+    upper = ("deepreduce.index", "deepreduce.values", "deepreduce.sparsify", "deepreduce.memory",
+             "deepreduce.memory_compact", "deepreduce.summable", "deepreduce.pipeline", "deepreduce.registry")
+    wrong = {m: sorted(t for t in ts if within(t, upper))
+             for m, ts in graph.items() if within(m, ("deepreduce.backend",))}
+    assert {m for m in graph if within(m, ("deepreduce.backend",))} >= {"deepreduce.backend.native_pipeline"}
+    assert not {m: ts for m, ts in wrong.items() if ts}

@@ -46,7 +46,7 @@ def config_id(c):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
 def test_cpp_pipeline_writes_and_reads_the_cores_bytes(cfg):
     core, peer = deepreduce.build(cfg), deepreduce.build(cfg)
-    settings = native_pipeline.settings(core)
+    settings = core.native_settings
     residual = None
     rng = np.random.default_rng(5)
     for step in range(3):
@@ -128,7 +128,7 @@ def test_cpp_elias_fano_is_the_cores_at_any_size_and_ratio(numel, ratio, memory,
     residual = None
     for step in range(2):
         g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
-        payload, residual = _pipeline.encode(native_pipeline.settings(core), "t", step, g, residual)
+        payload, residual = _pipeline.encode(core.native_settings, "t", step, g, residual)
         expected = core.encode(g, name="t", step=step)
         assert np.array_equal(payload, expected)
         np.testing.assert_array_equal(_pipeline.decode_sum(expected, single=True, shape=(numel,)),

@@ -4,8 +4,10 @@
 whose every stage exists in C++: Top-r or threshold selection with or without error feedback,
 raw, Elias-Fano or Bloom indices (every policy), raw, fp16 or polyfit values (which configs:
 ``Pipeline.native_reason``). The TensorFlow custom ops (:mod:`deepreduce.tensorflow.ops`) run it, and
-``deepreduce._pipeline`` binds the same functions for NumPy. :func:`settings` reads a core
-pipeline's components into the plain values both take; nothing here restates a codec.
+``deepreduce._pipeline`` binds the same functions for NumPy. The stages it has are named here by
+their component ids (the core's ``_native_reason`` reads them), and the core reads its components
+into the plain settings both take (``Pipeline.native_settings``): this layer imports no component
+and restates no codec.
 :func:`encode_shards`, :func:`decode_sum` and :func:`decode_shards` are the sparse all-reduce's
 calls into it (one call per tensor and phase instead of a Python loop over the ranks' containers),
 with its errors raised as the core's classes.
@@ -17,44 +19,20 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ContainerError, DeepReduceError
-from ..index import bloom as bloom_codec
-from ..memory import ResidualMemory
-from ..sparsify.basic import TopK
-from ..sparsify.threshold import ThresholdSparsifier
 from . import _native
 
+# The component ids of the stages csrc/pipeline has; which configs run here is decided by
+# Pipeline.native_reason from these (one rule).
+SPARSIFIERS = ("topk", "threshold")
 INDEX_CODECS = ("raw", "bloom", "elias_fano")
 VALUE_CODECS = ("raw", "fp16", "polyfit")
 MEMORIES = ("none", "residual")
-SPARSIFIERS = (TopK, ThresholdSparsifier)
-# Which configs run here is decided by Pipeline.native_reason from these (one rule).
 
 
 def module():
     """The C++ pipeline (``deepreduce._pipeline``), or None when it is not built or
     ``DEEPREDUCE_BACKEND=numpy`` is set."""
     return _native.load("pipeline")
-
-
-def settings(core) -> dict:
-    """The encode settings of ``core`` (csrc/pipeline/pipeline.h EncodeConfig) as plain values:
-    every key, with the defaults of the stages the config does not use."""
-    out = dict(digest=core.config_digest, min_numel=core.min_numel, sparsifier=core.sparsifier.id,
-               ratio=0.0, threshold=0.0, error_feedback=isinstance(core.memory, ResidualMemory),
-               index=core.index.id, policy="p0", keys_per_block=0.0, k=1, hash_seed=0,
-               value=core.value.id, degree=5, segments=0, min_points=6, coef_bytes=4, threads=core.threads)
-    if core.sparsifier.id == "topk":
-        out["ratio"] = float(core.sparsifier.ratio)
-    else:   # compared in float32, as threshold_positions does
-        out["threshold"] = float(np.float32(core.sparsifier.threshold))
-    if core.index.id == "bloom":
-        lam, k = bloom_codec.filter_shape(core.index.fpr)
-        out.update(policy=core.index.policy, keys_per_block=float(lam), k=k, hash_seed=core.index.hash_seed)
-    if core.value.id == "polyfit":
-        value = core.value
-        out.update(degree=value.degree, segments=value.segments, min_points=value.min_points,
-                   coef_bytes=value.coef_bytes)
-    return out
 
 
 def encode_shards(native, config: dict, name: str, step: int, flat: np.ndarray, bounds: Sequence[int],

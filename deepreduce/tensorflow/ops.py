@@ -15,7 +15,7 @@ They serve the configs whose every stage exists in C++ and that propagate non-fi
 (:func:`unsupported` says why another config does not
 qualify); every other config runs its encode and its decode as one ``tf.numpy_function`` stage
 each over the core (see :mod:`.pipeline`). The attributes of the ops come from the core
-pipeline's components (:func:`deepreduce.backend.native_pipeline.settings`).
+pipeline's components (:attr:`deepreduce.pipeline.Pipeline.native_settings`).
 
 :func:`load` returns the op module (cached); if the library is missing or was built against
 another TensorFlow, it raises :class:`~deepreduce.BackendUnavailableError` naming the rebuild
@@ -34,7 +34,6 @@ import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from .. import errors
-from ..backend import native_pipeline
 from ..backend._native import forced_numpy
 from ..errors import BackendUnavailableError
 
@@ -154,7 +153,7 @@ class PipelineOps:
     def __init__(self, core, module) -> None:
         self.core = core
         self.ops = module
-        settings = native_pipeline.settings(core)
+        settings = core.native_settings
         self.error_feedback = settings["error_feedback"]
         attrs = {key: settings[key] for key in ("digest", "min_numel", "sparsifier", "threshold", "error_feedback",
                                                 "index", "policy", "k", "value", "degree", "segments",
