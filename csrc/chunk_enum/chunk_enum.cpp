@@ -20,7 +20,7 @@ namespace chunk_enum {
 namespace {
 
 constexpr int64_t MIN_INDICES_PER_THREAD = int64_t{1} << 14;  // less work stays on one thread
-constexpr size_t TABLES_KEPT = 3;                              // as chunk_enum.py's _TABLES_KEPT
+constexpr size_t TABLES_KEPT = 3;                             // as chunk_enum.py's _TABLES_KEPT
 
 // width_for of wire/bitpack.py: bits for the integers [0, max_value], at least 1.
 int width_for(uint64_t max_value) {
@@ -142,13 +142,15 @@ struct Table {
 };
 
 double log2_binomial(int64_t length, int64_t rows) {
-    return std::max(0.0, (std::lgamma(length + 1.0) - std::lgamma(rows + 1.0) - std::lgamma(length - rows + 1.0)) /
-                             std::log(2.0));
+    return std::max(
+        0.0, (std::lgamma(length + 1.0) - std::lgamma(rows + 1.0) - std::lgamma(length - rows + 1.0)) / std::log(2.0));
 }
 
 // Limbs that hold C(length, rows) (rows <= length / 2: every entry and every rank is below it),
 // from log-gamma with a limb to spare.
-int limbs_for(int64_t length, int64_t rows) { return static_cast<int>(log2_binomial(length, rows) / 64.0) + 2; }
+int limbs_for(int64_t length, int64_t rows) {
+    return static_cast<int>(log2_binomial(length, rows) / 64.0) + 2;
+}
 
 std::shared_ptr<const Table> build_table(int64_t length, int64_t rows) {
     auto table = std::make_shared<Table>();
@@ -356,8 +358,8 @@ bool read_chunk(const Kind& kind, const uint8_t* in, size_t size, uint64_t pos, 
             }
         }
         if (held != kind.count) {
-            failure = "chunk_enum bitmap holds " + std::to_string(held) + " indices, expected " +
-                      std::to_string(kind.count);
+            failure =
+                "chunk_enum bitmap holds " + std::to_string(held) + " indices, expected " + std::to_string(kind.count);
             return false;
         }
         return true;
@@ -385,7 +387,7 @@ bool read_chunk(const Kind& kind, const uint8_t* in, size_t size, uint64_t pos, 
         offsets = spare.data();
     }
     int used = used_limbs(rank.data(), w);
-    int64_t hi = kind.length;  // the next offset is below this one
+    int64_t hi = kind.length;                    // the next offset is below this one
     for (int64_t i = lay.ranked; i >= 1; --i) {  // greedy: C(i - 1, i) = 0 <= rank
         const int64_t c = largest_below(table, i, i - 1, hi - 1, rank.data(), used);
         subtract_from(rank.data(), table.at(i, c), used);  // C(c, i) <= rank: no limb above `used`
@@ -421,8 +423,8 @@ int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chun
     return total;
 }
 
-void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks,
-          int64_t table_entries, uint8_t* out) {
+void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
+          uint8_t* out) {
     Kinds kinds(table_entries);
     int64_t total = 0;
     for (int64_t j = 0, at = 0; j < chunks; at += counts[j], ++j) {
@@ -461,8 +463,8 @@ void unpack(const uint8_t* section, size_t size, const int64_t* counts, const in
     const uint64_t expected = (static_cast<uint64_t>(total) + 7) / 8;
     if (size != expected)
         fail(ErrorKind::CONTAINER, "chunk_enum section has " + std::to_string(size) + " bytes, expected " +
-                                       std::to_string(expected) + " for " + std::to_string(indices) +
-                                       " indices in " + std::to_string(chunks) + " chunks");
+                                       std::to_string(expected) + " for " + std::to_string(indices) + " indices in " +
+                                       std::to_string(chunks) + " chunks");
     if ((total & 7) && (section[size - 1] >> (total & 7)))
         fail(ErrorKind::CONTAINER, "chunk_enum section has non-zero padding");
 
@@ -473,7 +475,7 @@ void unpack(const uint8_t* section, size_t size, const int64_t* counts, const in
         int64_t index = 0;
         uint64_t bit = 0;
         for (int64_t j = 0; j < chunks && static_cast<int>(starts.size()) < parts; ++j) {
-            if (index >= indices * static_cast<int64_t>(starts.size()) / parts) {
+            if (index >= static_cast<int64_t>(static_cast<__int128>(indices) * starts.size() / parts)) {
                 if (j > starts.back().chunk) starts.push_back({j, index, bit});
             }
             index += counts[j];

@@ -34,8 +34,8 @@ int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chun
 
 // The section of `chunks` chunks into out[0 .. ceil(section_bits / 8)) (zeroed here first):
 // local holds sum(counts) offsets, ascending within each chunk, below its length.
-void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks,
-          int64_t table_entries, uint8_t* out);
+void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
+          uint8_t* out);
 
 // The sum(counts) offsets of a section into out; CONTAINER errors (the Python texts) for a
 // section of the wrong length, non-zero padding, a rank >= C(L, h), a bitmap holding another

@@ -635,7 +635,7 @@ bool binmean_codes(const float* v, int64_t n, int bins, int iterations, float* m
         for (int j = 0; j + 1 < count; ++j) cuts[j] = (means[held[j + 1]] + means[held[j]]) / 2;
         std::fill(sums, sums + bins, 0.0);
         std::fill(sizes, sizes + bins, int64_t{0});
-        for (int64_t i = 0; i < n; ++i) {  // the bin whose cut interval the value is at or above,
+        for (int64_t i = 0; i < n; ++i) {                   // the bin whose cut interval the value is at or above,
             const double wide = static_cast<double>(v[i]);  // summed for the next step as above
             int at = 0;
             for (int j = 0; j + 1 < count; ++j) at += wide >= cuts[j];
