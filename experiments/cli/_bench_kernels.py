@@ -10,6 +10,7 @@ Selection rows print wall and process CPU milliseconds (medians).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -32,16 +33,25 @@ def median_ms(fn, repeat: int):
     return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
-def _numpy_backend(fn):
+@contextlib.contextmanager
+def numpy_backend(active: bool = True):
+    """Run the codecs inside on their NumPy definitions (``DEEPREDUCE_BACKEND=numpy``, read at
+    each call) when ``active``, the setting restored afterwards; else as installed."""
     previous = os.environ.get("DEEPREDUCE_BACKEND")
-    os.environ["DEEPREDUCE_BACKEND"] = "numpy"
+    if active:
+        os.environ["DEEPREDUCE_BACKEND"] = "numpy"
     try:
-        return fn()
+        yield
     finally:
         if previous is None:
-            del os.environ["DEEPREDUCE_BACKEND"]
+            os.environ.pop("DEEPREDUCE_BACKEND", None)
         else:
             os.environ["DEEPREDUCE_BACKEND"] = previous
+
+
+def _numpy_backend(fn):
+    with numpy_backend():
+        return fn()
 
 
 def selection_rows(grads, ratio: float, repeat: int) -> list:

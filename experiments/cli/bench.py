@@ -274,15 +274,9 @@ def index_rows(paths, inputs, args) -> list:
             row = measure_index(pipe, grad, args.repeat)
             row.update(config=os.path.splitext(os.path.basename(path))[0], size=grad.size, speedup="")
             if getattr(args, "compare_numpy", False) and row["backend"] == "c++":
-                previous = os.environ.get("DEEPREDUCE_BACKEND")
-                os.environ["DEEPREDUCE_BACKEND"] = "numpy"
-                try:
+                from ._bench_kernels import numpy_backend
+                with numpy_backend():
                     slow = measure_index(pipe, grad, 1)
-                finally:
-                    if previous is None:
-                        del os.environ["DEEPREDUCE_BACKEND"]
-                    else:
-                        os.environ["DEEPREDUCE_BACKEND"] = previous
                 fast_ms = row["idx_enc_ms"] + row["idx_dec_ms"]
                 slow_ms = slow["idx_enc_ms"] + slow["idx_dec_ms"]
                 row["speedup"] = f"numpy {slow_ms:.1f} ms = {slow_ms / max(fast_ms, 1e-9):.1f}x"

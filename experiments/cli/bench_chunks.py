@@ -23,9 +23,7 @@ Figures in docs/values.md and docs/chunked.md ("Semi-synchronous recipes")::
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import statistics
 import time
 
@@ -68,28 +66,14 @@ def _median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def _backend(name: str):
-    """Run the codecs on ``name``: "c++" (the extensions, as installed) or "python" (every codec's
-    NumPy definition: ``DEEPREDUCE_BACKEND=numpy``, read at each call)."""
-    saved = os.environ.get("DEEPREDUCE_BACKEND")
-    if name == "python":
-        os.environ["DEEPREDUCE_BACKEND"] = "numpy"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("DEEPREDUCE_BACKEND", None)
-        else:
-            os.environ["DEEPREDUCE_BACKEND"] = saved
-
-
 def index_rows(sizes, chunk: int, ks, repeat: int, seed: int):
     """One dict per (size, k, codec, backend)."""
     from deepreduce.backend import _native
     from deepreduce.registry import create
     from deepreduce.sparsify.chunked import chunk_topk_positions
     from deepreduce.wire.seeding import EncodeContext
+
+    from ._bench_kernels import numpy_backend
 
     rng = np.random.default_rng(seed)
     ctx = EncodeContext(bytes(32), "bench", 0)
@@ -110,7 +94,7 @@ def index_rows(sizes, chunk: int, ks, repeat: int, seed: int):
                 codec = create("index", {"id": codec_id, "chunk": chunk})
                 sections = set()
                 for backend in backends:
-                    with _backend(backend):
+                    with numpy_backend(backend == "python"):
                         enc = codec.encode(positions, values, flat, ctx)
                         encode_s = _median_seconds(lambda: codec.encode(positions, values, flat, ctx), repeat)
                         decode_s = _median_seconds(lambda: codec.decode(enc.params, enc.payload, n, size), repeat)
