@@ -165,9 +165,20 @@ def test_ranks_beyond_a_double_are_exact():
     assert np.array_equal(native.unpack(section, counts, lengths, ENTRIES, 2), local)
 
 
+@pytest.mark.parametrize("local, counts, lengths", [
+    ([0, 0], [2], [8]), ([3, 9], [2], [8]), ([5, 2], [2], [8]), ([-1, 2], [2], [8]),
+    ([0, 1, 2, 3, 3, 5], [3, 3], [8, 8]), ([1, 2] + [0, 7] * 3, [2, 2, 2, 2], [8, 8, 8, 7]),
+])
+def test_offsets_that_are_not_a_set_are_refused_alike(local, counts, lengths):
+    """A repeated, descending or out-of-chunk offset (a selection that is not a set) is refused by
+    both backends with the same text, naming the first such chunk, before a byte is written."""
+    args = (np.asarray(local, np.int64), np.asarray(counts, np.int64), np.asarray(lengths, np.int64))
+    expected = outcome(chunk_enum.pack_chunks_python, *args)
+    assert expected[0] == "refused" and "not ascending within" in expected[1]
+    assert outcome(native.pack, *args, ENTRIES) == expected
+
+
 @pytest.mark.parametrize("local, counts, lengths, text", [
-    ([0, 0], [2], [8], "not ascending"),
-    ([3, 9], [2], [8], "not ascending"),
     ([1], [2], [8], "1 offsets for counts summing to 2"),
     ([1, 2, 3], [3], [2], "cannot hold 3 indices"),
     ([], [0], [0], "cannot hold 0 indices"),

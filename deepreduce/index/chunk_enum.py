@@ -162,11 +162,19 @@ def _runs(counts: np.ndarray, lengths: np.ndarray):
 
 
 def pack_chunks_python(local: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> bytes:
-    """The section of the chunk-local ``local`` offsets (the definition; see the module docstring)."""
-    pieces, start = [], 0
+    """The section of the chunk-local ``local`` offsets (the definition; see the module docstring);
+    ValueError naming the first chunk whose offsets are not strictly ascending inside it (a
+    selection with a repeated position: a multiset has no rank)."""
+    pieces, start, first = [], 0, 0
     for count, length, chunks in _runs(counts, lengths):
         offsets = local[start:start + count * chunks].reshape(chunks, count)
         start += count * chunks
+        bad = np.flatnonzero((offsets[:, 0] < 0) | (offsets[:, -1] >= length)
+                             | np.any(offsets[:, 1:] <= offsets[:, :-1], axis=1)) if count else ()
+        if len(bad):   # a multiset or an offset past its chunk has no rank: refused, as csrc/chunk_enum does
+            raise ValueError(f"chunk_enum: the offsets of chunk {first + int(bad[0])} are not ascending within "
+                             f"[0, {length})")
+        first += chunks
         mode, bits, ranked = layout(length, count)
         if bits == 0:
             continue
