@@ -116,12 +116,23 @@ uint64_t get_bits(const uint8_t* in, size_t size, uint64_t pos, int n) {
 
 // ---------------------------------------------------------------- binomial tables
 
-// The value of a multi-limb integer whose highest non-zero limb is below `used`, as a double
-// (from its two highest limbs: a guess for the greedy decode, settled with the exact limbs).
+// 2^(64 k) for the limbs a double can weigh (k <= 15; the guesses are only kept below 2^1000).
+struct LimbWeights {
+    double of[16];
+    LimbWeights() {
+        of[0] = 1.0;
+        for (int k = 1; k < 16; ++k) of[k] = of[k - 1] * 18446744073709551616.0;
+    }
+};
+const LimbWeights limb_weights;
+
+// The value of a multi-limb integer whose highest non-zero limb is below `used` (at most 16), as
+// a double (from its two highest limbs: a guess for the greedy decode, settled with the exact
+// limbs).
 double approximate(const uint64_t* a, int used) {
     if (used == 0) return 0.0;
-    double value = std::ldexp(static_cast<double>(a[used - 1]), 64 * (used - 1));
-    if (used > 1) value += std::ldexp(static_cast<double>(a[used - 2]), 64 * (used - 2));
+    double value = static_cast<double>(a[used - 1]) * limb_weights.of[used - 1];
+    if (used > 1) value += static_cast<double>(a[used - 2]) * limb_weights.of[used - 2];
     return value;
 }
 
