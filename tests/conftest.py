@@ -151,3 +151,33 @@ class ThreadRanks:
         got = [pick({j: self.slots[(name, j)] for j in range(self.size)}, j) for j in range(self.size)]
         self.barrier.wait()
         return got
+
+
+@pytest.fixture
+def kernel_threads(monkeypatch):
+    """``record(*names)``: from then on the C++ kernels ``names`` of ``deepreduce._select`` (through
+    ``kernels.native()``) note the ``threads`` they are called with, their last argument, in the
+    returned list as ``(name, threads)``; skips without the extensions."""
+    from deepreduce.backend import kernels
+    module = kernels.native()
+    if module is None:
+        pytest.skip("needs the C++ extensions (make setup)")
+
+    def record(*names):
+        seen = []
+
+        class Recording:
+            def __getattr__(self, attr):
+                kernel = getattr(module, attr)
+                if attr not in names:
+                    return kernel
+
+                def call(*args):
+                    seen.append((attr, args[-1]))
+                    return kernel(*args)
+                return call
+
+        monkeypatch.setattr(kernels, "native", lambda: Recording())
+        return seen
+    return record
+

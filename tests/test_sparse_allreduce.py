@@ -48,31 +48,13 @@ def test_one_rank_delivers_the_selection_and_keeps_the_rest():
 
 
 @pytest.mark.parametrize("config", ["topk_raw", "semisync_1bit"])
-def test_the_owner_reselects_on_the_pipelines_threads(config, monkeypatch):
+def test_the_owner_reselects_on_the_pipelines_threads(config, kernel_threads):
     """The owner's re-selection (Top-r, or k per chunk) runs on the pipeline's ``threads`` (it ran on
     one thread whatever the option said), and the result does not depend on it."""
-    from deepreduce.backend import kernels
-    module = kernels.native()
-    if module is None:
-        pytest.skip("needs the C++ extensions (make setup)")
-    seen = []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(module, name)
-
-        def topk(self, *args):
-            seen.append(("topk", args[-1]))
-            return module.topk(*args)
-
-        def chunk_topk(self, *args):
-            seen.append(("chunk_topk", args[-1]))
-            return module.chunk_topk(*args)
-
     g = np.random.default_rng(1).standard_normal(1024 * 40).astype(np.float32)
     base = dict(deepreduce.build(config).get_config(), min_numel=0)
     one = SparseAllreduce(deepreduce.build(dict(base, threads=1)), OneRank()).reduce(g, "w", 0)
-    monkeypatch.setattr(kernels, "native", lambda: Recording())
+    seen = kernel_threads("topk", "chunk_topk")
     three = SparseAllreduce(deepreduce.build(dict(base, threads=3)), OneRank()).reduce(g, "w", 0)
     assert seen and all(threads == 3 for _, threads in seen)
     np.testing.assert_array_equal(three, one)

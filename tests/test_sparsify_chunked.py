@@ -140,29 +140,15 @@ def test_the_cpp_kernel_selects_what_the_array_version_selects(rows, chunk, k, t
     np.testing.assert_array_equal(chunk_topk_positions(flat, chunk, k), array_chunk_topk_positions(flat, chunk, k))
 
 
-def test_the_sparsifier_runs_the_kernel_on_the_pipelines_threads(monkeypatch):
+def test_the_sparsifier_runs_the_kernel_on_the_pipelines_threads(kernel_threads):
     """A pipeline's ``threads`` option reaches the chunked Top-k kernel (it used to run on one
     thread whatever the option said), and the container does not depend on it."""
-    from deepreduce.backend import kernels
-    module = kernels.native()
-    if module is None:
-        pytest.skip("needs the C++ extensions (make setup)")
-    seen = []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(module, name)
-
-        def chunk_topk(self, *args):
-            seen.append(args[-1])
-            return module.chunk_topk(*args)
-
     flat = np.random.default_rng(4).standard_normal(1024 * 40 + 5).astype(np.float32)
     config = deepreduce.build("semisync_1bit").get_config()
     one = deepreduce.build(dict(config, threads=1)).encode(flat, "w", 0)
-    monkeypatch.setattr(kernels, "native", lambda: Recording())
+    seen = kernel_threads("chunk_topk")
     three = deepreduce.build(dict(config, threads=3)).encode(flat, "w", 0)
-    assert seen == [3]
+    assert seen == [("chunk_topk", 3)]
     np.testing.assert_array_equal(three, one)
 
 
