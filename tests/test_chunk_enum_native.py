@@ -54,8 +54,8 @@ def test_same_bytes_and_offsets_as_the_definition(geometry):
     lengths, counts, seed = geometry
     local = random_set(np.random.default_rng(seed), lengths, counts)
     section = chunk_enum.pack_chunks_python(local, counts, lengths)
-    assert native.pack(local, counts, lengths, ENTRIES) == section
     for threads in (1, 3):
+        assert native.pack(local, counts, lengths, ENTRIES, threads) == section
         assert np.array_equal(native.unpack(section, counts, lengths, ENTRIES, threads), local)
     for L, h in zip(lengths, counts):
         assert tuple(native.layout(int(L), int(h), ENTRIES)) == chunk_enum.layout(int(L), int(h))
@@ -69,7 +69,8 @@ def test_every_mode_is_exercised():
     assert chunk_enum.layout(1 << 20, 3)[0] == chunk_enum.FIXED
 
 
-@pytest.mark.parametrize("numel, chunk, k", [(1 << 20, 1024, 32), ((1 << 18) + 77, 4096, 64), (300_000, 4096, 3000)])
+@pytest.mark.parametrize("numel, chunk, k", [(1 << 20, 1024, 32), ((1 << 18) + 77, 4096, 64), (300_000, 4096, 3000),
+                                           ((1 << 22) + 5, 1024, 32)])   # up to 8 parts, 206 bits a chunk
 def test_chunk_topk_selections_through_the_codec(numel, chunk, k):
     """The codec (native when built) writes the definition's section and reads its own back, with
     and without threads, for the frontier settings and a tail chunk."""
@@ -79,10 +80,10 @@ def test_chunk_topk_selections_through_the_codec(numel, chunk, k):
     lengths = chunks.chunk_lengths(numel, chunk)
     local = positions - np.repeat(np.arange(counts.shape[0], dtype=np.int64) * chunk, counts)
     codec = create("index", {"id": "chunk_enum", "chunk": chunk})
-    section = codec.pack_chunks(local, counts, lengths)
-    assert section == chunk_enum.pack_chunks_python(local, counts, lengths)
-    for threads in (1, 2, 7):
+    section = chunk_enum.pack_chunks_python(local, counts, lengths)
+    for threads in (1, 2, 7, 8):   # whole chunks per thread, each part's bytes ORed in: the same section
         codec.threads = threads
+        assert codec.pack_chunks(local, counts, lengths) == section
         assert np.array_equal(codec.unpack_chunks(section, counts, lengths), local)
 
 
@@ -175,7 +176,8 @@ def test_offsets_that_are_not_a_set_are_refused_alike(local, counts, lengths):
     args = (np.asarray(local, np.int64), np.asarray(counts, np.int64), np.asarray(lengths, np.int64))
     expected = outcome(chunk_enum.pack_chunks_python, *args)
     assert expected[0] == "refused" and "not ascending within" in expected[1]
-    assert outcome(native.pack, *args, ENTRIES) == expected
+    for threads in (1, 3):
+        assert outcome(native.pack, *args, ENTRIES, threads) == expected
 
 
 @pytest.mark.parametrize("local, counts, lengths, text", [

@@ -421,6 +421,35 @@ struct Start {
     uint64_t bit;
 };
 
+// The chunks split into up to `threads` runs of about equal index counts (none of fewer than
+// MIN_INDICES_PER_THREAD), as their starts followed by the end {chunks, indices, total}.
+std::vector<Start> split(const Kinds& kinds, const int64_t* counts, const int64_t* lengths, int64_t chunks,
+                         int64_t indices, int64_t total, int threads) {
+    const int64_t useful = std::max<int64_t>(1, indices / MIN_INDICES_PER_THREAD);
+    const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
+    std::vector<Start> starts{{0, 0, 0}};
+    int64_t index = 0;
+    uint64_t bit = 0;
+    for (int64_t j = 0; j < chunks && static_cast<int>(starts.size()) < parts; ++j) {
+        if (index >= static_cast<int64_t>(static_cast<__int128>(indices) * starts.size() / parts)) {
+            if (j > starts.back().chunk) starts.push_back({j, index, bit});
+        }
+        index += counts[j];
+        bit += kinds.find(lengths[j], counts[j]).layout.bits;
+    }
+    starts.push_back({chunks, indices, static_cast<uint64_t>(total)});
+    return starts;
+}
+
+// Runs work(part) for every part in [0, parts), part 0 on the calling thread.
+template <class Work>
+void run_parts(size_t parts, Work work) {
+    std::vector<std::thread> pool;
+    for (size_t part = 1; part < parts; ++part) pool.emplace_back(work, part);
+    work(0);
+    for (auto& thread : pool) thread.join();
+}
+
 }  // namespace
 
 Layout layout(int64_t length, int64_t count, int64_t table_entries) {
@@ -435,31 +464,54 @@ int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chun
 }
 
 void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
-          uint8_t* out) {
+          int threads, uint8_t* out) {
+    check_threads(threads);
     Kinds kinds(table_entries);
-    int64_t total = 0;
-    for (int64_t j = 0, at = 0; j < chunks; at += counts[j], ++j) {
+    int64_t total = 0, indices = 0;
+    for (int64_t j = 0; j < chunks; indices += counts[j], ++j) {
         const Kind& kind = kinds.of(lengths[j], counts[j]);
         total += kind.layout.bits;
         for (int64_t t = 0; t < counts[j]; ++t) {  // the tables are read at these offsets
-            const int64_t v = local[at + t];
-            if (v < 0 || v >= lengths[j] || (t > 0 && v <= local[at + t - 1]))
+            const int64_t v = local[indices + t];
+            if (v < 0 || v >= lengths[j] || (t > 0 && v <= local[indices + t - 1]))
                 fail(ErrorKind::ARGUMENT, "chunk_enum: the offsets of chunk " + std::to_string(j) +
                                               " are not ascending within [0, " + std::to_string(lengths[j]) + ")");
         }
     }
     const size_t size = static_cast<size_t>((total + 7) / 8);
     std::fill(out, out + size, uint8_t{0});
-    std::vector<int64_t> spare;
-    std::vector<uint64_t> rank;
-    uint64_t pos = 0;
-    const Kind* kind = nullptr;
-    for (int64_t j = 0; j < chunks; ++j) {
-        if (!kind || kind->length != lengths[j] || kind->count != counts[j]) kind = &kinds.find(lengths[j], counts[j]);
-        write_chunk(*kind, local, pos, out, size, spare, rank);
-        pos += kind->layout.bits;
-        local += counts[j];
-    }
+    const std::vector<Start> starts = split(kinds, counts, lengths, chunks, indices, total, threads);
+    // With several parts, each writes its bits into bytes of its own (its first and last byte may
+    // hold a neighbour's bits too), ORed into the section afterwards.
+    std::vector<std::vector<uint8_t>> own(starts.size() - 1);
+    run_parts(own.size(), [&](size_t part) {
+        uint8_t* to = out;
+        size_t to_size = size;
+        uint64_t pos = starts[part].bit;
+        if (own.size() > 1) {
+            const uint64_t first = starts[part].bit >> 3;
+            own[part].assign(static_cast<size_t>(((starts[part + 1].bit + 7) >> 3) - first), 0);
+            to = own[part].data();
+            to_size = own[part].size();
+            pos -= first * 8;
+        }
+        std::vector<int64_t> spare;
+        std::vector<uint64_t> rank;
+        const Kind* kind = nullptr;
+        const int64_t* offsets = local + starts[part].index;
+        for (int64_t j = starts[part].chunk; j < starts[part + 1].chunk; ++j) {
+            if (!kind || kind->length != lengths[j] || kind->count != counts[j])
+                kind = &kinds.find(lengths[j], counts[j]);
+            write_chunk(*kind, offsets, pos, to, to_size, spare, rank);
+            pos += kind->layout.bits;
+            offsets += counts[j];
+        }
+    });
+    if (own.size() > 1)
+        for (size_t part = 0; part < own.size(); ++part) {
+            uint8_t* to = out + (starts[part].bit >> 3);
+            for (size_t b = 0; b < own[part].size(); ++b) to[b] |= own[part][b];
+        }
 }
 
 void unpack(const uint8_t* section, size_t size, const int64_t* counts, const int64_t* lengths, int64_t chunks,
@@ -479,21 +531,7 @@ void unpack(const uint8_t* section, size_t size, const int64_t* counts, const in
     if ((total & 7) && (section[size - 1] >> (total & 7)))
         fail(ErrorKind::CONTAINER, "chunk_enum section has non-zero padding");
 
-    const int64_t useful = std::max<int64_t>(1, indices / MIN_INDICES_PER_THREAD);
-    const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
-    std::vector<Start> starts{{0, 0, 0}};
-    {
-        int64_t index = 0;
-        uint64_t bit = 0;
-        for (int64_t j = 0; j < chunks && static_cast<int>(starts.size()) < parts; ++j) {
-            if (index >= static_cast<int64_t>(static_cast<__int128>(indices) * starts.size() / parts)) {
-                if (j > starts.back().chunk) starts.push_back({j, index, bit});
-            }
-            index += counts[j];
-            bit += kinds.find(lengths[j], counts[j]).layout.bits;
-        }
-    }
-    starts.push_back({chunks, indices, static_cast<uint64_t>(total)});
+    const std::vector<Start> starts = split(kinds, counts, lengths, chunks, indices, total, threads);
     std::vector<Failure> failures(starts.size() - 1);
     auto work = [&](size_t part) {
         std::vector<int64_t> spare;
@@ -512,10 +550,7 @@ void unpack(const uint8_t* section, size_t size, const int64_t* counts, const in
             to += counts[j];
         }
     };
-    std::vector<std::thread> pool;
-    for (size_t part = 1; part + 1 < starts.size(); ++part) pool.emplace_back(work, part);
-    work(0);
-    for (auto& thread : pool) thread.join();
+    run_parts(failures.size(), work);
     for (const Failure& failure : failures)  // parts in chunk order: the first failure is the stream's first
         if (failure.chunk >= 0) fail(ErrorKind::CONTAINER, failure.message);
 }

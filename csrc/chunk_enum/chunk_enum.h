@@ -33,9 +33,11 @@ Layout layout(int64_t length, int64_t count, int64_t table_entries);
 int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries);
 
 // The section of `chunks` chunks into out[0 .. ceil(section_bits / 8)) (zeroed here first):
-// local holds sum(counts) offsets, ascending within each chunk, below its length.
+// local holds sum(counts) offsets, strictly ascending within each chunk, below its length (else
+// an ARGUMENT error naming the first chunk that breaks it, before anything is written). The
+// chunks are split over `threads` threads (the same bytes).
 void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
-          uint8_t* out);
+          int threads, uint8_t* out);
 
 // The sum(counts) offsets of a section into out; CONTAINER errors (the Python texts) for a
 // section of the wrong length, non-zero padding, a rank >= C(L, h), a bitmap holding another

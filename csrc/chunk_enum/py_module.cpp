@@ -43,8 +43,9 @@ Geometry geometry(const py::array& counts, const py::array& lengths, const py::h
 }
 
 py::bytes pack(const py::array& local, const py::array& counts, const py::array& lengths,
-               const py::handle& table_entries) {
+               const py::handle& table_entries, const py::handle& threads) {
     Geometry g = geometry(counts, lengths, table_entries);
+    const int t = deepreduce::py_args::threads_arg(threads);
     I64 offsets = deepreduce::py_args::position_array(local, "local");
     if (offsets.ndim() != 1 || offsets.size() != g.indices)
         throw py::value_error("chunk_enum: " + std::to_string(offsets.size()) + " offsets for counts summing to " +
@@ -54,7 +55,7 @@ py::bytes pack(const py::array& local, const py::array& counts, const py::array&
         py::gil_scoped_release release;
         const int64_t bits = ce::section_bits(g.counts.data(), g.lengths.data(), g.chunks, g.table_entries);
         out.resize(static_cast<size_t>((bits + 7) / 8));
-        ce::pack(offsets.data(), g.counts.data(), g.lengths.data(), g.chunks, g.table_entries,
+        ce::pack(offsets.data(), g.counts.data(), g.lengths.data(), g.chunks, g.table_entries, t,
                  reinterpret_cast<uint8_t*>(&out[0]));
     }
     return py::bytes(out);
@@ -91,7 +92,7 @@ PYBIND11_MODULE(_chunk_enum, m) {
     deepreduce::py_args::register_errors();
     m.doc() = "chunk_enum index sections (deepreduce/index/chunk_enum.py) in C++";
     m.def("pack", &pack, py::arg("local"), py::arg("counts"), py::arg("lengths"), py::arg("table_entries"),
-          "the section of chunk-local offsets (ascending in each chunk) as bytes");
+          py::arg("threads") = 1, "the section of chunk-local offsets (ascending in each chunk) as bytes");
     m.def("unpack", &unpack, py::arg("section"), py::arg("counts"), py::arg("lengths"), py::arg("table_entries"),
           py::arg("threads") = 1, "the int64 chunk-local offsets of a section; ValueError for one no encoder writes");
     m.def("layout", &layout, py::arg("length"), py::arg("count"), py::arg("table_entries"),

@@ -21,7 +21,7 @@ bits and a section of the wrong length, so every accepted section decodes to one
 This module is the definition (:func:`pack_chunks_python`, :func:`unpack_chunks_python`). When the
 C++ extension ``deepreduce._chunk_enum`` (csrc/chunk_enum) is built, the codec runs it instead: the
 same bits and the same refusals with the same texts (tests/test_chunk_enum_native.py), ranks as
-fixed-width integers of 64-bit limbs, decode split over the codec's ``threads``, at a half to a
+fixed-width integers of 64-bit limbs, chunks split over the codec's ``threads``, at a half to a
 third of this module's CPU per index (docs/chunked.md).
 """
 from __future__ import annotations
@@ -243,7 +243,7 @@ class ChunkEnumIndex(ChunkIndexCodec):
         native = _native.load("chunk_enum")
         if native is None:
             return pack_chunks_python(local, counts, lengths)
-        return native.pack(local, counts, lengths, TABLE_ENTRIES)
+        return native.pack(local, counts, lengths, TABLE_ENTRIES, self.threads)
 
     def unpack_chunks(self, section, counts, lengths):
         native = _native.load("chunk_enum")
