@@ -456,15 +456,8 @@ Layout layout(int64_t length, int64_t count, int64_t table_entries) {
     return make_kind(length, count, table_entries).layout;
 }
 
-int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries) {
-    Kinds kinds(table_entries);
-    int64_t total = 0;
-    for (int64_t j = 0; j < chunks; ++j) total += kinds.of(lengths[j], counts[j]).layout.bits;
-    return total;
-}
-
-void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
-          int threads, uint8_t* out) {
+std::vector<uint8_t> pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks,
+                          int64_t table_entries, int threads) {
     check_threads(threads);
     Kinds kinds(table_entries);
     int64_t total = 0, indices = 0;
@@ -479,7 +472,8 @@ void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, i
         }
     }
     const size_t size = static_cast<size_t>((total + 7) / 8);
-    std::fill(out, out + size, uint8_t{0});
+    std::vector<uint8_t> section(size, 0);
+    uint8_t* out = section.data();
     const std::vector<Start> starts = split(kinds, counts, lengths, chunks, indices, total, threads);
     // With several parts, each writes its bits into bytes of its own (its first and last byte may
     // hold a neighbour's bits too), ORed into the section afterwards.
@@ -512,6 +506,7 @@ void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, i
             uint8_t* to = out + (starts[part].bit >> 3);
             for (size_t b = 0; b < own[part].size(); ++b) to[b] |= own[part][b];
         }
+    return section;
 }
 
 void unpack(const uint8_t* section, size_t size, const int64_t* counts, const int64_t* lengths, int64_t chunks,

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace deepreduce {
 namespace chunk_enum {
@@ -29,15 +30,12 @@ struct Layout {
 // layout() of chunk_enum.py for a chunk of `length` elements holding `count` offsets.
 Layout layout(int64_t length, int64_t count, int64_t table_entries);
 
-// Bits of the whole section (before padding); ARGUMENT errors for counts outside [0, length].
-int64_t section_bits(const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries);
-
-// The section of `chunks` chunks into out[0 .. ceil(section_bits / 8)) (zeroed here first):
-// local holds sum(counts) offsets, strictly ascending within each chunk, below its length (else
-// an ARGUMENT error naming the first chunk that breaks it, before anything is written). The
+// The section of `chunks` chunks, ceil(bits / 8) bytes: local holds sum(counts) offsets,
+// strictly ascending within each chunk, below its length (else an ARGUMENT error naming the first
+// chunk that breaks it, before anything is written; also for counts outside [0, length]). The
 // chunks are split over `threads` threads (the same bytes).
-void pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks, int64_t table_entries,
-          int threads, uint8_t* out);
+std::vector<uint8_t> pack(const int64_t* local, const int64_t* counts, const int64_t* lengths, int64_t chunks,
+                          int64_t table_entries, int threads);
 
 // The sum(counts) offsets of a section into out; CONTAINER errors (the Python texts) for a
 // section of the wrong length, non-zero padding, a rank >= C(L, h), a bitmap holding another

@@ -50,15 +50,12 @@ py::bytes pack(const py::array& local, const py::array& counts, const py::array&
     if (offsets.ndim() != 1 || offsets.size() != g.indices)
         throw py::value_error("chunk_enum: " + std::to_string(offsets.size()) + " offsets for counts summing to " +
                               std::to_string(g.indices));
-    std::string out;
+    std::vector<uint8_t> out;
     {
         py::gil_scoped_release release;
-        const int64_t bits = ce::section_bits(g.counts.data(), g.lengths.data(), g.chunks, g.table_entries);
-        out.resize(static_cast<size_t>((bits + 7) / 8));
-        ce::pack(offsets.data(), g.counts.data(), g.lengths.data(), g.chunks, g.table_entries, t,
-                 reinterpret_cast<uint8_t*>(&out[0]));
+        out = ce::pack(offsets.data(), g.counts.data(), g.lengths.data(), g.chunks, g.table_entries, t);
     }
-    return py::bytes(out);
+    return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
 }
 
 I64 unpack(const py::buffer& section, const py::array& counts, const py::array& lengths,
