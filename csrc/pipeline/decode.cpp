@@ -147,25 +147,36 @@ void scatter(const ct::Header& h, const Sparse& s, uint64_t numel, int threads, 
         select::scatter_add(target, s.indices.data(), s.values.data(), n, threads);
 }
 
-// Pipeline._decode_into: add the container's tensor into target (`accumulate`), or write it
-// there (target then holds zeros outside the container's entries).
-void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target,
-                   bool accumulate = true) {
+// Pipeline._decode_into: add the container's tensor into target.
+void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target) {
     if (h.dense()) {
         const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
         std::vector<float> dense(numel);
         if (numel) std::memcpy(dense.data(), sections, 4 * numel);
         check_finite(h, dense.data(), numel, "dense section");
-        if (!accumulate) {
-            std::copy(dense.begin(), dense.end(), target);
-            return;
-        }
         for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return;
     }
+    scatter(h, decode_sparse(h, buf, numel, threads), numel, threads, target);
+}
+
+// Pipeline.decode into target, each value divided by `divisor`: target then holds zeros outside
+// a sparse container's entries (an entry is 0 + v, as adding into zeros gives it).
+void write_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target,
+                     float divisor) {
+    if (h.dense()) {
+        const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
+        std::vector<float> dense(numel);
+        if (numel) std::memcpy(dense.data(), sections, 4 * numel);
+        check_finite(h, dense.data(), numel, "dense section");
+        for (uint64_t i = 0; i < numel; ++i) target[i] = dense[i] / divisor;
+        return;
+    }
     const Sparse s = decode_sparse(h, buf, numel, threads);
-    if (!accumulate) std::fill(target, target + numel, 0.0f);
+    std::fill(target, target + numel, 0.0f);
     scatter(h, s, numel, threads, target);
+    if (divisor != 1.0f)
+        for (const int64_t i : s.indices) target[i] /= divisor;
 }
 
 }  // namespace
@@ -183,8 +194,11 @@ size_t decode_sum(const DecodeConfig& c, const uint8_t* buf, size_t len, const T
     return decode_sum(c, parts, tensor);
 }
 
-void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads) {
+void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads,
+                   float divisor) {
     check_threads(threads);
+    if (!(divisor > 0.0f) || !std::isfinite(divisor))
+        fail(ErrorKind::ARGUMENT, "divisor must be a positive finite number, got " + std::to_string(divisor));
     if (bounds.size() != parts.size() + 1)
         fail(ErrorKind::ARGUMENT, std::to_string(parts.size()) + " containers for " +
                                       std::to_string(bounds.empty() ? 0 : bounds.size() - 1) + " shards");
@@ -194,7 +208,7 @@ void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& b
         ct::Header h;
         const uint64_t numel = ct::unpack(parts[j].data, parts[j].size, h, &shape);
         try {
-            add_container(h, parts[j].data, numel, threads, out + bounds[j], false);
+            write_container(h, parts[j].data, numel, threads, out + bounds[j], divisor);
         } catch (const std::bad_alloc&) {
             fail(ErrorKind::CONTAINER,
                  "shard " + std::to_string(j) + ": container decode ran out of memory (std::bad_alloc)");

@@ -116,8 +116,11 @@ struct Part {
 size_t decode_sum(const DecodeConfig& config, const std::vector<Part>& parts, const TensorAllocator& tensor);
 
 // The sparse all-reduce's last phase: container j holds shard [bounds[j], bounds[j+1]) of a flat
-// tensor (Pipeline.decode with that shard's shape, checked) and is written to out + bounds[j].
-void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads);
+// tensor (Pipeline.decode with that shard's shape, checked) and is written to out + bounds[j],
+// each value divided by `divisor` (averaging: every position is written once, so dividing what
+// is written equals dividing the whole tensor afterwards, without a pass over its zeros).
+void decode_shards(const std::vector<Part>& parts, const std::vector<int64_t>& bounds, float* out, int threads,
+                   float divisor = 1.0f);
 
 }  // namespace pipeline
 }  // namespace deepreduce

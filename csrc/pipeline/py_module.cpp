@@ -184,7 +184,8 @@ py::array_t<float> decode_parts(const py::sequence& payloads, const py::object& 
     return out;
 }
 
-void decode_shards(const py::sequence& payloads, const Bounds& bounds_arg, const py::object& out, int threads) {
+void decode_shards(const py::sequence& payloads, const Bounds& bounds_arg, const py::object& out, int threads,
+                   float divisor) {
     const std::vector<int64_t> bounds(bounds_arg.data(), bounds_arg.data() + bounds_arg.size());
     std::vector<py::buffer_info> infos;
     const std::vector<pl::Part> parts = parts_arg(payloads, infos);
@@ -194,7 +195,7 @@ void decode_shards(const py::sequence& payloads, const Bounds& bounds_arg, const
                               " elements the shard bounds cover");
     float* data = target.mutable_data();
     py::gil_scoped_release release;
-    pl::decode_shards(parts, bounds, data, threads);
+    pl::decode_shards(parts, bounds, data, threads, divisor);
 }
 
 py::array_t<float> decode_sum(const py::buffer& buf, int64_t count, bool single, const py::object& shape,
@@ -233,5 +234,6 @@ PYBIND11_MODULE(_pipeline, m) {
           py::arg("max_numel") = ~uint64_t(0), py::arg("threads") = 1,
           "Pipeline.decode_sum of a sequence of containers, each decoded where it lies");
     m.def("decode_shards", &decode_shards, py::arg("payloads"), py::arg("bounds"), py::arg("out"),
-          py::arg("threads") = 1, "container j (Pipeline.decode, shape checked) written to out[bounds[j]:bounds[j+1]]");
+          py::arg("threads") = 1, py::arg("divisor") = 1.0f,
+          "container j (Pipeline.decode, shape checked) written to out[bounds[j]:bounds[j+1]], divided by divisor");
 }

@@ -57,10 +57,11 @@ def decode_sum(native, payloads: Sequence, numel: int, threads: int) -> np.ndarr
         raise ContainerError(str(exc)) from exc
 
 
-def decode_shards(native, payloads: Sequence, bounds: Sequence[int], out: np.ndarray, threads: int) -> None:
+def decode_shards(native, payloads: Sequence, bounds: Sequence[int], out: np.ndarray, threads: int,
+                  divisor: int = 1) -> None:
     """Container ``j`` of ``payloads`` written to ``out[bounds[j]:bounds[j+1]]`` (its shape checked),
-    errors as ``Pipeline.decode`` raises them."""
+    each value divided by ``divisor``; errors as ``Pipeline.decode`` raises them."""
     try:
-        native.decode_shards(payloads, list(bounds), out, threads)
+        native.decode_shards(payloads, list(bounds), out, threads, float(divisor))
     except ValueError as exc:   # ErrorKind::CONTAINER
         raise ContainerError(str(exc)) from exc

@@ -258,21 +258,33 @@ class SparseAllreduce:
         flagged = self.last_nonfinite = agreement.first_nonfinite(shards)
         return shards, flagged
 
-    def decode(self, batch: "Batch", index: int, shards: List[np.ndarray], flagged, out: Optional[np.ndarray] = None):
-        """Write tensor ``index``'s ``shards`` (from :meth:`arrived`) into ``out`` (every element of
-        it: no need to zero it first) or a new array, and move its shard bounds every
-        ``repartition_every`` steps (the same on every rank: the same sum). Returns the flat sum."""
+    def decode(self, batch: "Batch", index: int, shards: List[np.ndarray], flagged, out: Optional[np.ndarray] = None,
+               divisor: int = 1):
+        """Write tensor ``index``'s ``shards`` (from :meth:`arrived`), divided by ``divisor``, into
+        ``out`` (every element of it: no need to zero it first) or a new array, and move its shard
+        bounds every ``repartition_every`` steps (the same on every rank: the same sum). Returns the
+        flat result."""
         phase = batch.phases[index]
         target = np.zeros(phase.numel, np.float32) if out is None else out.reshape(-1)
-        self._decode_shards(shards, phase.bounds, target)
+        self._decode_shards(shards, phase.bounds, target, divisor)
         if flagged is None and (phase.step + 1) % self.repartition_every == 0:
             size = self.communicator.size
             # chunk bounds stay (bounds of a checkpoint written before they existed move onto them)
             moved = (chunk_bounds(phase.numel, size, self.chunk) if self._chunked(phase.numel)
-                     else balanced_bounds(kernels.nonzero(target, self.pipeline.threads), phase.numel, size))
+                     else balanced_bounds(self._summed_nonzeros(shards, phase.bounds), phase.numel, size))
             if not np.array_equal(moved, phase.bounds):
                 self._bounds[phase.name] = moved   # the next encode moves the owner residual with them
         return target
+
+    def _summed_nonzeros(self, shards: List[np.ndarray], bounds: np.ndarray) -> np.ndarray:
+        """Ascending positions of the sum's non-zero entries (as ``numpy.flatnonzero`` of the
+        decoded sum: NaN counts, -0.0 and an entry its value codec rounded to zero do not), read
+        off the owners' containers rather than by a pass over every element of the tensor."""
+        found = []
+        for j, payload in enumerate(shards):
+            positions, values = self.pipeline.entries_of(payload, (int(bounds[j + 1] - bounds[j]),))
+            found.append(np.asarray(positions, dtype=np.int64)[np.asarray(values) != 0] + int(bounds[j]))
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
 
     # ------------------------------------------------------------------ commit or undo
     def commit(self) -> None:
@@ -299,17 +311,20 @@ class SparseAllreduce:
         """The C++ pipeline when it decodes this config's containers, else None."""
         return native_pipeline.module() if self._native_decode else None
 
-    def _decode_shards(self, shards: List[np.ndarray], bounds: np.ndarray, target: np.ndarray) -> None:
-        """Write shard ``j``'s container into ``target[bounds[j]:bounds[j+1]]`` (Pipeline.decode each)."""
+    def _decode_shards(self, shards: List[np.ndarray], bounds: np.ndarray, target: np.ndarray, divisor: int) -> None:
+        """Write shard ``j``'s container, divided by ``divisor``, into ``target[bounds[j]:bounds[j+1]]``
+        (Pipeline.decode each)."""
         native = self._native()
         if native is not None and target.dtype == np.float32 and target.flags.c_contiguous and target.flags.writeable:
             start = time.perf_counter()
-            native_pipeline.decode_shards(native, shards, bounds, target, self.pipeline.threads)
+            native_pipeline.decode_shards(native, shards, bounds, target, self.pipeline.threads, divisor)
             self._count_decoded(len(shards), start)
             return
         for j, payload in enumerate(shards):
             self.pipeline.decode(payload, expected_shape=(int(bounds[j + 1] - bounds[j]),),
                                  out=target[int(bounds[j]):int(bounds[j + 1])])
+        if divisor != 1:
+            np.divide(target, divisor, out=target)
 
     def shard_entries(self, payloads: List[np.ndarray], m: int) -> list:
         """Each rank's container of this rank's ``m``-element shard as entries (ascending distinct

@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-import numpy as np
-
 from ._base import Outcome, Route
 
 
@@ -130,9 +128,8 @@ class SparseAllreduceRoute(Route):
 
         def write(divisor: int) -> None:
             for _, target, index, shards, found in arrived:
-                total = self.reducer.decode(share.batch, index, shards, found, out=engine.tensors.host(target))
-                if divisor != 1:
-                    np.divide(total, divisor, out=total)
+                total = self.reducer.decode(share.batch, index, shards, found, out=engine.tensors.host(target),
+                                            divisor=divisor)
                 engine.tensors.write(target, total)
         name, found = next(((name, found) for name, _, _, _, found in arrived if found is not None), ("", None))
         return Outcome(write, found, name)
