@@ -15,6 +15,79 @@ from experiments.reproduce.hsdp_worker import crosses_nodes, node_of
 
 
 # ------------------------------------------------------------------ layout and rows
+class _TwoRanksTopOne:
+    """A replicate all-reduce of two ranks (this one and a fixed peer) that delivers the average
+    of what each sends: everything (``lossless``), or only each rank's one largest entry."""
+
+    def __init__(self, peer, lossless):
+        self.peer, self.lossless = peer, lossless
+        self.reference = torch.zeros_like(peer)   # the peer's copy of the shared aggregate
+
+    def all_reduce(self, module, fsdp_module, group, shard):
+        def kept(x):
+            if self.lossless:
+                return x
+            out = torch.zeros_like(x)
+            top = x.abs().argmax()
+            out[top] = x[top]
+            return out
+        peer = self.peer - self.reference
+        shard.copy_((kept(shard) + kept(peer)) / 2)
+        self.reference += shard
+
+
+def test_the_shared_reference_candidate_sends_differences_and_delivers_the_aggregate():
+    from experiments.reproduce.hsdp_worker import shared_reference
+
+    grads = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([1.5, -1.0, 0.25]), torch.tensor([0.0, 3.0, 1.0])]
+    peer = torch.tensor([0.5, 0.0, -1.0])
+    handle = _TwoRanksTopOne(peer, lossless=True)
+    shared_reference(handle)
+    for g in grads:   # lossless: the difference from the last aggregate adds back to the plain average
+        shard = g.clone()
+        handle.all_reduce("m", None, None, shard)
+        torch.testing.assert_close(shard, (g + peer) / 2)
+    handle = _TwoRanksTopOne(peer, lossless=False)
+    shared_reference(handle)
+    delivered = []
+    for _ in range(8):   # the same gradients every step
+        shard = grads[0].clone()
+        handle.all_reduce("m", None, None, shard)
+        delivered.append(shard.clone())
+    torch.testing.assert_close(delivered[0], torch.tensor([0.0, -1.0, -0.5]))
+    torch.testing.assert_close(delivered[1], torch.tensor([0.5, -0.5, -0.5]))   # a difference left, sent later
+    # Then it stalls short of the average (0.75, -1, -0.25): each rank's largest difference from
+    # the shared aggregate is its own deviation from the average, the two cancel, and the other
+    # coordinates are never sent. A per-rank estimate (EF21's) would not stall; docs/fsdp.md.
+    for later in delivered[2:]:
+        torch.testing.assert_close(later, torch.tensor([0.5, -1.0, -0.5]))
+
+
+def test_the_ef21_candidate_delivers_each_ranks_estimate_of_its_gradient():
+    from experiments.reproduce.hsdp_worker import ef21
+
+    class OneRankTopHalf:   # one rank whose config sends the Top-50% of what it is given
+        def all_reduce(self, module, fsdp_module, group, shard):
+            kept = torch.zeros_like(shard)
+            top = shard.abs().topk(shard.numel() // 2).indices
+            kept[top] = shard[top]
+            shard.copy_(kept)
+
+    g = torch.linspace(-1.0, 2.0, 3000)
+    handle = OneRankTopHalf()
+    ef21(handle, 0.5)
+    delivered = []
+    for _ in range(3):
+        shard = g.clone()
+        handle.all_reduce("m", None, None, shard)
+        delivered.append(shard)
+    top = g.abs().topk(1500).indices
+    torch.testing.assert_close(delivered[0][top], g[top])   # the larger half first, the rest held back
+    assert int((delivered[0] != 0).sum()) == 1500
+    torch.testing.assert_close(delivered[1], g)             # then the difference: the whole gradient
+    torch.testing.assert_close(delivered[2], g)             # and nothing more once the estimate is exact
+
+
 def test_nodes_and_what_crosses_them():
     assert [node_of(r, 4) for r in range(4)] == [0, 0, 1, 1]
     assert crosses_nodes({"ranks": [0, 2]}, 4) and crosses_nodes({"ranks": [1, 3]}, 4)

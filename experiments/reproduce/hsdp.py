@@ -129,6 +129,18 @@ CANDIDATES: Dict[str, dict] = {
 #: The candidates as rows: run by name (``--methods``), not by default.
 CANDIDATE_METHODS: Dict[str, dict] = {name: {"kind": "deepreduce", "config": config, "reduce_scatter": False}
                                       for name, config in CANDIDATES.items()}
+# Candidates that send differences rather than gradients: the same codecs sending each step's
+# difference from the shared previous aggregate
+# (:func:`experiments.reproduce.hsdp_worker.shared_reference`): Top-10% in 8 bits by the sparse
+# all-reduce and by allgather in chunks, and 1 bit for every entry.
+CANDIDATE_METHODS.update({
+    "ref_t10_q8_sra": dict(METHODS["fsdp_topk_q8"], reference=True),
+    "ref_c10_q8": dict(CANDIDATE_METHODS["c10_q8"], reference=True),
+    "ref_b1": {"kind": "deepreduce", "config": _inline({"id": "binmean", "bits": 1}, {"id": "none"}),
+               "reduce_scatter": False, "reference": True},
+})
+# And EF21's per-rank estimates (:func:`experiments.reproduce.hsdp_worker.ef21`) on lm_topk.
+CANDIDATE_METHODS["ef21_t5"] = dict(METHODS["lm_topk"], ef21=0.05)
 BASELINE, HALF = "hsdp_fp32", "hsdp_bf16"
 DILOCO = "hsdp_semisync_1bit_h5"
 _COMPACT = {"id": "compact_residual", "block": 64}

@@ -83,6 +83,10 @@ class HSDPRunner(Runner):
 
             self.handle = register(self.model, method["config"], replicate_group=mesh["replicate"].get_group(),
                                    reduce_scatter=method["reduce_scatter"])
+            if method.get("reference"):
+                shared_reference(self.handle)
+            if method.get("ef21"):
+                ef21(self.handle, method["ef21"])
         self.forward = self.model
         self.optimizers()
         if method["kind"] == "diloco":
@@ -106,6 +110,66 @@ class HSDPRunner(Runner):
             return {"state_bytes": sum(parts.values()), "state_parts": parts, "shard_bytes": self.shard_bytes}
         return {"state_bytes": self.handle.state_bytes() if self.handle is not None else 0,
                 "shard_bytes": self.shard_bytes}
+
+
+def shared_reference(handle) -> None:
+    """A searched candidate (docs/fsdp.md, "Searching for the targets"): each rank compresses the
+    difference between its reduced shard and the previous step's aggregate G, and the optimizer
+    gets G plus the average of the differences, which becomes the next G (EF21's estimate, shared
+    by every rank of the replicate group rather than kept per rank: S more bytes of state, not
+    counted in ``state_bytes``). What a coordinate's difference does not send stays in it for the
+    next step, so no residual is kept."""
+    import torch
+
+    references = {}
+    reduce = handle.all_reduce
+
+    def all_reduce(module, fsdp_module, group, shard):
+        reference = references.get(module)
+        if reference is None:
+            reference = references[module] = torch.zeros_like(shard, dtype=torch.float32)
+        shard.sub_(reference)
+        reduce(module, fsdp_module, group, shard)
+        reference.add_(shard)
+        shard.copy_(reference)
+    handle.all_reduce = all_reduce
+
+
+def ef21(handle, ratio: float) -> None:
+    """A searched candidate (docs/fsdp.md, "Searching for the targets"), EF21 (Richtarik, Sokolov
+    and Fatkhullin, 2021) on a Top-``ratio`` config with raw values and no memory: each rank keeps
+    its own estimate h of its reduced shard and sends the Top-r of the difference (g - h), adding
+    what it sent to h; the optimizer gets the previous aggregate plus the average of what was
+    sent, i.e. the average of the ranks' estimates. The rank's copy of what it sent is its own
+    Top-r of the difference (``torch.topk``; entries sent dense below 1,000 elements, the default
+    ``min_numel``), as the config's sparsifier selects it. Two shard-sized states (2 S, not
+    counted in ``state_bytes``)."""
+    import torch
+
+    from deepreduce.sparsify import count_for
+    own, shared = {}, {}
+    reduce = handle.all_reduce
+
+    def all_reduce(module, fsdp_module, group, shard):
+        if module not in own:
+            own[module] = torch.zeros_like(shard, dtype=torch.float32)
+            shared[module] = torch.zeros_like(shard, dtype=torch.float32)
+        h, g = own[module], shared[module]
+        x = shard.float() - h
+        flat = x.reshape(-1)
+        if flat.numel() < 1000:
+            c = flat
+        else:
+            k = count_for(ratio, flat.numel())
+            top = flat.abs().topk(k).indices
+            c = torch.zeros_like(flat)
+            c[top] = flat[top]
+        h += c.view_as(h)
+        shard.copy_(x)
+        reduce(module, fsdp_module, group, shard)
+        g += shard
+        shard.copy_(g)
+    handle.all_reduce = all_reduce
 
 
 def diloco_state(diloco) -> dict:
