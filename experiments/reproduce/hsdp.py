@@ -113,6 +113,8 @@ def _inline(value: dict, memory: dict, aggregation: Optional[str] = None, sparsi
 _Q8 = {"id": "qsgd", "levels": 127, "bucket_size": 64}
 CANDIDATES: Dict[str, dict] = {
     "q1_ef": _inline({"id": "binmean", "bits": 1}, {"id": "residual"}),
+    "b2_ef": _inline({"id": "binmean", "bits": 2}, {"id": "residual"}),
+    "u2_ef": _inline({"id": "uniform", "bits": 2}, {"id": "residual"}),
     "t15_u4_sra": _inline({"id": "uniform", "bits": 4}, {"id": "none"}, "sparse_allreduce",
                           {"id": "topk", "ratio": 0.15}, "elias_fano"),
     "t25_b2_sra": _inline({"id": "binmean", "bits": 2}, {"id": "none"}, "sparse_allreduce",
