@@ -393,10 +393,11 @@ class Pipeline:
                                    len(c.perm_section), seconds)
         return payloads
 
-    def entries_of(self, payload, expected_shape: Sequence[int]):
+    def entries_of(self, payload, expected_shape: Sequence[int], count: bool = True):
         """The entries of one container, without a dense tensor: (ascending distinct flat
         positions, float32 values); a dense container's non-zeros. Checked as :meth:`decode`
-        checks, counted in :attr:`stats` as one decode."""
+        checks, counted in :attr:`stats` as one decode (``count``: a container read again, after
+        its decode, is not)."""
         start = time.perf_counter()
         shape = tuple(int(n) for n in expected_shape)
         c = self._unpack(payload, shape)
@@ -410,8 +411,9 @@ class Pipeline:
             positions, values, _ = self._entries(c, lookup)
             positions, values = _distinct_in_bounds(np.asarray(positions, dtype=np.int64), np.asarray(values),
                                                     c.numel)
-        self.stats.tensors_decoded += 1
-        self.stats.decode_seconds += time.perf_counter() - start
+        if count:
+            self.stats.tensors_decoded += 1
+            self.stats.decode_seconds += time.perf_counter() - start
         return positions, values.astype(np.float32, copy=False)
 
     # ------------------------------------------------------------------ the C++ pipeline

@@ -103,5 +103,7 @@ def test_entries_a_value_codec_rounded_to_zero_do_not_count_as_the_sums_nonzeros
     pipe, payloads = _containers(5, 300, bounds, False, {"id": "qsgd", "levels": 1, "bucket_size": 16})
     zeros = sum(int((pipe.entries_of(p, (100,))[1] == 0).sum()) for p in (payloads[0], payloads[2]))
     assert zeros > 0   # the containers do carry entries whose value is zero
+    decoded = pipe.stats.tensors_decoded
     found = SparseAllreduce(pipe, _Ranks())._summed_nonzeros(payloads, np.asarray(bounds))
+    assert pipe.stats.tensors_decoded == decoded   # read again after their decode: not counted twice
     np.testing.assert_array_equal(found, np.flatnonzero(_python_decode(pipe, payloads, bounds, 1)))

@@ -147,13 +147,19 @@ void scatter(const ct::Header& h, const Sparse& s, uint64_t numel, int threads, 
         select::scatter_add(target, s.indices.data(), s.values.data(), n, threads);
 }
 
+// A dense container's values, checked.
+std::vector<float> dense_values(const ct::Header& h, const uint8_t* buf, uint64_t numel) {
+    const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
+    std::vector<float> dense(numel);
+    if (numel) std::memcpy(dense.data(), sections, 4 * numel);
+    check_finite(h, dense.data(), numel, "dense section");
+    return dense;
+}
+
 // Pipeline._decode_into: add the container's tensor into target.
 void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target) {
     if (h.dense()) {
-        const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
-        std::vector<float> dense(numel);
-        if (numel) std::memcpy(dense.data(), sections, 4 * numel);
-        check_finite(h, dense.data(), numel, "dense section");
+        const std::vector<float> dense = dense_values(h, buf, numel);
         for (uint64_t i = 0; i < numel; ++i) target[i] += dense[i];
         return;
     }
@@ -165,10 +171,7 @@ void add_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int 
 void write_container(const ct::Header& h, const uint8_t* buf, uint64_t numel, int threads, float* target,
                      float divisor) {
     if (h.dense()) {
-        const uint8_t* sections = buf + h.size + h.lengths[ct::INDEX_PARAMS] + h.lengths[ct::VALUE_PARAMS];
-        std::vector<float> dense(numel);
-        if (numel) std::memcpy(dense.data(), sections, 4 * numel);
-        check_finite(h, dense.data(), numel, "dense section");
+        const std::vector<float> dense = dense_values(h, buf, numel);
         for (uint64_t i = 0; i < numel; ++i) target[i] = dense[i] / divisor;
         return;
     }

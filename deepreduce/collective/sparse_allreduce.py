@@ -282,7 +282,7 @@ class SparseAllreduce:
         off the owners' containers rather than by a pass over every element of the tensor."""
         found = []
         for j, payload in enumerate(shards):
-            positions, values = self.pipeline.entries_of(payload, (int(bounds[j + 1] - bounds[j]),))
+            positions, values = self.pipeline.entries_of(payload, (int(bounds[j + 1] - bounds[j]),), count=False)
             found.append(np.asarray(positions, dtype=np.int64)[np.asarray(values) != 0] + int(bounds[j]))
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
