@@ -113,12 +113,12 @@ class HSDPRunner(Runner):
 
 
 def shared_reference(handle) -> None:
-    """A searched candidate (docs/fsdp.md, "Searching for the targets"): each rank compresses the
-    difference between its reduced shard and the previous step's aggregate G, and the optimizer
-    gets G plus the average of the differences, which becomes the next G (EF21's estimate, shared
-    by every rank of the replicate group rather than kept per rank: S more bytes of state, not
-    counted in ``state_bytes``). What a coordinate's difference does not send stays in it for the
-    next step, so no residual is kept."""
+    """A searched candidate (docs/fsdp.md, "Sending differences instead of gradients"): each rank
+    compresses the difference between its reduced shard and the previous step's aggregate G, and
+    the optimizer gets G plus the average of the differences, which becomes the next G (EF21's
+    estimate, shared by every rank of the replicate group rather than kept per rank: S more bytes
+    of state, not counted in ``state_bytes``). What a coordinate's difference does not send stays
+    in it for the next step, so no residual is kept."""
     import torch
 
     references = {}
@@ -136,16 +136,17 @@ def shared_reference(handle) -> None:
 
 
 def ef21(handle, ratio: float) -> None:
-    """A searched candidate (docs/fsdp.md, "Searching for the targets"), EF21 (Richtarik, Sokolov
-    and Fatkhullin, 2021) on a Top-``ratio`` config with raw values and no memory: each rank keeps
-    its own estimate h of its reduced shard and sends the Top-r of the difference (g - h), adding
-    what it sent to h; the optimizer gets the previous aggregate plus the average of what was
-    sent, i.e. the average of the ranks' estimates. The rank's copy of what it sent is its own
-    Top-r of the difference (``torch.topk``; entries sent dense below 1,000 elements, the default
-    ``min_numel``), as the config's sparsifier selects it. Two shard-sized states (2 S, not
-    counted in ``state_bytes``)."""
+    """A searched candidate (docs/fsdp.md, "Sending differences instead of gradients"), EF21
+    (Richtarik, Sokolov and Fatkhullin, 2021) on a Top-``ratio`` config with raw values and no
+    memory: each rank keeps its own estimate h of its reduced shard and sends the Top-r of the
+    difference (g - h), adding what it sent to h; the optimizer gets the previous aggregate plus
+    the average of what was sent, i.e. the average of the ranks' estimates. The rank's copy of
+    what it sent is its own Top-r of the difference (``torch.topk``; every entry below the
+    default ``min_numel``), as the config's sparsifier selects it. Two shard-sized states (2 S,
+    not counted in ``state_bytes``)."""
     import torch
 
+    from deepreduce.pipeline import DEFAULT_MIN_NUMEL
     from deepreduce.sparsify import count_for
     own, shared = {}, {}
     reduce = handle.all_reduce
@@ -157,7 +158,7 @@ def ef21(handle, ratio: float) -> None:
         h, g = own[module], shared[module]
         x = shard.float() - h
         flat = x.reshape(-1)
-        if flat.numel() < 1000:
+        if flat.numel() < DEFAULT_MIN_NUMEL:
             c = flat
         else:
             k = count_for(ratio, flat.numel())
