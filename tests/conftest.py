@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -39,11 +40,18 @@ def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int
     else:
         raise ValueError(launcher)
     cmd += [sys.executable, str(WORKERS / script), *args]
+    # A session of its own: on a hang the launcher and every rank it started are ended together,
+    # so no orphaned rank spins on the cores (or holds a port) through the tests that follow.
+    launched = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang)\nstdout:\n{_text(exc.stdout)[-4000:]}\n"
-                    f"stderr:\n{_text(exc.stderr)[-8000:]}")
+        stdout, stderr = launched.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launched.pid, signal.SIGKILL)
+        stdout, stderr = launched.communicate()
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang)\nstdout:\n{_text(stdout)[-4000:]}\n"
+                    f"stderr:\n{_text(stderr)[-8000:]}")
+    proc = subprocess.CompletedProcess(cmd, launched.returncode, stdout, stderr)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                     f"stderr:\n{proc.stderr[-4000:]}")
@@ -65,35 +73,114 @@ def pytest_configure(config):
 
 def spawn_ranks(run, *args, world: int = 2, timeout: int = 240) -> dict:
     """``run(rank, world, port, queue, *args)`` on ``world`` processes started by
-    torch.multiprocessing's spawn; returns ``{rank: result}`` from what each put on the queue, and
-    fails with the exit codes when a rank crashed or hung (workers arm a watchdog that dumps their
-    stacks on stderr)."""
-    import socket
+    torch.multiprocessing's spawn; returns ``{rank: result}`` from what each put on the queue.
 
-    import torch.multiprocessing as mp
+    Each rank writes its stdout and stderr to a log of its own. A rank that exits without a
+    result fails the launch at once; ranks still running after ``timeout`` seconds are asked for
+    their stacks (SIGUSR1) and killed. Either way the failure shows every rank's exit code and the
+    end of its log (workers also arm a watchdog that dumps their stacks there). A launch whose
+    rendezvous port was taken by another process between choosing and binding it is retried once
+    on a new port."""
+    for attempt in (1, 2):
+        outcome = _launch(run, args, world, timeout)
+        if isinstance(outcome, dict):
+            return outcome
+        if attempt == 1 and "address already in use" in outcome.lower():
+            continue
+        pytest.fail(outcome)
+
+
+def _free_port() -> int:
+    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _launch(run, args: tuple, world: int, timeout: float):
+    """One launch of ``spawn_ranks``: the results, or the text of the failure."""
+    import queue as queues
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(rank, world, port, queue, *args)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, result = queue.get(timeout=timeout)
-            results[rank] = result
-    finally:
+    results: dict = {}
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="deepreduce-ranks-") as logs:
+        paths = [os.path.join(logs, f"rank{rank}.log") for rank in range(world)]
+        channel = ctx.Queue()
+        procs = [ctx.Process(target=_rank_with_log, args=(run, paths[rank], rank, world, port, channel, *args))
+                 for rank in range(world)]
         for p in procs:
-            p.join(30)
+            p.start()
+        deadline = time.monotonic() + timeout
+        problem = None
+        while len(results) < world and problem is None:
+            try:
+                rank, result = channel.get(timeout=1.0)
+                results[rank] = result
+                continue
+            except queues.Empty:
+                pass
+            silent = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if silent:   # what a rank put just before exiting may still be in the pipe
+                _drain(channel, results)
+                silent = [r for r in silent if r not in results]
+            if silent:
+                problem = f"rank(s) {silent} exited without a result"
+            elif time.monotonic() > deadline:
+                problem = f"rank(s) {sorted(set(range(world)) - set(results))} still running after {timeout} s (a hang)"
+        for p in procs:
+            p.join(30 if problem is None else 5)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)   # _rank_with_log: every thread's stack into the log
+        time.sleep(1.0 if any(p.is_alive() for p in procs) else 0.0)
+        for p in procs:
             if p.is_alive():
                 p.kill()
-    exitcodes = [p.exitcode for p in procs]
-    assert exitcodes == [0] * world, f"ranks exited with {exitcodes}; results from ranks {sorted(results)}"
-    return results
+                p.join(5)
+        exitcodes = [p.exitcode for p in procs]
+        if problem is None and exitcodes == [0] * world:
+            return results
+        problem = problem or f"ranks exited with {exitcodes}"
+        tails = "\n".join(f"--- rank {rank} (exit code {code}), end of its log:\n{_tail(path)}"
+                          for rank, (code, path) in enumerate(zip(exitcodes, paths)))
+        return f"{problem}; exit codes {exitcodes}; results from ranks {sorted(results)}\n{tails}"
 
+
+def _drain(channel, results: dict) -> None:
+    import queue as queues
+
+    while True:
+        try:
+            rank, result = channel.get(timeout=2.0)
+        except queues.Empty:
+            return
+        results[rank] = result
+
+
+def _tail(path: str, chars: int = 6000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def _rank_with_log(run, log_path: str, *rank_args) -> None:
+    """A spawned rank: stdout and stderr into ``log_path``, SIGUSR1 dumps every thread's stack
+    there, then ``run(*rank_args)``."""
+    import faulthandler
+
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    run(*rank_args)
 
 
 def run_threads(target, args_per_rank, timeout: float, what: str = "a rank hung") -> None:

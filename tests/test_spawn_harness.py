@@ -1,0 +1,39 @@
+"""The launcher of the multi-process tests (conftest.spawn_ranks): a rank that dies without a
+result fails the launch at once, a hang fails it at the timeout with every rank's stack, and
+either failure shows each rank's exit code and the end of its log. A CI run once waited 200 s
+on a hung launch and reported only ``_queue.Empty``; these keep that from coming back."""
+import os
+import sys
+import time
+
+import pytest
+from conftest import spawn_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+import harness_probe as probe  # noqa: E402
+
+
+def test_every_rank_reports():
+    results = spawn_ranks(probe.run_ok, world=2, timeout=60)
+    assert {rank: r["rank"] for rank, r in results.items()} == {0: 0, 1: 1}
+    assert results[0]["port"] == results[1]["port"]
+
+
+def test_a_rank_that_dies_fails_the_launch_at_once_with_its_log():
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        spawn_ranks(probe.run_one_rank_dies, world=2, timeout=120)
+    message = str(failure.value)
+    assert "rank(s) [1] exited without a result" in message
+    assert "exit codes [" in message and ", 3]" in message
+    assert "rank 1 gives up" in message                      # the dead rank's own stderr
+    assert "run_one_rank_dies" in message                    # the live rank's stack, asked for
+    assert time.monotonic() - started < 60                   # not the 120 s timeout
+
+
+def test_a_hang_fails_at_the_timeout_with_every_ranks_stack():
+    with pytest.raises(pytest.fail.Exception) as failure:
+        spawn_ranks(probe.run_hang, world=2, timeout=3)
+    message = str(failure.value)
+    assert "rank(s) [0, 1] still running after 3 s (a hang)" in message
+    assert message.count("wait_for_a_peer_that_never_comes") >= 2   # both ranks' stacks
