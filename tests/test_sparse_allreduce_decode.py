@@ -13,6 +13,7 @@ import deepreduce
 from deepreduce.backend import native_pipeline
 from deepreduce.collective import shards
 from deepreduce.collective.sparse_allreduce import SparseAllreduce
+from deepreduce.errors import ContainerError
 
 NATIVE = native_pipeline.module()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the C++ pipeline is not built")
@@ -72,6 +73,9 @@ def test_native_decode_refuses_a_divisor_that_is_not_a_positive_finite_number(di
     pipe, payloads = _containers(0, 40, [0, 20, 40], False)
     with pytest.raises(ValueError, match="divisor must be a positive finite number"):
         NATIVE.decode_shards(payloads, [0, 20, 40], np.zeros(40, np.float32), 1, divisor)
+    with pytest.raises(ValueError, match="divisor must be a positive finite number") as refused:
+        native_pipeline.decode_shards(NATIVE, payloads, [0, 20, 40], np.zeros(40, np.float32), 1, divisor)
+    assert not isinstance(refused.value, ContainerError)   # the caller's mistake, not the bytes'
 
 
 @settings(max_examples=40, deadline=None)

@@ -14,6 +14,7 @@ with its errors raised as the core's classes.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -60,7 +61,11 @@ def decode_sum(native, payloads: Sequence, numel: int, threads: int) -> np.ndarr
 def decode_shards(native, payloads: Sequence, bounds: Sequence[int], out: np.ndarray, threads: int,
                   divisor: int = 1) -> None:
     """Container ``j`` of ``payloads`` written to ``out[bounds[j]:bounds[j+1]]`` (its shape checked),
-    each value divided by ``divisor``; errors as ``Pipeline.decode`` raises them."""
+    each value divided by ``divisor``; errors in the containers as ``Pipeline.decode`` raises them,
+    a divisor that is not a positive finite number as ``ValueError`` (the caller's mistake, not the
+    bytes')."""
+    if not (math.isfinite(divisor) and divisor > 0):
+        raise ValueError(f"decode_shards: divisor must be a positive finite number, got {divisor!r}")
     try:
         native.decode_shards(payloads, list(bounds), out, threads, float(divisor))
     except ValueError as exc:   # ErrorKind::CONTAINER
