@@ -1,13 +1,14 @@
 """The launcher of the multi-process tests (conftest.spawn_ranks): a rank that dies without a
 result fails the launch at once, a hang fails it at the timeout with every rank's stack, and
-either failure shows each rank's exit code and the end of its log. A CI run once waited 200 s
-on a hung launch and reported only ``_queue.Empty``; these keep that from coming back."""
+either failure shows each rank's exit code and the end of its log; a job launched by mpirun that
+outlives its timeout is ended with every rank it started. A CI run once waited 200 s on a hung
+launch and reported only ``_queue.Empty``; these keep that from coming back."""
 import os
 import sys
 import time
 
 import pytest
-from conftest import spawn_ranks
+from conftest import run_ranks, spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import harness_probe as probe  # noqa: E402
@@ -37,3 +38,27 @@ def test_a_hang_fails_at_the_timeout_with_every_ranks_stack():
     message = str(failure.value)
     assert "rank(s) [0, 1] still running after 3 s (a hang)" in message
     assert message.count("wait_for_a_peer_that_never_comes") >= 2   # both ranks' stacks
+
+
+def _processes_running(script: str) -> list:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if script.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_hung_mpirun_job_is_ended_with_every_rank_it_started():
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_ranks("mpirun", "harness_hang.py", np_=2, timeout=15)
+    message = str(failure.value)
+    assert "still running after 15 s (a hang)" in message
+    assert message.count("harness_hang: started") == 2      # both ranks were up when it was ended
+    deadline = time.monotonic() + 10
+    while _processes_running("harness_hang.py") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_running("harness_hang.py") == []       # mpirun's ranks sit in groups of their own
