@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.processes import run_job
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 
@@ -40,41 +42,15 @@ def run_ranks(launcher: str, script: str, *args: str, np_: int = 2, timeout: int
     else:
         raise ValueError(launcher)
     cmd += [sys.executable, str(WORKERS / script), *args]
-    # A session of its own: on a hang the launcher and every rank it started are ended together
-    # (_end_session), so no orphaned rank spins on the cores (or holds a port) through the tests
-    # that follow.
-    launched = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-    try:
-        stdout, stderr = launched.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_session(launched.pid)
-        stdout, stderr = launched.communicate()
-        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang)\nstdout:\n{_text(stdout)[-4000:]}\n"
-                    f"stderr:\n{_text(stderr)[-8000:]}")
-    proc = subprocess.CompletedProcess(cmd, launched.returncode, stdout, stderr)
+    try:   # on a hang the launcher and every rank it started are ended (experiments.processes)
+        proc = run_job(cmd, cwd=str(ROOT), env=launch_env(), timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang)\nstdout:\n{_text(exc.stdout)[-4000:]}\n"
+                    f"stderr:\n{_text(exc.stderr)[-8000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                     f"stderr:\n{proc.stderr[-4000:]}")
     return proc
-
-
-def _end_session(session: int) -> None:
-    """SIGKILL every process of ``session``. Not a process group: mpirun puts each rank in a
-    group of its own, inside the launcher's session."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()   # after the command name, which may hold spaces
-        except OSError:   # the process ended meanwhile
-            continue
-        if int(fields[3]) == session:   # state, ppid, pgrp, session
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _text(output) -> str:

@@ -1,6 +1,6 @@
 """The launcher of the multi-process tests (conftest.spawn_ranks): a rank that dies without a
 result fails the launch at once, a hang fails it at the timeout with every rank's stack, and
-either failure shows each rank's exit code and the end of its log; a job launched by mpirun that
+either failure shows each rank's exit code and the end of its log; a job launched by horovodrun that
 outlives its timeout is ended with every rank it started. A CI run once waited 200 s on a hung
 launch and reported only ``_queue.Empty``; these keep that from coming back."""
 import os
@@ -52,13 +52,15 @@ def _processes_running(script: str) -> list:
     return found
 
 
-def test_a_hung_mpirun_job_is_ended_with_every_rank_it_started():
+def test_a_hung_horovodrun_job_is_ended_with_every_rank_it_started():
+    """horovodrun starts mpirun in a session of its own, and mpirun puts each rank in a process
+    group of its own: only the process tree reaches the ranks (experiments.processes.kill_tree)."""
     with pytest.raises(pytest.fail.Exception) as failure:
-        run_ranks("mpirun", "harness_hang.py", np_=2, timeout=15)
+        run_ranks("horovodrun", "harness_hang.py", np_=2, timeout=20)
     message = str(failure.value)
-    assert "still running after 15 s (a hang)" in message
+    assert "still running after 20 s (a hang)" in message
     assert message.count("harness_hang: started") == 2      # both ranks were up when it was ended
     deadline = time.monotonic() + 10
     while _processes_running("harness_hang.py") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_running("harness_hang.py") == []       # mpirun's ranks sit in groups of their own
+    assert _processes_running("harness_hang.py") == []

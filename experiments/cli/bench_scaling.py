@@ -271,15 +271,16 @@ def real_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     """``experiments/scaling_worker.py`` on each rank count (``mpirun --oversubscribe``): one row per
     (N, aggregation) with what a rank received per step and its decode seconds."""
     import os
-    import subprocess
     import sys
+
+    from ..processes import run_job
 
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     rows = []
     for n in ranks:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), "--bind-to", "none",
                sys.executable, "-m", "experiments.scaling_worker", "--config", config, "--numels", numels]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        proc = run_job(cmd, env=env, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
         rows += [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("RUN ")]
@@ -313,8 +314,9 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     launch before and after the steps (:func:`deepreduce.collective.cost_probe.measure_collective_costs`,
     :func:`mean_probe`)."""
     import os
-    import subprocess
     import sys
+
+    from ..processes import run_job
 
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -322,7 +324,7 @@ def engine_runs(ranks: Sequence[int], config: str, numels: str) -> List[dict]:
     for n in ranks:
         cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", sys.executable, "-m",
                "experiments.engine_scaling_worker", "--config", config, "--numels", numels, "--probe"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        proc = run_job(cmd, env=env, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
         probed = mean_probe(engine_rows(proc.stdout, "COLLECTIVE "))

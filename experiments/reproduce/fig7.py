@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from typing import Dict, Optional
 
+from ..processes import kill_tree
 from .common import Result, default_configs_dir, named_config, no_plot_note, progress, pyplot, save_figure
 from .netns import package_root
 
@@ -95,41 +95,6 @@ def launch(label: str, config: Optional[str], out_dir: str, epochs: int, max_ste
         raise RuntimeError(f"fig7 {label}: the job exited with {proc.returncode}; log tail:\n{tail}")
     with open(metrics, encoding="utf-8") as handle:
         return json.load(handle)
-
-
-def kill_tree(root: int) -> None:
-    """SIGKILL ``root``, every descendant, and every process in a session one of them leads.
-
-    horovodrun starts mpirun in a session of its own and mpirun gives each rank its own
-    process group, so neither the leader's process group nor its session covers the ranks;
-    the process tree (Linux ``/proc``) does, and the session sweep catches ranks that were
-    re-parented while the tree was read.
-    """
-    parents, sessions = {}, {}
-    for entry in (os.listdir("/proc") if os.path.isdir("/proc") else []):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-            parents[int(entry)] = int(fields[1])
-            sessions[int(entry)] = int(fields[3])
-        except (OSError, ValueError, IndexError):
-            pass      # gone meanwhile
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in tree:
-                tree.add(pid)
-                frontier.append(pid)
-    leaders = {pid for pid in tree if sessions.get(pid) == pid}
-    victims = tree | {pid for pid, sid in sessions.items() if sid in leaders}
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass      # gone meanwhile, or not ours to signal
 
 
 def run(out_dir: str, quick: bool = False, epochs: int = None, methods=None, timeout: float = None,
