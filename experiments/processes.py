@@ -4,14 +4,47 @@
 group of its own, so ending the launcher, its process group or its session leaves the ranks
 running: on a shared machine they keep spinning on the cores (and holding their ports) through
 whatever runs next. :func:`kill_tree` ends the whole job; :func:`run_job` runs a launcher and
-calls it when the job outlives its timeout.
+calls it when the job outlives its timeout. :func:`rendezvous_port` picks rank 0's port where no
+rank's own connection can take it.
 """
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
+import time
 from typing import Mapping, Optional, Sequence
+
+#: Ports below this are never the kernel's ephemeral ports (Linux's default range starts at 32768).
+FALLBACK_EPHEMERAL_LOW = 32768
+#: The lowest port :func:`rendezvous_port` tries.
+LOWEST_PORT = 10000
+
+
+def rendezvous_port() -> int:
+    """A TCP port free on loopback now, for rank 0's rendezvous (``MASTER_PORT``), chosen below the
+    kernel's ephemeral range. A port from that range (what binding port 0 gives) can become the
+    source port of another rank's connection to it before rank 0 binds it: a TCP
+    self-connection, which leaves that rank's store client talking to itself and rank 0 unable to
+    bind ("address already in use"), so the job hangs."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = FALLBACK_EPHEMERAL_LOW
+    below = range(LOWEST_PORT, max(ephemeral_low, LOWEST_PORT))
+    for port in random.Random(os.getpid() ^ time.monotonic_ns()).sample(below, min(50, len(below))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:   # taken
+                continue
+            return port
+    with socket.socket() as sock:   # every candidate taken: the kernel's choice
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def kill_tree(root: int) -> None:

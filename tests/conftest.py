@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from experiments.processes import run_job
+from experiments.processes import rendezvous_port, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
@@ -85,25 +86,16 @@ def spawn_ranks(run, *args, world: int = 2, timeout: int = 240) -> dict:
         pytest.fail(outcome)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run, args: tuple, world: int, timeout: float):
     """One launch of ``spawn_ranks``: the results, or the text of the failure."""
     import queue as queues
     import tempfile
-    import time
 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results: dict = {}
-    port = _free_port()
+    port = rendezvous_port()
     with tempfile.TemporaryDirectory(prefix="deepreduce-ranks-") as logs:
         paths = [os.path.join(logs, f"rank{rank}.log") for rank in range(world)]
         channel = ctx.Queue()

@@ -4,21 +4,16 @@ stops the worker thread, then destroys the private process group, once. Two real
 Exit codes are not asserted: on this torch (2.13, gloo) a plain DDP job without any hook also
 aborts at exit now and then ("terminate called without an active exception", after Python has
 finalised, in C++ static teardown; docs/reliability.md), so an exit-code loop would test torch."""
-import socket
 import subprocess
 import sys
 
 from conftest import ROOT, WORKERS, launch_env
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from experiments.processes import rendezvous_port
 
 
 def test_close_stops_the_worker_before_releasing_the_private_group():
-    env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port()), WORLD_SIZE="2")
     ranks = [subprocess.Popen([sys.executable, str(WORKERS / "ddp_short_job.py")], cwd=ROOT,
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(2)]

@@ -109,9 +109,9 @@ def test_recorder_keeps_a_background_reduction_made_between_steps():
 
     import torch.distributed as dist
 
-    from experiments.reproduce.replay_runs import free_port
+    from experiments.processes import rendezvous_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous_port()}", rank=0, world_size=1)
     recorder = comm_record.CollectiveRecorder().install()
     try:
         dist.all_reduce(torch.zeros(3))                        # the harness's own, not recording

@@ -64,3 +64,22 @@ def test_a_hung_horovodrun_job_is_ended_with_every_rank_it_started():
     while _processes_running("harness_hang.py") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_running("harness_hang.py") == []
+
+
+def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """Below the range, no rank's own connection can take it as its source port (a TCP
+    self-connection that hangs the store's client and leaves rank 0 unable to bind)."""
+    import socket
+
+    from experiments.processes import FALLBACK_EPHEMERAL_LOW, LOWEST_PORT, rendezvous_port
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        low = FALLBACK_EPHEMERAL_LOW
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(LOWEST_PORT <= port < low for port in ports)
+    assert len(ports) > 1                                     # drawn, not one fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))                    # free when handed out

@@ -30,10 +30,11 @@ from __future__ import annotations
 import json
 import os
 import queue as queue_module
-import socket
 import time
 from pathlib import Path
 from typing import Dict, List, Sequence
+
+from ..processes import rendezvous_port
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 #: The configs docs/fsdp.md recommends under FSDP: their persistent state must stay within the
@@ -184,9 +185,7 @@ def run(configs: Sequence[str], steps: int = 2, timeout: float = 900.0) -> List[
     """Every rank's rows for ``configs`` (4 spawned gloo ranks)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(rank, 4, port, queue, list(configs), steps)) for rank in range(4)]

@@ -17,20 +17,13 @@ import hashlib
 import itertools
 import json
 import os
-import socket
 from dataclasses import asdict
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..processes import rendezvous_port
 from . import semisync_replay as rp
 from .common import progress_bar
 from .netns import ShapedLink, launch_ranks, master_addr, python_module
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (rank 0's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tag(method: dict) -> str:
@@ -51,7 +44,7 @@ def run_ranks(worker: str, mode: str, name: str, method: dict, seed: int, world:
             os.remove(path)
     base = ["--mode", mode, "--method", json.dumps([name, method]), "--data", data_path,
             "--budget", json.dumps(asdict(plan)), "--seed", str(seed), *extra]
-    port = free_port()
+    port = rendezvous_port()
     commands = [python_module(worker, *base, "--out", outs[r], "--rank", str(r), "--world", str(world),
                               "--init", f"tcp://127.0.0.1:{port}") for r in range(world)]
     what = worker.rsplit(".", 1)[-1]
@@ -162,7 +155,7 @@ def launch(worker: str, world: int, args: List[str], log: str, timeout: float, l
            what: str = "replay") -> None:
     """Run ``worker`` on ``world`` ranks: over loopback, or over ``link`` as two hosts of
     ``world / 2`` ranks (one namespace each)."""
-    port = free_port() if link is None else next(_LINK_PORTS)
+    port = rendezvous_port() if link is None else next(_LINK_PORTS)
     commands = [python_module(worker, *args, "--rank", str(r), "--world", str(world),
                               "--init", f"tcp://{master_addr(link)}:{port}") for r in range(world)]
     launch_ranks(link, commands, log, timeout, what, per_namespace=max(1, world // 2))
