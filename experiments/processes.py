@@ -25,10 +25,12 @@ LOWEST_PORT = 10000
 
 def rendezvous_port() -> int:
     """A TCP port free on loopback now, for rank 0's rendezvous (``MASTER_PORT``), chosen below the
-    kernel's ephemeral range. A port from that range (what binding port 0 gives) can become the
-    source port of another rank's connection to it before rank 0 binds it: a TCP
-    self-connection, which leaves that rank's store client talking to itself and rank 0 unable to
-    bind ("address already in use"), so the job hangs."""
+    kernel's ephemeral range. Between choosing it and rank 0 binding it (seconds: the ranks start
+    and import torch first), a port from that range can be handed to another socket: binding port
+    0 (what gloo's listeners do) may reissue it, and a connection's source port may be it (on
+    loopback, a connection to a port nobody listens on yet can connect to itself: seen here for
+    even ports, which Linux prefers for connections). Either leaves rank 0 unable to bind
+    ("address already in use") while the other ranks wait for it."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])

@@ -67,8 +67,8 @@ def test_a_hung_horovodrun_job_is_ended_with_every_rank_it_started():
 
 
 def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
-    """Below the range, no rank's own connection can take it as its source port (a TCP
-    self-connection that hangs the store's client and leaves rank 0 unable to bind)."""
+    """Below the range, neither another socket bound to port 0 nor a connection's source port can
+    take it before rank 0 binds it (experiments.processes.rendezvous_port)."""
     import socket
 
     from experiments.processes import FALLBACK_EPHEMERAL_LOW, LOWEST_PORT, rendezvous_port
