@@ -7,6 +7,8 @@ gradient per rank and step) runs, and its ``backward()`` + ``synchronize()`` is 
 allgather of containers and once with the sparse all-reduce, same config. CPU seconds are the
 process's (every thread: the engine's worker and Horovod's background thread included), so on
 an oversubscribed machine they measure what a rank costs, where wall time measures the queue.
+The ranks run with the main job's runtime settings (:mod:`experiments.runtime`, each only where
+the environment does not set it): the benchmark measures the step the job runs.
 Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
 slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, before and after
 them one line each of what Horovod's collectives alone cost a rank at this N (the cost model's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import horovod.torch as hvd
@@ -26,6 +29,7 @@ import deepreduce
 import deepreduce.torch as drt
 from deepreduce.collective.comm.horovod import settled
 from deepreduce.collective.cost_probe import measure_collective_costs
+from experiments import runtime
 from experiments.engine_toy import forward_backward, gradients, parameters
 
 
@@ -56,7 +60,7 @@ def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dic
     worst = hvd.allreduce(mine, op=hvd.Max, name=f"result.{aggregation}").tolist()
     return {"aggregation": aggregation, "codec": config, "ranks": hvd.size(), "numels": list(numels),
             "wall_s": worst[0], "cpu_s": worst[1], "encode_s": worst[2], "communication_s": worst[3],
-            "decode_s": worst[4]}
+            "decode_s": worst[4], "runtime": {key: os.environ.get(key) for key in runtime.DEFAULTS}}
 
 
 def allgather(payload: np.ndarray, name: str):
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="before and after the steps, time Horovod's collectives "
                         "alone at this N (deepreduce.collective.cost_probe.measure_collective_costs) and print them")
     args = parser.parse_args()
+    runtime.apply_defaults()   # before hvd.init(), which starts MPI
     hvd.init()
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
