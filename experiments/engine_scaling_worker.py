@@ -30,7 +30,7 @@ import deepreduce.torch as drt
 from deepreduce.collective.comm.horovod import settled
 from deepreduce.collective.cost_probe import measure_collective_costs
 from experiments import runtime
-from experiments.engine_toy import forward_backward, gradients, parameters
+from experiments.engine_toy import compute_cpu_s, forward_backward, gradients, parameters
 
 
 def measure(aggregation: str, config: str, numels, steps: int, seed: int) -> dict:
@@ -89,18 +89,27 @@ def main() -> None:
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
     if args.probe:   # the transport alone at this N, before the steps: the cost model's collective terms
-        probe()
+        probe(numels, args.seed)
     for aggregation in ("allgather", "sparse_allreduce"):
         row = measure(aggregation, args.config, numels, args.steps, args.seed)
         if hvd.rank() == 0:
             print("ENGINE " + json.dumps(row), flush=True)
     if args.probe:   # and after them, so that a load that changed meanwhile shows in the mean of the two
-        probe()
+        probe(numels, args.seed)
 
 
-def probe() -> None:
-    """Time Horovod's collectives alone at this N; rank 0 prints them as one ``COLLECTIVE {...}`` line."""
+def barrier() -> None:
+    hvd.allreduce(torch.zeros(1), name="probe.barrier")
+
+
+def probe(numels, seed: int) -> None:
+    """Time Horovod's collectives alone at this N, and the toy step's compute with every rank
+    running it at once (``compute_s``, the slowest rank's median CPU seconds); rank 0 prints them as
+    one ``COLLECTIVE {...}`` line."""
     found = measure_collective_costs(allgather, alltoall, hvd.rank(), hvd.size())
+    mine = compute_cpu_s(numels, steps=5, seed=seed, rank=hvd.rank(), before=barrier)
+    found["compute_s"] = float(hvd.allreduce(torch.tensor([mine], dtype=torch.float64), op=hvd.Max,
+                                             name="probe.compute")[0])
     if hvd.rank() == 0:
         print("COLLECTIVE " + json.dumps(found), flush=True)
 

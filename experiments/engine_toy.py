@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,17 +28,22 @@ def forward_backward(params, grads) -> None:
     sum((p * g).sum() for p, g in zip(params, grads)).backward()
 
 
-def compute_cpu_s(numels: Sequence[int], steps: int = 9, seed: int = 0) -> float:
-    """Median CPU seconds of the toy step's compute alone, in this process with one thread and no
-    reduction (gradients set to None first, as ``zero_grad()`` does): the model's compute term."""
+def compute_cpu_s(numels: Sequence[int], steps: int = 9, seed: int = 0, rank: int = 0,
+                  before: Optional[Callable[[], None]] = None) -> float:
+    """Median CPU seconds of the toy step's compute, with one thread and no reduction (gradients
+    set to None first, as ``zero_grad()`` does): the model's compute term. Alone in this process by
+    default; in a launch of N ranks, ``before`` (a barrier) makes every rank time it together, so
+    the figure holds what sharing the cores' caches and memory bandwidth costs at that N."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         params, samples = parameters(numels), []
         for step in range(steps + 1):
-            grads = gradients(numels, 0, step, seed)
+            grads = gradients(numels, rank, step, seed)
             for p in params:
                 p.grad = None
+            if before is not None:
+                before()
             start = time.process_time()
             forward_backward(params, grads)
             if step:

@@ -182,3 +182,18 @@ def test_bench_prints_measured_against_model_per_aggregation_and_n(capsys):
     print_engine(rows, [RAW])   # without host costs: the codec's CPU alone, as before
     assert "model inputs" not in capsys.readouterr().out
 
+
+
+def test_a_compute_probed_in_the_ranks_is_the_compute_term():
+    """``bench-scaling --real-engine``: where the launch's probe timed the toy compute in the ranks
+    (every rank at once), that figure is the model's compute term; the other terms stay."""
+    row = dict(aggregation="sparse_allreduce", codec="topk_raw", ranks=8, numels=list(NUMELS), wall_s=0.1,
+               cpu_s=0.05, encode_s=0.005, communication_s=0.01, decode_s=0.001)
+    probe = {"call_s": 5e-3, "byte_s": 1e-11, "background_per_s": 0.5}
+    plain, = engine_model([dict(row, collective=probe)], [RAW], HOST, 2e-3)
+    probed, = engine_model([dict(row, collective=dict(probe, compute_s=3e-3))], [RAW], HOST, 2e-3)
+    assert plain["model_parts"][0] == pytest.approx(2e-3) and probed["model_parts"][0] == pytest.approx(3e-3)
+    assert probed["model_parts"][1:4] == pytest.approx(plain["model_parts"][1:4])   # codec, glue, collectives
+    assert probed["model_cpu_s"] > plain["model_cpu_s"]
+    assert mean_probe([dict(probe, compute_s=2e-3), dict(probe, compute_s=4e-3)])["compute_s"] == pytest.approx(3e-3)
+    assert "compute_s" not in mean_probe([dict(probe, compute_s=2e-3), probe])   # only where every probe has it

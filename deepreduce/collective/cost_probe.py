@@ -3,7 +3,10 @@
 :func:`measure_codec_costs` runs the calls the sparse all-reduce makes (``shards.encode_shards``
 and ``SparseAllreduce.shard_entries`` on the host path: one C++ call per tensor and phase where the
 config runs in the C++ pipeline, the Python core's loop over the containers otherwise) on seeded
-Laplace gradients of a few sizes, cut into 1 and :data:`SHARDS` containers, and at two selection
+Laplace gradients of a few sizes (a new gradient for every timed encode, drawn before the clock
+starts: a training step encodes a gradient it has not encoded before, and re-encoding one array
+times it from the cache, 1.7x faster at a few million elements), cut into 1 and :data:`SHARDS`
+containers, and at two selection
 ratios (the config's and a quarter of it, which separates the per-element cost from the
 per-entry cost, of the encode as of the decode), and fits the per-container, per-element and
 per-entry constants of :class:`~deepreduce.collective.cost_model.CodecCosts` (:mod:`deepreduce.collective.linear_fit`).
@@ -96,13 +99,14 @@ def measure_codec_costs(config, name: str = "", sizes: Sequence[int] = DEFAULT_S
         pipe, peer = build(variant), build(variant)
         owner = SparseAllreduce(pipe, None, reselect="none")
         for numel in sizes:
-            grad = rng.laplace(size=numel).astype(np.float32)
+            grads = [rng.laplace(size=numel).astype(np.float32) for _ in range(repeat + 1)]   # one per encode
+            grad = grads[0]
             payload = encode_shards(peer, -grad, f"probe{numel}", 0, [0, numel])[0]
             entries = unpack(payload).n
             for shards in (1, SHARDS):
                 bounds = even_bounds(numel, shards)
-                encode_s = _median_s(lambda step: encode_shards(pipe, grad, f"probe{numel}", step, bounds), repeat,
-                                     now)
+                encode_s = _median_s(lambda step: encode_shards(pipe, grads[step], f"probe{numel}", step, bounds),
+                                     repeat, now)
                 received = [payload] * shards   # as many containers as ranks, each of the whole tensor
                 decode_s = _median_s(lambda _: owner.shard_entries(received, numel), repeat, now)
                 rows.append((shards, numel, shards * entries, encode_s, decode_s, int(payload.shape[0]),

@@ -336,7 +336,8 @@ def mean_probe(probes: List[dict]) -> Optional[dict]:
     """The mean of a launch's collective probes (before and after its steps), or None without one."""
     if not probes:
         return None
-    return {key: sum(p[key] for p in probes) / len(probes) for key in ("call_s", "byte_s", "background_per_s")}
+    keys = ("call_s", "byte_s", "background_per_s") + (("compute_s",) if all("compute_s" in p for p in probes) else ())
+    return {key: sum(p[key] for p in probes) / len(probes) for key in keys}
 
 
 def engine_rows(stdout: str, tag: str = "ENGINE ") -> List[dict]:
@@ -358,7 +359,10 @@ def engine_model(rows: List[dict], codecs, host, compute_s: float) -> List[dict]
     the same cost model as the planner's, with the measured host costs and ``compute_s``) and its
     parts (``model_parts``: compute, codec, glue, collectives, background, in seconds). A row probed
     at its N (``collective``: :func:`engine_runs`) uses that probe's collective figures in place of
-    ``host``'s."""
+    ``host``'s, and, where the probe timed the toy compute in the ranks (every rank at once),
+    that compute in place of ``compute_s``: measured where the step runs, it is what the step
+    costs there (``compute_s``, timed in this process after the codec probe, read 1.5-2x higher
+    than the ranks' on this machine)."""
     from deepreduce.collective.cost_model import COLLECTIVES, Link, step_collectives
     from deepreduce.collective.planner import Bucket, Choice, PlanInputs, choice_cost, step_cpu
 
@@ -370,18 +374,22 @@ def engine_model(rows: List[dict], codecs, host, compute_s: float) -> List[dict]
             out.append(dict(r, model_cpu_s=None))
             continue
         probed = r.get("collective")
-        at_n = host if probed is None else replace(host, call_s=probed["call_s"], byte_s=probed["byte_s"],
-                                                   background_per_s=probed["background_per_s"])
+        at_n, compute_at_n = host, compute_s
+        if probed is not None:
+            at_n = replace(host, call_s=probed["call_s"], byte_s=probed["byte_s"],
+                           background_per_s=probed["background_per_s"])
+            compute_at_n = probed.get("compute_s", compute_s)
         inputs = PlanInputs(tuple(Bucket(f"t{i}", n, 0.0) for i, n in enumerate(r["numels"])), r["ranks"],
                             Link(0.0, 1.0), (codec,), host=at_n)
         choice = Choice(r["aggregation"], codec.name)
         costs = [choice_cost(choice, n, inputs) for n in r["numels"]]
-        total = step_cpu(choice, r["numels"], inputs, compute_s)
+        total = step_cpu(choice, r["numels"], inputs, compute_at_n)
         codec_s = sum(c.encode_s + c.decode_s for c in costs)
         glue = sum(c.host_s for c in costs) - COLLECTIVES[choice.aggregation] * len(costs) * at_n.call_s
         calls = step_collectives(choice.aggregation, len(costs)) * at_n.call_s
         out.append(dict(r, model_cpu_s=total, model_host=at_n,
-                        model_parts=(compute_s, codec_s, glue, calls, total - compute_s - codec_s - glue - calls)))
+                        model_parts=(compute_at_n, codec_s, glue, calls,
+                                     total - compute_at_n - codec_s - glue - calls)))
     return out
 
 
@@ -397,7 +405,8 @@ def print_engine(rows: List[dict], codecs, host=None, compute_s: float = 0.0, co
         print(f"  model inputs: compute {1e3 * compute_s:.2f} ms (the toy step alone, this process); "
               f"{1e9 * host.copy_element_s:.3f} ns per element of a float32 pass; hand-over "
               f"{1e6 * host.hand_over_s:.1f} us; per N, probed in its launch: Horovod's CPU per collective "
-              f"call and per received byte, its background threads' CPU per CPU second of work")
+              f"call and per received byte, its background threads' CPU per CPU second of work, and the "
+              f"toy step's compute with every rank at once (the compute term where it was probed)")
         rows = engine_model(rows, codecs, host, compute_s)
     print(f"{'aggregation':<18} {'N':>3} {'wall ms':>8} {'cpu ms':>8} {'encode':>7} {'comm':>7} {'decode':>7} "
           f"{'model cpu ms':>13} {'measured/model':>15}"
