@@ -124,7 +124,10 @@ def _launch(run, args: tuple, world: int, timeout: float):
             p.join(30 if problem is None else 5)
         for p in procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGUSR1)   # _rank_with_log: every thread's stack into the log
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)   # _rank_with_log: every thread's stack into the log
+                except ProcessLookupError:   # it ended meanwhile
+                    pass
         time.sleep(1.0 if any(p.is_alive() for p in procs) else 0.0)
         for p in procs:
             if p.is_alive():
