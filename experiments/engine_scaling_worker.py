@@ -11,8 +11,9 @@ The ranks run with the main job's runtime settings (:mod:`experiments.runtime`, 
 the environment does not set it): the benchmark measures the step the job runs.
 Rank 0 prints one JSON line per aggregation: medians over the steps after the first, the
 slowest rank's, and the engine's ``compression_stats()`` split; with ``--probe``, before and after
-them one line each of what Horovod's collectives alone cost a rank at this N (the cost model's
-collective terms).
+them one line each of what Horovod's collectives alone cost a rank at this N and what the toy
+step's compute costs with every rank running it at once (the cost model's collective and compute
+terms).
 """
 from __future__ import annotations
 
@@ -82,13 +83,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe", action="store_true", help="before and after the steps, time Horovod's collectives "
-                        "alone at this N (deepreduce.collective.cost_probe.measure_collective_costs) and print them")
+                        "alone at this N (deepreduce.collective.cost_probe.measure_collective_costs) and the toy "
+                        "compute on every rank at once, and print them")
     args = parser.parse_args()
     runtime.apply_defaults()   # before hvd.init(), which starts MPI
     hvd.init()
     torch.set_num_threads(1)
     numels = [int(n) for n in args.numels.split(",")]
-    if args.probe:   # the transport alone at this N, before the steps: the cost model's collective terms
+    if args.probe:   # the transport alone and the compute at this N, before the steps: the cost model's terms
         probe(numels, args.seed)
     for aggregation in ("allgather", "sparse_allreduce"):
         row = measure(aggregation, args.config, numels, args.steps, args.seed)
