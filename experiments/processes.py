@@ -4,8 +4,8 @@
 group of its own, so ending the launcher, its process group or its session leaves the ranks
 running: on a shared machine they keep spinning on the cores (and holding their ports) through
 whatever runs next. :func:`kill_tree` ends the whole job; :func:`run_job` runs a launcher and
-calls it when the job outlives its timeout. :func:`rendezvous_port` picks rank 0's port where no
-rank's own connection can take it.
+calls it when the job outlives its timeout. :func:`rendezvous_port` picks rank 0's port outside
+the range the kernel hands out to other sockets meanwhile.
 """
 from __future__ import annotations
 

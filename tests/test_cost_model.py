@@ -163,6 +163,26 @@ def test_measure_codec_costs_on_the_real_pipeline():
         measure_codec_costs("topk_raw", sizes=(4096,), clock="sundial")
 
 
+def test_every_timed_encode_of_the_codec_probe_gets_a_gradient_it_has_not_encoded(monkeypatch):
+    """Re-encoding one array times it from the cache (1.7x faster at a few million elements), so
+    the probe draws a new gradient for every encode it times."""
+    from deepreduce.collective import cost_probe
+
+    seen, alive = {}, []   # alive: no pipeline's id is reused while the probe runs
+    real = cost_probe.encode_shards
+
+    def recording(pipeline, grad, name, step, bounds):
+        alive.append(pipeline)
+        seen.setdefault((id(pipeline), len(bounds)), []).append(grad.tobytes())
+        return real(pipeline, grad, name, step, bounds)
+
+    monkeypatch.setattr(cost_probe, "encode_shards", recording)
+    measure_codec_costs("topk_raw", sizes=(4096,), repeat=3)
+    timed = [calls for calls in seen.values() if len(calls) > 1]   # the peer encodes once per size, untimed
+    assert len(timed) == 4   # 2 ratios x (1 and SHARDS containers)
+    assert all(len(calls) == 4 and len(set(calls)) == 4 for calls in timed)   # warm-up + 3, all different
+
+
 def test_measure_powersgd_costs():
     costs = measure_powersgd_costs(rank=4, shape=(64, 256), repeat=1, clock="wall")
     assert min(costs.mac_s, costs.orth_s, costs.element_s) > 0
